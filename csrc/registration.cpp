@@ -1,0 +1,60 @@
+// Operator schemas of the C++ backends (namespace `fedopt_C`) and the Python module
+// stub of the CPU extension.
+//
+// The schemas are defined once, here, in the always-built CPU extension; csrc/cpu
+// registers the CPU kernels and csrc/cuda (a separate, optional extension) registers
+// the CUDA kernels for the same ops with TORCH_LIBRARY_IMPL.  The Python ops layer
+// (fedopt_kernels/ops) validates every argument before calling these, so the kernels
+// only TORCH_CHECK what would otherwise be memory-unsafe.
+//
+// Conventions shared by all ops:
+//  * "acc" dtype = float64 for float64 data, float32 otherwise; every statistic is
+//    returned in it and every sum is accumulated in it.
+//  * A hyperparameter given both as a float and as an optional tensor uses the tensor
+//    when present (0-d, or one value per group for the batched op; acc dtype, on the
+//    data's device), so it can change without recompiling a torch.compile graph.
+//  * Reductions are deterministic: fixed chunks, fixed-order combination (chunks.h).
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Makes `import fedopt_kernels._C` load the library (and run the registrations below)
+// without pulling pybind11 into the build.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(fedopt_C, m) {
+  // FedNAR step over a list of tensors forming ONE group (one norm).  `mode`: 0 co,
+  // 1 grad, 2 none (fedopt::NarMode).  `momentum_buffers` is empty iff momentum == 0.
+  // `grad_scale` (0-d acc): grads are divided by it; `found_inf` (0-d float): a
+  // non-zero value skips the step.  Returns (norm, scale, skipped) as 0-d tensors.
+  m.def(
+      "nar_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "float lr, Tensor? lr_tensor, float weight_decay, Tensor? weight_decay_tensor, "
+      "float max_norm, int mode, float momentum, Tensor? grad_scale, Tensor? found_inf) "
+      "-> (Tensor, Tensor, Tensor)");
+  // Row-wise FedNAR on contiguous [C, N] tensors: each row is a group with its own
+  // norm, scale and skip flag; a skipped row leaves the other rows stepping.
+  // `lr_tensor` / `weight_decay_tensor` may be 0-d or [C].  Returns stats of shape [C].
+  m.def(
+      "nar_step_batched_(Tensor(a!) params, Tensor grads, Tensor(b!)? momentum_buffers, "
+      "float lr, Tensor? lr_tensor, float weight_decay, Tensor? weight_decay_tensor, "
+      "float max_norm, int mode, float momentum, Tensor? grad_scale, Tensor? found_inf) "
+      "-> (Tensor, Tensor, Tensor)");
+  // out = gamma * sum_i weights[i] * clients[i] and, in the same pass,
+  // client_sq_norms[i] = ||clients[i]||^2 and sq_norm = ||sum_i weights[i] clients[i]||^2.
+  // `clients`: C 1-D tensors of length N, or one contiguous 2-D [C, N] tensor.
+  // `weights`: [C], acc dtype.  A client with weight exactly 0 adds exactly 0 to out
+  // (never 0 * nan) but still gets its norm.  `out`: [N], clients' dtype or acc dtype.
+  // `enabled` (0-d bool): when false, out is not touched and the stats are zeros.
+  // Returns (client_sq_norms [C], sq_norm []).
+  m.def(
+      "aggregate(Tensor[] clients, Tensor weights, float gamma, Tensor? gamma_tensor, "
+      "Tensor(a!) out, Tensor? enabled) -> (Tensor, Tensor)");
+  // [<clients[i], g> for each i] in one pass over the data (the backward of the
+  // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
+  m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");
+}

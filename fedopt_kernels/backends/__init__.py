@@ -1,0 +1,132 @@
+"""Kernel backends behind the public ops, and how one is chosen.
+
+Every backend is a module exposing the same four functions, with the same contract
+(the ops layer has validated every argument before they are called; ``lr`` and
+``weight_decay`` are floats or tensors already in the acc dtype on the data's device;
+``mode`` is 0 co / 1 grad / 2 none):
+
+``nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode, momentum,
+grad_scale, found_inf) -> (norm, scale, skipped)``
+    One FedNAR step over the list of tensors taken as one vector; 0-d stats.
+    ``momentum_buffers`` is an empty list when ``momentum == 0``.
+
+``nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale,
+found_inf) -> (norm, scale, skipped)``
+    Row-wise FedNAR on ``[C, N]`` tensors (``B`` is None without momentum); stats
+    ``[C]``; ``lr``/``weight_decay`` may also be ``[C]`` tensors.
+
+``aggregate(clients, weights, gamma, out, enabled) -> (client_sq_norms, sq_norm)``
+    ``out = gamma * sum_i weights[i] * clients[i]`` with the norms in the same pass;
+    ``clients`` is a list of 1-D tensors or a 2-D tensor; ``gamma`` a float or 0-d
+    tensor; ``enabled`` None or a 0-d bool tensor (false: ``out`` untouched, zero stats).
+
+``client_dots(clients, g) -> [C]``
+    ``<clients[i], g>`` for every client in one pass.
+
+Choice: the ``backend=`` argument, else the ``FEDOPT_BACKEND`` environment variable,
+else by device: CPU tensors use the C++ CPU extension; CUDA tensors use the C++ CUDA
+extension, then Triton.  ``reference`` (python_ref) is always available.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ._extensions import load as _load_extension
+
+BACKENDS = ("reference", "cpu", "triton", "cuda")
+_DEFAULT_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("cuda", "triton", "reference")}
+ENV_VAR = "FEDOPT_BACKEND"
+
+_MODULES = {
+    "reference": "fedopt_kernels.backends.reference",
+    "cpu": "fedopt_kernels.backends.cpu",
+    "cuda": "fedopt_kernels.backends.cuda",
+    "triton": "fedopt_kernels.backends.triton",
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here; the message says why."""
+
+
+def triton_interpret_mode() -> bool:
+    """True when Triton kernels run in its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def why_unavailable(name: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """None if backend ``name`` can run on ``device`` (any device if None), else why not."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
+    dev = None if device is None else torch.device(device).type
+    if name == "reference":
+        return None
+    if name == "cpu":
+        if dev not in (None, "cpu"):
+            return f"the cpu backend runs on CPU tensors, got {dev} tensors"
+        return _load_extension("_C")
+    if name == "cuda":
+        if dev not in (None, "cuda"):
+            return f"the cuda backend runs on CUDA tensors, got {dev} tensors"
+        reason = _load_extension("_C_cuda")
+        if reason is not None:
+            if torch.version.cuda is None:
+                reason = f"torch {torch.__version__} is a CPU-only build, so the CUDA extension was not built"
+            return reason
+        if not torch.cuda.is_available():
+            return "the CUDA extension is built but no CUDA device is available"
+        return None
+    # triton
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        return f"triton is not installed ({exc})"
+    if dev == "cpu" and not triton_interpret_mode():
+        return "Triton kernels need CUDA tensors; CPU tensors only run with TRITON_INTERPRET=1"
+    if dev == "cuda" and triton_interpret_mode():
+        return "TRITON_INTERPRET=1 is set, so Triton kernels can only run on CPU tensors"
+    if dev is None and not (torch.cuda.is_available() or triton_interpret_mode()):
+        return "no CUDA device, and TRITON_INTERPRET=1 is not set"
+    return None
+
+
+def available_backends(device: Optional[torch.device] = None) -> list:
+    """Names of the backends that can run on ``device`` here."""
+    return [b for b in BACKENDS if why_unavailable(b, device) is None]
+
+
+def default_backend(device: torch.device) -> str:
+    """The backend used when neither ``backend=`` nor ``FEDOPT_BACKEND`` chooses one."""
+    for name in _DEFAULT_ORDER.get(torch.device(device).type, ("reference",)):
+        if why_unavailable(name, device) is None:
+            return name
+    return "reference"
+
+
+_resolved: dict = {}
+
+
+def resolve(backend: Optional[str], device: torch.device) -> ModuleType:
+    """The backend module to run on ``device``; raises if it cannot run there."""
+    name = backend if backend is not None else os.environ.get(ENV_VAR) or None
+    key = (name, torch.device(device).type)
+    module = _resolved.get(key)
+    if module is not None:
+        return module
+    if name is None:
+        name = default_backend(device)
+    elif name not in BACKENDS:
+        source = "backend" if backend is not None else f"the {ENV_VAR} environment variable"
+        raise ValueError(f"{source} must be one of {BACKENDS} or None, got {name!r}")
+    reason = why_unavailable(name, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+    module = importlib.import_module(_MODULES[name])
+    _resolved[key] = module
+    return module

@@ -1,0 +1,45 @@
+"""The C++ backends (``cpu`` and ``cuda``) share one set of ``torch.ops.fedopt_C`` ops:
+the dispatcher picks the CPU or CUDA kernel from the tensors' device.  This module
+adapts the backend contract (floats or tensors for hyperparameters) to their schemas.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _split(h):
+    """A hyperparameter as the (float, Tensor?) pair of the schemas."""
+    if isinstance(h, torch.Tensor):
+        return 0.0, h
+    return float(h), None
+
+
+def nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode, momentum,
+              grad_scale, found_inf):
+    lr_f, lr_t = _split(lr)
+    wd_f, wd_t = _split(weight_decay)
+    return torch.ops.fedopt_C.nar_step_(
+        params, grads, momentum_buffers, lr_f, lr_t, wd_f, wd_t, float(max_norm), int(mode),
+        float(momentum), grad_scale, found_inf)
+
+
+def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf):
+    lr_f, lr_t = _split(lr)
+    wd_f, wd_t = _split(weight_decay)
+    return torch.ops.fedopt_C.nar_step_batched_(
+        X, G, B, lr_f, lr_t, wd_f, wd_t, float(max_norm), int(mode), float(momentum),
+        grad_scale, found_inf)
+
+
+def aggregate(clients, weights, gamma, out, enabled):
+    gamma_f, gamma_t = _split(gamma)
+    if isinstance(clients, torch.Tensor):
+        clients = [clients]
+    return torch.ops.fedopt_C.aggregate(clients, weights, gamma_f, gamma_t, out, enabled)
+
+
+def client_dots(clients, g):
+    if isinstance(clients, torch.Tensor):
+        clients = [clients]
+    return torch.ops.fedopt_C.client_dots(clients, g)

@@ -1,0 +1,9 @@
+"""The ``cpu`` backend: the C++ CPU extension (csrc/cpu), OpenMP + at::vec."""
+
+from ._extensions import load as _load
+
+_reason = _load("_C")
+if _reason is not None:
+    raise ImportError(_reason)
+
+from ._cpp_ops import aggregate, client_dots, nar_step_, nar_step_batched_  # noqa: E402,F401

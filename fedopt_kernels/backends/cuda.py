@@ -1,0 +1,9 @@
+"""The ``cuda`` backend: the C++ CUDA extension (csrc/cuda)."""
+
+from ._extensions import load as _load
+
+_reason = _load("_C_cuda")
+if _reason is not None:
+    raise ImportError(_reason)
+
+from ._cpp_ops import aggregate, client_dots, nar_step_, nar_step_batched_  # noqa: E402,F401

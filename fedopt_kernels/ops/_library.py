@@ -1,0 +1,121 @@
+"""``torch.library`` registration of the public ops, for ``torch.compile``.
+
+Eager calls go straight from the ops layer to a backend (no dispatcher round trip).
+Under ``torch.compile`` the ops layer calls these custom ops instead: Dynamo records
+each as one opaque node (no graph break), the fake kernels give it output shapes, and
+``mutates_args`` tells AOTAutograd which inputs are written in place.  Hyperparameters
+that are tensors stay graph inputs, so a new lr does not recompile.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import backends
+from ._validation import acc_dtype
+
+
+def _join(value: float, tensor: Optional[torch.Tensor]):
+    return value if tensor is None else tensor
+
+
+def _split(h):
+    return (0.0, h) if isinstance(h, torch.Tensor) else (float(h), None)
+
+
+@torch.library.custom_op("fedopt::nar_step_", mutates_args=("params", "momentum_buffers"))
+def _nar_step(
+    params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+    lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
+    weight_decay_tensor: Optional[torch.Tensor], max_norm: float, mode: int, momentum: float,
+    grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = backends.resolve(backend, params[0].device)
+    norm, scale, skipped = impl.nar_step_(
+        params, grads, momentum_buffers, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor),
+        max_norm, mode, momentum, grad_scale, found_inf)
+    return norm, scale, skipped
+
+
+@_nar_step.register_fake
+def _(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+      mode, momentum, grad_scale, found_inf, backend):
+    acc = acc_dtype(params[0].dtype)
+    dev = params[0].device
+    return (params[0].new_empty((), dtype=acc, device=dev), params[0].new_empty((), dtype=acc, device=dev),
+            params[0].new_empty((), dtype=torch.bool, device=dev))
+
+
+def nar_step_op(params, grads, bufs, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf, backend):
+    return _nar_step(params, grads, bufs, *_split(lr), *_split(weight_decay), max_norm, mode, momentum,
+                     grad_scale, found_inf, backend)
+
+
+@torch.library.custom_op("fedopt::nar_step_batched_", mutates_args=("X", "B"))
+def _nar_step_batched(
+    X: torch.Tensor, G: torch.Tensor, B: Optional[torch.Tensor],
+    lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
+    weight_decay_tensor: Optional[torch.Tensor], max_norm: float, mode: int, momentum: float,
+    grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = backends.resolve(backend, X.device)
+    norm, scale, skipped = impl.nar_step_batched_(
+        X, G, B, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor), max_norm, mode,
+        momentum, grad_scale, found_inf)
+    return norm, scale, skipped
+
+
+@_nar_step_batched.register_fake
+def _(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
+      grad_scale, found_inf, backend):
+    acc = acc_dtype(X.dtype)
+    C = X.shape[0]
+    return (X.new_empty((C,), dtype=acc), X.new_empty((C,), dtype=acc), X.new_empty((C,), dtype=torch.bool))
+
+
+def nar_step_batched_op(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf, backend):
+    return _nar_step_batched(X, G, B, *_split(lr), *_split(weight_decay), max_norm, mode, momentum,
+                             grad_scale, found_inf, backend)
+
+
+@torch.library.custom_op("fedopt::aggregate", mutates_args=("out",))
+def _aggregate(
+    clients: list[torch.Tensor], weights: torch.Tensor, gamma: float, gamma_tensor: Optional[torch.Tensor],
+    out: torch.Tensor, enabled: Optional[torch.Tensor], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = backends.resolve(backend, out.device)
+    rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
+    q, Q = impl.aggregate(rows, weights, _join(gamma, gamma_tensor), out, enabled)
+    return q, Q
+
+
+@_aggregate.register_fake
+def _(clients, weights, gamma, gamma_tensor, out, enabled, backend):
+    C = clients[0].shape[0] if len(clients) == 1 and clients[0].dim() == 2 else len(clients)
+    acc = acc_dtype(clients[0].dtype)
+    return out.new_empty((C,), dtype=acc), out.new_empty((), dtype=acc)
+
+
+def aggregate_op(clients, weights, gamma, out, enabled, backend):
+    rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
+    return _aggregate(rows, weights, *_split(gamma), out, enabled, backend)
+
+
+@torch.library.custom_op("fedopt::client_dots", mutates_args=())
+def _client_dots(clients: list[torch.Tensor], g: torch.Tensor, backend: str) -> torch.Tensor:
+    impl = backends.resolve(backend, g.device)
+    rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
+    return impl.client_dots(rows, g)
+
+
+@_client_dots.register_fake
+def _(clients, g, backend):
+    C = clients[0].shape[0] if len(clients) == 1 and clients[0].dim() == 2 else len(clients)
+    return g.new_empty((C,), dtype=acc_dtype(clients[0].dtype))
+
+
+def client_dots_op(clients, g, backend):
+    rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
+    return _client_dots(rows, g, backend)

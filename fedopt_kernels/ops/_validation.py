@@ -1,0 +1,118 @@
+"""Argument checks shared by the public ops.
+
+Every check runs before any data is touched, so a rejected call modifies nothing, and
+every message names the argument and says what was expected.  Checks only read tensor
+metadata (shape, dtype, device, strides): no device synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the kernels: float64 for float64 data, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_tensor(t, name: str, *, dims: Optional[int] = None) -> torch.Tensor:
+    """A dense real floating tensor whose memory is one flat block."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.is_complex():
+        raise ValueError(f"{name} must be real, got complex dtype {t.dtype}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must have a floating dtype in {FLOAT_DTYPES}, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    # Kernels treat each tensor's memory as one flat array, which is right for any
+    # layout without gaps or overlaps (contiguous, channels_last, ...).
+    if not t.is_contiguous() and not t.is_non_overlapping_and_dense():
+        raise ValueError(
+            f"{name} must be contiguous (or dense without overlap, e.g. channels_last); "
+            f"got shape {tuple(t.shape)} with strides {t.stride()}: call .contiguous() first")
+    return t
+
+
+def check_tensor_list(tensors, name: str) -> list:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"{name}[{i}]")
+    return tensors
+
+
+def check_like(t: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str, *, strides: bool = True) -> None:
+    """``t`` must match ``ref`` in shape, dtype and device (and memory layout)."""
+    if t.shape != ref.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}")
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+    if strides and t.numel() > 1 and t.stride() != ref.stride():
+        raise ValueError(
+            f"{name} has strides {t.stride()} but {ref_name} has strides {ref.stride()}; "
+            "they must share one memory layout")
+
+
+def check_same_device(tensors: Sequence[torch.Tensor], name: str) -> torch.device:
+    device = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(f"{name} must all be on one device: {name}[0] is on {device}, {name}[{i}] on {t.device}")
+    return device
+
+
+def check_real(value, name: str, *, low=None, high=None, low_open=False, high_open=False,
+               allow_inf=False) -> float:
+    """A Python number within the given bounds."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {value}")
+    bad_low = low is not None and (value <= low if low_open else value < low)
+    bad_high = high is not None and (value >= high if high_open else value > high)
+    if bad_low or bad_high:
+        lo = "" if low is None else (f"{name} > {low}" if low_open else f"{name} >= {low}")
+        hi = "" if high is None else (f"{name} < {high}" if high_open else f"{name} <= {high}")
+        raise ValueError(f"{name} must satisfy {' and '.join(s for s in (lo, hi) if s)}, got {value}")
+    return value
+
+
+def check_hyper(value, name: str, device: torch.device, dtype: torch.dtype, *, low=0.0,
+                sizes=((),)):
+    """A hyperparameter given as a number or as a tensor (kept on the device).
+
+    A tensor's *value* cannot be checked without a device sync; its shape, dtype and
+    device are.  It is returned converted to ``dtype`` on ``device``.
+    """
+    if isinstance(value, torch.Tensor):
+        if tuple(value.shape) not in [tuple(s) for s in sizes]:
+            raise ValueError(f"{name} as a tensor must have shape in {list(sizes)}, got {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise ValueError(f"{name} as a tensor must be floating point, got {value.dtype}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but the data is on {device}")
+        return value.to(dtype)
+    return check_real(value, name, low=low)
+
+
+def check_scalar_tensor(t, name: str, device: torch.device) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        raise ValueError(f"{name} must be None or a one-element tensor")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the data is on {device}")
+    return t.reshape(())

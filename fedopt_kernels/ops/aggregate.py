@@ -1,0 +1,210 @@
+"""``aggregate``: fused weighted aggregation of client vectors with its statistics."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from .. import backends
+from . import _validation as V
+
+Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
+NONFINITE = ("exclude", "propagate")
+
+
+class AggregateStats(NamedTuple):
+    """Statistics of one aggregation, as tensors on the data's device (no host sync).
+
+    * ``client_sq_norms`` ``[C]``: ``||X_i||^2`` of every client as sent.
+    * ``sq_norm``: ``||sum_i w_i X_i||^2`` of what was aggregated (effective weights),
+      before ``gamma``.
+    * ``excluded`` ``[C]`` bool: clients left out because they hold NaN/Inf.
+    * ``weights`` ``[C]``: the effective weights used (after exclusion, renormalisation
+      and norm bounding).
+    * ``all_excluded``: bool, every client was excluded (``out`` is then all zeros and a
+      server step must be skipped).
+    """
+
+    client_sq_norms: torch.Tensor
+    sq_norm: torch.Tensor
+    excluded: torch.Tensor
+    weights: torch.Tensor
+    all_excluded: torch.Tensor
+
+
+def check_clients(clients: Clients, name: str = "clients"):
+    """Validate ``clients``; return ``(rows_for_backend, C, N, dtype, device)``."""
+    if isinstance(clients, torch.Tensor):
+        V.check_tensor(clients, name, dims=2)
+        if not clients.is_contiguous():
+            raise ValueError(f"{name} as a [C, N] tensor must be contiguous")
+        C, N = clients.shape
+        if C == 0:
+            raise ValueError(f"{name} must hold at least one client, got shape {tuple(clients.shape)}")
+        return clients, C, N, clients.dtype, clients.device
+    rows = V.check_tensor_list(clients, name)
+    if not rows:
+        raise ValueError(f"{name} must hold at least one client")
+    first = rows[0]
+    for i, r in enumerate(rows):
+        if r.dim() != 1:
+            raise ValueError(f"{name}[{i}] must be a 1-D vector, got shape {tuple(r.shape)}")
+        if not r.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous")
+        V.check_like(r, first, f"{name}[{i}]", f"{name}[0]", strides=False)
+    return rows, len(rows), first.numel(), first.dtype, first.device
+
+
+def check_weights(weights, C: int, device, dtype, name: str = "weights") -> torch.Tensor:
+    """A ``[C]`` floating tensor on the device, returned in ``dtype``.
+
+    Weights that live on the CPU are also checked by value (no negative or non-finite
+    weight, not all zero).  Weights already on an accelerator are not: reading them
+    would synchronise the host with the device, which a step never does.
+    """
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape [{C}], got {type(weights).__name__}")
+    if weights.dim() != 1 or weights.shape[0] != C:
+        raise ValueError(f"{name} must have shape [{C}] (one weight per client), got {tuple(weights.shape)}")
+    if not weights.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {weights.dtype}")
+    if weights.device != device:
+        raise ValueError(f"{name} is on {weights.device} but the clients are on {device}")
+    if weights.device.type == "cpu":
+        check_weight_values(weights, name)
+    return weights.to(dtype).contiguous()
+
+
+def check_weight_values(weights: torch.Tensor, name: str = "weights") -> None:
+    """Host-side value checks of client weights (reads the values)."""
+    w = weights.detach().cpu().double()
+    bad = ~torch.isfinite(w)
+    if bad.any():
+        raise ValueError(f"{name} must be finite, got {w[bad][0].item()} at index {int(bad.nonzero()[0])}")
+    neg = w < 0
+    if neg.any():
+        raise ValueError(f"{name} must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
+    if w.numel() and not (w > 0).any():
+        raise ValueError(f"{name} must not all be zero")
+
+
+def check_gamma(gamma, device, dtype):
+    if isinstance(gamma, torch.Tensor):
+        if gamma.numel() != 1:
+            raise ValueError(f"gamma as a tensor must have one element, got shape {tuple(gamma.shape)}")
+        if gamma.device != device:
+            raise ValueError(f"gamma is on {gamma.device} but the clients are on {device}")
+        return gamma.reshape(()).to(dtype)
+    return V.check_real(gamma, "gamma", low=0.0, low_open=True)
+
+
+def robust_weights(w: torch.Tensor, q: torch.Tensor, exclude: bool, max_client_norm: Optional[float]):
+    """Effective weights: non-finite clients dropped (the rest rescaled to the same
+    total) and, optionally, each client scaled down to ``max_client_norm``.
+
+    All on the device: ``[C]``-sized tensor ops, no host sync.
+    """
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    excluded = ~torch.isfinite(q) if exclude else torch.zeros_like(q, dtype=torch.bool)
+    kept = torch.where(excluded, zero, w)
+    kept_total = kept.sum()
+    ratio = torch.where(kept_total != 0, w.sum() / kept_total, zero)
+    eff = kept * ratio
+    if max_client_norm is not None:
+        norm = torch.where(excluded, zero, q).sqrt()
+        eff = eff * torch.clamp(max_client_norm / (norm + 1e-6), max=1.0)
+    return eff, excluded
+
+
+def aggregate(
+    clients: Clients,
+    weights: torch.Tensor,
+    *,
+    gamma=1.0,
+    out: Optional[torch.Tensor] = None,
+    nonfinite: str = "exclude",
+    max_client_norm: Optional[float] = None,
+    backend: Optional[str] = None,
+):
+    r"""Fused ``out = gamma * sum_i weights[i] * clients[i]`` and its statistics.
+
+    ``clients`` is a ``[C, N]`` tensor or a sequence of ``C`` 1-D tensors of length
+    ``N`` (no stacking copy is made); ``weights`` a ``[C]`` tensor (not required to sum
+    to 1); ``gamma`` (FedLAW's global weight shrinking, fedlaw.txt eq. 8) a number
+    ``> 0`` or a one-element tensor.  In the same pass over the data it computes every
+    ``||X_i||^2`` and ``||sum_i w_i X_i||^2``: each client is read once and ``out``
+    written once, ``(C + 1)`` words per parameter, with fp32 accumulation for
+    fp16/bf16 data and a deterministic reduction.
+
+    Robustness (fedopt_kernels' contract, not the paper's):
+
+    * ``nonfinite="exclude"`` (default): a client holding NaN/Inf (a non-finite
+      ``||X_i||^2``) gets weight 0 and the others are rescaled to the same total; it
+      never reaches ``out``.  If every client is excluded ``out`` is zeros and
+      ``stats.all_excluded`` is True.  ``"propagate"`` applies plain IEEE arithmetic.
+    * ``max_client_norm=M``: client ``i`` is scaled by ``min(1, M / (||X_i|| + 1e-6))``
+      before averaging (norm bounding against poisoned updates).
+
+    Either only costs a second pass over the data when it changes a weight; the
+    decision is made on the device (the second pass is a no-op launch otherwise).
+
+    Returns ``(out, AggregateStats)``; ``out`` has the clients' dtype unless given.
+    """
+    rows, C, N, dtype, device = check_clients(clients)
+    acc = V.acc_dtype(dtype)
+    w = check_weights(weights, C, device, acc)
+    gamma = check_gamma(gamma, device, acc)
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+    if max_client_norm is not None:
+        max_client_norm = V.check_real(max_client_norm, "max_client_norm", low=0.0, low_open=True)
+    if out is None:
+        out = torch.empty(N, dtype=dtype, device=device)
+    else:
+        V.check_tensor(out, "out", dims=1)
+        if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous [{N}] tensor on {device} with dtype {dtype} or {acc}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if backend is not None and backend not in backends.BACKENDS:
+        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+    impl = backends.resolve(backend, device)
+    run = _runner(impl)
+
+    q, Q = run(rows, w, gamma, out, None)
+    if nonfinite == "exclude" or max_client_norm is not None:
+        eff, excluded = robust_weights(w, q, nonfinite == "exclude", max_client_norm)
+        redo = (eff != w).any()
+        _, Q2 = run(rows, eff, gamma, out, redo)
+        Q = torch.where(redo, Q2, Q)
+    else:
+        eff, excluded = w, torch.zeros(C, dtype=torch.bool, device=device)
+    return out, AggregateStats(q, Q, excluded, eff, excluded.all())
+
+
+def _runner(impl):
+    """Call the backend directly in eager mode, through the custom op under compile."""
+    if torch.compiler.is_compiling():
+        from ._library import aggregate_op
+
+        name = impl.__name__.rsplit(".", 1)[-1]
+        return lambda rows, w, gamma, out, enabled: aggregate_op(rows, w, gamma, out, enabled, name)
+    return impl.aggregate
+
+
+def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """``[<clients[i], g>]`` for all clients in one pass over the data (acc dtype)."""
+    rows, C, N, dtype, device = check_clients(clients)
+    V.check_tensor(g, "g", dims=1)
+    if g.shape[0] != N or g.device != device or not g.is_contiguous():
+        raise ValueError(f"g must be a contiguous [{N}] tensor on {device}, got {tuple(g.shape)} on {g.device}")
+    acc = V.acc_dtype(dtype)
+    if g.dtype not in (dtype, acc):
+        g = g.to(acc)
+    impl = backends.resolve(backend, device)
+    if torch.compiler.is_compiling():
+        from ._library import client_dots_op
+
+        return client_dots_op(rows, g, impl.__name__.rsplit(".", 1)[-1])
+    return impl.client_dots(rows, g)

@@ -1,0 +1,71 @@
+"""``weighted_sum``: the differentiable form of the aggregation (FedLAW's forward)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import backends
+from . import _validation as V
+from .aggregate import Clients, check_clients
+
+
+class _WeightedSum(torch.autograd.Function):
+    """out = gamma * sum_i a_i X_i with the clients as constants.
+
+    Backward (DESIGN.md 1), with G = dL/d out and d_i = <G, X_i> computed for all
+    clients in ONE pass over the data (``client_dots``)::
+
+        dL/da_i = gamma * d_i        dL/dgamma = <G, sum_i a_i X_i> = sum_i a_i d_i
+    """
+
+    @staticmethod
+    def forward(ctx, weights, gamma, impl, rows):
+        first = rows if isinstance(rows, torch.Tensor) else rows[0]
+        N = first.shape[-1]
+        out = torch.empty(N, dtype=first.dtype, device=first.device)
+        impl.aggregate(rows, weights.detach(), gamma.detach(), out, None)
+        ctx.impl, ctx.rows = impl, rows
+        ctx.save_for_backward(weights, gamma)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weights, gamma = ctx.saved_tensors
+        dots = ctx.impl.client_dots(ctx.rows, grad_out.contiguous().to(weights.dtype))
+        grad_weights = gamma * dots if ctx.needs_input_grad[0] else None
+        grad_gamma = torch.dot(weights, dots) if ctx.needs_input_grad[1] else None
+        return grad_weights, grad_gamma, None, None
+
+
+def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend: Optional[str] = None) -> torch.Tensor:
+    r"""Differentiable ``gamma * sum_i weights[i] * clients[i]``.
+
+    Gradients flow to ``weights`` (``[C]``) and ``gamma`` (number or 0-d tensor); the
+    clients are constants: no gradient buffer is ever allocated for them, even if they
+    require grad.  Forward is the fused aggregation (one pass), backward the fused
+    ``client_dots`` (one pass: all ``C`` inner products with ``dL/d out``).  Both run in
+    the acc dtype of the clients (float64 clients give float64 gradients, so
+    ``torch.autograd.gradcheck`` applies).  No NaN exclusion here: this is the plain
+    linear map FedLAW differentiates.
+    """
+    rows, C, N, dtype, device = check_clients(clients)
+    acc = V.acc_dtype(dtype)
+    if not isinstance(weights, torch.Tensor) or weights.shape != (C,):
+        raise ValueError(f"weights must be a [{C}] tensor (one weight per client), got "
+                         f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
+    if weights.device != device or not weights.is_floating_point():
+        raise ValueError(f"weights must be a floating tensor on {device}, got {weights.dtype} on {weights.device}")
+    if isinstance(gamma, torch.Tensor):
+        if gamma.numel() != 1 or gamma.device != device:
+            raise ValueError(f"gamma as a tensor must have one element and live on {device}")
+        gamma = gamma.reshape(())
+    else:
+        gamma = torch.tensor(V.check_real(gamma, "gamma", low=0.0, low_open=True), device=device)
+    if isinstance(rows, torch.Tensor):
+        rows = rows.detach()
+    else:
+        rows = [r.detach() for r in rows]
+    impl = backends.resolve(backend, device)
+    return _WeightedSum.apply(weights.to(acc), gamma.to(acc), impl, rows)

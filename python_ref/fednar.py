@@ -1,0 +1,211 @@
+"""FedNAR local step, written as literally as possible (the oracle).
+
+Source: Li et al., "FedNAR: Federated Optimization with Normalized Annealing
+Regularization", NeurIPS 2023 (``shared/papers/fednar.txt``), Algorithm 2 with the
+learning-rate and weight-decay functions of eq. (3) and (4); the gradient-clipping
+baseline is eq. (5).  Notation follows DESIGN.md section 1: ``l`` is the local lr,
+``wd`` the weight decay in the PyTorch-SGD sense (the paper's ``u_t = l_t * wd``),
+``A`` the max norm and ``eps = 1e-6`` as in ``torch.nn.utils.clip_grad_norm_``.
+
+Mode ``"co"`` (FedNAR, eq. 3-4)::
+
+    v = g + wd * x                 # g + (u_t / l_t) x
+    n = ||v||_2                    # over ALL tensors of the group, flattened together
+    s = min(1, A / (n + eps))
+    x <- x - l * s * v             # = (1 - s u_t) x - (s l_t) g
+
+Mode ``"grad"`` (gradient clipping, eq. 5; decay outside the clip)::
+
+    n = ||g||_2 ;  s = min(1, A / (n + eps))
+    x <- x - l * (s * g + wd * x)  # = (1 - l wd) x - l s g
+
+Mode ``"none"`` (plain SGD with weight decay): ``n = ||g||_2`` is still computed (it is
+reported and detects non-finite gradients) but ``s = 1``.
+
+In every mode the step direction is ``d`` (``s * v`` for co, ``s * g + wd * x``
+otherwise).  Optional heavy-ball momentum (not in the paper, PyTorch-SGD form with no
+dampening): ``b <- beta * b + d ; x <- x - l * b``.
+
+Mixed precision: an optional ``grad_scale`` (the loss scale of
+``torch.amp.GradScaler``) divides ``g`` before anything else, and a non-zero
+``found_inf`` skips the step, so that the norm is the norm of the *unscaled*
+gradient.
+
+Skipping: if ``found_inf`` is set or ``n`` is not finite, nothing is updated (params and
+momentum buffers keep their exact bits) and ``skipped`` is True.
+
+Everything here is computed in float32 (float64 for float64 tensors) and cast back to
+the tensors' dtype at the end, which is also what the fused kernels do.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+EPS = 1e-6
+MODES = ("co", "grad", "none")
+
+
+class NarStats(NamedTuple):
+    """Statistics of one FedNAR step, as 0-d tensors on the params' device."""
+
+    norm: torch.Tensor  # the norm that was clipped on (||v|| for co, ||g|| otherwise)
+    scale: torch.Tensor  # s = min(1, A / (norm + eps)); 1 in mode "none"
+    skipped: torch.Tensor  # bool: the step was not applied
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic precision used for a tensor dtype: float64 stays, the rest is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def nar_update(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    max_norm: float,
+    mode: str = "co",
+    momentum: float = 0.0,
+    b: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+):
+    """One FedNAR step on a single flat vector (no in-place updates).
+
+    ``x``, ``g`` (and ``b`` when momentum is used) are 1-D tensors in the compute
+    dtype.  Returns ``(x_new, b_new, NarStats)``; on a skip ``x_new is``-equal in value
+    to ``x`` and ``b_new`` to ``b``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    lr = torch.as_tensor(lr, dtype=x.dtype, device=x.device)
+    wd = torch.as_tensor(weight_decay, dtype=x.dtype, device=x.device)
+    if grad_scale is not None:
+        g = g / grad_scale.to(x.dtype)
+
+    if mode == "co":
+        v = g + wd * x  # eq. (3)-(4): clip the sum of gradient and decay
+        norm = torch.linalg.vector_norm(v)
+        scale = torch.clamp(max_norm / (norm + EPS), max=1.0)
+        d = scale * v
+    else:
+        norm = torch.linalg.vector_norm(g)
+        if mode == "grad":  # eq. (5): clip the gradient only
+            scale = torch.clamp(max_norm / (norm + EPS), max=1.0)
+        else:
+            scale = torch.ones((), dtype=x.dtype, device=x.device)
+        d = scale * g + wd * x
+
+    if momentum != 0.0:
+        b_new = momentum * b + d
+        x_new = x - lr * b_new
+    else:
+        b_new = b
+        x_new = x - lr * d
+
+    skipped = ~torch.isfinite(norm)
+    if found_inf is not None:
+        skipped = skipped | (found_inf != 0)
+    x_new = torch.where(skipped, x, x_new)
+    if b_new is not None and b is not None:
+        b_new = torch.where(skipped, b, b_new)
+    return x_new, b_new, NarStats(norm, scale, skipped)
+
+
+def nar_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    lr,
+    weight_decay,
+    max_norm: float,
+    mode: str = "co",
+    momentum: float = 0.0,
+    momentum_buffers: Optional[Sequence[torch.Tensor]] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> NarStats:
+    """In-place FedNAR step over a list of tensors taken together as ONE vector.
+
+    The tensors are flattened and concatenated (in list order), :func:`nar_update` is
+    applied to that vector, and the result is written back into ``params`` (and
+    ``momentum_buffers``).  ``lr`` and ``weight_decay`` may be floats or 0-d tensors.
+    """
+    params, grads = list(params), list(grads)
+    if not params:
+        raise ValueError("params must contain at least one tensor")
+    dtype = compute_dtype(params[0].dtype)
+    x = torch.cat([p.reshape(-1).to(dtype) for p in params])
+    g = torch.cat([t.reshape(-1).to(dtype) for t in grads])
+    use_momentum = momentum != 0.0
+    b = None
+    if use_momentum:
+        b = torch.cat([t.reshape(-1).to(dtype) for t in momentum_buffers])
+    x_new, b_new, stats = nar_update(
+        x, g, lr=lr, weight_decay=weight_decay, max_norm=max_norm, mode=mode,
+        momentum=momentum, b=b, grad_scale=grad_scale, found_inf=found_inf,
+    )
+    _scatter_(params, x_new)
+    if use_momentum:
+        _scatter_(momentum_buffers, b_new)
+    return stats
+
+
+def nar_step_batched_(
+    X: torch.Tensor,
+    G: torch.Tensor,
+    *,
+    lr,
+    weight_decay,
+    max_norm: float,
+    mode: str = "co",
+    momentum: float = 0.0,
+    momentum_buffers: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> NarStats:
+    """Row-wise FedNAR: row ``i`` of the ``[C, N]`` tensors is client ``i``'s model.
+
+    Each row has its own norm, scale and skip flag (stats of shape ``[C]``); ``lr`` and
+    ``weight_decay`` may be floats, 0-d tensors or ``[C]`` tensors.  Literally a loop of
+    :func:`nar_update` over the rows.
+    """
+    C = X.shape[0]
+    dtype = compute_dtype(X.dtype)
+
+    def row_value(h, i):
+        if isinstance(h, torch.Tensor) and h.dim() == 1:
+            return h[i]
+        return h
+
+    norms, scales, skips = [], [], []
+    for i in range(C):
+        b = momentum_buffers[i].to(dtype) if momentum != 0.0 else None
+        x_new, b_new, st = nar_update(
+            X[i].to(dtype), G[i].to(dtype), lr=row_value(lr, i),
+            weight_decay=row_value(weight_decay, i), max_norm=max_norm, mode=mode,
+            momentum=momentum, b=b, grad_scale=grad_scale, found_inf=found_inf,
+        )
+        X[i].copy_(x_new)
+        if momentum != 0.0:
+            momentum_buffers[i].copy_(b_new)
+        norms.append(st.norm)
+        scales.append(st.scale)
+        skips.append(st.skipped)
+    if C == 0:
+        empty = X.new_empty((0,), dtype=dtype)
+        return NarStats(empty, empty.clone(), torch.zeros(0, dtype=torch.bool, device=X.device))
+    return NarStats(torch.stack(norms), torch.stack(scales), torch.stack(skips))
+
+
+def _scatter_(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors`` (casting to their dtype)."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n

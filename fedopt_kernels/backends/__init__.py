@@ -109,16 +109,20 @@ def default_backend(device: torch.device) -> str:
     return "reference"
 
 
-_resolved: dict = {}
+_names: dict = {}
+_modules: dict = {}
 
 
-def resolve(backend: Optional[str], device: torch.device) -> ModuleType:
-    """The backend module to run on ``device``; raises if it cannot run there."""
+@torch.compiler.assume_constant_result
+def resolve_name(backend: Optional[str], device_type: str) -> str:
+    """Name of the backend to run on ``device_type`` ("cpu", "cuda"); raises if the
+    requested one cannot run there.  A constant for ``torch.compile`` (the choice depends
+    only on the arguments and the environment, never on tensor values)."""
     name = backend if backend is not None else os.environ.get(ENV_VAR) or None
-    key = (name, torch.device(device).type)
-    module = _resolved.get(key)
-    if module is not None:
-        return module
+    key = (name, device_type)
+    if key in _names:
+        return _names[key]
+    device = torch.device(device_type)
     if name is None:
         name = default_backend(device)
     elif name not in BACKENDS:
@@ -127,6 +131,14 @@ def resolve(backend: Optional[str], device: torch.device) -> ModuleType:
     reason = why_unavailable(name, device)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
-    module = importlib.import_module(_MODULES[name])
-    _resolved[key] = module
+    _names[key] = name
+    return name
+
+
+def resolve(backend: Optional[str], device: torch.device) -> ModuleType:
+    """The backend module to run on ``device``; raises if it cannot run there."""
+    name = resolve_name(backend, torch.device(device).type)
+    module = _modules.get(name)
+    if module is None:
+        module = _modules[name] = importlib.import_module(_MODULES[name])
     return module

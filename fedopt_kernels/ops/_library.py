@@ -29,19 +29,19 @@ def _split(h):
 def _nar_step(
     params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
     lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
-    weight_decay_tensor: Optional[torch.Tensor], max_norm: float, mode: int, momentum: float,
+    weight_decay_tensor: Optional[torch.Tensor], max_norm: float, nar_mode: int, momentum: float,
     grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, params[0].device)
     norm, scale, skipped = impl.nar_step_(
         params, grads, momentum_buffers, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor),
-        max_norm, mode, momentum, grad_scale, found_inf)
+        max_norm, nar_mode, momentum, grad_scale, found_inf)
     return norm, scale, skipped
 
 
 @_nar_step.register_fake
 def _(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
-      mode, momentum, grad_scale, found_inf, backend):
+      nar_mode, momentum, grad_scale, found_inf, backend):
     acc = acc_dtype(params[0].dtype)
     dev = params[0].device
     return (params[0].new_empty((), dtype=acc, device=dev), params[0].new_empty((), dtype=acc, device=dev),
@@ -57,18 +57,18 @@ def nar_step_op(params, grads, bufs, lr, weight_decay, max_norm, mode, momentum,
 def _nar_step_batched(
     X: torch.Tensor, G: torch.Tensor, B: Optional[torch.Tensor],
     lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
-    weight_decay_tensor: Optional[torch.Tensor], max_norm: float, mode: int, momentum: float,
+    weight_decay_tensor: Optional[torch.Tensor], max_norm: float, nar_mode: int, momentum: float,
     grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, X.device)
     norm, scale, skipped = impl.nar_step_batched_(
-        X, G, B, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor), max_norm, mode,
+        X, G, B, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor), max_norm, nar_mode,
         momentum, grad_scale, found_inf)
     return norm, scale, skipped
 
 
 @_nar_step_batched.register_fake
-def _(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
+def _(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, nar_mode, momentum,
       grad_scale, found_inf, backend):
     acc = acc_dtype(X.dtype)
     C = X.shape[0]

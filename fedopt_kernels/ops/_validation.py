@@ -21,6 +21,18 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def is_dense_non_overlapping(t: torch.Tensor) -> bool:
+    """True if the elements of ``t`` fill ``[data_ptr, data_ptr + numel)`` exactly once
+    (some permutation of the dims is contiguous), like ``channels_last`` tensors."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def check_tensor(t, name: str, *, dims: Optional[int] = None) -> torch.Tensor:
     """A dense real floating tensor whose memory is one flat block."""
     if not isinstance(t, torch.Tensor):
@@ -35,7 +47,7 @@ def check_tensor(t, name: str, *, dims: Optional[int] = None) -> torch.Tensor:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
     # Kernels treat each tensor's memory as one flat array, which is right for any
     # layout without gaps or overlaps (contiguous, channels_last, ...).
-    if not t.is_contiguous() and not t.is_non_overlapping_and_dense():
+    if not t.is_contiguous() and not is_dense_non_overlapping(t):
         raise ValueError(
             f"{name} must be contiguous (or dense without overlap, e.g. channels_last); "
             f"got shape {tuple(t.shape)} with strides {t.stride()}: call .contiguous() first")

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from .. import backends
-from . import _validation as V
+from . import _library, _validation as V
 
 Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
 NONFINITE = ("exclude", "propagate")
@@ -169,8 +169,7 @@ def aggregate(
                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if backend is not None and backend not in backends.BACKENDS:
         raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
-    impl = backends.resolve(backend, device)
-    run = _runner(impl)
+    run = _runner(backend, device)
 
     q, Q = run(rows, w, gamma, out, None)
     if nonfinite == "exclude" or max_client_norm is not None:
@@ -183,14 +182,12 @@ def aggregate(
     return out, AggregateStats(q, Q, excluded, eff, excluded.all())
 
 
-def _runner(impl):
+def _runner(backend, device):
     """Call the backend directly in eager mode, through the custom op under compile."""
     if torch.compiler.is_compiling():
-        from ._library import aggregate_op
-
-        name = impl.__name__.rsplit(".", 1)[-1]
-        return lambda rows, w, gamma, out, enabled: aggregate_op(rows, w, gamma, out, enabled, name)
-    return impl.aggregate
+        name = backends.resolve_name(backend, device.type)
+        return lambda rows, w, gamma, out, enabled: _library.aggregate_op(rows, w, gamma, out, enabled, name)
+    return backends.resolve(backend, device).aggregate
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -202,9 +199,6 @@ def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = N
     acc = V.acc_dtype(dtype)
     if g.dtype not in (dtype, acc):
         g = g.to(acc)
-    impl = backends.resolve(backend, device)
     if torch.compiler.is_compiling():
-        from ._library import client_dots_op
-
-        return client_dots_op(rows, g, impl.__name__.rsplit(".", 1)[-1])
-    return impl.client_dots(rows, g)
+        return _library.client_dots_op(rows, g, backends.resolve_name(backend, device.type))
+    return backends.resolve(backend, device).client_dots(rows, g)

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import backends
-from . import _validation as V
+from . import _library, _validation as V
 
 MODES = ("co", "grad", "none")
 
@@ -118,16 +118,12 @@ def nar_step_(
     found_inf = V.check_scalar_tensor(found_inf, "found_inf", device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(V.acc_dtype(dtype))
-    impl = backends.resolve(backend, device)
-
     if torch.compiler.is_compiling():
-        from ._library import nar_step_op
-
-        result = nar_step_op(params, grads, bufs, lr, weight_decay, max_norm, mode_id, momentum,
-                             grad_scale, found_inf, impl.__name__.rsplit(".", 1)[-1])
+        result = _library.nar_step_op(params, grads, bufs, lr, weight_decay, max_norm, mode_id, momentum,
+                                      grad_scale, found_inf, backends.resolve_name(backend, device.type))
     else:
-        result = impl.nar_step_(params, grads, bufs, lr, weight_decay, max_norm, mode_id, momentum,
-                                grad_scale, found_inf)
+        result = backends.resolve(backend, device).nar_step_(
+            params, grads, bufs, lr, weight_decay, max_norm, mode_id, momentum, grad_scale, found_inf)
     return NarStats(*result)
 
 
@@ -170,13 +166,10 @@ def nar_step_batched_(
     found_inf = V.check_scalar_tensor(found_inf, "found_inf", X.device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(V.acc_dtype(X.dtype))
-    impl = backends.resolve(backend, X.device)
     if torch.compiler.is_compiling():
-        from ._library import nar_step_batched_op
-
-        result = nar_step_batched_op(X, G, B, lr, weight_decay, max_norm, mode_id, momentum,
-                                     grad_scale, found_inf, impl.__name__.rsplit(".", 1)[-1])
+        result = _library.nar_step_batched_op(X, G, B, lr, weight_decay, max_norm, mode_id, momentum, grad_scale,
+                                              found_inf, backends.resolve_name(backend, X.device.type))
     else:
-        result = impl.nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode_id, momentum,
-                                        grad_scale, found_inf)
+        result = backends.resolve(backend, X.device).nar_step_batched_(
+            X, G, B, lr, weight_decay, max_norm, mode_id, momentum, grad_scale, found_inf)
     return NarStats(*result)

@@ -1,0 +1,49 @@
+"""Shared test setup.
+
+Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter; triton.jit
+reads TRITON_INTERPRET when a kernel is *defined*, so it is set here, before anything
+imports the kernels.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fedopt_kernels import backends  # noqa: E402
+
+# Backends whose absence is a build failure, not a reason to skip: CI always builds the
+# C++ CPU extension, and the CUDA extension whenever torch has CUDA.
+_MUST_EXIST = {"reference", "cpu"}
+
+
+def backend_device(name: str) -> torch.device:
+    """The device a backend's tests run on here."""
+    if name == "cuda" or (name == "triton" and not backends.triton_interpret_mode()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def require_backend(name: str) -> torch.device:
+    """Skip (with the reason) when ``name`` genuinely cannot run on this machine;
+    fail when it should run and does not."""
+    device = backend_device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"backend {name!r} needs a CUDA device and this machine has none")
+    reason = backends.why_unavailable(name, device)
+    if reason is not None:
+        if name in _MUST_EXIST:
+            pytest.fail(f"backend {name!r} must be available here but is not: {reason}")
+        if name == "triton" and "not installed" in reason and torch.version.cuda is None:
+            pytest.skip(f"backend 'triton': {reason} (CPU-only torch)")
+        pytest.fail(f"backend {name!r} should be available here but is not: {reason}")
+    return device
+
+
+@pytest.fixture(params=list(backends.BACKENDS))
+def backend(request):
+    """Every backend, with the device its tests run on: ``(name, device)``."""
+    return request.param, require_backend(request.param)

@@ -72,17 +72,36 @@ FEDOPT_HD acc_t nar_direction(acc_t x, acc_t g, acc_t scale, const NarParams<acc
                                 : scale * g + p.weight_decay * x;
 }
 
+// g as the step sees it: the raw gradient times 1 / grad_scale (exact when the scale is
+// a power of two, as GradScaler's is).
+template <typename acc_t>
+FEDOPT_HD acc_t nar_unscale(acc_t g, const NarParams<acc_t>& p) {
+  return g * p.inv_grad_scale;
+}
+
+// The two branches of nar_update, for callers that decide `momentum != 0` once outside
+// their loop (e.g. with SIMD vectors as acc_t, where `!=` is not a bool).
+//   plain:     x <- x - lr * d
+//   momentum:  b <- beta * b + d ;  x <- x - lr * b
+template <typename acc_t>
+FEDOPT_HD void nar_update_plain(acc_t& x, acc_t g, acc_t scale, const NarParams<acc_t>& p) {
+  x = x - p.lr * nar_direction(x, g, scale, p);
+}
+
+template <typename acc_t>
+FEDOPT_HD void nar_update_momentum(acc_t& x, acc_t g, acc_t& b, acc_t scale,
+                                   const NarParams<acc_t>& p) {
+  b = p.momentum * b + nar_direction(x, g, scale, p);
+  x = x - p.lr * b;
+}
+
 // One element of the update pass.  `b` is read and written only when momentum != 0.
-//   no momentum:  x <- x - lr * d
-//   momentum:     b <- beta * b + d ;  x <- x - lr * b
 template <typename acc_t>
 FEDOPT_HD void nar_update(acc_t& x, acc_t g, acc_t& b, acc_t scale, const NarParams<acc_t>& p) {
-  const acc_t d = nar_direction(x, g, scale, p);
   if (p.momentum != acc_t(0)) {
-    b = p.momentum * b + d;
-    x = x - p.lr * b;
+    nar_update_momentum(x, g, b, scale, p);
   } else {
-    x = x - p.lr * d;
+    nar_update_plain(x, g, scale, p);
   }
 }
 

@@ -96,7 +96,7 @@ def cuda_build_decision() -> tuple[bool, str]:
 def extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function"]
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wall", "-Wno-unused-function"]
     include = [os.path.join(ROOT, "csrc", "include")]
     cpu_sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     exts = [
@@ -119,8 +119,8 @@ def extensions():
                 sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp")),
                 include_dirs=include,
                 extra_compile_args={
-                    "cxx": ["-O3", "-std=c++17"],
-                    "nvcc": ["-O3", "-std=c++17", "-lineinfo"],
+                    "cxx": ["-O3", "-std=c++20"],
+                    "nvcc": ["-O3", "-std=c++20", "-lineinfo"],
                 },
             )
         )

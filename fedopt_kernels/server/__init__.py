@@ -1,0 +1,37 @@
+"""Server side of a federated round: server optimizers and FedLAW.
+
+Every optimizer here is a ``torch.optim.Optimizer`` over the GLOBAL model's parameters
+whose ``step(updates, weights=None)`` takes the clients' updates
+``D_i = x_start - x_end_i`` (a ``[C, N]`` tensor or ``C`` flat vectors in
+:func:`fedopt_kernels.utils.parameters_to_vector` order), averages them with ONE fused
+aggregation (which also yields every norm the adaptive methods need, excludes NaN/Inf
+clients and optionally bounds client norms), applies its formula and returns a
+:class:`ServerStats` of tensors.  :class:`FedLAW` instead learns the aggregation
+weights and the shrinking factor on a proxy dataset.
+
+==============  ==========================================================
+``FedAvg``      ``x <- gamma (x - lr D)`` (server lr, global weight shrinking)
+``FedAvgM``     server heavy-ball / Nesterov momentum
+``FedAdagrad``  Reddi et al. 2021, Algorithm 2
+``FedAdam``     Reddi et al. 2021, Algorithm 2
+``FedYogi``     Reddi et al. 2021, Algorithm 2
+``FedExP``      adaptive extrapolated step size (Jhunjhunwala et al. 2023)
+``ASNES``       AdaScale gain ratio + Nesterov momentum (asnes.txt eq. 3, 4)
+``FedLAW``      learned gamma and lambda on a proxy set (fedlaw.txt eq. 3, 8)
+==============  ==========================================================
+"""
+
+from ._base import RoundInfo, ServerOptimizer, ServerStats
+from .asnes import ASNES
+from .fedadagrad import FedAdagrad
+from .fedadam import FedAdam
+from .fedavg import FedAvg
+from .fedavgm import FedAvgM
+from .fedexp import FedExP
+from .fedlaw import FedLAW, FedLAWRound
+from .fedyogi import FedYogi
+
+__all__ = [
+    "ServerOptimizer", "ServerStats", "RoundInfo", "FedAvg", "FedAvgM", "FedAdagrad", "FedAdam", "FedYogi",
+    "FedExP", "ASNES", "FedLAW", "FedLAWRound",
+]

@@ -1,0 +1,37 @@
+"""Shared body of FedAdagrad, FedAdam and FedYogi (Reddi et al. 2021, Algorithm 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import ServerOptimizer, commit_
+
+
+class AdaptiveServerOptimizer(ServerOptimizer):
+    r"""``m <- b1 m + (1 - b1) D``; ``v <- second_moment(v, D^2)``;
+    ``x <- x - lr m / (sqrt(v) + tau)`` with ``m_0 = 0``, ``v_0 = tau^2``; no bias
+    correction.  Subclasses define :meth:`_second_moment` and the group's ``b1``."""
+
+    def _beta1(self, group) -> float:
+        return group["betas"][0]
+
+    def _second_moment(self, group, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _server_step(self, d_views, info):
+        for group, views in zip(self.param_groups, d_views):
+            lr, tau, b1 = group["lr"], group["tau"], self._beta1(group)
+            for p, d in zip(group["params"], views):
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    # Reddi et al. require v_{-1} >= tau^2; start at tau^2.
+                    state["exp_avg_sq"] = torch.full_like(p, tau * tau, memory_format=torch.preserve_format)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m_new = b1 * m.to(d.dtype) + (1 - b1) * d
+                v_new = self._second_moment(group, v.to(d.dtype), d * d)
+                x_new = p.to(d.dtype) - lr * m_new / (torch.sqrt(v_new) + tau)
+                commit_(m, m_new, info.skip)
+                commit_(v, v_new, info.skip)
+                commit_(p, x_new, info.skip)
+        return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))

@@ -1,0 +1,295 @@
+"""``ServerOptimizer``: the common machinery of the server optimizers.
+
+A server optimizer owns the GLOBAL model's parameters (a ``torch.optim.Optimizer``
+over them, with param groups and ``state_dict``) and, once per round, takes the
+clients' updates ``D_i = x_start - x_end_i``:
+
+* as a ``[C, N]`` tensor, or a sequence of ``C`` flat vectors (no stacking copy is
+  made), ``N`` the number of elements of all parameters of all groups, in the
+  optimizer's order: groups in order, parameters in order within a group.  An
+  optimizer built from ``model.parameters()`` has the order of
+  :func:`fedopt_kernels.utils.parameters_to_vector` (``named_parameters()``);
+* with client weights ``w_i`` (data sizes, say; uniform by default), normalised to
+  ``p_i = w_i / sum_j w_j``.
+
+``step(updates, weights)`` validates everything, then calls the fused
+:func:`fedopt_kernels.ops.aggregate` ONCE: it returns the mean update
+``D = sum_i p_i D_i`` together with every ``||D_i||^2`` and ``||D||^2`` -- all that
+FedExP and ASNES need -- and the robustness decisions, taken on the device:
+
+* ``nonfinite="exclude"`` (default): a client whose update holds NaN/Inf gets weight 0,
+  the others are renormalised; it never reaches the model.  If every client is
+  excluded the round is *skipped*: parameters and optimizer state keep their exact
+  bits.  The skip is a ``torch.where`` on the device, so a step never synchronises
+  the host with the device (no ``.item()``).  ``"propagate"``: plain IEEE arithmetic.
+* ``max_client_norm=M``: each update is scaled by ``min(1, M / (||D_i|| + 1e-6))``
+  before averaging (norm bounding, a standard defence against poisoned updates; the
+  weights are not renormalised afterwards, so bounding shrinks the step).
+
+The subclasses then apply their formula per parameter to views of ``D``.  Their state
+lives in ``self.state[param]`` (plain tensors, like ``torch.optim``), so
+``state_dict()``/``load_state_dict()`` round-trip and a restored optimizer continues
+bit for bit.  ``step`` returns a :class:`ServerStats` of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch.optim import Optimizer
+
+from .. import backends
+from ..ops import aggregate
+from ..ops._validation import acc_dtype
+from ..ops.aggregate import check_weight_values
+
+Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
+NONFINITE = ("exclude", "propagate")
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """Statistics of one server round, as tensors on the parameters' device.
+
+    * ``update_sq_norm``: ``||D||^2`` of the mean update that was applied (after
+      exclusion and norm bounding).
+    * ``client_sq_norms`` ``[C]``: ``||D_i||^2`` of each update as sent (NaN/Inf for a
+      non-finite one).
+    * ``excluded`` ``[C]`` bool: updates left out because they hold NaN/Inf.
+    * ``weights`` ``[C]``: the effective weights of the mean (normalised, after
+      exclusion and norm bounding).
+    * ``skipped``: bool, nothing was applied (every client excluded, or device-resident
+      weights that do not sum to a positive finite number).
+    * ``num_clients``: int64, how many updates entered the mean.
+    * ``mean_client_sq_norm``: ``sum_i p_i ||D_i||^2`` over the updates that entered
+      (after norm bounding), the numerator of FedExP's step size.
+    * ``lr_scale``: the adaptive factor multiplying the server lr this round (1 for the
+      non-adaptive methods, ``eta_g`` for FedExP, the gain ratio ``r`` for ASNES).
+    * ASNES only (else None): ``gain_ratio`` (= ``lr_scale``), ``sigma2``, ``nu2``.
+    """
+
+    update_sq_norm: torch.Tensor
+    client_sq_norms: torch.Tensor
+    excluded: torch.Tensor
+    weights: torch.Tensor
+    skipped: torch.Tensor
+    num_clients: torch.Tensor
+    mean_client_sq_norm: torch.Tensor
+    lr_scale: torch.Tensor
+    gain_ratio: Optional[torch.Tensor] = None
+    sigma2: Optional[torch.Tensor] = None
+    nu2: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """What a subclass gets besides the mean update (all 0-d/[C] tensors, no sync)."""
+
+    p: torch.Tensor  # [C] normalised weights of the updates that entered (0 for excluded)
+    skip: torch.Tensor  # bool 0-d
+    sq_norm: torch.Tensor  # ||D||^2
+    mean_sq: torch.Tensor  # sum_i p_i ||D_i||^2 (after bounding)
+    sum_p_sq: torch.Tensor  # sum_i p_i^2
+    num_clients: torch.Tensor  # int64
+
+
+def commit_(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
+    """``dst <- new`` unless ``skip`` (a 0-d bool tensor): exact bits kept on a skip."""
+    dst.copy_(torch.where(skip, dst, new.to(dst.dtype)))
+
+
+def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[float] = None,
+                 high_open: bool = False) -> None:
+    """Constructor check of a hyperparameter (tensors are accepted unchecked)."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    bad = value != value or value in (float("inf"), float("-inf")) or (value <= 0 if low_open else value < 0)
+    if high is not None:
+        bad = bad or (value >= high if high_open else value > high)
+    if bad:
+        lo = f"{name} > 0" if low_open else f"{name} >= 0"
+        hi = "" if high is None else (f" and {name} < {high}" if high_open else f" and {name} <= {high}")
+        raise ValueError(f"{name} must satisfy {lo}{hi}, got {value}")
+
+
+class ServerOptimizer(Optimizer):
+    """Base class of the server optimizers (see the module docstring).
+
+    Subclasses implement :meth:`_server_step`.  Every hyperparameter that can differ
+    per param group lives in ``param_groups`` (so LR schedulers and ``state_dict``
+    see it); ``nonfinite``, ``max_client_norm`` and ``backend`` concern the one
+    aggregation of the round and are constructor options.
+    """
+
+    def __init__(self, params, defaults: dict, *, nonfinite: str = "exclude",
+                 max_client_norm: Optional[float] = None, backend: Optional[str] = None):
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        if max_client_norm is not None:
+            check_nonneg(max_client_norm, "max_client_norm", low_open=True)
+            if isinstance(max_client_norm, torch.Tensor):
+                raise TypeError("max_client_norm must be a Python number")
+            max_client_norm = float(max_client_norm)
+        if backend is not None and backend not in backends.BACKENDS:
+            raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+        self.nonfinite = nonfinite
+        self.max_client_norm = max_client_norm
+        self.backend = backend
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ params
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        try:
+            params = self._params()
+            for p in params:
+                first = params[0]
+                if p.layout != torch.strided:
+                    raise ValueError("server optimizers need dense (strided) parameters")
+                if not p.is_floating_point():
+                    raise ValueError(f"parameters must be floating point, got {p.dtype}")
+                if p.dtype != first.dtype:
+                    raise ValueError(f"all parameters must share one dtype (they are averaged as one vector), "
+                                     f"got {first.dtype} and {p.dtype}")
+                if p.device != first.device:
+                    raise ValueError(f"all parameters must be on one device, got {first.device} and {p.device}")
+        except ValueError:
+            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+            raise
+
+    def _params(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @property
+    def numel(self) -> int:
+        """``N``: the length every client update must have."""
+        return sum(p.numel() for p in self._params())
+
+    # ------------------------------------------------------------------ validation
+    def _check_updates(self, updates: Updates, N: int, dtype: torch.dtype, device: torch.device):
+        def check_one(t, name, dims):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != dims:
+                shape = "[C, N]" if dims == 2 else "[N]"
+                raise ValueError(f"{name} must be {dims}-D {shape}, got shape {tuple(t.shape)}")
+            if t.shape[-1] != N:
+                raise ValueError(f"{name} has length {t.shape[-1]} per client but the model has {N} parameters "
+                                 "(updates must be flat vectors in the optimizer's parameter order)")
+            if t.dtype != dtype:
+                raise ValueError(f"{name} has dtype {t.dtype} but the parameters have dtype {dtype}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but the parameters are on {device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous: call .contiguous() first")
+
+        if isinstance(updates, torch.Tensor):
+            if updates.dim() == 1:
+                raise ValueError(f"updates as a tensor must be 2-D [C, N], got shape {tuple(updates.shape)}; "
+                                 "for one client pass updates[None] or [update]")
+            check_one(updates, "updates", 2)
+            if updates.shape[0] == 0:
+                raise ValueError("updates must hold at least one client")
+            return updates, updates.shape[0]
+        if not isinstance(updates, (list, tuple)):
+            raise TypeError(f"updates must be a [C, N] tensor or a list/tuple of flat vectors, "
+                            f"got {type(updates).__name__}")
+        if len(updates) == 0:
+            raise ValueError("updates must hold at least one client")
+        for i, u in enumerate(updates):
+            check_one(u, f"updates[{i}]", 1)
+        return list(updates), len(updates)
+
+    def _check_weights(self, weights, C: int, device: torch.device, acc: torch.dtype):
+        """Normalised ``p`` ([C], acc dtype, on ``device``) and a validity flag (None when
+        the weights were checked on the host, else a 0-d bool tensor)."""
+        if weights is None:
+            return torch.full((C,), 1.0 / C, dtype=acc, device=device), None
+        if isinstance(weights, torch.Tensor):
+            if weights.is_complex() or weights.dtype == torch.bool:
+                raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
+            if weights.dim() != 1 or weights.numel() != C:
+                raise ValueError(f"weights has shape {tuple(weights.shape)} but there are {C} clients "
+                                 "(one weight per client)")
+            if weights.device.type != "cpu" and weights.device != device:
+                raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
+            host = weights.device.type == "cpu"
+            w = weights.detach()
+        else:
+            try:
+                values = [float(v) for v in weights]
+            except (TypeError, ValueError):
+                raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
+            if len(values) != C:
+                raise ValueError(f"weights has {len(values)} entries but there are {C} clients")
+            w, host = torch.tensor(values, dtype=torch.float64), True
+        if host:
+            check_weight_values(w, "weights")  # reads values: free for host data
+            w = w.to(dtype=torch.float64)
+            p = (w / w.sum()).to(device=device, dtype=acc)
+            return p, None
+        # Device-resident weights: their values cannot be read without a sync.  A
+        # non-positive or non-finite total makes the round a skip instead of NaNs.
+        w = w.to(acc)
+        total = w.sum()
+        valid = torch.isfinite(total) & (total > 0)
+        p = torch.where(valid, w / total, torch.zeros_like(w))
+        return p, valid
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, updates: Updates, weights=None) -> ServerStats:
+        """Apply one round of client ``updates`` (``[C, N]`` or ``C`` flat vectors),
+        weighted by ``weights`` (``[C]``; uniform if None).  Returns :class:`ServerStats`.
+
+        All arguments are checked before anything is written: a rejected call changes
+        neither the parameters nor the state.
+        """
+        params = self._params()
+        if not params:
+            raise ValueError("the optimizer has no parameters")
+        dtype, device = params[0].dtype, params[0].device
+        acc = acc_dtype(dtype)
+        N = sum(p.numel() for p in params)
+        rows, C = self._check_updates(updates, N, dtype, device)
+        p_in, valid = self._check_weights(weights, C, device, acc)
+
+        D = torch.empty(N, dtype=acc, device=device)
+        _, st = aggregate(rows, p_in, out=D, nonfinite=self.nonfinite, max_client_norm=self.max_client_norm,
+                          backend=self.backend)
+        info = self._round_info(p_in, st, valid)
+        d_views, offset = [], 0
+        for group in self.param_groups:
+            views = []
+            for p in group["params"]:
+                views.append(D[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            d_views.append(views)
+        extra = self._server_step(d_views, info)
+        return ServerStats(
+            update_sq_norm=st.sq_norm, client_sq_norms=st.client_sq_norms, excluded=st.excluded,
+            weights=st.weights, skipped=info.skip, num_clients=info.num_clients,
+            mean_client_sq_norm=info.mean_sq, **extra)
+
+    def _round_info(self, p_in: torch.Tensor, st, valid: Optional[torch.Tensor]) -> RoundInfo:
+        zero = torch.zeros((), dtype=p_in.dtype, device=p_in.device)
+        kept = torch.where(st.excluded, zero, p_in)
+        total = kept.sum()
+        p = torch.where(total > 0, kept / torch.where(total > 0, total, torch.ones_like(total)), zero)
+        q = torch.where(p > 0, st.client_sq_norms.to(p.dtype), zero)  # excluded NaNs never multiply
+        if self.max_client_norm is not None:
+            # The bounded update is s_i D_i with s_i = eff_i / p_i: its squared norm s_i^2 q_i.
+            s = torch.where(p > 0, st.weights / torch.where(p > 0, p, torch.ones_like(p)), zero)
+            q = q * s * s
+        skip = st.all_excluded if valid is None else (st.all_excluded | ~valid)
+        return RoundInfo(p=p, skip=skip, sq_norm=st.sq_norm, mean_sq=(p * q).sum(), sum_p_sq=(p * p).sum(),
+                         num_clients=(p > 0).sum())
+
+    def _server_step(self, d_views: List[List[torch.Tensor]], info: RoundInfo) -> dict:
+        """Update params and state from the per-group views of ``D``; return the extra
+        fields of :class:`ServerStats` (at least ``lr_scale``)."""
+        raise NotImplementedError

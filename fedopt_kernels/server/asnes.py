@@ -1,0 +1,109 @@
+"""ASNES: adaptive-scale Nesterov server step (AdaScale gain ratio + Nesterov momentum)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._base import ServerOptimizer, check_nonneg, commit_
+
+SIGMA2_MIN = 1e-6  # AdaScale's floor on the variance estimate
+
+
+class ASNES(ServerOptimizer):
+    r"""ASNES (Wang, Feng and Luo; ``shared/papers/asnes.txt``, eq. 3 and 4a-4c).
+
+    From the statistics of the round's single fused aggregation (updates ``D_i``,
+    normalised weights ``p_i``, ``D = sum_i p_i D_i``)::
+
+        sigma2 = (sum_i p_i ||D_i||^2 - ||D||^2) / (1 - sum_i p_i^2)     # eq. 3
+        S      = 1 / sum_i p_i^2
+        nu2    = ||D||^2 - sigma2 / S                                   # eq. 3
+        sigma2 <- max(sigma2, 1e-6) ;  nu2 <- max(nu2, 0)               # AdaScale clamps
+        r      = (sigma2 + nu2) / (sigma2 / S + nu2)    in [1, S]       # eq. 3
+
+        u <- beta u + D ;  v = beta u + D ;  x <- x - lr * r * v          # eq. 4a-4c
+
+    For uniform weights ``p_i = 1/S`` this is the paper's eq. (3) exactly
+    (``1/(1 - 1/S) = S/(S-1)``); for other weights it is the unbiased weighted
+    generalisation, with Kish's effective number of clients ``S = 1/sum_i p_i^2``
+    (see ``python_ref/asnes.py``).  nu2 is computed from the UNclamped sigma2, as
+    fairscale's AdaScale does.  A round with ``S == 1`` (one client, or one carrying all
+    the weight) gives ``r = 1``, reports ``sigma2 = 0``, ``nu2 = ||D||^2``, and leaves
+    the smoothed estimates untouched.
+
+    Smoothing (``smoothing = f`` in ``[0, 1)``, default 0 = off): the clamped sigma2
+    and nu2 are averaged across rounds with AdaScale's bias-corrected EMA
+    (``b <- f b + (1-f) x``, ``c <- f c + (1-f)``, estimate ``b / c``) and ``r`` uses
+    the averages with this round's ``S``.  The EMA lives in the state of the first
+    parameter (so it round-trips through ``state_dict``); ``smoothing`` is read from the
+    first param group (the gain ratio is one number for the model).
+
+    Args:
+        params: the global model's parameters (or param groups).
+        lr (float): the base server lr ``eta0`` (default 1).
+        momentum (float): ``beta`` in ``[0, 1)`` (default 0.9, the paper's Fashion-MNIST
+            value; 0.85 for CIFAR-10).
+        smoothing (float): EMA factor in ``[0, 1)`` (default 0).
+        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+    """
+
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, *, smoothing: float = 0.0,
+                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+                 backend: Optional[str] = None):
+        check_nonneg(lr, "lr")
+        check_nonneg(momentum, "momentum", high=1.0, high_open=True)
+        check_nonneg(smoothing, "smoothing", high=1.0, high_open=True)
+        super().__init__(params, dict(lr=lr, momentum=momentum, smoothing=smoothing), nonfinite=nonfinite,
+                         max_client_norm=max_client_norm, backend=backend)
+
+    def _gain_ratio(self, info):
+        """``(r, sigma2, nu2)`` of this round, updating the EMA state (no host sync)."""
+        dtype, device = info.sq_norm.dtype, info.sq_norm.device
+        zero = torch.zeros((), dtype=dtype, device=device)
+        one = torch.ones((), dtype=dtype, device=device)
+        Q = info.sq_norm
+        denom = 1 - info.sum_p_sq
+        multi = denom > 0  # at least two clients with weight: a variance can be estimated
+        sigma2_raw = (info.mean_sq - Q) / torch.where(multi, denom, one)
+        S = torch.where(multi, 1 / torch.where(multi, info.sum_p_sq, one), one)
+        nu2_raw = Q - sigma2_raw / S  # from the UNclamped sigma2 (AdaScale)
+        sigma2 = torch.clamp(sigma2_raw, min=SIGMA2_MIN)
+        nu2 = torch.clamp(nu2_raw, min=0.0)
+
+        f = self.param_groups[0]["smoothing"]
+        state = self.state[self.param_groups[0]["params"][0]]
+        if "sigma2_ema" not in state:
+            state["sigma2_ema"] = zero.clone()
+            state["nu2_ema"] = zero.clone()
+            state["ema_weight"] = zero.clone()
+        update = multi & ~info.skip
+        b_s = f * state["sigma2_ema"] + (1 - f) * sigma2
+        b_n = f * state["nu2_ema"] + (1 - f) * nu2
+        c = f * state["ema_weight"] + (1 - f)
+        commit_(state["sigma2_ema"], b_s, ~update)
+        commit_(state["nu2_ema"], b_n, ~update)
+        commit_(state["ema_weight"], c, ~update)
+        sigma2_avg, nu2_avg = b_s / c, b_n / c  # used only when `update` (c > 0 then)
+
+        r = (sigma2_avg + nu2_avg) / (sigma2_avg / S + nu2_avg)
+        r = torch.minimum(torch.clamp(r, min=1.0), S)  # [1, S], against rounding
+        r = torch.where(multi, r, one)
+        return r, torch.where(multi, sigma2_avg, zero), torch.where(multi, nu2_avg, Q)
+
+    def _server_step(self, d_views, info):
+        r, sigma2, nu2 = self._gain_ratio(info)
+        for group, views in zip(self.param_groups, d_views):
+            beta = group["momentum"]
+            scale = group["lr"] * r
+            for p, d in zip(group["params"], views):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                u = state["momentum_buffer"]
+                u_new = beta * u.to(d.dtype) + d  # eq. 4a
+                v = beta * u_new + d  # eq. 4b
+                commit_(u, u_new, info.skip)
+                commit_(p, p.to(d.dtype) - scale * v, info.skip)  # eq. 4c
+        return dict(lr_scale=r, gain_ratio=r, sigma2=sigma2, nu2=nu2)

@@ -1,0 +1,43 @@
+"""FedAdagrad (Reddi et al., "Adaptive Federated Optimization", ICLR 2021)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ._adaptive import AdaptiveServerOptimizer
+from ._base import check_nonneg
+
+
+class FedAdagrad(AdaptiveServerOptimizer):
+    r"""FedAdagrad, Reddi et al. 2021 Algorithm 2, on the mean update ``D = sum_i p_i D_i``::
+
+        m <- momentum m + (1 - momentum) D
+        v <- v + D^2
+        x <- x - lr m / (sqrt(v) + tau)
+
+    ``m`` starts at 0 and ``v`` at ``tau^2``.  Algorithm 2 carries the first moment
+    ``beta1`` for all three methods; its default here is 0 (plain Adagrad, as in
+    ``torch.optim.Adagrad`` and Flower's FedAdagrad), so ``m = D``.
+
+    Args:
+        params: the global model's parameters (or param groups).
+        lr (float): server lr (default 1e-2; the paper tunes it per task).
+        momentum (float): ``beta1`` in ``[0, 1)`` (default 0).
+        tau (float): ``> 0`` (default 1e-3).
+        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, tau: float = 1e-3, *,
+                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+                 backend: Optional[str] = None):
+        check_nonneg(lr, "lr")
+        check_nonneg(momentum, "momentum", high=1.0, high_open=True)
+        check_nonneg(tau, "tau", low_open=True)
+        super().__init__(params, dict(lr=lr, momentum=momentum, tau=tau), nonfinite=nonfinite,
+                         max_client_norm=max_client_norm, backend=backend)
+
+    def _beta1(self, group) -> float:
+        return group["momentum"]
+
+    def _second_moment(self, group, v, d2):
+        return v + d2

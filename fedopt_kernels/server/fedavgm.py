@@ -1,0 +1,48 @@
+"""FedAvgM: FedAvg with server momentum."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._base import ServerOptimizer, check_nonneg, commit_
+
+
+class FedAvgM(ServerOptimizer):
+    r"""FedAvg with server (heavy-ball) momentum (Hsu et al. 2019; Reddi et al. 2021).
+
+    PyTorch-SGD form on the mean update :math:`D = \sum_i p_i D_i`, ``b`` starting at 0::
+
+        b <- momentum * b + D
+        x <- x - lr * b                       (nesterov: x <- x - lr * (momentum * b + D))
+
+    Args:
+        params: the global model's parameters (or param groups).
+        lr (float): server learning rate (default 1).
+        momentum (float): in ``[0, 1)`` (default 0.9).
+        nesterov (bool): Nesterov's form (default False).
+        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+    """
+
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, *, nesterov: bool = False,
+                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+                 backend: Optional[str] = None):
+        check_nonneg(lr, "lr")
+        check_nonneg(momentum, "momentum", high=1.0, high_open=True)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=bool(nesterov)), nonfinite=nonfinite,
+                         max_client_norm=max_client_norm, backend=backend)
+
+    def _server_step(self, d_views, info):
+        for group, views in zip(self.param_groups, d_views):
+            lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
+            for p, d in zip(group["params"], views):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                b_new = beta * buf.to(d.dtype) + d
+                step = beta * b_new + d if nesterov else b_new
+                commit_(buf, b_new, info.skip)
+                commit_(p, p.to(d.dtype) - lr * step, info.skip)
+        return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))

@@ -1,0 +1,42 @@
+"""FedYogi (Reddi et al., "Adaptive Federated Optimization", ICLR 2021)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._adaptive import AdaptiveServerOptimizer
+from ._base import check_nonneg
+
+
+class FedYogi(AdaptiveServerOptimizer):
+    r"""FedYogi, Reddi et al. 2021 Algorithm 2, on the mean update ``D = sum_i p_i D_i``::
+
+        m <- beta1 m + (1 - beta1) D
+        v <- v - (1 - beta2) D^2 sign(v - D^2)
+        x <- x - lr m / (sqrt(v) + tau)
+
+    ``m`` starts at 0 and ``v`` at ``tau^2``; no bias correction.
+
+    Args:
+        params: the global model's parameters (or param groups).
+        lr (float): server lr (default 1e-2; the paper tunes it per task).
+        betas (tuple): ``(beta1, beta2)`` (default ``(0.9, 0.99)``, the paper's).
+        tau (float): ``> 0`` (default 1e-3).
+        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-3, *,
+                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+                 backend: Optional[str] = None):
+        check_nonneg(lr, "lr")
+        check_nonneg(betas[0], "betas[0]", high=1.0, high_open=True)
+        check_nonneg(betas[1], "betas[1]", high=1.0, high_open=True)
+        check_nonneg(tau, "tau", low_open=True)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), tau=tau), nonfinite=nonfinite,
+                         max_client_norm=max_client_norm, backend=backend)
+
+    def _second_moment(self, group, v, d2):
+        b2 = group["betas"][1]
+        return v - (1 - b2) * d2 * torch.sign(v - d2)

@@ -1,0 +1,87 @@
+"""The differentiable aggregation ``weighted_sum``: values, gradcheck, clients constant."""
+
+import pytest
+import torch
+
+import python_ref.aggregation as ref
+from fedopt_kernels import backends
+from fedopt_kernels.ops import weighted_sum
+
+# The CPU-capable backends present here (the kernel test matrix is elsewhere; this
+# checks the autograd wiring on each).
+BACKENDS = [b for b in ("reference", "cpu", "triton") if backends.why_unavailable(b, torch.device("cpu")) is None]
+
+
+def make(C=4, N=37, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(C, N, generator=g, dtype=dtype)
+    w = torch.rand(C, generator=g, dtype=dtype) + 0.1
+    return X, w
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("as_list", [False, True])
+def test_forward_matches_reference(backend, as_list):
+    X, w = make(dtype=torch.float32)
+    clients = list(X.unbind(0)) if as_list else X
+    out = weighted_sum(clients, w, 0.7, backend=backend)
+    expected, _, _ = ref.aggregate(X, w, 0.7)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("as_list", [False, True])
+def test_gradcheck_float64(backend, as_list):
+    X, w = make()
+    clients = [x.clone() for x in X.unbind(0)] if as_list else X.clone()
+    w = w.requires_grad_(True)
+    gamma = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, g: weighted_sum(clients, a, g, backend=backend), (w, gamma))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_reference_formula(backend):
+    X, w = make()
+    w = w.requires_grad_(True)
+    gamma = torch.tensor(1.3, dtype=torch.float64, requires_grad=True)
+    G = torch.randn(X.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (weighted_sum(X, w, gamma, backend=backend) * G).sum().backward()
+    gw, gg = ref.weighted_sum_backward(X, w.detach(), gamma.detach(), G)
+    torch.testing.assert_close(w.grad, gw)
+    torch.testing.assert_close(gamma.grad, gg)
+    # Against plain autograd through an explicit sum as well.
+    w2 = w.detach().clone().requires_grad_(True)
+    g2 = gamma.detach().clone().requires_grad_(True)
+    ((g2 * (w2[:, None] * X).sum(0)) * G).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+    torch.testing.assert_close(gamma.grad, g2.grad)
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_clients_are_constants(as_list):
+    X, w = make()
+    X = X.requires_grad_(True)
+    clients = list(X.unbind(0)) if as_list else X
+    w = w.requires_grad_(True)
+    out = weighted_sum(clients, w, 1.0)
+    out.sum().backward()
+    assert X.grad is None  # no gradient buffer for the clients
+    assert w.grad is not None
+
+
+def test_gamma_as_number_only_weights_get_grad():
+    X, w = make()
+    w = w.requires_grad_(True)
+    out = weighted_sum(X, w, 2.0)
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, 2.0 * X.sum(1))
+
+
+def test_bad_input():
+    X, w = make()
+    with pytest.raises(ValueError, match="weights"):
+        weighted_sum(X, w[:3], 1.0)
+    with pytest.raises(ValueError, match="gamma"):
+        weighted_sum(X, w, 0.0)
+    with pytest.raises(ValueError, match=r"clients\[1\]"):
+        weighted_sum([X[0], X[1, :5].clone()], w[:2], 1.0)

@@ -65,7 +65,9 @@ class ASNES(ServerOptimizer):
         one = torch.ones((), dtype=dtype, device=device)
         Q = info.sq_norm
         denom = 1 - info.sum_p_sq
-        multi = denom > 0  # at least two clients with weight: a variance can be estimated
+        # At least two clients carry weight: a variance can be estimated (a skipped
+        # round has none, and sum_p_sq = 0 there).
+        multi = (denom > 0) & (info.num_clients >= 2)
         sigma2_raw = (info.mean_sq - Q) / torch.where(multi, denom, one)
         S = torch.where(multi, 1 / torch.where(multi, info.sum_p_sq, one), one)
         nu2_raw = Q - sigma2_raw / S  # from the UNclamped sigma2 (AdaScale)

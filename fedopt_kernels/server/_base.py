@@ -230,7 +230,8 @@ class ServerOptimizer(Optimizer):
         if host:
             check_weight_values(w, "weights")  # reads values: free for host data
             w = w.to(dtype=torch.float64)
-            p = (w / w.sum()).to(device=device, dtype=acc)
+            # non_blocking: a blocking host-to-device copy would wait for the stream.
+            p = (w / w.sum()).to(acc).to(device, non_blocking=True)
             return p, None
         # Device-resident weights: their values cannot be read without a sync.  A
         # non-positive or non-finite total makes the round a skip instead of NaNs.

@@ -251,6 +251,8 @@ class FedLAW:
         """Learn ``(gamma, lambda)`` from this round's client models and write
         ``gamma * sum_i lambda_i w_i`` into the model.  Returns ``(gamma, lambda)``
         (0-d and ``[C]`` tensors; lambda is 0 for clients left out)."""
+        # Re-read every round: the model may have moved device since the last one.
+        self.layout = parameters_layout(self.model)
         rows = self._client_rows(client_models)
         C = len(rows)
         sizes = self._sizes(data_sizes, C)

@@ -382,3 +382,20 @@ def test_parameters_must_share_dtype_and_be_floating():
     with pytest.raises(ValueError, match="one dtype"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     assert len(opt.param_groups) == 1  # the rejected group is not kept
+
+
+def test_weight_forms_are_equivalent():
+    import numpy as np
+
+    U = torch.randn(3, N_PARAMS, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    results = []
+    for w in ([2, 1, 1], np.array([2.0, 1.0, 1.0]), torch.tensor([2, 1, 1]), torch.tensor([0.5, 0.25, 0.25]),
+              [1e308, 5e307, 5e307]):
+        model = make_model()
+        FedAvg(model.parameters()).step(U, w)
+        results.append(parameters_to_vector(model))
+    for r in results[1:]:
+        torch.testing.assert_close(r, results[0], rtol=1e-15, atol=0)
+    model = make_model()
+    FedAvg(model.parameters()).step(U)  # None: uniform
+    torch.testing.assert_close(parameters_to_vector(model), parameters_to_vector(make_model()) - U.mean(0))

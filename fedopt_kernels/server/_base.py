@@ -230,6 +230,7 @@ class ServerOptimizer(Optimizer):
         if host:
             check_weight_values(w, "weights")  # reads values: free for host data
             w = w.to(dtype=torch.float64)
+            w = w / w.max()  # so that the sum cannot overflow
             # non_blocking: a blocking host-to-device copy would wait for the stream.
             p = (w / w.sum()).to(acc).to(device, non_blocking=True)
             return p, None
@@ -248,7 +249,11 @@ class ServerOptimizer(Optimizer):
         weighted by ``weights`` (``[C]``; uniform if None).  Returns :class:`ServerStats`.
 
         All arguments are checked before anything is written: a rejected call changes
-        neither the parameters nor the state.
+        neither the parameters nor the state.  Weights given as Python numbers or CPU
+        tensors are checked by value (finite, ``>= 0``, not all zero); weights already on
+        an accelerator are not (that would synchronise): there, a total that is not a
+        positive finite number skips the round (``stats.skipped``), and negative
+        entries are the caller's responsibility.
         """
         params = self._params()
         if not params:

@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (only Python 3.10+ needed):
+#   make demo   - set up, then run the main job (a federated simulation on digits)
+#   make test   - set up, then run the whole test suite
+# Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
+# extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
+# fedopt_kernels in place.  --no-build-isolation: an isolated build would fetch a second
+# torch to compile against.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.14.1
+MAX_JOBS ?= 2
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fedopt-built
+SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(VENV)/bin/python $(SOURCES)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "setuptools>=64" wheel ninja
+	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --no-build-isolation --quiet -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/fedopt simulate --config examples/digits.toml --out results/digits
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/fedopt bench
+
+clean:
+	rm -rf build *.egg-info fedopt_kernels/*.so

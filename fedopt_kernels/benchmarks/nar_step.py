@@ -1,0 +1,99 @@
+"""Benchmark of one FedNAR step (mode co) against the unfused ways to write it.
+
+Candidates, all on the same parameter list, timed interleaved (``timing.interleaved``):
+
+* ``fused``: ``fedopt_kernels.ops.nar_step_`` on the chosen backend, lr changing every
+  call (free for the fused op: lr is a runtime argument).
+* ``python_ref eager``: the oracle (``python_ref.fednar.nar_step_``).
+* ``torch._foreach``: the best hand-written eager composition (``_foreach_add``,
+  ``_foreach_norm``, ``_foreach_mul_``, ``_foreach_add_``).
+* ``torch.compile(python_ref)``: the oracle compiled, at a fixed lr (its steady state)
+  and with lr changing every call (what FL schedules do); the first call with a new lr
+  is reported separately (recompilation).
+* ``floor``: ATen primitives with the step's memory traffic on flat buffers of the same
+  size: ``torch.dot(g, x)`` (norm pass, 2 words/param) + ``x.add_(g, alpha=a)`` (update
+  pass, 3 words/param).  ``speed vs floor`` = floor time / candidate time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+import python_ref.fednar as ref
+from .. import ops
+from .shapes import numel
+from .timing import interleaved
+
+HYPER = dict(weight_decay=5e-4, max_norm=10.0)
+
+
+def _make(shapes, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [(torch.randn(s, generator=g) * 0.05).to(device=device, dtype=dtype) for s in shapes]
+    grads = [(torch.randn(s, generator=g) * 1e-3).to(device=device, dtype=dtype) for s in shapes]
+    return params, grads
+
+
+def foreach_nar_step_(params, grads, *, lr, weight_decay, max_norm):
+    """FedNAR (co) with torch._foreach_* ops: the best unfused eager version."""
+    v = torch._foreach_add(grads, params, alpha=weight_decay)
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(v)))
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(v, scale)
+    torch._foreach_add_(params, v, alpha=-lr)
+    return norm
+
+
+def _lr_sequence():
+    """A new lr every call, as with per-step decay."""
+    state = {"lr": 0.01}
+
+    def next_lr():
+        state["lr"] *= 0.999
+        return state["lr"]
+
+    return next_lr
+
+
+def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device="cpu", repeats: int = 15,
+                   include_compile: bool = True) -> list:
+    device = torch.device(device)
+    params, grads = _make(shapes, device)
+    n = numel(shapes)
+    next_lr = _lr_sequence()
+    x_flat = torch.randn(n, device=device)
+    g_flat = torch.randn(n, device=device) * 1e-3
+
+    candidates = {
+        "fused": lambda: ops.nar_step_(params, grads, lr=next_lr(), backend=backend, **HYPER),
+        "python_ref eager": lambda: ref.nar_step_(params, grads, lr=next_lr(), **HYPER),
+        "torch._foreach": lambda: foreach_nar_step_(params, grads, lr=next_lr(), **HYPER),
+        "floor (dot + add_)": lambda: (torch.dot(g_flat, x_flat), x_flat.add_(g_flat, alpha=-1e-6)),
+    }
+    extra = {}
+    if include_compile:
+        torch._dynamo.reset()
+        compiled = torch.compile(ref.nar_step_)
+        compiled(params, grads, lr=0.01, **HYPER)  # compile for a fixed lr
+        candidates["torch.compile steady lr"] = lambda: compiled(params, grads, lr=0.01, **HYPER)
+        start = time.perf_counter()
+        compiled(params, grads, lr=0.02, **HYPER)  # the first new lr recompiles
+        extra["torch.compile first new lr"] = time.perf_counter() - start
+        candidates["torch.compile lr changes"] = lambda: compiled(params, grads, lr=next_lr(), **HYPER)
+
+    times = interleaved(candidates, repeats=repeats, device=device)
+    times.update(extra)
+    floor = times["floor (dot + add_)"]
+    rows = []
+    for name, seconds in times.items():
+        rows.append({
+            "benchmark": f"nar_step {label}",
+            "case": name,
+            "ms": seconds * 1e3,
+            "vs floor": floor / seconds if name != "torch.compile first new lr" else float("nan"),
+            "time / fused": seconds / times["fused"],
+        })
+    return rows

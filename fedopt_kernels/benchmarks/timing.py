@@ -1,0 +1,37 @@
+"""Interleaved timing: the only fair comparison on a shared, noisy machine.
+
+Every candidate runs once per repetition, in the same repetition, one after another,
+so a burst of noise hits all of them alike; the summary is the median.  Wall-clock
+numbers are never asserted anywhere: only ratios measured in the same run are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(candidates: Dict[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 2,
+                device: torch.device = torch.device("cpu")) -> Dict[str, float]:
+    """Median seconds per call of each candidate, timed round-robin."""
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples: Dict[str, list] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}

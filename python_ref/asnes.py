@@ -43,7 +43,7 @@ the bias correction), and ``r`` uses the averages with this round's ``S_eff``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

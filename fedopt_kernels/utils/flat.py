@@ -75,7 +75,8 @@ class FlatLayout:
                 "into one vector; flatten them separately")
         devices = {t.device for _, t in named}
         if len(devices) > 1:
-            raise ValueError(f"all tensors must be on one device to share a flat vector, got {sorted(map(str, devices))}")
+            raise ValueError(f"all tensors must be on one device to share a flat vector, "
+                             f"got {sorted(map(str, devices))}")
         if device is None:
             device = devices.pop() if devices else torch.device("cpu")
         if dtype is None:

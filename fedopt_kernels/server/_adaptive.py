@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import ServerOptimizer, commit_
+from ._base import ServerOptimizer, axpy, commit_
 
 
 class AdaptiveServerOptimizer(ServerOptimizer):
@@ -28,9 +28,10 @@ class AdaptiveServerOptimizer(ServerOptimizer):
                     # Reddi et al. require v_{-1} >= tau^2; start at tau^2.
                     state["exp_avg_sq"] = torch.full_like(p, tau * tau, memory_format=torch.preserve_format)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                m_new = b1 * m.to(d.dtype) + (1 - b1) * d
+                m_new = axpy(m.to(d.dtype) * b1, 1 - b1, d)  # b1 m + (1 - b1) D
                 v_new = self._second_moment(group, v.to(d.dtype), d * d)
-                x_new = p.to(d.dtype) - lr * m_new / (torch.sqrt(v_new) + tau)
+                denom = torch.sqrt(v_new).add_(tau)
+                x_new = p.to(d.dtype) - (m_new / denom).mul_(lr)
                 commit_(m, m_new, info.skip)
                 commit_(v, v_new, info.skip)
                 commit_(p, x_new, info.skip)

@@ -96,8 +96,18 @@ class RoundInfo:
 
 
 def commit_(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
-    """``dst <- new`` unless ``skip`` (a 0-d bool tensor): exact bits kept on a skip."""
-    dst.copy_(torch.where(skip, dst, new.to(dst.dtype)))
+    """``dst <- new`` unless ``skip`` (a 0-d bool tensor): exact bits kept on a skip.
+
+    One elementwise pass on the device whatever ``skip`` is (no host sync).
+    """
+    torch.where(skip, dst, new.to(dst.dtype), out=dst)
+
+
+def axpy(y: torch.Tensor, a, x: torch.Tensor) -> torch.Tensor:
+    """A new ``y + a * x`` in one pass (``a`` a number or a 0-d tensor)."""
+    if isinstance(a, torch.Tensor):
+        return torch.addcmul(y, a.to(x.dtype), x)
+    return torch.add(y, x, alpha=a)
 
 
 def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[float] = None,

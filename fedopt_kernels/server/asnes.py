@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, check_nonneg, commit_
+from ._base import ServerOptimizer, axpy, check_nonneg, commit_
 
 SIGMA2_MIN = 1e-6  # AdaScale's floor on the variance estimate
 
@@ -104,8 +104,8 @@ class ASNES(ServerOptimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 u = state["momentum_buffer"]
-                u_new = beta * u.to(d.dtype) + d  # eq. 4a
-                v = beta * u_new + d  # eq. 4b
+                u_new = axpy(d, beta, u.to(d.dtype))  # eq. 4a: beta u + D
+                v = axpy(d, beta, u_new)  # eq. 4b: beta u + D
                 commit_(u, u_new, info.skip)
-                commit_(p, p.to(d.dtype) - scale * v, info.skip)  # eq. 4c
+                commit_(p, axpy(p.to(d.dtype), -scale, v), info.skip)  # eq. 4c
         return dict(lr_scale=r, gain_ratio=r, sigma2=sigma2, nu2=nu2)

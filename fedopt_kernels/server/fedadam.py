@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from ._adaptive import AdaptiveServerOptimizer
-from ._base import check_nonneg
+from ._base import axpy, check_nonneg
 
 
 class FedAdam(AdaptiveServerOptimizer):
@@ -39,4 +39,4 @@ class FedAdam(AdaptiveServerOptimizer):
 
     def _second_moment(self, group, v, d2):
         b2 = group["betas"][1]
-        return b2 * v + (1 - b2) * d2
+        return axpy(v * b2, 1 - b2, d2)

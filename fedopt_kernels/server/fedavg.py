@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, check_nonneg, commit_
+from ._base import ServerOptimizer, axpy, check_nonneg, commit_
 
 
 class FedAvg(ServerOptimizer):
@@ -39,7 +39,10 @@ class FedAvg(ServerOptimizer):
     def _server_step(self, d_views, info):
         for group, views in zip(self.param_groups, d_views):
             lr, gamma = group["lr"], group["gamma"]
+            shrink = isinstance(gamma, torch.Tensor) or gamma != 1.0
             for p, d in zip(group["params"], views):
-                x = p.to(d.dtype)
-                commit_(p, gamma * (x - lr * d), info.skip)
+                new = axpy(p.to(d.dtype), -lr, d)  # x - lr D
+                if shrink:
+                    new.mul_(gamma)
+                commit_(p, new, info.skip)
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))

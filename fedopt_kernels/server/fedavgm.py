@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, check_nonneg, commit_
+from ._base import ServerOptimizer, axpy, check_nonneg, commit_
 
 
 class FedAvgM(ServerOptimizer):
@@ -41,8 +41,8 @@ class FedAvgM(ServerOptimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
-                b_new = beta * buf.to(d.dtype) + d
-                step = beta * b_new + d if nesterov else b_new
+                b_new = axpy(d, beta, buf.to(d.dtype))  # beta b + D
+                step = axpy(d, beta, b_new) if nesterov else b_new
                 commit_(buf, b_new, info.skip)
-                commit_(p, p.to(d.dtype) - lr * step, info.skip)
+                commit_(p, axpy(p.to(d.dtype), -lr, step), info.skip)
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))

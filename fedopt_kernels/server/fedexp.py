@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, check_nonneg, commit_
+from ._base import ServerOptimizer, axpy, check_nonneg, commit_
 
 
 class FedExP(ServerOptimizer):
@@ -62,5 +62,5 @@ class FedExP(ServerOptimizer):
             first = eta_g if first is None else first
             scale = group["lr"] * eta_g
             for p, d in zip(group["params"], views):
-                commit_(p, p.to(d.dtype) - scale * d, info.skip)
+                commit_(p, axpy(p.to(d.dtype), -scale, d), info.skip)
         return dict(lr_scale=first)

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._adaptive import AdaptiveServerOptimizer
-from ._base import check_nonneg
+from ._base import axpy, check_nonneg
 
 
 class FedYogi(AdaptiveServerOptimizer):
@@ -39,4 +39,4 @@ class FedYogi(AdaptiveServerOptimizer):
 
     def _second_moment(self, group, v, d2):
         b2 = group["betas"][1]
-        return v - (1 - b2) * d2 * torch.sign(v - d2)
+        return axpy(v, -(1 - b2), torch.sign(v - d2).mul_(d2))  # v - (1 - b2) D^2 sign(v - D^2)

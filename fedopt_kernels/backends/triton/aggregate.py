@@ -1,0 +1,105 @@
+"""Triton kernels of the weighted aggregation (``aggregate``) and of its backward
+(``client_dots``).
+
+Both are one pass over the clients: program ``p`` owns columns
+``[p * BLOCK, (p + 1) * BLOCK)`` and loops over the clients (addresses from a pointer
+table), so every client element is read once and ``out`` written once.  Per-client
+sums are written as one partial per (client, program); ``row_sum_kernel`` then adds
+each row of partials in a fixed order (deterministic, no float atomics).  The finalize
+is a separate, tiny launch: nothing later in the pass could combine the partials
+(unlike the FedNAR update kernel), and it also writes the zero statistics of a
+disabled call.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import _helpers as H
+
+
+@triton.jit
+def _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
+                     DTYPE: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr,
+                     BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    offs = H.block_offsets(pid * BLOCK, BLOCK, ALIGNED)
+    total = tl.zeros([BLOCK], ACC)
+    for i in range(C):
+        x_ptr = H.table_ptr(tl.load(ctab_ptr + i), DTYPE, ALIGNED)
+        x = H.load_block(x_ptr, offs, N, ACC, MASKED)
+        w = tl.load(w_ptr + i).to(ACC)
+        tl.store(part_ptr + i * nblk + pid, tl.sum(x * x, axis=0))
+        # weight exactly 0: exactly 0 (never 0 * nan)
+        total = total + tl.where(w != 0.0, w * x, 0.0)
+    tl.store(part_ptr + C * nblk + pid, tl.sum(total * total, axis=0))
+    H.store_block(out_ptr, offs, N, gamma * total, MASKED)
+
+
+@triton.jit(do_not_specialize=["gamma_value", "C", "N", "nblk"])
+def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, en_ptr, gamma_ptr,
+                     gamma_value: tl.float64, C, N, nblk,
+                     DTYPE: tl.constexpr, ACC: tl.constexpr, HAS_EN: tl.constexpr,
+                     GAMMA_KIND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """For the columns ``J`` of program ``p`` (``nblk`` programs), in acc dtype::
+
+        total_J          = sum_i (w_i * X_i[J] if w_i != 0 else 0)   (i = 0, 1, ... in order)
+        out[J]           = gamma * total_J          (cast to out's dtype)
+        part[i, p]       = sum_J X_i[J]^2           (i < C)
+        part[C, p]       = sum_J total_J^2
+
+    With ``enabled`` false (read here) nothing is read or written.  Grid: ``nblk``.
+    """
+    run = True
+    if HAS_EN:
+        run = tl.load(en_ptr) != 0
+    if run:
+        pid = tl.program_id(0).to(tl.int64)
+        gamma = H.load_hyper(gamma_value, gamma_ptr, 0, GAMMA_KIND, ACC)
+        if (pid + 1) * BLOCK <= N:
+            _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
+                             DTYPE, ACC, ALIGNED, BLOCK, False)
+        else:
+            _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
+                             DTYPE, ACC, ALIGNED, BLOCK, True)
+
+
+@triton.jit
+def _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE: tl.constexpr,
+                ACC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                MASKED: tl.constexpr):
+    offs = H.block_offsets(pid * BLOCK, BLOCK, ALIGNED)
+    g = H.load_block(g_ptr, offs, N, ACC, MASKED)
+    for i in range(C):
+        x_ptr = H.table_ptr(tl.load(ctab_ptr + i), DTYPE, ALIGNED)
+        x = H.load_block(x_ptr, offs, N, ACC, MASKED)
+        tl.store(part_ptr + i * nblk + pid, tl.sum(x * g, axis=0))
+
+
+@triton.jit(do_not_specialize=["C", "N", "nblk"])
+def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, C, N, nblk,
+                       DTYPE: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """``part[i, p] = sum_{J of program p} X_i[J] * g[J]`` (acc dtype).  Grid: ``nblk``."""
+    pid = tl.program_id(0).to(tl.int64)
+    if (pid + 1) * BLOCK <= N:
+        _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE, ACC, ALIGNED, BLOCK, False)
+    else:
+        _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE, ACC, ALIGNED, BLOCK, True)
+
+
+@triton.jit(do_not_specialize=["nblk"])
+def row_sum_kernel(part_ptr, res_ptr, en_ptr, nblk, ACC: tl.constexpr, HAS_EN: tl.constexpr,
+                   PBLOCK: tl.constexpr):
+    """``res[r] = sum(part[r, :nblk])`` in a fixed order; 0 when ``enabled`` is false.
+
+    Grid: one program per row.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    run = True
+    if HAS_EN:
+        run = tl.load(en_ptr) != 0
+    if run:
+        tl.store(res_ptr + r, H.sum_range(part_ptr, r * nblk, (r + 1) * nblk, ACC, PBLOCK))
+    else:
+        tl.store(res_ptr + r, tl.full((), 0.0, ACC))

@@ -1,0 +1,200 @@
+"""Ahead-of-time compile every Triton kernel variant of the triton backend for sm_80 and
+sm_90 (no GPU needed) and print one JSON report on stdout.
+
+Run with TRITON_INTERPRET unset (under the interpreter ``triton.jit`` returns an
+interpreted function that cannot be compiled); tests/test_triton_aot.py runs it in a
+subprocess.  ``python tests/_aot_compile.py [--quick]`` also works by hand.
+
+For every variant and arch it records: PTX and cubin produced, the global load/store
+instructions of the PTX by kind, and (sm_90a, and sm_80 too) ptxas' registers and spill
+bytes.  Signatures mirror what the launches in fedopt_kernels/backends/triton/__init__.py
+pass: pointer arguments the runtime sees as 16-byte aligned (torch allocations) carry
+the ``tt.divisibility = 16`` attribute the JIT would specialize them with; pointers read
+from tables get their alignment only through the ALIGNED constexpr.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import importlib  # noqa: E402
+
+import fedopt_kernels.backends.triton as TB  # noqa: E402
+
+# The package's ``aggregate`` attribute is the contract function (it shadows the
+# submodule of the same name), so the kernel modules are fetched by their full names.
+A = importlib.import_module("fedopt_kernels.backends.triton.aggregate")
+N = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
+
+PTXAS = os.environ.get("PTXAS", "/usr/local/cuda-13.0/bin/ptxas")
+ARCHS = (80, 90)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+D16 = [["tt.divisibility", 16]]
+TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def _sig(fn, types: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = "constexpr" if name in constexprs else types[name]
+    return sig
+
+
+def _attrs(fn, aligned_ptrs) -> dict:
+    return {(fn.arg_names.index(n),): D16 for n in aligned_ptrs}
+
+
+def variants(quick: bool = False):
+    """Every kernel, every data dtype x ALIGNED, and the other constexpr flags so that
+    each of their values is compiled at least once per dtype."""
+    out = []
+    for dt in DTYPES:
+        acc = TB.acc_dtype(dt)
+        a = "*" + TY[acc]
+        block, warps = TB.launch_config(dt)
+        base = dict(DTYPE=TB.TL_DTYPES[dt], ACC=TB.TL_DTYPES[acc], BLOCK=block)
+        for aligned in (False, True):
+            # ---- FedNAR norm: (MODE, WD_KIND, HAS_GS); grad and none compile alike.
+            fn = N.nar_norm_kernel
+            types = dict(tab_ptr="*i64", part_ptr=a, wd_ptr=a, gs_ptr=a, wd_value="fp64")
+            flags = [(0, 0, False), (1, 1, True), (0, 2, True), (2, 0, False)]
+            for mode, wdk, gs in flags[:2] if quick else flags:
+                cx = dict(base, MODE=mode, WD_KIND=wdk, HAS_GS=gs, ALIGNED=aligned)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                                ptrs=["tab_ptr", "part_ptr", "wd_ptr", "gs_ptr"]))
+            # ---- FedNAR update: (MODE, LR_KIND, WD_KIND, HAS_MOM, HAS_GS, HAS_FI, FINALIZED)
+            fn = N.nar_update_kernel
+            types = dict(tab_ptr="*i64", part_ptr=a, norm_ptr=a, scale_ptr=a, skip_ptr="*i1", lr_ptr=a,
+                         wd_ptr=a, gs_ptr=a, fi_ptr="*fp32", lr_value="fp64", wd_value="fp64",
+                         max_norm="fp64", momentum="fp64")
+            flags = [(0, 0, 0, False, False, False, False), (0, 1, 1, True, True, True, False),
+                     (1, 2, 2, True, False, True, True), (1, 0, 0, False, True, False, False),
+                     (2, 1, 0, True, False, False, False), (2, 0, 2, False, True, True, True)]
+            for mode, lrk, wdk, mom, gs, fi, fin in flags[:2] if quick else flags:
+                cx = dict(base, MODE=mode, LR_KIND=lrk, WD_KIND=wdk, HAS_MOM=mom, HAS_GS=gs, HAS_FI=fi,
+                          FINALIZED=fin, ALIGNED=aligned, PBLOCK=TB.PBLOCK)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                                ptrs=[n for n in types if n.endswith("_ptr")]))
+            # ---- aggregate: out in the clients' dtype or in acc; (HAS_EN, GAMMA_KIND)
+            fn = A.aggregate_kernel
+            flags = [(dt, False, 0), (acc, True, 1)]
+            for out_dt, en, gk in flags[:1] if quick else flags:
+                types = dict(ctab_ptr="*i64", w_ptr=a, out_ptr="*" + TY[out_dt], part_ptr=a, en_ptr="*i1",
+                             gamma_ptr=a, gamma_value="fp64", C="i64", N="i64", nblk="i64")
+                cx = dict(base, HAS_EN=en, GAMMA_KIND=gk, ALIGNED=aligned)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                                ptrs=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "en_ptr", "gamma_ptr"]))
+            # ---- client_dots: g in the clients' dtype or in acc
+            fn = A.client_dots_kernel
+            for g_dt in ((dt,) if quick else tuple(dict.fromkeys((dt, acc)))):
+                types = dict(ctab_ptr="*i64", g_ptr="*" + TY[g_dt], part_ptr=a, C="i64", N="i64", nblk="i64")
+                cx = dict(base, ALIGNED=aligned)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                                ptrs=["ctab_ptr", "g_ptr", "part_ptr"]))
+    # ---- finalize kernels (no data dtype, no table pointers)
+    for acc in (torch.float32, torch.float64):
+        a = "*" + TY[acc]
+        fn = N.group_sum_kernel
+        out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], PBLOCK=TB.PBLOCK),
+                        types=dict(groups_ptr="*i64", part_ptr=a, sums_ptr=a), warps=TB.SMALL_NUM_WARPS,
+                        dtype=acc, aligned=None, ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
+        fn = A.row_sum_kernel
+        for en in (False, True):
+            out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], HAS_EN=en, PBLOCK=TB.PBLOCK),
+                            types=dict(part_ptr=a, res_ptr=a, en_ptr="*i1", nblk="i64"),
+                            warps=TB.SMALL_NUM_WARPS, dtype=acc, aligned=None,
+                            ptrs=["part_ptr", "res_ptr", "en_ptr"]))
+    return out
+
+
+_MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global\.[\w.]+)")
+
+
+def mem_ops(ptx: str) -> dict:
+    counts = collections.Counter()
+    for line in ptx.splitlines():
+        m = _MEM.match(line)
+        if m:
+            counts[m.group(1)] += 1
+    return dict(counts)
+
+
+def ptxas_info(ptx: str, arch: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([PTXAS, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill_st = re.search(r"(\d+) bytes spill stores", text)
+    spill_ld = re.search(r"(\d+) bytes spill loads", text)
+    return dict(rc=r.returncode, registers=int(regs.group(1)) if regs else None,
+                spill_stores=int(spill_st.group(1)) if spill_st else None,
+                spill_loads=int(spill_ld.group(1)) if spill_ld else None,
+                log=text[-2000:] if r.returncode else "")
+
+
+def compile_one(v, cc: int) -> dict:
+    fn = v["kernel"]
+    src = ASTSource(fn=fn, signature=_sig(fn, v["types"], v["cx"]), constexprs=v["cx"],
+                    attrs=_attrs(fn, v["ptrs"]))
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=v["warps"]))
+    ptx = k.asm["ptx"]
+    rec = dict(ptx_bytes=len(ptx), cubin_bytes=len(k.asm.get("cubin", b"")), mem=mem_ops(ptx),
+               target=re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1))
+    if os.path.exists(PTXAS):
+        rec["ptxas"] = ptxas_info(ptx, "sm_90a" if cc == 90 else "sm_80")
+    return rec
+
+
+_QUICK = False
+
+
+def run_variant(index: int) -> dict:
+    v = variants(_QUICK)[index]
+    entry = dict(kernel=v["kernel"].__name__, dtype=str(v["dtype"]).replace("torch.", ""),
+                 aligned=v["aligned"], warps=v["warps"],
+                 constexprs={k: (str(x) if isinstance(x, tl.dtype) else x) for k, x in v["cx"].items()},
+                 archs={})
+    for cc in ARCHS:
+        try:
+            entry["archs"][f"sm_{cc}"] = compile_one(v, cc)
+        except Exception as exc:  # reported, the test fails on it
+            entry["archs"][f"sm_{cc}"] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
+    return entry
+
+
+def main():
+    global _QUICK
+    _QUICK = "--quick" in sys.argv
+    jobs = int(os.environ.get("FEDOPT_AOT_JOBS", min(4, os.cpu_count() or 1)))
+    count = len(variants(_QUICK))
+    if jobs > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(jobs) as pool:
+            results = pool.map(run_variant, range(count), chunksize=1)
+    else:
+        results = [run_variant(i) for i in range(count)]
+    json.dump(dict(triton=triton.__version__, ptxas=os.path.exists(PTXAS), results=results), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Ahead-of-time compilation of every Triton kernel variant for sm_80 and sm_90 (no GPU
+needed): PTX and cubin are produced, the ALIGNED variants use 16-byte vector accesses,
+the unaligned ones do not, and ptxas reports no spills.
+
+The compile runs in a subprocess (tests/_aot_compile.py) with TRITON_INTERPRET unset:
+under the interpreter ``triton.jit`` returns interpreted functions that cannot be
+compiled, and conftest.py sets it for the other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "_aot_compile.py")
+# Kernels that reach their data through a pointer table (ALIGNED matters for them).
+TABLE_KERNELS = {"nar_norm_kernel", "nar_update_kernel", "aggregate_kernel", "client_dots_kernel"}
+MAX_REGISTERS = 96  # streaming kernels: keep occupancy high (64K regs / 256 threads / 2 CTAs = 128)
+
+
+def _vector_load(dtype: str) -> str:
+    # 16 bytes per access: 4 x b32 (4 floats or 8 halves), or 2 x b64 (2 doubles)
+    return "ld.global.v2.b64" if dtype == "float64" else "ld.global.v4.b32"
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def _entries(report):
+    return [(e, arch, r) for e in report["results"] for arch, r in e["archs"].items()]
+
+
+def _name(e, arch):
+    cx = {k: v for k, v in e["constexprs"].items() if k not in ("DTYPE", "ACC", "BLOCK", "PBLOCK")}
+    return f"{e['kernel']}[{e['dtype']}, {arch}, {cx}]"
+
+
+def test_every_variant_compiles_to_ptx_and_cubin(report):
+    kernels = {e["kernel"] for e in report["results"]}
+    assert kernels == TABLE_KERNELS | {"group_sum_kernel", "row_sum_kernel"}
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for k in TABLE_KERNELS:
+            assert {e["aligned"] for e in report["results"] if e["kernel"] == k and e["dtype"] == dtype} == {True, False}
+    for e, arch, r in _entries(report):
+        assert "error" not in r, f"{_name(e, arch)}: {r.get('error')}"
+        assert r["ptx_bytes"] > 0 and r["cubin_bytes"] > 0, _name(e, arch)
+        assert r["target"] == ("sm_90a" if arch == "sm_90" else "sm_80"), (_name(e, arch), r["target"])
+
+
+def test_aligned_variants_use_16_byte_vector_accesses(report):
+    for e, arch, r in _entries(report):
+        if e["kernel"] not in TABLE_KERNELS or not e["aligned"]:
+            continue
+        vec = _vector_load(e["dtype"])
+        assert r["mem"].get(vec, 0) > 0, f"{_name(e, arch)} has no {vec}: {r['mem']}"
+        if e["kernel"] == "nar_update_kernel":
+            st = vec.replace("ld.", "st.")
+            assert r["mem"].get(st, 0) > 0, f"{_name(e, arch)} has no {st}: {r['mem']}"
+
+
+def test_unaligned_variants_use_scalar_table_accesses(report):
+    for e, arch, r in _entries(report):
+        if e["kernel"] not in TABLE_KERNELS or e["aligned"]:
+            continue
+        vector_loads = {k: v for k, v in r["mem"].items() if k.startswith("ld.global.v")}
+        if e["kernel"] == "client_dots_kernel":
+            continue  # g is a kernel argument: the JIT's own alignment specialization vectorizes it
+        assert not vector_loads, f"{_name(e, arch)} vectorizes loads through unchecked pointers: {vector_loads}"
+
+
+def test_ptxas_registers_and_no_spills(report):
+    if not report["ptxas"]:
+        pytest.skip("ptxas not found (set PTXAS=/path/to/ptxas)")
+    for e, arch, r in _entries(report):
+        info = r["ptxas"]
+        assert info["rc"] == 0, f"{_name(e, arch)}: {info['log']}"
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (_name(e, arch), info)
+        assert info["registers"] <= MAX_REGISTERS, (_name(e, arch), info["registers"])

@@ -1,0 +1,426 @@
+// CUDA kernels of the weighted aggregation (`fedopt_C::aggregate`) and of its backward
+// (`fedopt_C::client_dots`).  Formulas: DESIGN.md section 1, python_ref/aggregation.py.
+//
+// One pass over the data (DESIGN.md section 4: each client read once, out written once):
+//
+//  * rows_kernel: block b owns the column tiles b, b + nb, b + 2 nb, ... (a tile is
+//    256 threads x 2 vectors of 16 bytes: 2048 fp32 / 4096 fp16 / 1024 fp64 columns).
+//    For each tile it loops over the clients in order, keeps the weighted column sums
+//    in registers (aggregate) or the tile of g (client_dots), and reduces each client's
+//    tile contribution (x^2 or x*g) with a fixed warp shuffle tree; warp sums are staged
+//    in shared memory for a batch of 32 clients, then thread k < 32 adds the 8 warp sums
+//    of client i0+k in warp order and accumulates them into partials[i][b] (only that
+//    thread of block b ever touches that slot, so a plain read-modify-write, no atomics).  Aggregate then
+//    writes out = gamma * sum for the tile and accumulates ||sum||^2 of its valid
+//    columns, reduced per block into partials[C][b].
+//  * finalize_rows_kernel: block r adds partials[r][0..nb) in a fixed order (strided
+//    per thread, then block_sum) into client_sq_norms[r] / sq_norm (or dots[r]).
+//
+// nb = min(number of tiles, 1024): it depends only on N and the dtype, never on the
+// device, so results are bitwise reproducible; partials are (C + 1) x nb acc values.
+// A client with weight exactly 0 is never multiplied (no 0 * nan in out) but its
+// ||X_i||^2 is still computed.  `enabled` (0-d bool on the device) is read by the
+// kernels: when false rows_kernel returns at once (out untouched) and the finalize
+// kernel writes zeros, so there is no host sync.
+//
+// Clients: a [C, N] tensor (client i at base + i * N, nothing uploaded), one 1-D tensor,
+// or a list of C 1-D tensors whose addresses are uploaded as one int64 table (pinned
+// host tensor + non_blocking copy on the current stream, see upload_table).  The
+// vectorised variant (16-byte loads/stores) runs when every client, out / g, and for
+// [C, N] the row length in bytes, are 16-byte aligned; a scalar variant otherwise.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <limits>
+#include <vector>
+
+#include "fedopt/cuda_utils.cuh"
+#include "ops.h"
+
+namespace fedopt {
+namespace cuda {
+namespace {
+
+constexpr int kUnroll = 2;         // 16-byte vectors per thread per client per tile
+constexpr int kClientBatch = 32;   // clients whose warp sums are staged before one combine
+constexpr int64_t kMaxBlocks = 1024;
+static_assert(kClientBatch <= kThreads, "one combining thread per staged client");
+
+template <typename scalar_t>
+constexpr int64_t tile_size() {
+  return static_cast<int64_t>(kThreads) * vec16<scalar_t>() * kUnroll;
+}
+
+template <typename acc_t>
+struct RowsArgs {
+  const int64_t* ptrs;  // client i at ptrs[i] when set, else at base + i * row_stride elements
+  int64_t base;
+  int64_t row_stride;
+  int64_t C, N, num_tiles;
+  // aggregate
+  const acc_t* weights;  // [C]
+  acc_t gamma;
+  const acc_t* gamma_ptr;  // when set, gamma = *gamma_ptr
+  const bool* enabled;     // when set and false: nothing is written
+  void* out;               // [N] of out_t
+  // client_dots
+  const void* g;  // [N] of other_t
+  acc_t* partials;  // [rows][nb], rows = C (+ 1 for ||sum||^2 in aggregate)
+};
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ const scalar_t* client_ptr(const RowsArgs<acc_t>& a, int64_t i) {
+  return a.ptrs != nullptr ? reinterpret_cast<const scalar_t*>(a.ptrs[i])
+                           : reinterpret_cast<const scalar_t*>(a.base) + i * a.row_stride;
+}
+
+// Column of tile slot j of this thread.  Vectorised: slot j is element j % VEC of the
+// (j / VEC)-th vector of the thread, vectors interleaved across the block (coalesced);
+// scalar: slot j is column j * kThreads + threadIdx.x of the tile.
+template <bool kAligned, int VEC>
+__device__ __forceinline__ int64_t tile_column(int64_t tile0, int j) {
+  if constexpr (kAligned) {
+    return tile0 + (static_cast<int64_t>(j / VEC) * kThreads + threadIdx.x) * VEC + j % VEC;
+  } else {
+    return tile0 + static_cast<int64_t>(j) * kThreads + threadIdx.x;
+  }
+}
+
+// v[j] = p[tile_column(j)] as acc_t, 0 past the end n.  T may be wider than the VEC
+// elements' 16 bytes (acc-dtype out/g with fp16 clients): load_vec then issues 2 loads.
+template <bool kAligned, int VEC, int EPT, typename T, typename acc_t>
+__device__ __forceinline__ void load_tile(const T* p, int64_t tile0, int64_t n, acc_t (&v)[EPT]) {
+  if constexpr (kAligned) {
+#pragma unroll
+    for (int u = 0; u < EPT / VEC; ++u) {
+      const int64_t e = tile0 + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * VEC;
+      if (e + VEC <= n) {
+        load_vec<VEC>(p + e, v + u * VEC);
+      } else {
+#pragma unroll
+        for (int r = 0; r < VEC; ++r) v[u * VEC + r] = e + r < n ? load_one<acc_t>(p + e + r) : acc_t(0);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+      const int64_t e = tile_column<false, VEC>(tile0, j);
+      v[j] = e < n ? load_one<acc_t>(p + e) : acc_t(0);
+    }
+  }
+}
+
+// p[tile_column(j)] = scale * v[j] for the columns < n.
+template <bool kAligned, int VEC, int EPT, typename T, typename acc_t>
+__device__ __forceinline__ void store_tile(T* p, int64_t tile0, int64_t n, const acc_t (&v)[EPT], acc_t scale) {
+  if constexpr (kAligned) {
+#pragma unroll
+    for (int u = 0; u < EPT / VEC; ++u) {
+      const int64_t e = tile0 + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * VEC;
+      acc_t s[VEC];
+#pragma unroll
+      for (int r = 0; r < VEC; ++r) s[r] = scale * v[u * VEC + r];
+      if (e + VEC <= n) {
+        store_vec<VEC>(p + e, s);
+      } else {
+#pragma unroll
+        for (int r = 0; r < VEC; ++r)
+          if (e + r < n) store_one(p + e + r, s[r]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < EPT; ++j) {
+      const int64_t e = tile_column<false, VEC>(tile0, j);
+      if (e < n) store_one(p + e, scale * v[j]);
+    }
+  }
+}
+
+// kDots = false: aggregate (other_t = out's dtype).  kDots = true: client_dots
+// (other_t = g's dtype).  See the header comment for the reduction order.
+template <typename scalar_t, typename other_t, bool kAligned, bool kDots>
+__global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmath_type<scalar_t>> a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int VEC = vec16<scalar_t>();
+  constexpr int EPT = VEC * kUnroll;
+  constexpr int64_t TILE = static_cast<int64_t>(kThreads) * EPT;
+  __shared__ acc_t staged[kClientBatch][kWarps];
+  __shared__ acc_t smem[kWarps];
+  if (!kDots && a.enabled != nullptr && !*a.enabled) return;  // block-uniform
+
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t nb = gridDim.x;
+  acc_t gamma = acc_t(1);
+  if constexpr (!kDots) gamma = a.gamma_ptr != nullptr ? *a.gamma_ptr : a.gamma;
+  acc_t sq_sum = acc_t(0);  // this thread's share of ||sum_i w_i X_i||^2 (aggregate)
+
+  for (int64_t tile = blockIdx.x; tile < a.num_tiles; tile += nb) {
+    const int64_t tile0 = tile * TILE;
+    const bool first = tile == static_cast<int64_t>(blockIdx.x);
+    acc_t other[EPT];  // kDots: g of this tile; else: sum_i w_i x_i of this tile
+    if constexpr (kDots) {
+      load_tile<kAligned, VEC>(static_cast<const other_t*>(a.g), tile0, a.N, other);
+    } else {
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) other[j] = acc_t(0);
+    }
+    for (int64_t i0 = 0; i0 < a.C; i0 += kClientBatch) {
+      const int kb = static_cast<int>(a.C - i0 < kClientBatch ? a.C - i0 : kClientBatch);
+      // Thread k < kb combines client i0 + k of this batch into its slot of partials
+      // (only this thread of this block ever touches that slot).  The slot's previous
+      // value is fetched now so the read overlaps the batch's loads instead of stalling
+      // the block between the two barriers.
+      const bool combiner = static_cast<int>(threadIdx.x) < kb;
+      acc_t* slot = a.partials + (i0 + threadIdx.x) * nb + blockIdx.x;
+      acc_t prev = acc_t(0);
+      if (combiner && !first) prev = *slot;
+      for (int k = 0; k < kb; ++k) {
+        const int64_t i = i0 + k;
+        acc_t x[EPT];
+        load_tile<kAligned, VEC>(client_ptr<scalar_t>(a, i), tile0, a.N, x);
+        acc_t s = acc_t(0);
+        if constexpr (kDots) {
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) s += x[j] * other[j];
+        } else {
+#pragma unroll
+          for (int j = 0; j < EPT; ++j) s += x[j] * x[j];
+          const acc_t w = a.weights[i];
+          if (w != acc_t(0)) {  // weight 0 adds exactly 0: x (maybe nan) is not multiplied
+#pragma unroll
+            for (int j = 0; j < EPT; ++j) other[j] += w * x[j];
+          }
+        }
+        s = warp_sum(s);
+        if (lane == 0) staged[k][warp] = s;
+      }
+      __syncthreads();
+      if (combiner) {
+        acc_t t = staged[threadIdx.x][0];
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) t += staged[threadIdx.x][w];
+        *slot = first ? t : prev + t;
+      }
+      __syncthreads();  // staged is rewritten by the next batch
+    }
+    if constexpr (!kDots) {
+#pragma unroll
+      for (int j = 0; j < EPT; ++j)
+        if (tile_column<kAligned, VEC>(tile0, j) < a.N) sq_sum += other[j] * other[j];
+      store_tile<kAligned, VEC>(static_cast<other_t*>(a.out), tile0, a.N, other, gamma);
+    }
+  }
+  if constexpr (!kDots) {
+    sq_sum = block_sum(sq_sum, smem);
+    if (threadIdx.x == 0) a.partials[a.C * nb + blockIdx.x] = sq_sum;
+  }
+}
+
+// dst of row r (r < C: first[r]; r == C: *second) = sum_b partials[r][b], fixed order;
+// zeros when `enabled` is set and false.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    finalize_rows_kernel(const acc_t* partials, int64_t nb, int64_t C, acc_t* first, acc_t* second,
+                         const bool* enabled) {
+  __shared__ acc_t smem[kWarps];
+  const int64_t r = blockIdx.x;
+  const bool on = enabled == nullptr || *enabled;
+  acc_t s = acc_t(0);
+  if (on)
+    for (int64_t b = threadIdx.x; b < nb; b += kThreads) s += partials[r * nb + b];
+  s = block_sum(s, smem);
+  if (threadIdx.x == 0) {
+    if (r < C)
+      first[r] = s;
+    else
+      *second = s;
+  }
+}
+
+// The clients as the kernels see them, after the memory-safety checks.
+struct Clients {
+  int64_t C = 0, N = 0;
+  at::ScalarType dtype;
+  at::Device device = at::Device(at::kCUDA);
+  bool aligned = true;
+  at::Tensor table;  // uploaded addresses of a list of more than one tensor
+  const int64_t* ptrs = nullptr;
+  int64_t base = 0, row_stride = 0;
+};
+
+void check_first_client(const char* op, at::TensorList clients) {
+  TORCH_CHECK(!clients.empty(), op, ": clients must hold a [C, N] tensor or C >= 1 vectors");
+  TORCH_CHECK(clients[0].defined() && clients[0].is_cuda(), op, ": clients must be CUDA tensors");
+}
+
+// Call with a CUDAGuard on clients[0]'s device (the address table upload uses it).
+Clients check_clients(const char* op, at::TensorList clients) {
+  check_first_client(op, clients);
+  Clients c;
+  const at::Tensor& t0 = clients[0];
+  c.device = t0.device();
+  c.dtype = t0.scalar_type();
+  TORCH_CHECK(is_supported_float(c.dtype), op, ": unsupported dtype ", c.dtype);
+  if (clients.size() == 1 && t0.dim() == 2) {  // one [C, N] tensor
+    TORCH_CHECK(t0.is_contiguous(), op, ": clients as a [C, N] tensor must be contiguous, got strides ",
+                t0.strides());
+    c.C = t0.size(0);
+    c.N = t0.size(1);
+    c.base = address_of(t0);
+    c.row_stride = c.N;
+    c.aligned = aligned16(t0.data_ptr()) && (c.N * static_cast<int64_t>(t0.element_size())) % 16 == 0;
+    return c;
+  }
+  c.C = static_cast<int64_t>(clients.size());
+  c.N = t0.numel();
+  std::vector<int64_t> addresses(clients.size());
+  for (size_t i = 0; i < clients.size(); ++i) {
+    const at::Tensor& t = clients[i];
+    TORCH_CHECK(t.defined() && t.device() == c.device && t.scalar_type() == c.dtype, op, ": clients[", i,
+                "] must be a ", c.dtype, " tensor on ", c.device);
+    TORCH_CHECK(t.dim() == 1 && t.numel() == c.N && t.is_contiguous(), op, ": clients[", i,
+                "] must be a contiguous vector of length ", c.N, ", got sizes ", t.sizes(), " strides ", t.strides());
+    addresses[i] = address_of(t);
+    if (c.N > 0) c.aligned = c.aligned && aligned16(t.data_ptr());
+  }
+  if (c.C == 1) {
+    c.base = addresses[0];
+  } else if (c.N > 0) {
+    c.table = upload_table(addresses, c.device);
+    c.ptrs = c.table.data_ptr<int64_t>();
+  }
+  return c;
+}
+
+// The [N] companion tensor (out or g): contiguous, on the device, clients' or acc dtype.
+void check_vector(const char* op, const char* name, const at::Tensor& t, const Clients& c) {
+  TORCH_CHECK(t.defined() && t.device() == c.device, op, ": ", name, " must be on ", c.device);
+  TORCH_CHECK(t.dim() == 1 && t.numel() == c.N && t.is_contiguous(), op, ": ", name, " must be a contiguous [", c.N,
+              "] vector, got sizes ", t.sizes(), " strides ", t.strides());
+  TORCH_CHECK(t.scalar_type() == c.dtype || t.scalar_type() == acc_type_of(c.dtype), op, ": ", name,
+              " must have dtype ", c.dtype, " or ", acc_type_of(c.dtype), ", got ", t.scalar_type());
+}
+
+int64_t num_blocks(int64_t num_tiles) {
+  return num_tiles < kMaxBlocks ? num_tiles : kMaxBlocks;
+}
+
+template <typename scalar_t, typename other_t, bool kDots>
+void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, int64_t nb, bool aligned, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned int>(nb));
+  if (aligned)
+    rows_kernel<scalar_t, other_t, true, kDots><<<grid, kThreads, 0, stream>>>(a);
+  else
+    rows_kernel<scalar_t, other_t, false, kDots><<<grid, kThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::Tensor& weights, double gamma,
+                                             const std::optional<at::Tensor>& gamma_tensor, const at::Tensor& out,
+                                             const std::optional<at::Tensor>& enabled) {
+  const char* op = "fedopt_C::aggregate (CUDA)";
+  check_first_client(op, clients);
+  const c10::cuda::CUDAGuard guard(clients[0].device());
+  const Clients c = check_clients(op, clients);
+  TORCH_CHECK(c.C < std::numeric_limits<int32_t>::max(), op, ": too many clients (", c.C, ")");
+  const at::ScalarType acc = acc_type_of(c.dtype);
+  check_vector(op, "out", out, c);
+  TORCH_CHECK(weights.defined() && weights.device() == c.device && weights.numel() == c.C, op,
+              ": weights must hold ", c.C, " values on ", c.device);
+  TORCH_CHECK(weights.is_floating_point(), op, ": weights must be floating point, got ", weights.scalar_type());
+  const at::Tensor w = weights.to(acc).contiguous();
+  const HyperTensor gamma_h = hyper_tensor(gamma_tensor, op, "gamma_tensor", acc, c.device);
+  at::Tensor enabled_t;
+  if (enabled.has_value() && enabled->defined()) {
+    TORCH_CHECK(enabled->device() == c.device && enabled->numel() == 1, op,
+                ": enabled must be a one-element tensor on ", c.device);
+    enabled_t = enabled->scalar_type() == at::kBool ? *enabled : enabled->to(at::kBool);
+  }
+  const bool* enabled_ptr = enabled_t.defined() ? enabled_t.data_ptr<bool>() : nullptr;
+
+  const auto opts = at::TensorOptions().dtype(acc).device(c.device);
+  at::Tensor sq_norms = at::empty({c.C}, opts);
+  at::Tensor sq_norm = at::empty({}, opts);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device.index()).stream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.dtype, "fedopt_aggregate_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t num_tiles = (c.N + tile_size<scalar_t>() - 1) / tile_size<scalar_t>();
+    const int64_t nb = num_blocks(num_tiles);
+    at::Tensor partials = at::empty({(c.C + 1) * nb}, opts);
+    if (nb > 0) {
+      RowsArgs<acc_t> a{};
+      a.ptrs = c.ptrs;
+      a.base = c.base;
+      a.row_stride = c.row_stride;
+      a.C = c.C;
+      a.N = c.N;
+      a.num_tiles = num_tiles;
+      a.weights = w.data_ptr<acc_t>();
+      a.gamma = static_cast<acc_t>(gamma);
+      a.gamma_ptr = static_cast<const acc_t*>(gamma_h.ptr);
+      a.enabled = enabled_ptr;
+      a.out = out.data_ptr();
+      a.partials = partials.data_ptr<acc_t>();
+      const bool aligned = c.aligned && aligned16(out.data_ptr());
+      if (out.scalar_type() == c.dtype)
+        launch_rows<scalar_t, scalar_t, false>(a, nb, aligned, stream);
+      else
+        launch_rows<scalar_t, acc_t, false>(a, nb, aligned, stream);
+    }
+    // C + 1 rows: the clients' ||X_i||^2, then ||sum_i w_i X_i||^2 (all 0 when N == 0).
+    finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C + 1)), kThreads, 0, stream>>>(
+        partials.data_ptr<acc_t>(), nb, c.C, sq_norms.data_ptr<acc_t>(), sq_norm.data_ptr<acc_t>(), enabled_ptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {sq_norms, sq_norm};
+}
+
+at::Tensor client_dots(at::TensorList clients, const at::Tensor& g) {
+  const char* op = "fedopt_C::client_dots (CUDA)";
+  check_first_client(op, clients);
+  const c10::cuda::CUDAGuard guard(clients[0].device());
+  const Clients c = check_clients(op, clients);
+  TORCH_CHECK(c.C <= std::numeric_limits<int32_t>::max(), op, ": too many clients (", c.C, ")");
+  const at::ScalarType acc = acc_type_of(c.dtype);
+  check_vector(op, "g", g, c);
+  const auto opts = at::TensorOptions().dtype(acc).device(c.device);
+  at::Tensor dots = at::empty({c.C}, opts);
+  if (c.C == 0) return dots;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device.index()).stream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.dtype, "fedopt_client_dots_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t num_tiles = (c.N + tile_size<scalar_t>() - 1) / tile_size<scalar_t>();
+    const int64_t nb = num_blocks(num_tiles);
+    at::Tensor partials = at::empty({c.C * nb}, opts);
+    if (nb > 0) {
+      RowsArgs<acc_t> a{};
+      a.ptrs = c.ptrs;
+      a.base = c.base;
+      a.row_stride = c.row_stride;
+      a.C = c.C;
+      a.N = c.N;
+      a.num_tiles = num_tiles;
+      a.g = g.data_ptr();
+      a.partials = partials.data_ptr<acc_t>();
+      const bool aligned = c.aligned && aligned16(g.data_ptr());
+      if (g.scalar_type() == c.dtype)
+        launch_rows<scalar_t, scalar_t, true>(a, nb, aligned, stream);
+      else
+        launch_rows<scalar_t, acc_t, true>(a, nb, aligned, stream);
+    }
+    finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C)), kThreads, 0, stream>>>(
+        partials.data_ptr<acc_t>(), nb, c.C, dots.data_ptr<acc_t>(), nullptr, nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return dots;
+}
+
+}  // namespace cuda
+}  // namespace fedopt

@@ -1,0 +1,35 @@
+// Host entry points of the CUDA kernels (csrc/cuda/*.cu), registered for the CUDA
+// dispatch key of the `fedopt_C` ops in module.cpp.  The signatures follow the schemas
+// of csrc/registration.cpp (Tensor[] -> TensorList, Tensor? -> optional, float ->
+// double, int -> int64_t); keeping them in one header makes a mismatch a compile error
+// rather than an undefined symbol at import time.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace fedopt {
+namespace cuda {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_(
+    at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers, double lr,
+    const std::optional<at::Tensor>& lr_tensor, double weight_decay,
+    const std::optional<at::Tensor>& weight_decay_tensor, double max_norm, int64_t mode, double momentum,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_batched_(
+    const at::Tensor& params, const at::Tensor& grads, const std::optional<at::Tensor>& momentum_buffers,
+    double lr, const std::optional<at::Tensor>& lr_tensor, double weight_decay,
+    const std::optional<at::Tensor>& weight_decay_tensor, double max_norm, int64_t mode, double momentum,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+
+std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::Tensor& weights, double gamma,
+                                             const std::optional<at::Tensor>& gamma_tensor, const at::Tensor& out,
+                                             const std::optional<at::Tensor>& enabled);
+
+at::Tensor client_dots(at::TensorList clients, const at::Tensor& g);
+
+}  // namespace cuda
+}  // namespace fedopt

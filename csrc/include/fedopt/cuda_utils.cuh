@@ -1,0 +1,253 @@
+// Helpers shared by the CUDA kernels of fedopt_kernels (csrc/cuda/*.cu).
+//
+// Device side: 16-byte vector loads/stores with conversion to the accumulation type,
+// and deterministic warp/block sums (fixed shuffle tree, warps combined in a fixed
+// order: the result depends only on the values and the block size, never on timing).
+// Host side: the argument checks and transfers every CUDA op needs (flat-dense layout,
+// alignment, hyperparameter tensors, pinned-table upload).
+//
+// Value decisions (clip scale, direction, skip) are NOT here: they live in math.h,
+// shared with the CPU kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace fedopt {
+namespace cuda {
+
+// Every kernel of the extension runs blocks of this many threads (the block sums
+// below assume blockDim.x == kThreads exactly).
+constexpr int kThreads = 256;
+constexpr int kWarpSize = 32;
+constexpr int kWarps = kThreads / kWarpSize;
+
+// ---------------------------------------------------------------------------------
+// Device helpers
+// ---------------------------------------------------------------------------------
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) AlignedVector {
+  T val[N];
+};
+
+// Elements of T in one 16-byte vector (4 float, 8 half/bfloat16, 2 double).
+template <typename T>
+constexpr int vec16() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// The kernels rebuild data pointers from int64 addresses (tables, row bases), so the
+// compiler cannot prove they point to global memory and would emit generic loads and
+// stores (LD.E.128).  Every data access goes through global_ptr, which states it (the
+// ops only accept CUDA tensors), so the SASS has LDG.E.128 / STG.E.128.  (__ldcg /
+// __stwb would also be global but compile to "strong" cache-operator accesses.)
+template <typename T>
+__device__ __forceinline__ T* global_ptr(T* p) {
+  __builtin_assume(__isGlobal(p));
+  return p;
+}
+
+template <typename acc_t, typename T>
+__device__ __forceinline__ acc_t load_one(const T* p) {
+  return static_cast<acc_t>(*global_ptr(p));
+}
+
+template <typename T, typename acc_t>
+__device__ __forceinline__ void store_one(T* p, acc_t v) {
+  *global_ptr(p) = static_cast<T>(v);
+}
+
+// out[0..N) = p[0..N) converted to acc_t.  p must be 16-byte aligned and N * sizeof(T)
+// a multiple of 16: N * sizeof(T) / 16 vector loads (ld.global.v4).
+template <int N, typename T, typename acc_t>
+__device__ __forceinline__ void load_vec(const T* p, acc_t* out) {
+  constexpr int P = vec16<T>();
+  static_assert(N % P == 0, "load_vec: N * sizeof(T) must be a multiple of 16 bytes");
+#pragma unroll
+  for (int k = 0; k < N / P; ++k) {
+    const AlignedVector<T, P> v = *global_ptr(reinterpret_cast<const AlignedVector<T, P>*>(p + k * P));
+#pragma unroll
+    for (int j = 0; j < P; ++j) out[k * P + j] = static_cast<acc_t>(v.val[j]);
+  }
+}
+
+// p[0..N) = in[0..N) converted to T; same alignment rules as load_vec.
+template <int N, typename T, typename acc_t>
+__device__ __forceinline__ void store_vec(T* p, const acc_t* in) {
+  constexpr int P = vec16<T>();
+  static_assert(N % P == 0, "store_vec: N * sizeof(T) must be a multiple of 16 bytes");
+#pragma unroll
+  for (int k = 0; k < N / P; ++k) {
+    AlignedVector<T, P> v;
+#pragma unroll
+    for (int j = 0; j < P; ++j) v.val[j] = static_cast<T>(in[k * P + j]);
+    *global_ptr(reinterpret_cast<AlignedVector<T, P>*>(p + k * P)) = v;
+  }
+}
+
+// Sum over the warp; the result is valid in lane 0 only.  Fixed shuffle tree.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block (blockDim.x == kThreads); EVERY thread returns the same value
+// (each thread adds the kWarps warp sums in the same order, so all threads, and all
+// blocks given the same inputs, get bitwise the same total).  `smem` holds kWarps
+// values; the trailing barrier makes it reusable at once.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* smem) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  T total = smem[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) total += smem[w];
+  __syncthreads();
+  return total;
+}
+
+template <typename T>
+__device__ __forceinline__ T device_sqrt(T v);
+template <>
+__device__ __forceinline__ float device_sqrt<float>(float v) {
+  return sqrtf(v);  // IEEE round-to-nearest (no fast math in this build)
+}
+template <>
+__device__ __forceinline__ double device_sqrt<double>(double v) {
+  return sqrt(v);
+}
+
+// A GradScaler found_inf flag: non-zero (NaN included) means "skip".
+// kind: 0 absent, 1 float32, 2 float64 (see FoundInf below).
+__device__ __forceinline__ bool read_found_inf(const void* p, int kind) {
+  if (p == nullptr) return false;
+  if (kind == 2) return *static_cast<const double*>(p) != 0.0;
+  return *static_cast<const float*>(p) != 0.0f;
+}
+
+// ---------------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------------
+
+inline bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+inline at::ScalarType acc_type_of(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// True when the tensor's elements fill [data_ptr, data_ptr + numel) exactly once (some
+// permutation of its dims is contiguous: contiguous, channels_last, ...).  Kernels read
+// every tensor as that flat array, so anything else would read out of bounds.
+inline bool is_flat_dense(const at::Tensor& t) {
+  if (t.numel() <= 1) return true;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size != 1
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) != 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& sd : dims) {
+    if (sd.first != expected) return false;
+    expected *= sd.second;
+  }
+  return true;
+}
+
+// Same shape and the same memory order (strides compared on dims of size != 1), so
+// that flat element k of one tensor is flat element k of the other.
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  return true;
+}
+
+// A hyperparameter tensor (lr, weight_decay, gamma, grad_scale) as the kernels read it:
+// acc dtype, on `device`, `numel` 1 (read with stride 0) or `groups` (stride 1).
+struct HyperTensor {
+  at::Tensor tensor;  // keeps a converted copy alive until the launches are queued
+  const void* ptr = nullptr;
+  int64_t stride = 0;
+};
+
+inline HyperTensor hyper_tensor(const std::optional<at::Tensor>& t, const char* op, const char* name,
+                                at::ScalarType acc, const at::Device& device, int64_t groups = -1) {
+  HyperTensor h;
+  if (!t.has_value() || !t->defined()) return h;
+  TORCH_CHECK(t->device() == device, op, ": ", name, " is on ", t->device(), " but the data is on ", device);
+  const int64_t n = t->numel();
+  TORCH_CHECK(n == 1 || (groups >= 0 && t->dim() == 1 && n == groups), op, ": ", name,
+              " must have one element", groups >= 0 ? " or one per row" : "", ", got shape ", t->sizes());
+  TORCH_CHECK(t->is_floating_point(), op, ": ", name, " must be floating point, got ", t->scalar_type());
+  h.tensor = t->to(acc).contiguous();  // no copy when already acc and contiguous
+  h.ptr = h.tensor.data_ptr();
+  h.stride = n == 1 ? 0 : 1;
+  return h;
+}
+
+// found_inf as the kernels read it (see read_found_inf).  float32 and float64 flags are
+// read in place; any other dtype is converted to float32 (exact for the 0/1 flags and
+// for half/bfloat16 values, and it keeps non-zero values non-zero for integers).
+struct FoundInf {
+  at::Tensor tensor;
+  const void* ptr = nullptr;
+  int kind = 0;
+};
+
+inline FoundInf found_inf_flag(const std::optional<at::Tensor>& t, const char* op, const at::Device& device) {
+  FoundInf f;
+  if (!t.has_value() || !t->defined()) return f;
+  TORCH_CHECK(t->device() == device, op, ": found_inf is on ", t->device(), " but the data is on ", device);
+  TORCH_CHECK(t->numel() == 1, op, ": found_inf must have one element, got shape ", t->sizes());
+  if (t->scalar_type() == at::kDouble) {
+    f.tensor = *t;
+    f.kind = 2;
+  } else {
+    f.tensor = t->scalar_type() == at::kFloat ? *t : t->to(at::kFloat);
+    f.kind = 1;
+  }
+  f.ptr = f.tensor.data_ptr();
+  return f;
+}
+
+// Uploads an int64 table to `device` without synchronising: the host data goes into a
+// pinned tensor from torch's caching host allocator and is copied with
+// non_blocking=true on the current stream.  copy_ records the copy on the pinned
+// block (CachingHostAllocator record_event), so the block is not handed out again
+// before the copy has run; the device tensor is stream-ordered like any other.
+inline at::Tensor upload_table(const std::vector<int64_t>& host, const at::Device& device) {
+  const int64_t n = static_cast<int64_t>(host.size());
+  at::Tensor pinned = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  if (n > 0) std::memcpy(pinned.data_ptr<int64_t>(), host.data(), sizeof(int64_t) * host.size());
+  at::Tensor dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(device));
+  if (n > 0) dev.copy_(pinned, /*non_blocking=*/true);
+  return dev;
+}
+
+inline int64_t address_of(const at::Tensor& t) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
+}
+
+}  // namespace cuda
+}  // namespace fedopt

@@ -1,0 +1,516 @@
+"""The C++ CUDA extension (``fedopt_kernels._C_cuda``, csrc/cuda) against python_ref.
+
+* ``test_extension_registers_cuda_kernels`` runs everywhere: it skips only when torch is
+  a CPU-only build (then the extension is never built) and FAILS when torch has CUDA but
+  the extension is missing (CI builds it with FEDOPT_BUILD_CUDA=1).
+* Every other test needs a GPU and is skipped with "needs a CUDA device" without one.
+  They call the backend module directly (``fedopt_kernels.backends.cuda``, i.e. the
+  ``torch.ops.fedopt_C`` ops dispatched to the CUDA kernels), so they also reach cases
+  the public ops layer would reshape first (misaligned views, acc-dtype out/g, flags of
+  other dtypes).
+
+Kernel paths exercised on purpose: odd sizes (scalar tails of 16-byte vectors, chunk
+and tile tails), empty tensors and all-empty calls (no chunk: the stats-only kernel),
+misaligned views (the scalar variants), more than one chunk per tensor and more than
+one tile per block (grid-stride with the per-block partial read-modify-write), more
+than 32 clients (several staged client batches).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import python_ref.aggregation as ref_agg
+import python_ref.fednar as ref_nar
+
+OPS = ("nar_step_", "nar_step_batched_", "aggregate", "client_dots")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+LOW = [torch.float32, torch.float16, torch.bfloat16]
+MODES = {"co": 0, "grad": 1, "none": 2}
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _import_extension():
+    """Import the CPU and CUDA extensions; None on success, else the error text."""
+    try:
+        import fedopt_kernels._C  # noqa: F401  (defines the fedopt_C schemas)
+        import fedopt_kernels._C_cuda  # noqa: F401  (registers their CUDA kernels)
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def test_extension_registers_cuda_kernels():
+    if torch.version.cuda is None:
+        pytest.skip(f"torch {torch.__version__} is a CPU-only build, so the CUDA extension is not built")
+    err = _import_extension()
+    if err is not None:
+        pytest.fail(f"torch has CUDA {torch.version.cuda} but fedopt_kernels._C_cuda cannot be imported: {err} "
+                    "(build it: FEDOPT_BUILD_CUDA=1 pip install --no-build-isolation .)")
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fedopt_C::{op}", "CUDA"), op
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    """The cuda backend module (torch.ops.fedopt_C with CUDA kernels); needs a GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    err = _import_extension()
+    if err is not None:
+        pytest.fail(f"a CUDA device is present but fedopt_kernels._C_cuda cannot be imported: {err}")
+    from fedopt_kernels.backends import cuda as backend
+
+    return backend
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def bits(t):
+    """Raw bits, so -0.0 != 0.0 and NaN payloads count."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def acc_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).cuda()
+
+
+def make_lists(shapes, dtype, seed=0, gscale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [randn(s, dtype, gen) for s in shapes]
+    grads = [randn(s, dtype, gen, gscale) for s in shapes]
+    bufs = [randn(s, dtype, gen) for s in shapes]
+    return params, grads, bufs
+
+
+def clone(ts):
+    return [t.clone() for t in ts]
+
+
+def check_close(actual, expected, dtype):
+    """Cast-to-dtype comparison with the dtype's default tolerances (1-ulp rounding
+    flips allowed: the kernels contract a*b+c into FMAs and sum in another order)."""
+    torch.testing.assert_close(actual.cpu(), expected.to(actual.dtype).cpu(), equal_nan=True)
+
+
+def check_norm(actual, expected):
+    torch.testing.assert_close(actual.cpu(), expected.to(actual.dtype).cpu(), rtol=2e-5, atol=1e-6, equal_nan=True)
+
+
+def run_nar(cuda, params, grads, bufs, *, lr, wd, max_norm, mode, momentum, grad_scale=None, found_inf=None):
+    """The CUDA op and python_ref on copies; returns ((p, b, stats) fused, (p, b, stats) ref)."""
+    p_f, b_f = clone(params), clone(bufs)
+    p_r, b_r = clone(params), clone(bufs)
+    st_f = cuda.nar_step_(p_f, grads, b_f if momentum else [], lr, wd, max_norm, MODES[mode], momentum,
+                          grad_scale, found_inf)
+    st_r = ref_nar.nar_step_(p_r, grads, lr=lr, weight_decay=wd, max_norm=max_norm, mode=mode, momentum=momentum,
+                             momentum_buffers=b_r if momentum else None, grad_scale=grad_scale, found_inf=found_inf)
+    return (p_f, b_f, st_f), (p_r, b_r, st_r)
+
+
+def assert_nar_matches(fused, reference, dtype, *, stats_shape=()):
+    (p_f, b_f, (norm, scale, skipped)), (p_r, b_r, st_r) = fused, reference
+    acc = acc_of(dtype)
+    assert norm.dtype == acc and scale.dtype == acc and skipped.dtype == torch.bool
+    assert norm.shape == stats_shape and scale.shape == stats_shape and skipped.shape == stats_shape
+    assert norm.device.type == "cuda"
+    check_norm(norm, st_r.norm)
+    assert torch.equal(skipped.cpu(), st_r.skipped.cpu())
+    if not bool(st_r.skipped.any()):
+        check_norm(scale, st_r.scale)
+    for a, b in zip(p_f + b_f, p_r + b_r):
+        assert a.dtype == dtype
+        check_close(a, b, dtype)
+
+
+# ----------------------------------------------------------------------------- nar_step_
+
+SHAPES = [(1,), (0,), (5,), (1025,), (3, 0, 2), (278011,)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nar_step_odd_sizes(cuda, dtype, mode, momentum):
+    params, grads, bufs = make_lists(SHAPES, dtype, seed=1)
+    fused, reference = run_nar(cuda, params, grads, bufs, lr=0.05, wd=0.01, max_norm=10.0, mode=mode,
+                               momentum=momentum)
+    assert_nar_matches(fused, reference, dtype)
+    if mode != "none":  # ||g|| ~ 528 > 10: really clipped
+        assert float(fused[2][1]) < 0.05
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("max_norm", [1e-3, 1e4, float("inf")])
+def test_nar_step_single_sizes_and_clipping(cuda, mode, max_norm):
+    for n in (1, 5, 1025, 278011):
+        params, grads, bufs = make_lists([(n,)], torch.float32, seed=n, gscale=0.01)
+        fused, reference = run_nar(cuda, params, grads, bufs, lr=0.1, wd=0.1, max_norm=max_norm, mode=mode,
+                                   momentum=0.0)
+        assert_nar_matches(fused, reference, torch.float32)
+
+
+@needs_cuda
+def test_nar_step_many_chunks_many_tensors(cuda):
+    # > 1024 * 2048 elements in total: the chunk size grows past its minimum, and one
+    # tensor spans many chunks while 40 small ones add one tail chunk each.
+    shapes = [(2_500_001,)] + [(k * 37 + 1,) for k in range(40)] + [(64, 3, 3, 3)]
+    params, grads, bufs = make_lists(shapes, torch.float32, seed=2, gscale=1e-3)
+    fused, reference = run_nar(cuda, params, grads, bufs, lr=0.01, wd=5e-4, max_norm=1.0, mode="co", momentum=0.9)
+    assert_nar_matches(fused, reference, torch.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_nar_step_misaligned_views(cuda, dtype, momentum):
+    """Views at odd element offsets of flat buffers: not 16-byte aligned (scalar path)."""
+    sizes = [1025, 7, 4099]
+    gen = torch.Generator().manual_seed(3)
+    flat = {k: randn((1 + sum(sizes),), dtype, gen) for k in ("p", "g", "b")}
+
+    def views(buf):
+        out, off = [], 1
+        for n in sizes:
+            out.append(buf[off:off + n])
+            off += n
+        return out
+
+    params, grads, bufs = views(flat["p"]), views(flat["g"]), views(flat["b"])
+    assert all(t.data_ptr() % 16 != 0 for t in params[:1])
+    fused, reference = run_nar(cuda, params, grads, bufs, lr=0.05, wd=0.01, max_norm=1.0, mode="co",
+                               momentum=momentum)
+    assert_nar_matches(fused, reference, dtype)
+    # The same values through the aligned (vectorised) path agree to rounding.
+    aligned = run_nar(cuda, [p.clone() for p in params], [g.clone() for g in grads], [b.clone() for b in bufs],
+                      lr=0.05, wd=0.01, max_norm=1.0, mode="co", momentum=momentum)[0]
+    for a, b in zip(aligned[0], fused[0]):
+        check_close(a, b, dtype)
+
+
+@needs_cuda
+def test_nar_step_channels_last(cuda):
+    gen = torch.Generator().manual_seed(4)
+    x = randn((4, 3, 5, 5), torch.float32, gen).to(memory_format=torch.channels_last)
+    g = randn((4, 3, 5, 5), torch.float32, gen).to(memory_format=torch.channels_last)
+    fused, reference = run_nar(cuda, [x], [g], [], lr=0.1, wd=0.01, max_norm=1.0, mode="co", momentum=0.0)
+    assert_nar_matches(fused, reference, torch.float32)
+    assert fused[0][0].is_contiguous(memory_format=torch.channels_last)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nar_step_nonfinite_skips_bit_identical(cuda, dtype, mode, bad):
+    params, grads, bufs = make_lists([(17,), (5000,), (1,)], dtype, seed=5)
+    grads[1][4321] = bad
+    before = clone(params) + clone(bufs)
+    norm, scale, skipped = cuda.nar_step_(params, grads, bufs, 0.1, 0.01, 1.0, MODES[mode], 0.5, None, None)
+    assert bool(skipped) and not torch.isfinite(norm).item()
+    assert all(same_bits(a, b) for a, b in zip(params + bufs, before))
+
+
+@needs_cuda
+def test_nar_step_found_inf_and_grad_scale(cuda):
+    params, grads, bufs = make_lists([(50,), (4, 4), (3000,)], torch.float32, seed=6)
+    scale_t = torch.tensor(1024.0, device="cuda")
+    scaled = [g * 1024.0 for g in grads]
+    fused, reference = run_nar(cuda, params, scaled, bufs, lr=0.1, wd=0.01, max_norm=1.0, mode="co", momentum=0.9,
+                               grad_scale=scale_t, found_inf=torch.tensor(0.0, device="cuda"))
+    assert_nar_matches(fused, reference, torch.float32)
+    unscaled = run_nar(cuda, params, grads, bufs, lr=0.1, wd=0.01, max_norm=1.0, mode="co", momentum=0.9)[0]
+    torch.testing.assert_close(fused[2][0], unscaled[2][0])  # the norm of the UNscaled gradient
+    for a, b in zip(fused[0] + fused[1], unscaled[0] + unscaled[1]):
+        torch.testing.assert_close(a, b)
+    for flag in (torch.tensor(1.0, device="cuda"), torch.tensor([float("nan")], device="cuda"),
+                 torch.tensor(2.0, dtype=torch.float64, device="cuda"), torch.tensor(1, device="cuda"),
+                 torch.tensor(True, device="cuda")):
+        p, b = clone(params), clone(bufs)
+        _, _, skipped = cuda.nar_step_(p, scaled, b, 0.1, 0.01, 1.0, 0, 0.9, scale_t, flag)
+        assert bool(skipped), flag
+        assert all(same_bits(x, y) for x, y in zip(p + b, params + bufs))
+
+
+@needs_cuda
+def test_nar_step_tensor_hyperparameters(cuda):
+    params, grads, bufs = make_lists([(100,), (3, 7), (2049,)], torch.float32, seed=7)
+    lr_t, wd_t = torch.tensor(0.05, device="cuda"), torch.tensor(0.02, device="cuda")
+    p_t, b_t = clone(params), clone(bufs)
+    st_t = cuda.nar_step_(p_t, grads, b_t, lr_t, wd_t, 1.0, 0, 0.9, None, None)
+    p_f, b_f = clone(params), clone(bufs)
+    st_f = cuda.nar_step_(p_f, grads, b_f, 0.05, 0.02, 1.0, 0, 0.9, None, None)
+    assert torch.equal(st_t[0], st_f[0]) and torch.equal(st_t[1], st_f[1])
+    assert all(same_bits(a, b) for a, b in zip(p_t + b_t, p_f + b_f))
+    fused, reference = run_nar(cuda, params, grads, bufs, lr=lr_t, wd=wd_t, max_norm=1.0, mode="grad", momentum=0.9)
+    assert_nar_matches(fused, reference, torch.float32)
+
+
+@needs_cuda
+def test_nar_step_all_empty(cuda):
+    params = [torch.empty(0, device="cuda"), torch.empty(2, 0, device="cuda")]
+    grads = [torch.empty_like(p) for p in params]
+    for mode in MODES.values():
+        norm, scale, skipped = cuda.nar_step_(params, grads, [], 0.1, 0.1, 1.0, mode, 0.0, None, None)
+        assert norm.shape == () and float(norm) == 0.0 and float(scale) == 1.0 and not bool(skipped)
+    _, _, skipped = cuda.nar_step_(params, grads, [], 0.1, 0.1, 1.0, 0, 0.0, None, torch.tensor(1.0, device="cuda"))
+    assert bool(skipped)
+
+
+@needs_cuda
+def test_nar_step_deterministic_bitwise(cuda):
+    params, grads, bufs = make_lists([(278011,), (1025,), (64, 3, 3, 3), (2_300_000,)], torch.float32, seed=8)
+    runs = []
+    for _ in range(2):
+        p, b = clone(params), clone(bufs)
+        st = cuda.nar_step_(p, grads, b, 0.01, 1e-3, 1.0, 0, 0.9, None, None)
+        runs.append((p, b, st))
+    (p1, b1, s1), (p2, b2, s2) = runs
+    assert same_bits(s1[0], s2[0]) and same_bits(s1[1], s2[1])
+    assert all(same_bits(a, b) for a, b in zip(p1 + b1, p2 + b2))
+
+
+# ----------------------------------------------------------------------------- nar_step_batched_
+
+def run_batched(cuda, X, G, B, *, lr, wd, max_norm, mode, momentum, grad_scale=None, found_inf=None):
+    Xf, Bf = X.clone(), (B.clone() if momentum else None)
+    Xr, Br = X.clone(), (B.clone() if momentum else None)
+    st_f = cuda.nar_step_batched_(Xf, G, Bf, lr, wd, max_norm, MODES[mode], momentum, grad_scale, found_inf)
+    st_r = ref_nar.nar_step_batched_(Xr, G, lr=lr, weight_decay=wd, max_norm=max_norm, mode=mode,
+                                     momentum=momentum, momentum_buffers=Br, grad_scale=grad_scale,
+                                     found_inf=found_inf)
+    return (Xf, Bf, st_f), (Xr, Br, st_r)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("N", [1, 5, 1024, 1025, 278011])
+def test_batched_rows_with_row_lr_and_nan_row(cuda, dtype, mode, N):
+    C = 4
+    gen = torch.Generator().manual_seed(9)
+    X, B = randn((C, N), dtype, gen), randn((C, N), dtype, gen)
+    rows = torch.tensor([[0.001], [1.0], [100.0], [1.0]], dtype=torch.float64)
+    G = (torch.randn(C, N, generator=gen, dtype=torch.float64) * rows).to(dtype).cuda()
+    G[2, N // 2] = float("nan")
+    acc = acc_of(dtype)
+    lr = torch.tensor([0.1, 0.01, 0.5, 0.2], dtype=acc, device="cuda")
+    wd = torch.tensor(0.01, dtype=acc, device="cuda")
+    fused, reference = run_batched(cuda, X, G, B, lr=lr, wd=wd, max_norm=1.0, mode=mode, momentum=0.9)
+    (Xf, Bf, (norm, scale, skipped)), (Xr, Br, st_r) = fused, reference
+    assert norm.shape == (C,) and norm.dtype == acc and skipped.dtype == torch.bool
+    assert skipped.tolist() == [False, False, True, False]
+    assert same_bits(Xf[2], X[2]) and same_bits(Bf[2], B[2])  # the NaN row did not move
+    keep = [0, 1, 3]
+    check_norm(norm[keep], st_r.norm[keep])
+    check_norm(scale[keep], st_r.scale[keep])
+    check_close(Xf, Xr, dtype)
+    check_close(Bf, Br, dtype)
+
+
+@needs_cuda
+def test_batched_misaligned_rows_and_float_hypers(cuda):
+    # N * 4 bytes not a multiple of 16 -> scalar path; rows of 2.5M -> several chunks per row.
+    for C, N in ((3, 1027), (2, 2_500_003)):
+        gen = torch.Generator().manual_seed(10)
+        X, G, B = (randn((C, N), torch.float32, gen) for _ in range(3))
+        fused, reference = run_batched(cuda, X, G, B, lr=0.05, wd=0.01, max_norm=10.0, mode="co", momentum=0.0)
+        (Xf, _, (norm, scale, skipped)), (Xr, _, st_r) = fused, reference
+        check_norm(norm, st_r.norm)
+        check_norm(scale, st_r.scale)
+        assert not bool(skipped.any())
+        check_close(Xf, Xr, torch.float32)
+
+
+@needs_cuda
+def test_batched_empty_shapes(cuda):
+    X = torch.empty(3, 0, device="cuda")
+    norm, scale, skipped = cuda.nar_step_batched_(X, X.clone(), None, 0.1, 0.0, 1.0, 0, 0.0, None, None)
+    assert norm.tolist() == [0.0] * 3 and scale.tolist() == [1.0] * 3 and skipped.tolist() == [False] * 3
+    X = torch.empty(0, 5, device="cuda")
+    norm, scale, skipped = cuda.nar_step_batched_(X, X.clone(), None, 0.1, 0.0, 1.0, 0, 0.0, None, None)
+    assert norm.shape == (0,) and skipped.shape == (0,)
+
+
+@needs_cuda
+def test_batched_found_inf_skips_every_row(cuda):
+    gen = torch.Generator().manual_seed(11)
+    X, G = randn((3, 100), torch.float32, gen), randn((3, 100), torch.float32, gen)
+    Xf = X.clone()
+    _, _, skipped = cuda.nar_step_batched_(Xf, G, None, 0.1, 0.0, 1.0, 0, 0.0, None, torch.tensor(1.0, device="cuda"))
+    assert skipped.tolist() == [True] * 3 and same_bits(Xf, X)
+
+
+# ----------------------------------------------------------------------------- aggregate
+
+def make_clients(C, N, dtype, seed=0, as_2d=False):
+    gen = torch.Generator().manual_seed(seed)
+    X = randn((C, N), dtype, gen)
+    return X if as_2d else [X[i].clone() for i in range(C)]
+
+
+def run_aggregate(cuda, clients, weights, gamma, out_dtype, enabled=None):
+    N = clients.shape[1] if isinstance(clients, torch.Tensor) else clients[0].numel()
+    out = torch.full((N,), 7.0, dtype=out_dtype, device="cuda")
+    q, Q = cuda.aggregate(clients, weights, gamma, out, enabled)
+    return out, q, Q
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
+@pytest.mark.parametrize("out_acc", [False, True], ids=["out_data_dtype", "out_acc_dtype"])
+@pytest.mark.parametrize("C,N", [(1, 1), (3, 5), (4, 1025), (5, 278011), (37, 4099)])
+def test_aggregate_matches_reference(cuda, dtype, as_2d, out_acc, C, N):
+    clients = make_clients(C, N, dtype, seed=C * 1000 + N, as_2d=as_2d)
+    acc = acc_of(dtype)
+    weights = torch.rand(C, dtype=acc, generator=torch.Generator().manual_seed(1)).cuda() + 0.1
+    gamma = torch.tensor(0.9, dtype=acc, device="cuda") if C % 2 else 0.9
+    out_dtype = acc if out_acc else dtype
+    out, q, Q = run_aggregate(cuda, clients, weights, gamma, out_dtype)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, gamma)
+    assert q.shape == (C,) and q.dtype == acc and Q.shape == () and Q.dtype == acc
+    check_close(out, out_r, out_dtype)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+
+
+@needs_cuda
+@pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
+def test_aggregate_many_tiles_per_block(cuda, as_2d):
+    # fp64 tiles are 1024 columns and at most 1024 blocks run: N > 2^20 makes blocks
+    # take several tiles (the partials' read-modify-write path).
+    C, N = 3, 1_100_003
+    clients = make_clients(C, N, torch.float64, seed=12, as_2d=as_2d)
+    weights = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64, device="cuda")
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float64)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 1.0)
+    torch.testing.assert_close(out, out_r)
+    torch.testing.assert_close(q, q_r, rtol=1e-10, atol=0)
+    torch.testing.assert_close(Q, Q_r, rtol=1e-10, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
+def test_aggregate_zero_weight_nan_client(cuda, dtype, as_2d):
+    clients = make_clients(3, 1025, dtype, seed=13, as_2d=as_2d)
+    clients[1][17] = float("nan")
+    clients[1][900] = float("inf")
+    weights = torch.tensor([0.5, 0.0, 0.5], device="cuda")
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, dtype)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(Q))
+    assert not bool(torch.isfinite(q[1])) and bool(torch.isfinite(q[[0, 2]]).all())
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 1.0)
+    check_close(out, out_r, dtype)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+
+
+@needs_cuda
+@pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
+def test_aggregate_enabled_flag(cuda, as_2d):
+    clients = make_clients(4, 3001, torch.float32, seed=14, as_2d=as_2d)
+    weights = torch.full((4,), 0.25, device="cuda")
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32, torch.tensor(False, device="cuda"))
+    assert same_bits(out, torch.full((3001,), 7.0, device="cuda"))  # not touched
+    assert q.tolist() == [0.0] * 4 and float(Q) == 0.0
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32, torch.tensor(True, device="cuda"))
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 1.0)
+    check_close(out, out_r, torch.float32)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+
+
+@needs_cuda
+@pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
+def test_aggregate_empty_columns(cuda, as_2d):
+    clients = torch.empty(3, 0, device="cuda") if as_2d else [torch.empty(0, device="cuda") for _ in range(3)]
+    out = torch.empty(0, device="cuda")
+    q, Q = cuda.aggregate(clients, torch.ones(3, device="cuda"), 1.0, out, None)
+    assert q.tolist() == [0.0] * 3 and float(Q) == 0.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_aggregate_misaligned_views(cuda, dtype):
+    C, N = 3, 2050
+    gen = torch.Generator().manual_seed(15)
+    flat = randn((1 + C * N,), dtype, gen)
+    clients = [flat[1 + i * N:1 + (i + 1) * N] for i in range(C)]
+    assert clients[0].data_ptr() % 16 != 0
+    weights = torch.tensor([0.1, 0.6, 0.3], device="cuda")
+    out_buf = torch.zeros(N + 1, dtype=dtype, device="cuda")
+    out = out_buf[1:]
+    q, Q = cuda.aggregate(clients, weights, 2.0, out, None)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 2.0)
+    check_close(out, out_r, dtype)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+    assert float(out_buf[0]) == 0.0  # nothing written before the view
+    # 2-D [C, N] with N * sizeof not a multiple of 16 (rows misaligned) too.
+    X = torch.stack(clients)[:, :N - 1].contiguous()
+    out2 = torch.empty(N - 1, dtype=dtype, device="cuda")
+    q2, Q2 = cuda.aggregate(X, weights, 2.0, out2, None)
+    out_r2, q_r2, Q_r2 = ref_agg.aggregate(X, weights, 2.0)
+    check_close(out2, out_r2, dtype)
+    check_norm(q2, q_r2)
+    check_norm(Q2, Q_r2)
+
+
+@needs_cuda
+def test_aggregate_deterministic_bitwise(cuda):
+    # N * 4 bytes is a multiple of 16, so the list and the [C, N] forms both take the
+    # vectorised path (same per-thread columns, same order).
+    clients = make_clients(40, 300_004, torch.float32, seed=16, as_2d=False)
+    weights = torch.rand(40, generator=torch.Generator().manual_seed(2)).cuda()
+    a = run_aggregate(cuda, clients, weights, 0.7, torch.float32)
+    b = run_aggregate(cuda, clients, weights, 0.7, torch.float32)
+    assert all(same_bits(x, y) for x, y in zip(a, b))
+    # The same data as one [C, N] tensor goes through the same tiles and order.
+    c = run_aggregate(cuda, torch.stack(clients), weights, 0.7, torch.float32)
+    assert all(same_bits(x, y) for x, y in zip(a, c))
+
+
+# ----------------------------------------------------------------------------- client_dots
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
+@pytest.mark.parametrize("g_acc", [False, True], ids=["g_data_dtype", "g_acc_dtype"])
+@pytest.mark.parametrize("C,N", [(1, 1), (3, 5), (4, 1025), (33, 278011)])
+def test_client_dots_matches_reference(cuda, dtype, as_2d, g_acc, C, N):
+    clients = make_clients(C, N, dtype, seed=C + N, as_2d=as_2d)
+    gen = torch.Generator().manual_seed(17)
+    g = randn((N,), acc_of(dtype) if g_acc else dtype, gen)
+    d = cuda.client_dots(clients, g)
+    d_r = ref_agg.client_dots(clients, g)
+    assert d.shape == (C,) and d.dtype == acc_of(dtype)
+    torch.testing.assert_close(d.cpu(), d_r.cpu(), rtol=2e-5, atol=2e-4 * (N ** 0.5) if dtype != torch.float64 else 1e-9)
+
+
+@needs_cuda
+def test_client_dots_misaligned_and_deterministic(cuda):
+    C, N = 5, 100_003
+    gen = torch.Generator().manual_seed(18)
+    flat = randn((1 + C * N,), torch.float32, gen)
+    clients = [flat[1 + i * N:1 + (i + 1) * N] for i in range(C)]
+    g = randn((N + 1,), torch.float32, gen)[1:]
+    d1, d2 = cuda.client_dots(clients, g), cuda.client_dots(clients, g)
+    assert same_bits(d1, d2)
+    torch.testing.assert_close(d1, ref_agg.client_dots(clients, g), rtol=2e-5, atol=1e-2)
+    # The aligned copies go through the vectorised path.
+    d3 = cuda.client_dots([c.clone() for c in clients], g.clone())
+    torch.testing.assert_close(d3, d1, rtol=2e-5, atol=1e-2)

@@ -214,9 +214,11 @@ def test_state_dict_restore_continues_bitwise(name):
 
 
 # --------------------------------------------------------------------------- robustness
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_nonfinite_client_is_excluded(name):
+def test_nonfinite_client_is_excluded(name, backend):
     cls, kw = CASES[name]
+    kw = dict(kw, backend=backend)
     model, ref_model = make_model(), make_model()
     opt = cls(model.parameters(), **kw)
     ref_opt = cls(ref_model.parameters(), **kw)
@@ -238,9 +240,11 @@ def test_nonfinite_client_is_excluded(name):
         torch.testing.assert_close(x, parameters_to_vector(ref_model), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_all_clients_nonfinite_skips_the_round(name):
+def test_all_clients_nonfinite_skips_the_round(name, backend):
     cls, kw = CASES[name]
+    kw = dict(kw, backend=backend)
     rounds = make_rounds(N_PARAMS, rounds=4)
     model, ref_model = make_model(), make_model()
     opt = cls(model.parameters(), **kw)

@@ -4,8 +4,8 @@ Source: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2
 (FedOpt), plus FedAvg with FedLAW's global weight shrinking (fedlaw.txt eq. 3-4).
 
 Every method works on ONE flat vector ``x`` (all parameters flattened together) and the
-clients' updates ``D_i = x_start - x_end_i`` (so ``D`` points *downhill-negated*, like
-a gradient; Reddi et al. write ``Delta_i = x_end_i - x_start = -D_i``).  With
+clients' updates ``D_i = x_start - x_end_i`` (so ``D`` points like a gradient, uphill;
+Reddi et al. write ``Delta_i = x_end_i - x_start = -D_i``).  With
 normalised client weights ``p_i`` (uniform by default, ``sum_i p_i = 1``)::
 
     D = sum_i p_i D_i                                    # the pseudo-gradient

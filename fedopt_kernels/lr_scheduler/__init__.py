@@ -1,0 +1,14 @@
+"""Learning-rate schedulers for federated local training.
+
+* :class:`FedDecay` -- within-round decay ``lr_t = alpha_j * beta_k`` (feddecay.txt).
+* :class:`RoundAnnealing` -- FedNAR's per-round annealing ``lr_t = lr_0 * 0.998^t``
+  with an optional extra per-round weight-decay factor.
+
+Both are ``torch.optim.lr_scheduler.LRScheduler`` subclasses with closed forms, so
+``state_dict()``/``load_state_dict()`` restore them exactly.
+"""
+
+from .feddecay import KINDS, PER, FedDecay, within_round_factor
+from .round_annealing import RoundAnnealing, annealing_factor
+
+__all__ = ["FedDecay", "RoundAnnealing", "within_round_factor", "annealing_factor", "KINDS", "PER"]

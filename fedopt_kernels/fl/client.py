@@ -1,0 +1,249 @@
+"""Local training of one client on the flat parameter vector.
+
+ONE local ``nn.Module`` serves every client of a simulation: its parameters are views
+into one flat vector ``x`` (:func:`fedopt_kernels.utils.flatten_parameters_`) and its
+gradients views into one flat ``grad`` buffer.  Per client the trainer
+
+1. copies the global vector into ``x`` (the only copy of the model per client),
+2. runs ``steps`` local steps: forward/backward on a mini-batch (gradients accumulate
+   straight into the flat buffer), then adds FedProx's ``mu (x - x0)`` and SCAFFOLD's
+   ``c - c_i`` to ``g`` -- BEFORE the step, so inside FedNAR's norm and clip
+   (DESIGN.md section 1) -- and takes one fused :class:`~fedopt_kernels.optim.FedNAR`
+   step (mode ``co``, ``grad`` or ``none``),
+3. writes ``D_i = x0 - x_end`` into the caller's row of the round's ``[C, N]`` tensor.
+
+``x0`` is the global vector itself (it does not change during the round), so FedProx
+and SCAFFOLD need no copy of it.  The learning rate of local step ``k`` in round ``t``
+is ``lr * lr_decay^t * beta_k`` (FedNAR's per-round annealing times FedDecay's
+within-round factor, :mod:`fedopt_kernels.lr_scheduler`), the weight decay
+``wd * wd_decay^t``.  Statistics (loss, clipped steps, norms of clipped steps, skipped
+steps) accumulate in device tensors and are read once per round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..lr_scheduler import annealing_factor, within_round_factor
+from ..optim import FedNAR
+from ..utils import buffers_layout, flatten_parameters_
+
+__all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats", "derive_seed"]
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from integer keys (e.g. ``(seed, purpose, round, client)``): a
+    stable function of the keys alone, so every draw can be reproduced independently."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+@dataclass
+class LocalConfig:
+    """Hyperparameters of local training (see the module docstring)."""
+
+    steps: int = 20
+    batch_size: int = 32
+    lr: float = 0.01
+    lr_decay: float = 1.0
+    weight_decay: float = 0.0
+    wd_decay: float = 1.0
+    max_norm: float = 10.0
+    nar: str = "co"
+    momentum: float = 0.0
+    prox_mu: float = 0.0
+    scaffold: bool = False
+    decay_beta: float = 1.0
+    decay_kind: str = "exponential"
+    decay_per: str = "step"
+    backend: Optional[str] = None
+
+    def lr_at(self, round_index: int, k: int) -> float:
+        """The local lr of (0-based) decay index ``k`` in round ``round_index``."""
+        return (self.lr * annealing_factor(round_index, self.lr_decay)
+                * within_round_factor(k, self.decay_beta, self.decay_kind))
+
+    def weight_decay_at(self, round_index: int) -> float:
+        return self.weight_decay * annealing_factor(round_index, self.wd_decay)
+
+
+class RoundStats:
+    """Device-side sums over the local steps of a round (read once per round)."""
+
+    def __init__(self, device, dtype=torch.float64):
+        z = lambda: torch.zeros((), dtype=dtype, device=device)  # noqa: E731
+        self.loss_sum, self.clipped, self.clipped_norm_sum, self.skipped = z(), z(), z(), z()
+        self.steps = 0
+
+    def add_step(self, loss: torch.Tensor, stats) -> None:
+        self.loss_sum += loss.detach().to(self.loss_sum.dtype)
+        if stats is not None:
+            clipped = (stats.scale < 1) & ~stats.skipped
+            self.clipped += clipped.to(self.clipped.dtype)
+            self.clipped_norm_sum += torch.where(clipped, stats.norm.to(self.loss_sum.dtype),
+                                                 torch.zeros_like(self.loss_sum))
+            self.skipped += stats.skipped.to(self.skipped.dtype)
+        self.steps += 1
+
+    def summary(self) -> dict:
+        """Python numbers (one device sync for all of them)."""
+        loss, clipped, norm_sum, skipped = torch.stack(
+            [self.loss_sum, self.clipped, self.clipped_norm_sum, self.skipped]).tolist()
+        n = max(self.steps, 1)
+        return {
+            "train_loss": loss / n if self.steps else None,
+            "clip_frequency": clipped / n if self.steps else None,
+            "clipped_steps": int(clipped),
+            "mean_clipped_norm": norm_sum / clipped if clipped > 0 else None,
+            "skipped_steps": int(skipped),
+            "local_steps_total": self.steps,
+        }
+
+
+class ScaffoldState:
+    """SCAFFOLD's control variates: the server's ``c`` and every client's ``c_i`` (all
+    start at zero), as flat vectors; option II update (Karimireddy et al. Algorithm 1)."""
+
+    def __init__(self, num_clients: int, numel: int, *, device, dtype=torch.float32):
+        self.c = torch.zeros(numel, device=device, dtype=dtype)
+        self.c_clients = torch.zeros(num_clients, numel, device=device, dtype=dtype)
+        self._delta_sum = torch.zeros(numel, device=device, dtype=dtype)
+
+    def correction(self, client: int, out: torch.Tensor) -> torch.Tensor:
+        """``c - c_i`` into ``out``."""
+        return torch.sub(self.c, self.c_clients[client], out=out)
+
+    def client_update(self, client: int, update: torch.Tensor, lr_sum: float) -> None:
+        """``c_i <- c_i - c + D_i / lr_sum`` (``D_i = x0 - x_end``, ``lr_sum = K eta_l``);
+        the change is remembered for :meth:`server_update`."""
+        if lr_sum <= 0:
+            return
+        ci = self.c_clients[client]
+        delta = update / lr_sum - self.c  # c_i^+ - c_i
+        ci += delta
+        self._delta_sum += delta
+
+    def server_update(self) -> None:
+        """``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)`` at the end of a round."""
+        self.c.add_(self._delta_sum, alpha=1.0 / self.c_clients.shape[0])
+        self._delta_sum.zero_()
+
+    def state_dict(self) -> dict:
+        return {"c": self.c, "c_clients": self.c_clients}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.c.copy_(state["c"])
+        self.c_clients.copy_(state["c_clients"])
+        self._delta_sum.zero_()
+
+
+class LocalTrainer:
+    """Trains clients one after another on ONE flat-parameter copy of the model.
+
+    Args:
+        model: the local module (its parameters are moved into one flat vector; it
+            must not be shared with anything else).
+        loss_fn: ``loss_fn(outputs, labels) -> scalar`` (mean over the batch).
+        x_train, y_train: the whole training set as tensors on the model's device;
+            clients are index tensors into it.
+        config: :class:`LocalConfig`.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn, x_train: torch.Tensor, y_train: torch.Tensor,
+                 config: LocalConfig):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.x_train, self.y_train = x_train, y_train
+        self.config = config
+        self.x = flatten_parameters_(model)
+        self.params = [p for _, p in model.named_parameters()]
+        self.grad = torch.zeros_like(self.x)
+        offset = 0
+        for p in self.params:  # gradients are views of one flat buffer: backward fills it in place
+            p.grad = self.grad[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.buffers_layout = buffers_layout(model)
+        self.buffers = [b for _, b in model.named_buffers() if b.is_floating_point()]
+        self.optimizer = FedNAR([{"params": self.params}], lr=config.lr, weight_decay=config.weight_decay,
+                                max_norm=config.max_norm, mode=config.nar, momentum=config.momentum,
+                                backend=config.backend)
+        needs_tmp = config.prox_mu != 0.0 or config.scaffold
+        self._tmp = torch.empty_like(self.x) if needs_tmp else None
+        self._corr = torch.empty_like(self.x) if config.scaffold else None
+
+    @property
+    def numel(self) -> int:
+        return self.x.numel()
+
+    def _batches(self, indices: torch.Tensor, generator: torch.Generator):
+        """Endless mini-batches of ``indices``: a fresh permutation per local epoch."""
+        n = indices.numel()
+        bs = min(self.config.batch_size, n)
+        while True:
+            perm = indices[torch.randperm(n, generator=generator).to(indices.device)]
+            for start in range(0, n - bs + 1, bs):  # drop the ragged tail of each epoch
+                yield perm[start:start + bs]
+
+    def steps_per_epoch(self, num_samples: int) -> int:
+        return max(num_samples // min(self.config.batch_size, num_samples), 1)
+
+    def train(self, x_global: torch.Tensor, indices: torch.Tensor, *, round_index: int, seed: int,
+              out_update: torch.Tensor, stats: RoundStats, client: Optional[int] = None,
+              scaffold: Optional[ScaffoldState] = None, global_buffers: Optional[torch.Tensor] = None,
+              out_buffers: Optional[torch.Tensor] = None) -> float:
+        """Train one client from ``x_global``; writes ``D_i = x_global - x_end`` into
+        ``out_update`` (and the final floating buffers into ``out_buffers``).  Returns
+        the sum of the local lrs used (SCAFFOLD's ``K eta_l``).
+
+        ``seed`` fixes the client's batch order (and dropout): the simulator derives it
+        from ``(seed, round, client)`` so every run sees the same batches.
+        """
+        cfg = self.config
+        group = self.optimizer.param_groups[0]
+        group["weight_decay"] = cfg.weight_decay_at(round_index)
+        for st in self.optimizer.state.values():  # local momentum restarts at zero per client
+            buf = st.get("momentum_buffer")
+            if buf is not None:
+                buf.zero_()
+        with torch.no_grad():
+            self.x.copy_(x_global)
+            if global_buffers is not None and self.buffers:
+                self.buffers_layout.copy_to(global_buffers, self.buffers)
+        correction = scaffold.correction(client, self._corr) if scaffold is not None else None
+        generator = torch.Generator().manual_seed(seed)
+        batches = self._batches(indices, generator)
+        per_epoch = self.steps_per_epoch(indices.numel())
+        self.model.train()
+        lr_sum = 0.0
+        devices = [self.x.device] if self.x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)  # dropout & co. draw from the client's own stream
+            for step in range(cfg.steps):
+                k = step if cfg.decay_per == "step" else step // per_epoch
+                lr = cfg.lr_at(round_index, k)
+                group["lr"] = lr
+                lr_sum += lr
+                idx = next(batches)
+                self.grad.zero_()
+                loss = self.loss_fn(self.model(self.x_train[idx]), self.y_train[idx])
+                loss.backward()
+                with torch.no_grad():
+                    if cfg.prox_mu != 0.0:  # FedProx: g += mu (x - x0)
+                        torch.sub(self.x, x_global, out=self._tmp)
+                        self.grad.add_(self._tmp, alpha=cfg.prox_mu)
+                    if correction is not None:  # SCAFFOLD: g += c - c_i
+                        self.grad.add_(correction)
+                self.optimizer.step()
+                stats.add_step(loss, self.optimizer.last_stats[0])
+        with torch.no_grad():
+            torch.sub(x_global, self.x, out=out_update)
+            if out_buffers is not None and self.buffers:
+                self.buffers_layout.flatten(self.buffers, out=out_buffers)
+        if scaffold is not None:
+            scaffold.client_update(client, out_update, lr_sum)
+        return lr_sum

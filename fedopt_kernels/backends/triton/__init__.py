@@ -15,6 +15,8 @@ stream; on CPU tensors they run in Triton's interpreter (``TRITON_INTERPRET=1``)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton.language as tl
 
@@ -50,6 +52,13 @@ def launch_config(dtype: torch.dtype):
     if dtype == torch.float64:
         return 1024, 4
     return 2048, 8
+
+
+def _on(device: torch.device):
+    """Make ``device`` current for the launches (Triton launches on the current device)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _hyper(value, per_row: bool):
@@ -119,19 +128,22 @@ def nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode,
     """One FedNAR step over ``params`` taken as one vector; 0-d stats (contract)."""
     params, grads = list(params), list(grads)
     bufs = list(momentum_buffers) if momentum != 0.0 else []
-    table = _tables.nar_table(params, grads, bufs)
-    norm, scale, skipped = _run_nar(
-        table, params[0].dtype, params[0].device, lr, weight_decay, max_norm, int(mode),
-        float(momentum), grad_scale, found_inf, per_row=False)
+    device = params[0].device
+    with _on(device):
+        table = _tables.nar_table(params, grads, bufs)
+        norm, scale, skipped = _run_nar(
+            table, params[0].dtype, device, lr, weight_decay, max_norm, int(mode),
+            float(momentum), grad_scale, found_inf, per_row=False)
     return norm.reshape(()), scale.reshape(()), skipped.reshape(())
 
 
 def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf):
     """Row-wise FedNAR on contiguous ``[C, N]`` tensors; ``[C]`` stats (contract)."""
     B = B if momentum != 0.0 else None
-    table = _tables.nar_batched_table(X, G, B)
-    return _run_nar(table, X.dtype, X.device, lr, weight_decay, max_norm, int(mode),
-                    float(momentum), grad_scale, found_inf, per_row=True)
+    with _on(X.device):
+        table = _tables.nar_batched_table(X, G, B)
+        return _run_nar(table, X.dtype, X.device, lr, weight_decay, max_norm, int(mode),
+                        float(momentum), grad_scale, found_inf, per_row=True)
 
 
 def _clients_meta(clients):
@@ -143,6 +155,11 @@ def _clients_meta(clients):
 
 def aggregate(clients, weights, gamma, out, enabled):
     """``out = gamma * sum_i weights[i] * clients[i]``; returns ``(q [C], Q [])`` (contract)."""
+    with _on(out.device):
+        return _aggregate(clients, weights, gamma, out, enabled)
+
+
+def _aggregate(clients, weights, gamma, out, enabled):
     C, N, dtype, device = _clients_meta(clients)
     acc = acc_dtype(dtype)
     block, warps = launch_config(dtype)
@@ -166,6 +183,11 @@ def aggregate(clients, weights, gamma, out, enabled):
 
 def client_dots(clients, g):
     """``[<clients[i], g>]`` in acc dtype, ``[C]`` (contract)."""
+    with _on(g.device):
+        return _client_dots(clients, g)
+
+
+def _client_dots(clients, g):
     C, N, dtype, device = _clients_meta(clients)
     acc = acc_dtype(dtype)
     res = torch.empty(C, dtype=acc, device=device)

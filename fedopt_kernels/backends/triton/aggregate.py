@@ -25,20 +25,22 @@ def _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
                      BLOCK: tl.constexpr, MASKED: tl.constexpr):
     offs = H.block_offsets(pid * BLOCK, BLOCK, ALIGNED)
     total = tl.zeros([BLOCK], ACC)
-    for i in range(C):
+    for c in range(C):
+        i = tl.cast(c, tl.int64)  # int64 before multiplying
         x_ptr = H.table_ptr(tl.load(ctab_ptr + i), DTYPE, ALIGNED)
         x = H.load_block(x_ptr, offs, N, ACC, MASKED)
         w = tl.load(w_ptr + i).to(ACC)
         tl.store(part_ptr + i * nblk + pid, tl.sum(x * x, axis=0))
-        # weight exactly 0: exactly 0 (never 0 * nan)
-        total = total + tl.where(w != 0.0, w * x, 0.0)
-    tl.store(part_ptr + C * nblk + pid, tl.sum(total * total, axis=0))
+        # weight exactly 0: exactly 0 (never 0 * nan); x is selected before the multiply,
+        # so 0 * nan is not even computed (x * w == w * x bitwise otherwise)
+        total = total + tl.where(w != 0.0, x, 0.0) * w
+    tl.store(part_ptr + tl.cast(C, tl.int64) * nblk + pid, tl.sum(total * total, axis=0))
     H.store_block(out_ptr, offs, N, gamma * total, MASKED)
 
 
 @triton.jit(do_not_specialize=["gamma_value", "C", "N", "nblk"])
 def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, en_ptr, gamma_ptr,
-                     gamma_value: tl.float64, C, N, nblk,
+                     gamma_value: tl.float64, C: tl.int64, N: tl.int64, nblk: tl.int64,
                      DTYPE: tl.constexpr, ACC: tl.constexpr, HAS_EN: tl.constexpr,
                      GAMMA_KIND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """For the columns ``J`` of program ``p`` (``nblk`` programs), in acc dtype::
@@ -70,14 +72,15 @@ def _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE: tl.constexpr,
                 MASKED: tl.constexpr):
     offs = H.block_offsets(pid * BLOCK, BLOCK, ALIGNED)
     g = H.load_block(g_ptr, offs, N, ACC, MASKED)
-    for i in range(C):
+    for c in range(C):
+        i = tl.cast(c, tl.int64)  # int64 before multiplying
         x_ptr = H.table_ptr(tl.load(ctab_ptr + i), DTYPE, ALIGNED)
         x = H.load_block(x_ptr, offs, N, ACC, MASKED)
         tl.store(part_ptr + i * nblk + pid, tl.sum(x * g, axis=0))
 
 
 @triton.jit(do_not_specialize=["C", "N", "nblk"])
-def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, C, N, nblk,
+def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, C: tl.int64, N: tl.int64, nblk: tl.int64,
                        DTYPE: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr,
                        BLOCK: tl.constexpr):
     """``part[i, p] = sum_{J of program p} X_i[J] * g[J]`` (acc dtype).  Grid: ``nblk``."""
@@ -89,7 +92,7 @@ def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, C, N, nblk,
 
 
 @triton.jit(do_not_specialize=["nblk"])
-def row_sum_kernel(part_ptr, res_ptr, en_ptr, nblk, ACC: tl.constexpr, HAS_EN: tl.constexpr,
+def row_sum_kernel(part_ptr, res_ptr, en_ptr, nblk: tl.int64, ACC: tl.constexpr, HAS_EN: tl.constexpr,
                    PBLOCK: tl.constexpr):
     """``res[r] = sum(part[r, :nblk])`` in a fixed order; 0 when ``enabled`` is false.
 

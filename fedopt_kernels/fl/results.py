@@ -217,8 +217,10 @@ class Results:
         fig.suptitle(f"{title}: clipping frequency and strength (fednar Fig. 5)")
         paths.append(_save(fig, out_dir / f"{prefix}clipping.png"))
 
-        keys = [k for k in ("server_lr", "lr_scale", "gain_ratio", "gamma", "update_norm")
-                if self.column(k, trained_only=True)[0]]
+        keys = [k for k in ("server_lr", "gain_ratio", "gamma", "update_norm") if self.column(k, trained_only=True)[0]]
+        _, scale = self.column("lr_scale", trained_only=True)
+        if "gain_ratio" not in keys and any(v != 1.0 for v in scale):  # FedExP's eta_g
+            keys.insert(1, "lr_scale")
         fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4.2 * max(len(keys), 1), 3.6), squeeze=False)
         for ax, key in zip(axes[0], keys):
             x, y = self.column(key, trained_only=True)

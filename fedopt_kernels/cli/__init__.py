@@ -1,0 +1,93 @@
+"""The ``fedopt`` command line (also ``python -m fedopt_kernels``).
+
+Subcommands:
+
+``fedopt simulate``  one federated simulation: progress bar with the current accuracy,
+                     a summary table, results.json/.csv and PNG plots in ``--out``.
+``fedopt compare``   several algorithms on the same partition and client sequence;
+                     one comparison plot and one table.
+``fedopt bench``     the kernel benchmark suite's table.
+``fedopt info``      versions, devices, which backends are built/available and why not.
+
+Errors (unknown names, impossible settings, malformed config files, unusable output
+directories) print one line ``fedopt: error: ...`` and exit with status 2 (1 for a
+failure while running); Ctrl-C stops a run after writing the results so far (130).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from ._errors import ArgumentParser, CLIError
+
+__all__ = ["main", "build_parser", "CLIError"]
+
+
+def build_parser() -> ArgumentParser:
+    from .. import __version__
+    from .simulate import add_compare_parser, add_simulate_parser
+
+    parser = ArgumentParser(prog="fedopt", description="Fused federated optimizers: simulate, compare, benchmark.")
+    parser.add_argument("--version", action="version", version=f"fedopt_kernels {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,compare,bench,info}")
+    add_simulate_parser(sub)
+    add_compare_parser(sub)
+
+    bench = sub.add_parser("bench", help="run the kernel benchmark suite and print its table",
+                           description="Run the kernel benchmark suite (fedopt_kernels.benchmarks.suite).")
+    try:
+        from ..benchmarks import suite
+
+        suite.build_parser(bench)
+    except ImportError as exc:  # pragma: no cover - the suite ships with the package
+        bench.set_defaults(_bench_error=str(exc))
+    bench.set_defaults(func=_run_bench)
+
+    info = sub.add_parser("info", help="versions, devices and kernel backends",
+                          description="Print versions, which backends are built and available here, and why not.")
+    info.add_argument("--json", action="store_true", help="print as JSON")
+    info.set_defaults(func=_run_info)
+    return parser
+
+
+def _run_bench(args) -> int:
+    if getattr(args, "_bench_error", None):
+        raise CLIError(f"the benchmark suite cannot be imported: {args._bench_error}", code=1)
+    from ..benchmarks import suite
+
+    return suite.run_from_args(args)
+
+
+def _run_info(args) -> int:
+    from .info import run_info
+
+    return run_info(args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``fedopt`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        print(f"fedopt: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("fedopt: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `fedopt info | head`
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback; FEDOPT_DEBUG=1 shows it
+        import os
+
+        if os.environ.get("FEDOPT_DEBUG"):
+            raise
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"fedopt: error: {type(exc).__name__}: {msg} (set FEDOPT_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1

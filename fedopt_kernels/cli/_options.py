@@ -1,0 +1,192 @@
+"""Simulation options of ``fedopt simulate`` / ``fedopt compare`` and the TOML form.
+
+Precedence: the defaults of :class:`~fedopt_kernels.fl.SimulationConfig` <- a
+checkpoint's settings (``--resume``) <- the TOML file (``--config``) <- flags given on
+the command line.  A TOML file holds the same settings as the flags (underscores or
+dashes), at the top level, plus the command-line-only keys ``out``, ``threads`` and,
+for ``compare``, ``algos``::
+
+    algo = "fedadam"
+    nar = "co"
+    dataset = "digits"
+    clients = 20
+    per-round = 10
+    rounds = 60
+    alpha = 0.3
+    lr = 0.05
+    weight-decay = 1e-3
+    out = "results/fedadam"
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from ..fl.config import ALGORITHMS, ENGINES, PARTITIONS, WEIGHTINGS, ConfigError, SimulationConfig
+from ._errors import CLIError
+
+CLI_ONLY_KEYS = ("out", "threads", "algos", "plots", "checkpoint_every")
+
+
+def _int_list(text: str) -> Tuple[int, ...]:
+    text = text.strip()
+    if text in ("", "none", "-"):
+        return ()
+    return tuple(int(t) for t in text.split(","))
+
+
+def _float_pair(text: str) -> Tuple[float, float]:
+    parts = [float(t) for t in text.split(",")]
+    if len(parts) != 2:
+        raise ValueError("expected two comma-separated numbers")
+    return parts[0], parts[1]
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _optional_float(text: str):
+    return None if text.strip().lower() in ("none", "default") else float(text)
+
+
+_int_list.__name__ = "comma-separated int list"
+_float_pair.__name__ = "pair of numbers"
+_bool.__name__ = "boolean"
+_optional_float.__name__ = "float"
+
+# (flag, type, help); the dest is the flag with dashes -> underscores
+SIM_OPTIONS: List[tuple] = [
+    ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default fedavg)"),
+    ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) (default co)"),
+    ("--dataset", str, "digits or synthetic, or a name registered with fedopt_kernels.fl.register_dataset "
+                       "(default digits)"),
+    ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, or a registered name (default mlp)"),
+    ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default 200,200)"),
+    ("--clients", int, "number of clients (default 20)"),
+    ("--per-round", int, "clients sampled per round (default 10)"),
+    ("--rounds", int, "communication rounds (default 50)"),
+    ("--partition", str, f"{', '.join(PARTITIONS)} (default auto: the dataset's own split, else dirichlet)"),
+    ("--alpha", float, "Dirichlet concentration of the label partition, > 0 (default 0.3)"),
+    ("--min-client-size", int, "fewest samples a client may hold (default min(10, n/(10*clients)), at least 1)"),
+    ("--weighting", str, f"server weights of the clients: {', '.join(WEIGHTINGS)} (default size)"),
+    ("--local-steps", int, "local steps per round, tau (default 20)"),
+    ("--batch-size", int, "local mini-batch size (default 32)"),
+    ("--lr", float, "local learning rate (default 0.05)"),
+    ("--lr-decay", float, "per-round decay of the local lr, as FedNAR's 0.998 (default 0.998)"),
+    ("--weight-decay", float, "local weight decay, PyTorch-SGD sense (default 1e-3)"),
+    ("--wd-decay", float, "extra per-round factor on the weight decay (default 1)"),
+    ("--max-norm", float, "clip threshold of FedNAR / gradient clipping (default 10)"),
+    ("--momentum", float, "local heavy-ball momentum (default 0)"),
+    ("--decay-beta", float, "FedDecay within-round decay beta in [0, 1]; 1 = off (default 1)"),
+    ("--decay-kind", str, "FedDecay: exponential or linear (default exponential)"),
+    ("--decay-per", str, "FedDecay counts local steps or epochs: step or epoch (default step)"),
+    ("--prox-mu", float, "FedProx's mu (default 0.01; used by --algo fedprox)"),
+    ("--server-lr", _optional_float, "server learning rate (default: the algorithm's own)"),
+    ("--server-momentum", _optional_float, "FedAvgM / ASNES momentum (default 0.9)"),
+    ("--server-betas", _float_pair, "FedAdam / FedYogi betas, e.g. 0.9,0.99"),
+    ("--server-tau", float, "FedAdam / FedYogi / FedAdagrad tau (default 1e-3)"),
+    ("--fedexp-eps", float, "FedExP's eps (default 1e-3)"),
+    ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default both)"),
+    ("--fedlaw-epochs", int, "FedLAW server epochs per round (default 20)"),
+    ("--fedlaw-lr", float, "FedLAW's Adam lr (default 0.01)"),
+    ("--proxy-size", int, "FedLAW's class-balanced proxy set size (default 100)"),
+    ("--synthetic-alpha", float, "Synthetic(alpha, beta): alpha (default 1)"),
+    ("--synthetic-beta", float, "Synthetic(alpha, beta): beta (default 1)"),
+    ("--synthetic-iid", _bool, "Synthetic: IID variant (default false)"),
+    ("--max-samples-per-client", int, "Synthetic: cap on a client's samples (default none)"),
+    ("--test-fraction", float, "held-out test fraction (default 0.2)"),
+    ("--seed", int, "seed of everything random (default 0)"),
+    ("--eval-every", int, "evaluate every k rounds (default 1)"),
+    ("--device", str, "cpu or cuda (default cpu)"),
+    ("--backend", str, "kernel backend: reference, cpu, triton, cuda (default automatic)"),
+    ("--engine", str, f"client engine: {', '.join(ENGINES)} (default sequential)"),
+]
+
+
+def add_simulation_options(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
+    group = parser.add_argument_group("simulation settings (flags override --config)")
+    for flag, typ, help_ in SIM_OPTIONS:
+        if compare and flag == "--algo":
+            continue
+        group.add_argument(flag, type=typ, default=argparse.SUPPRESS, help=help_)
+    run = parser.add_argument_group("running")
+    run.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
+    run.add_argument("--out", default=argparse.SUPPRESS, metavar="DIR", help="output directory (default results)")
+    run.add_argument("--threads", type=int, default=argparse.SUPPRESS,
+                     help="torch CPU threads (default: 1 for models under 5M parameters, where more threads only "
+                          "add overhead, else torch's default)")
+    run.add_argument("--no-plots", dest="plots", action="store_false", default=argparse.SUPPRESS,
+                     help="do not draw the PNG plots")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def load_toml(path: str) -> Dict[str, Any]:
+    try:
+        import tomllib  # Python >= 3.11
+    except ImportError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise CLIError("reading a TOML config file needs Python >= 3.11 or the 'tomli' package") from None
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise CLIError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise CLIError(f"config file {path} is a directory") from None
+    except OSError as exc:
+        raise CLIError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CLIError(f"config file {path} is not valid TOML: {exc}") from None
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise CLIError(f"config file {path}: tables such as [{key}] are not supported; "
+                           "put the settings at the top level")
+        out[key.replace("-", "_")] = value
+    return out
+
+
+def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> Tuple[SimulationConfig, dict]:
+    """``(config, cli_only)`` from defaults <- base <- TOML <- explicit flags."""
+    values: Dict[str, Any] = dict(base or {})
+    cli_only: Dict[str, Any] = {"out": "results", "threads": None, "plots": True, "algos": None}
+    source = "command line"
+    if getattr(args, "config", None):
+        source = f"config file {args.config}"
+        for key, value in load_toml(args.config).items():
+            if key in CLI_ONLY_KEYS:
+                cli_only[key] = value
+            else:
+                values[key] = value
+    explicit = {k: v for k, v in vars(args).items() if k not in ("config", "command", "quiet", "func", "resume")}
+    for key, value in explicit.items():
+        if key in CLI_ONLY_KEYS:
+            cli_only[key] = value
+        else:
+            values[key] = value
+    for key in ("hidden", "server_betas"):
+        if isinstance(values.get(key), list):
+            values[key] = tuple(values[key])
+    try:
+        config = SimulationConfig.from_dict(values, source=source)
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
+    except TypeError as exc:  # a TOML value of the wrong kind reaching the dataclass
+        raise CLIError(f"{source}: {exc}") from None
+    threads = cli_only["threads"]
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise CLIError(f"threads must be a positive integer, got {threads!r}")
+    if not isinstance(cli_only["out"], str) or not cli_only["out"]:
+        raise CLIError(f"out must be a directory path, got {cli_only['out']!r}")
+    return config, cli_only

@@ -1,0 +1,108 @@
+"""``fedopt info``: versions, devices, backends (and why one is unavailable), integrations."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+
+import torch
+
+
+def _version(module: str):
+    try:
+        m = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - report any import failure
+        return None, f"{type(exc).__name__}: {exc}".split("\n")[0]
+    version = getattr(m, "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version(module.split(".")[0])
+        except Exception:  # noqa: BLE001 - not a distribution (e.g. torch.distributed)
+            version = "installed"
+    return version, None
+
+
+def collect() -> dict:
+    """Everything ``fedopt info`` prints, as plain data."""
+    from .. import __version__, backends
+
+    info = {
+        "fedopt_kernels": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
+        "cpu_threads": torch.get_num_threads(),
+        "triton_interpret": backends.triton_interpret_mode(),
+    }
+    info["triton"] = _version("triton")[0]
+    rows = []
+    for name in backends.BACKENDS:
+        for dev in ("cpu", "cuda"):
+            try:
+                reason = backends.why_unavailable(name, torch.device(dev))
+            except Exception as exc:  # noqa: BLE001
+                reason = f"{type(exc).__name__}: {exc}"
+            rows.append({"backend": name, "device": dev, "available": reason is None, "reason": reason})
+    info["backends"] = rows
+    defaults = {}
+    for dev in ("cpu", "cuda"):
+        defaults[dev] = backends.default_backend(torch.device(dev))
+    info["default_backend"] = defaults
+    integrations = {}
+    for mod, what in (("flwr", "Flower integration"), ("torch.distributed", "torch.distributed integration"),
+                      ("sklearn", "digits dataset"), ("matplotlib", "plots"), ("rich", "tables and progress"),
+                      ("torchvision", "your own image datasets")):
+        version, err = _version(mod)
+        if mod == "torch.distributed" and version is not None:
+            version = "available" if torch.distributed.is_available() else None
+            err = None if version else "torch was built without distributed support"
+        integrations[mod] = {"for": what, "version": version, "error": err}
+    info["integrations"] = integrations
+    return info
+
+
+def run_info(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    info = collect()
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(info, indent=1))
+        return 0
+    console = Console()
+    t = Table(title="fedopt_kernels", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    t.add_row("fedopt_kernels", info["fedopt_kernels"])
+    t.add_row("python", f"{info['python']} ({info['platform']})")
+    t.add_row("torch", f"{info['torch']} (CUDA build: {info['torch_cuda'] or 'no'})")
+    t.add_row("triton", info["triton"] or "not installed")
+    cuda = ", ".join(info["cuda_devices"]) if info["cuda_available"] else "not available"
+    t.add_row("CUDA devices", cuda)
+    t.add_row("CPU threads", str(info["cpu_threads"]))
+    t.add_row("TRITON_INTERPRET", "1 (Triton kernels run on CPU tensors)" if info["triton_interpret"] else "0")
+    t.add_row("default backend", f"cpu tensors: {info['default_backend']['cpu']}, "
+                                 f"cuda tensors: {info['default_backend']['cuda']}")
+    console.print(t)
+    b = Table(title="kernel backends")
+    for col in ("backend", "device", "available", "why not"):
+        b.add_column(col)
+    for r in info["backends"]:
+        b.add_row(r["backend"], r["device"], "[green]yes[/]" if r["available"] else "[red]no[/]", r["reason"] or "")
+    console.print(b)
+    it = Table(title="optional integrations")
+    for col in ("module", "for", "status"):
+        it.add_column(col)
+    for mod, r in info["integrations"].items():
+        status = f"[green]{r['version']}[/]" if r["version"] else f"[yellow]not importable[/] ({r['error']})"
+        it.add_row(mod, r["for"], status)
+    console.print(it)
+    return 0

@@ -1,0 +1,355 @@
+"""``fedopt simulate`` and ``fedopt compare``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from ..fl.config import ALGORITHMS, ConfigError, SimulationConfig
+from ..fl.results import Results, comparison_rows, plot_comparison, write_atomic
+from ._errors import CLIError
+from ._options import build_settings
+
+CHECKPOINT = "checkpoint.pt"
+AUTO_THREADS_MAX_PARAMS = 5_000_000
+
+
+# ---------------------------------------------------------------------------- helpers
+def prepare_out_dir(path: str) -> Path:
+    """Create ``path`` and prove it writable (one line on failure)."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CLIError(f"output directory {path} exists and is not a directory") from None
+    except OSError as exc:
+        raise CLIError(f"cannot create output directory {path}: {exc.strerror or exc}") from None
+    if not p.is_dir():
+        raise CLIError(f"output directory {path} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fedopt-write-test-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CLIError(f"output directory {path} is not writable: {exc.strerror or exc}") from None
+    return p
+
+
+def _apply_threads(threads: Optional[int], num_params: int) -> None:
+    if threads is None:
+        if num_params < AUTO_THREADS_MAX_PARAMS:
+            torch.set_num_threads(1)
+    else:
+        torch.set_num_threads(threads)
+
+
+def _fmt(v, pct=False, digits=4):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    if pct:
+        return f"{100 * v:.2f}%"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _console(min_width: int = 0):
+    """A rich console; when the output is not a terminal (a file, a pipe, CI) it gets
+    ``min_width`` columns instead of rich's 80 so tables are not cut."""
+    from rich.console import Console
+
+    console = Console()
+    if min_width and not console.is_terminal and console.width < min_width:
+        console = Console(width=min_width)
+    return console
+
+
+def print_summary(results: List[Results], title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("run", "rounds", "init acc", "final acc", "best acc", "test loss", "train loss", "clip freq",
+                "time s"):
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    for s in comparison_rows(results):
+        table.add_row(s["label"] + (" (interrupted)" if s["interrupted"] else ""), str(s["rounds"]),
+                      _fmt(s["initial_accuracy"], pct=True), _fmt(s["final_accuracy"], pct=True),
+                      _fmt(s["best_accuracy"], pct=True), _fmt(s["final_test_loss"], digits=3),
+                      _fmt(s["final_train_loss"], digits=3), _fmt(s["mean_clip_frequency"], digits=2),
+                      "-" if s["wall_time"] is None else f"{s['wall_time']:.1f}")
+    _console(min_width=120).print(table)
+
+
+class _Progress:
+    """A rich progress bar over rounds showing the latest accuracy (or nothing)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.progress = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                     transient=False)
+            self.progress.__enter__()
+        return self
+
+    def add(self, label: str, total: int, done: int = 0):
+        if self.progress is None:
+            return None
+        return self.progress.add_task(label, total=total, completed=done, status="")
+
+    def update(self, task, record: dict):
+        if self.progress is None or task is None:
+            return
+        acc = record.get("test_accuracy")
+        status = f"round {record['round']}"
+        if acc is not None:
+            status += f"  acc {100 * acc:.2f}%"
+        if record.get("train_loss") is not None:
+            status += f"  loss {record['train_loss']:.3f}"
+        self.progress.update(task, completed=record["round"], status=status)
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+        return False
+
+
+def _build_simulation(config: SimulationConfig, **kwargs):
+    from ..fl.simulation import Simulation
+
+    try:
+        return Simulation(config, **kwargs)
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _load_checkpoint(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CLIError(f"--resume: no checkpoint at {path}") from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one message
+        raise CLIError(f"--resume: cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _save_checkpoint(sim, out: Path) -> None:
+    tmp = out / f".{CHECKPOINT}.tmp"
+    torch.save(sim.state_dict(), tmp)
+    os.replace(tmp, out / CHECKPOINT)
+
+
+# ---------------------------------------------------------------------------- simulate
+def add_simulate_parser(sub) -> None:
+    from ._options import add_simulation_options
+
+    p = sub.add_parser("simulate", help="run one federated simulation",
+                       description="Run one simulated federated training run and write results.json/.csv and plots.")
+    add_simulation_options(p)
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue the run saved in <out>/{CHECKPOINT} (its settings, flags may change --rounds)")
+    p.add_argument("--checkpoint-every", type=int, default=argparse.SUPPRESS, metavar="K",
+                   help=f"also save <out>/{CHECKPOINT} every K rounds (it is always saved at the end and on Ctrl-C)")
+    p.set_defaults(func=run_simulate)
+
+
+def run_simulate(args) -> int:
+    base = None
+    state = None
+    if args.resume:
+        out_guess = getattr(args, "out", None)
+        if out_guess is None and args.config:
+            from ._options import load_toml
+
+            out_guess = load_toml(args.config).get("out")
+        ckpt = Path(out_guess or "results") / CHECKPOINT
+        state = _load_checkpoint(ckpt)
+        base = dict(state.get("config", {}))
+    config, opts = build_settings(args, base=base)
+    checkpoint_every = getattr(args, "checkpoint_every", None) or opts.get("checkpoint_every") or 0
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise CLIError(f"checkpoint-every must be a non-negative integer, got {checkpoint_every!r}")
+    out = prepare_out_dir(opts["out"])
+    sim = _build_simulation(config)
+    if state is not None:
+        try:
+            sim.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CLIError(f"--resume: {exc}") from None
+    _apply_threads(opts["threads"], sim.numel)
+    console = _console(min_width=120)
+    if not args.quiet:
+        part = sim.partition.summary()
+        console.print(f"[bold]fedopt simulate[/]: {config.algo} (nar={config.nar}) on {sim.dataset.name}: "
+                      f"{config.clients} clients ({part['method']}, sizes {part['min']}-{part['max']}), "
+                      f"{config.per_round}/round, {config.local_steps} local steps, {sim.numel:,} parameters, "
+                      f"backend {sim.results.meta['backend']}, {torch.get_num_threads()} thread(s)")
+    results = sim.results
+
+    def save(record, s):
+        results.write(out)
+        if checkpoint_every and record["round"] and record["round"] % checkpoint_every == 0:
+            _save_checkpoint(s, out)
+
+    interrupted = False
+    with _Progress(not args.quiet) as progress:
+        task = progress.add(f"{config.algo}", config.rounds, sim.round)
+
+        def callback(record, s):
+            save(record, s)
+            progress.update(task, record)
+
+        try:
+            sim.run(callback=callback)
+        except KeyboardInterrupt:
+            interrupted = True
+    results.meta["interrupted"] = interrupted
+    files = results.write(out)
+    _save_checkpoint(sim, out)
+    files.append(out / CHECKPOINT)
+    if opts["plots"] and results.records:
+        files += results.plot(out)
+    print_summary([results], f"{config.algo} (nar={config.nar}) on {sim.dataset.name}")
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    if interrupted:
+        console.print(f"[yellow]interrupted after {sim.round} of {config.rounds} rounds[/]; "
+                      f"the results so far are in {out} (continue with --resume)")
+        return 130
+    return 0
+
+
+# ---------------------------------------------------------------------------- compare
+def add_compare_parser(sub) -> None:
+    from ._options import add_simulation_options
+
+    p = sub.add_parser("compare", help="run several algorithms on the same partition and clients",
+                       description="Run several algorithms on the same data partition, client sequence and batches; "
+                                   "write one comparison plot and one table.")
+    p.add_argument("--algos", default=argparse.SUPPRESS,
+                   help="comma-separated runs, each ALGO or ALGO:NAR (e.g. fedavg:grad,fedavg:co,fedexp:co); "
+                        "default fedavg,fedprox,scaffold,fedexp")
+    add_simulation_options(p, compare=True)
+    p.set_defaults(func=run_compare)
+
+
+def parse_runs(text, default_nar: str) -> List[tuple]:
+    if isinstance(text, (list, tuple)):
+        items = [str(t) for t in text]
+    else:
+        items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise CLIError("--algos needs at least one algorithm")
+    runs = []
+    from ..ops import MODES
+
+    for item in items:
+        algo, _, nar = item.partition(":")
+        nar = nar or default_nar
+        if algo not in ALGORITHMS:
+            raise CLIError(f"unknown algorithm {algo!r} in --algos; choose from {', '.join(ALGORITHMS)}")
+        if nar not in MODES:
+            raise CLIError(f"unknown nar mode {nar!r} in --algos entry {item!r}; choose from {', '.join(MODES)}")
+        runs.append((item, algo, nar))
+    labels = [r[0] for r in runs]
+    if len(set(labels)) != len(labels):
+        raise CLIError(f"--algos lists a run twice: {', '.join(labels)}")
+    return runs
+
+
+def run_compare(args) -> int:
+    from ..fl.simulation import load_config_dataset, make_partition
+
+    config, opts = build_settings(args)
+    algos = opts.get("algos") or "fedavg,fedprox,scaffold,fedexp"
+    runs = parse_runs(algos, config.nar)
+    configs = []
+    for label, algo, nar in runs:
+        try:
+            configs.append((label, config.replace(algo=algo, nar=nar)))
+        except ConfigError as exc:
+            raise CLIError(f"{label}: {exc}") from None
+    out = prepare_out_dir(opts["out"])
+    try:
+        dataset = load_config_dataset(config)
+        partition = make_partition(config, dataset)
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
+    console = _console(min_width=120)
+    if not args.quiet:
+        s = partition.summary()
+        console.print(f"[bold]fedopt compare[/]: {', '.join(l for l, _ in configs)} on {dataset.name}: "
+                      f"{config.clients} clients ({s['method']}, sizes {s['min']}-{s['max']}), "
+                      f"{config.per_round}/round, {config.rounds} rounds, seed {config.seed} "
+                      "(same partition, clients and batches for every run)")
+    done: List[Results] = []
+    interrupted = False
+
+    def write_all(extra: Optional[Results] = None):
+        allres = done + ([extra] if extra is not None else [])
+        rows = comparison_rows(allres)
+        import json
+
+        write_atomic(out / "compare.json", json.dumps(
+            {"config": config.to_dict(), "runs": [r.to_dict() for r in allres], "summary": rows}, indent=1))
+        import csv
+        import io
+
+        buf = io.StringIO()
+        keys = list(rows[0].keys()) if rows else ["label"]
+        w = csv.DictWriter(buf, fieldnames=keys, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+        write_atomic(out / "compare.csv", buf.getvalue())
+        return allres
+
+    current = None
+    with _Progress(not args.quiet) as progress:
+        try:
+            for label, cfg in configs:
+                sim = _build_simulation(cfg, dataset=dataset, partition=partition)
+                _apply_threads(opts["threads"], sim.numel)
+                sim.results.label = label
+                current = sim.results
+                task = progress.add(label, cfg.rounds)
+                run_dir = out / _safe(label)
+                run_dir.mkdir(exist_ok=True)
+
+                def callback(record, s, task=task, run_dir=run_dir):
+                    s.results.write(run_dir)
+                    progress.update(task, record)
+
+                sim.run(callback=callback)
+                done.append(sim.results)
+                current = None
+        except KeyboardInterrupt:
+            interrupted = True
+    if current is not None:
+        current.meta["interrupted"] = True
+    allres = write_all(current)
+    files = [out / "compare.json", out / "compare.csv"]
+    if opts["plots"] and allres:
+        files.append(plot_comparison(allres, out / "compare.png"))
+    print_summary(allres, f"compare on {config.dataset}: {config.clients} clients, {config.per_round}/round, "
+                          f"alpha {config.alpha}, seed {config.seed}")
+    console.print("wrote " + ", ".join(str(f) for f in files) + f" (and each run's results in {out}/<run>/)")
+    if interrupted:
+        console.print(f"[yellow]interrupted[/]: {len(done)} of {len(configs)} runs finished; results so far in {out}")
+        return 130
+    return 0
+
+
+def _safe(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)

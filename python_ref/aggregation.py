@@ -24,7 +24,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .fednar import compute_dtype
+from .fednar import accurate_dot, compute_dtype
 
 Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -45,10 +45,10 @@ def aggregate(clients: Clients, weights: torch.Tensor, gamma=1.0):
     q = []
     for i, row in enumerate(rows):
         x = row.to(dtype)
-        q.append(torch.dot(x, x))
+        q.append(accurate_dot(x, x))
         total = total + torch.where(a[i] != 0, a[i] * x, torch.zeros_like(x))
     q = torch.stack(q) if q else torch.zeros(0, dtype=dtype, device=weights.device)
-    Q = torch.dot(total, total)
+    Q = accurate_dot(total, total)
     out = torch.as_tensor(gamma, dtype=dtype, device=total.device) * total
     return out, q, Q
 
@@ -60,7 +60,7 @@ def client_dots(clients: Clients, g: torch.Tensor) -> torch.Tensor:
     gg = g.to(dtype)
     if not rows:
         return torch.zeros(0, dtype=dtype, device=g.device)
-    return torch.stack([torch.dot(r.to(dtype), gg) for r in rows])
+    return torch.stack([accurate_dot(r.to(dtype), gg) for r in rows])
 
 
 def weighted_sum_backward(clients: Clients, weights: torch.Tensor, gamma, grad_out: torch.Tensor):

@@ -235,3 +235,39 @@ def test_help_and_version(capsys):
     assert exc.value.code == 0
     assert "--per-round" in capsys.readouterr().out
     assert main([]) == 2
+
+
+def test_user_dataset_and_model_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_fl_plugin.py").write_text('''
+import torch
+from fedopt_kernels.fl import FederatedDataset
+
+def make_data(seed, num_clients):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(6, 3, generator=g)
+    x = torch.randn(400, 6, generator=g)
+    y = (x @ w).argmax(1)
+    return FederatedDataset("blobs", x[:300], y[:300], x[300:], y[300:], 3)
+
+def make_model(input_shape, num_classes):
+    return torch.nn.Sequential(torch.nn.Linear(input_shape[0], 8), torch.nn.ReLU(), torch.nn.Linear(8, num_classes))
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "plugin-run"
+    rc = main(["simulate", "--dataset", "my_fl_plugin:make_data", "--model", "my_fl_plugin:make_model",
+               "--clients", "5", "--per-round", "2", "--rounds", "3", "--lr", "0.2", "--alpha", "1",
+               "--quiet", "--no-plots", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["dataset"] == "blobs" and data["meta"]["num_parameters"] == 6 * 8 + 8 + 8 * 3 + 3
+    assert data["records"][-1]["test_accuracy"] > data["records"][0]["test_accuracy"]
+
+
+def test_missing_plugin_and_cifar10_without_torchvision_are_one_line(capsys, tmp_path):
+    assert "cannot import module 'no_such_module'" in _error(
+        capsys, ["simulate", "--dataset", "no_such_module:f", "--out", str(tmp_path)])
+    assert "has no 'nope'" in _error(capsys, ["simulate", "--model", "json:nope", "--out", str(tmp_path)])
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        assert "needs torchvision" in _error(capsys, ["simulate", "--dataset", "cifar10", "--out", str(tmp_path)])

@@ -172,3 +172,48 @@ def test_results_files_round_trip(tmp_path):
 def test_config_errors(change, match):
     with pytest.raises(ConfigError, match=match):
         SimulationConfig(**{**SMALL, **change}).validate()
+
+
+def test_ctrl_c_during_the_commit_is_deferred_to_the_end_of_the_round(monkeypatch):
+    import os
+    import signal
+
+    _, full = _run(algo="fedadam", rounds=4)
+    sim = Simulation(SimulationConfig(**{**SMALL, "algo": "fedadam", "rounds": 4}))
+    real = Simulation.evaluate
+
+    def evaluate_with_ctrl_c(self, *a, **k):
+        if self.round == 1:  # round 2 is committing: a Ctrl-C arrives during its evaluation
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Simulation, "evaluate", evaluate_with_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert sim.round == 2 and sim.results.records[-1]["round"] == 2  # the round completed first
+    monkeypatch.setattr(Simulation, "evaluate", real)
+    res = sim.run()
+    assert _strip(res.records) == _strip(full.records)
+
+
+def test_ctrl_c_during_client_training_leaves_the_state_untouched(monkeypatch):
+    _, full = _run(algo="scaffold", rounds=3)
+    sim = Simulation(SimulationConfig(**{**SMALL, "algo": "scaffold", "rounds": 3}))
+    sim.run(rounds=1)
+    c_before, ci_before = sim.scaffold.c.clone(), sim.scaffold.c_clients.clone()
+    real = sim.trainer.train
+    calls = {"n": 0}
+
+    def train_then_ctrl_c(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(sim.trainer, "train", train_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert sim.round == 1
+    assert torch.equal(sim.scaffold.c, c_before) and torch.equal(sim.scaffold.c_clients, ci_before)
+    monkeypatch.setattr(sim.trainer, "train", real)
+    assert _strip(sim.run().records) == _strip(full.records)

@@ -66,9 +66,10 @@ _optional_float.__name__ = "float"
 SIM_OPTIONS: List[tuple] = [
     ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default fedavg)"),
     ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) (default co)"),
-    ("--dataset", str, "digits or synthetic, or a name registered with fedopt_kernels.fl.register_dataset "
-                       "(default digits)"),
-    ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, or a registered name (default mlp)"),
+    ("--dataset", str, "digits, synthetic, cifar10 (needs torchvision and the data on disk), a name registered "
+                       "with fedopt_kernels.fl.register_dataset, or package.module:function (default digits)"),
+    ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, a registered name, or package.module:function "
+                     "called with (input_shape, num_classes) (default mlp)"),
     ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default 200,200)"),
     ("--clients", int, "number of clients (default 20)"),
     ("--per-round", int, "clients sampled per round (default 10)"),
@@ -103,6 +104,7 @@ SIM_OPTIONS: List[tuple] = [
     ("--synthetic-iid", _bool, "Synthetic: IID variant (default false)"),
     ("--max-samples-per-client", int, "Synthetic: cap on a client's samples (default none)"),
     ("--test-fraction", float, "held-out test fraction (default 0.2)"),
+    ("--data-root", str, "where cifar10 looks for its files (default $FEDOPT_DATA or ~/.cache/fedopt/data)"),
     ("--seed", int, "seed of everything random (default 0)"),
     ("--eval-every", int, "evaluate every k rounds (default 1)"),
     ("--device", str, "cpu or cuda (default cpu)"),

@@ -107,31 +107,42 @@ class RoundStats:
 
 class ScaffoldState:
     """SCAFFOLD's control variates: the server's ``c`` and every client's ``c_i`` (all
-    start at zero), as flat vectors; option II update (Karimireddy et al. Algorithm 1)."""
+    start at zero), as flat vectors; option II update (Karimireddy et al. Algorithm 1).
+
+    A round is a transaction: :meth:`client_update` only records each client's change,
+    :meth:`server_update` applies them all (``c_i`` and ``c``) at the end of the round,
+    so a round abandoned half way (Ctrl-C) leaves the state as it was.
+    """
 
     def __init__(self, num_clients: int, numel: int, *, device, dtype=torch.float32):
         self.c = torch.zeros(numel, device=device, dtype=dtype)
         self.c_clients = torch.zeros(num_clients, numel, device=device, dtype=dtype)
-        self._delta_sum = torch.zeros(numel, device=device, dtype=dtype)
+        self._pending: dict = {}
 
     def correction(self, client: int, out: torch.Tensor) -> torch.Tensor:
         """``c - c_i`` into ``out``."""
         return torch.sub(self.c, self.c_clients[client], out=out)
 
     def client_update(self, client: int, update: torch.Tensor, lr_sum: float) -> None:
-        """``c_i <- c_i - c + D_i / lr_sum`` (``D_i = x0 - x_end``, ``lr_sum = K eta_l``);
-        the change is remembered for :meth:`server_update`."""
-        if lr_sum <= 0:
-            return
-        ci = self.c_clients[client]
-        delta = update / lr_sum - self.c  # c_i^+ - c_i
-        ci += delta
-        self._delta_sum += delta
+        """Record ``c_i^+ - c_i = D_i / lr_sum - c`` (option II: ``c_i^+ = c_i - c +
+        (x0 - x_end) / (K eta_l)``, ``D_i = x0 - x_end``, ``lr_sum = K eta_l``)."""
+        if lr_sum > 0:
+            self._pending[client] = update / lr_sum - self.c
+
+    def discard_round(self) -> None:
+        self._pending.clear()
 
     def server_update(self) -> None:
-        """``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)`` at the end of a round."""
-        self.c.add_(self._delta_sum, alpha=1.0 / self.c_clients.shape[0])
-        self._delta_sum.zero_()
+        """Apply the round: ``c_i <- c_i^+`` for its clients, then
+        ``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)``."""
+        if not self._pending:
+            return
+        total = torch.zeros_like(self.c)
+        for client, delta in self._pending.items():
+            self.c_clients[client] += delta
+            total += delta
+        self.c.add_(total, alpha=1.0 / self.c_clients.shape[0])
+        self._pending.clear()
 
     def state_dict(self) -> dict:
         return {"c": self.c, "c_clients": self.c_clients}
@@ -139,7 +150,7 @@ class ScaffoldState:
     def load_state_dict(self, state: dict) -> None:
         self.c.copy_(state["c"])
         self.c_clients.copy_(state["c_clients"])
-        self._delta_sum.zero_()
+        self._pending.clear()
 
 
 class LocalTrainer:

@@ -83,6 +83,7 @@ class SimulationConfig:
     synthetic_iid: bool = False
     max_samples_per_client: Optional[int] = None
     test_fraction: float = 0.2
+    data_root: Optional[str] = None
     # running
     seed: int = 0
     eval_every: int = 1
@@ -155,8 +156,10 @@ class SimulationConfig:
 
         choice("algo", ALGORITHMS)
         choice("nar", NAR_MODES)
-        choice("dataset", tuple(dataset_names()))
-        choice("model", tuple(model_names()))
+        if not (isinstance(self.dataset, str) and ":" in self.dataset):  # package.module:function is resolved later
+            choice("dataset", tuple(dataset_names()))
+        if not (isinstance(self.model, str) and ":" in self.model):
+            choice("model", tuple(model_names()))
         choice("partition", PARTITIONS)
         choice("weighting", WEIGHTINGS)
         choice("decay_kind", DECAY_KINDS)
@@ -205,6 +208,8 @@ class SimulationConfig:
                 or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden)):
             raise ConfigError(f"hidden must be a list of positive layer widths, got {hidden!r}")
         self.hidden = tuple(hidden)
+        if self.data_root is not None and not isinstance(self.data_root, str):
+            raise ConfigError(f"data-root must be a directory path, got {self.data_root!r}")
         if not isinstance(self.synthetic_iid, bool):
             raise ConfigError(f"synthetic-iid must be true or false, got {self.synthetic_iid!r}")
         if not isinstance(self.device, str) or not self.device:

@@ -14,10 +14,14 @@ Built in (no download):
   across clients (``client_indices``: the natural partition); each client's samples are
   split train/test and the test parts form the global test set.
 
+* ``cifar10``: torchvision's CIFAR-10 when torchvision and the data are on the machine
+  (nothing is downloaded).
+
 Your own data: :meth:`FederatedDataset.from_datasets` turns any map-style
-``torch.utils.data.Dataset`` pair (e.g. torchvision's CIFAR-10, when you have it) into
-one, and :func:`register_dataset` makes a factory available by name to
-:func:`load_dataset` and the command line.
+``torch.utils.data.Dataset`` pair into one; :func:`register_dataset` makes a factory
+available by name to :func:`load_dataset`, and the command line also takes
+``--dataset package.module:function`` (a factory called with ``seed`` and
+``num_clients``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["FederatedDataset", "load_dataset", "register_dataset", "dataset_names", "digits", "synthetic"]
+__all__ = ["FederatedDataset", "load_dataset", "register_dataset", "dataset_names", "digits", "synthetic", "cifar10"]
 
 
 @dataclass
@@ -235,12 +239,35 @@ def dataset_names() -> List[str]:
     return sorted(_REGISTRY)
 
 
+def resolve_factory(spec: str, kind: str, registry: Dict[str, Callable]) -> Callable:
+    """``registry[spec]``, or for ``"package.module:function"`` that function (imported)."""
+    if spec in registry:
+        return registry[spec]
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        import importlib
+
+        try:
+            obj = importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"{kind} {spec!r}: cannot import module {module!r} ({exc})") from None
+        try:
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{kind} {spec!r}: module {module!r} has no {attr!r}") from None
+        if not callable(obj):
+            raise ValueError(f"{kind} {spec!r} is not callable")
+        return obj
+    raise ValueError(f"unknown {kind} {spec!r}; choose one of {', '.join(sorted(registry))} "
+                     f"or give 'package.module:function' (or register your own with fedopt_kernels.fl.register_{kind})")
+
+
 def load_dataset(name: str, *, seed: int = 0, num_clients: int = 20, **options) -> FederatedDataset:
-    """Build the registered dataset ``name``."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(dataset_names())} "
-                         "(or register your own with fedopt_kernels.fl.register_dataset)")
-    ds = _REGISTRY[name](seed=seed, num_clients=num_clients, **options)
+    """Build the registered dataset ``name``, or call ``"package.module:function"``
+    (``function(seed=..., num_clients=..., **options) -> FederatedDataset``)."""
+    factory = resolve_factory(name, "dataset", _REGISTRY)
+    ds = factory(seed=seed, num_clients=num_clients, **options)
     if not isinstance(ds, FederatedDataset):
         raise TypeError(f"the factory of dataset {name!r} returned {type(ds).__name__}, not a FederatedDataset")
     return ds
@@ -255,5 +282,29 @@ def _synthetic_factory(*, seed: int, num_clients: int, alpha: float = 1.0, beta:
     return synthetic(alpha, beta, num_clients=num_clients, seed=seed, **options)
 
 
+def cifar10(*, seed: int = 0, num_clients: int = 20, root: Optional[str] = None) -> FederatedDataset:
+    """CIFAR-10 through torchvision, if you have it (nothing is downloaded): the train
+    and test sets under ``root`` (default ``$FEDOPT_DATA`` or ``~/.cache/fedopt/data``),
+    normalised per channel.  Needs ``pip install torchvision`` and the data already on
+    disk (``torchvision.datasets.CIFAR10(root, download=True)`` once)."""
+    import os
+
+    try:
+        import torchvision
+        import torchvision.transforms as T
+    except ImportError:
+        raise ValueError("dataset 'cifar10' needs torchvision (pip install torchvision)") from None
+    root = os.path.expanduser(root or os.environ.get("FEDOPT_DATA") or "~/.cache/fedopt/data")
+    t = T.Compose([T.ToTensor(), T.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))])
+    try:
+        train = torchvision.datasets.CIFAR10(root, train=True, transform=t, download=False)
+        test = torchvision.datasets.CIFAR10(root, train=False, transform=t, download=False)
+    except RuntimeError as exc:
+        raise ValueError(f"CIFAR-10 is not under {root} ({exc}); fetch it once with "
+                         f"torchvision.datasets.CIFAR10({root!r}, download=True) or set --data-root") from None
+    return FederatedDataset.from_datasets(train, test, name="cifar10", num_classes=10)
+
+
 register_dataset("digits", _digits_factory)
 register_dataset("synthetic", _synthetic_factory)
+register_dataset("cifar10", cifar10)

@@ -2,7 +2,9 @@
 
 :func:`build_model` makes a registered model for a dataset's input shape and number of
 classes; :func:`register_model` adds your own factory by name.  The simulator also
-takes a ready ``nn.Module`` (or a zero-argument callable returning one) directly.
+takes a ready ``nn.Module`` (or a zero-argument callable returning one) directly, and
+the command line ``--model package.module:function`` (called with the input shape and
+the number of classes).
 """
 
 from __future__ import annotations
@@ -98,8 +100,15 @@ def model_names() -> List[str]:
 
 
 def build_model(name: str, input_shape, num_classes: int, **options) -> nn.Module:
-    """A freshly initialised registered model (initialisation follows torch's global RNG:
+    """A freshly initialised registered model, or ``"package.module:function"`` called as
+    ``function(input_shape, num_classes)`` (initialisation follows torch's global RNG:
     seed it, or use the simulator, which seeds it from its own seed)."""
+    from .data import resolve_factory
+
+    factory = resolve_factory(name, "model", _REGISTRY)
     if name not in _REGISTRY:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(model_names())}")
-    return _REGISTRY[name](tuple(input_shape), int(num_classes), **options)
+        options = {}
+    model = factory(tuple(input_shape), int(num_classes), **options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model {name!r} returned {type(model).__name__}, not an nn.Module")
+    return model

@@ -26,8 +26,11 @@ behind :meth:`Simulation._train_clients` without changing anything else.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import platform
+import signal
+import threading
 import time
 from typing import Callable, List, Optional, Union
 
@@ -58,9 +61,14 @@ def load_config_dataset(config: SimulationConfig) -> FederatedDataset:
     if config.dataset == "synthetic":
         opts.update(alpha=config.synthetic_alpha, beta=config.synthetic_beta, iid=config.synthetic_iid,
                     max_samples_per_client=config.max_samples_per_client)
+    elif config.dataset == "cifar10":
+        opts = {"root": config.data_root}
     elif config.dataset != "digits":
         opts = {}
-    return load_dataset(config.dataset, seed=config.seed, num_clients=config.clients, **opts)
+    try:
+        return load_dataset(config.dataset, seed=config.seed, num_clients=config.clients, **opts)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def make_partition(config: SimulationConfig, dataset: FederatedDataset) -> Partition:
@@ -156,7 +164,10 @@ class Simulation:
             torch.manual_seed(derive_seed(cfg.seed, _INIT))
             if model is None:
                 opts = {"hidden": cfg.hidden} if cfg.model == "mlp" else {}
-                m = build_model(cfg.model, self.dataset.input_shape, self.dataset.num_classes, **opts)
+                try:
+                    m = build_model(cfg.model, self.dataset.input_shape, self.dataset.num_classes, **opts)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
             elif isinstance(model, nn.Module):
                 m = model
             elif callable(model):
@@ -236,32 +247,44 @@ class Simulation:
         return stats
 
     def run_round(self) -> dict:
-        """Run the next round; returns (and records) its record."""
+        """Run the next round; returns (and records) its record.
+
+        Client training only writes scratch buffers; the round then commits (control
+        variates, server step, evaluation, record) with Ctrl-C deferred to the end of
+        the commit.  So an interrupted run always stands at a completed round and its
+        :meth:`state_dict` resumes exactly.
+        """
         cfg = self.config
         t0 = time.perf_counter()
         r = self.round + 1
         clients = self.sample_clients(r)
-        stats = self._train_clients(r, clients)
-        if self.scaffold is not None:
-            self.scaffold.server_update()
-        sizes = self.client_sizes[clients]
-        C = len(clients)
-        self._proxy_gen.manual_seed(derive_seed(cfg.seed, _PROXY_ORDER, r))
-        server_stats = self.server.step(self.updates[:C], sizes)
-        if self._has_buffers:  # floating buffers (BatchNorm statistics): data-size weighted mean
-            p = (sizes / sizes.sum()).to(self.buffer_rows.dtype).to(self.device)
-            vector_to_buffers(p @ self.buffer_rows[:C], self.global_model)
-        record = {"round": r, "clients": clients}
-        record.update(stats.summary())
-        record["local_lr"] = self.local.lr_at(r - 1, 0)
-        record["weight_decay"] = self.local.weight_decay_at(r - 1)
-        record.update(_read_server_stats(server_stats))
-        if r % cfg.eval_every == 0 or r == cfg.rounds:
-            record["test_accuracy"], record["test_loss"] = self.evaluate()
-        self.round = r
-        self._elapsed += time.perf_counter() - t0
-        record["wall_time"] = self._elapsed
-        self.results.append(record)
+        try:
+            stats = self._train_clients(r, clients)
+        except BaseException:
+            if self.scaffold is not None:
+                self.scaffold.discard_round()
+            raise
+        with _deferred_interrupt():
+            if self.scaffold is not None:
+                self.scaffold.server_update()
+            sizes = self.client_sizes[clients]
+            C = len(clients)
+            self._proxy_gen.manual_seed(derive_seed(cfg.seed, _PROXY_ORDER, r))
+            server_stats = self.server.step(self.updates[:C], sizes)
+            if self._has_buffers:  # floating buffers (BatchNorm statistics): data-size weighted mean
+                p = (sizes / sizes.sum()).to(self.buffer_rows.dtype).to(self.device)
+                vector_to_buffers(p @ self.buffer_rows[:C], self.global_model)
+            record = {"round": r, "clients": clients}
+            record.update(stats.summary())
+            record["local_lr"] = self.local.lr_at(r - 1, 0)
+            record["weight_decay"] = self.local.weight_decay_at(r - 1)
+            record.update(_read_server_stats(server_stats))
+            if r % cfg.eval_every == 0 or r == cfg.rounds:
+                record["test_accuracy"], record["test_loss"] = self.evaluate()
+            self.round = r
+            self._elapsed += time.perf_counter() - t0
+            record["wall_time"] = self._elapsed
+            self.results.append(record)
         return self.results.records[-1]
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
@@ -325,6 +348,29 @@ class Simulation:
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
+
+
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Hold back SIGINT (Ctrl-C) until the block is done, then raise it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except (ValueError, OSError):  # no signals here (embedded interpreter ...)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 def _read_server_stats(stats: dict) -> dict:

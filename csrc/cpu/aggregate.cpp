@@ -1,0 +1,167 @@
+// CPU kernels of fedopt_C::aggregate and fedopt_C::client_dots (schemas and semantics:
+// csrc/registration.cpp; oracle: python_ref/aggregation.py).
+//
+// Both make ONE pass over the clients: the columns [0, N) are cut into chunks
+// (chunks.h), threads take consecutive chunks, and inside a chunk every client is read
+// once (kernels.h).  Per chunk the kernels leave one partial per client (and one for
+// ||sum||^2), which are added here in chunk order: the results do not depend on the
+// thread count.
+#include <tuple>
+#include <vector>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include "ops_common.h"
+
+namespace fedopt::cpu {
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
+
+// `clients` as row pointers: C 1-D tensors of length N, or one contiguous [C, N].
+struct Clients {
+  at::ScalarType dtype;
+  int64_t C = 0, N = 0;
+  std::vector<const void*> rows;
+};
+
+Clients unpack_clients(TensorList clients) {
+  TORCH_CHECK(!clients.empty(), "fedopt_C: clients must hold one [C, N] tensor or C 1-D tensors");
+  Clients r;
+  r.dtype = clients[0].scalar_type();
+  scalar_kind(r.dtype);  // rejects other dtypes
+  if (clients.size() == 1 && clients[0].dim() == 2) {
+    const Tensor& X = clients[0];
+    check_flat(X, r.dtype, "clients");
+    TORCH_CHECK(X.is_contiguous(), "fedopt_C: clients as a [C, N] tensor must be contiguous");
+    r.C = X.size(0);
+    r.N = X.size(1);
+    const char* base = static_cast<const char*>(X.const_data_ptr());
+    for (int64_t i = 0; i < r.C; ++i) r.rows.push_back(base + i * r.N * X.element_size());
+  } else {
+    r.C = static_cast<int64_t>(clients.size());
+    r.N = clients[0].numel();
+    for (const Tensor& t : clients) {
+      TORCH_CHECK(t.dim() == 1, "fedopt_C: clients given as a list must be 1-D tensors, got ", t.sizes());
+      check_flat(t, r.dtype, "clients");
+      TORCH_CHECK(t.numel() == r.N, "fedopt_C: clients must all have ", r.N, " elements, got ", t.numel());
+      r.rows.push_back(t.const_data_ptr());
+    }
+  }
+  return r;
+}
+
+// A [N] tensor the kernels read or write: the clients' dtype or the acc dtype.
+bool check_vector(const Tensor& t, const Clients& cl, const char* what) {
+  const at::ScalarType acc = acc_type(cl.dtype);
+  TORCH_CHECK(t.scalar_type() == cl.dtype || t.scalar_type() == acc, "fedopt_C: ", what, " must have dtype ",
+              cl.dtype, " or ", acc, ", got ", t.scalar_type());
+  check_flat(t, t.scalar_type(), what);
+  TORCH_CHECK(t.numel() == cl.N, "fedopt_C: ", what, " must have ", cl.N, " elements, got ", t.numel());
+  return t.scalar_type() == acc;
+}
+
+template <typename acc_t>
+std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weights, acc_t gamma, const Tensor& out,
+                                         bool out_is_acc) {
+  const int64_t C = cl.C;
+  const ChunkTable table = build_chunk_table({cl.N}, {0}, 1, kAggChunk);
+  const int64_t nc = static_cast<int64_t>(table.chunks.size());
+  std::vector<acc_t> client_partials(nc * C), sum_partials(nc);
+  const Tensor w = weights.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+
+  AggregateArgs<acc_t> args;
+  args.kind = scalar_kind(cl.dtype);
+  args.out_is_acc = out_is_acc;
+  args.num_clients = C;
+  args.clients = cl.rows.data();
+  args.weights = w.const_data_ptr<acc_t>();
+  args.gamma = gamma;
+  args.out = out.data_ptr();
+  args.chunks = table.chunks.data();
+  args.client_partials = client_partials.data();
+  args.sum_partials = sum_partials.data();
+  const Kernels<acc_t>& k = kernels().get<acc_t>();
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) { k.aggregate(args, c0, c1); });
+
+  const auto acc = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  Tensor q = at::empty({C}, acc);
+  Tensor Q = at::empty({}, acc);
+  acc_t* qp = q.data_ptr<acc_t>();
+  for (int64_t i = 0; i < C; ++i) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < nc; ++c) s += client_partials[c * C + i];
+    qp[i] = s;
+  }
+  acc_t s = 0;
+  for (int64_t c = 0; c < nc; ++c) s += sum_partials[c];
+  *Q.data_ptr<acc_t>() = s;
+  return {q, Q};
+}
+
+std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weights, double gamma,
+                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& enabled) {
+  const Clients cl = unpack_clients(clients);
+  const at::ScalarType acc = acc_type(cl.dtype);
+  TORCH_CHECK(weights.device().is_cpu() && weights.numel() == cl.C, "fedopt_C::aggregate: weights must be a CPU "
+              "tensor of ", cl.C, " elements, got ", weights.numel(), " on ", weights.device());
+  const bool out_is_acc = check_vector(out, cl, "out");
+  if (enabled.has_value()) {
+    TORCH_CHECK(enabled->numel() == 1 && enabled->device().is_cpu(), "fedopt_C::aggregate: enabled must be a "
+                "one-element CPU tensor");
+    if (!enabled->item<bool>()) {
+      return {at::zeros({cl.C}, at::TensorOptions().dtype(acc)), at::zeros({}, at::TensorOptions().dtype(acc))};
+    }
+  }
+  const double g = gamma_tensor.has_value() ? read_scalar(*gamma_tensor, "gamma_tensor") : gamma;
+  if (acc == at::kDouble) return run_aggregate<double>(cl, weights, g, out, out_is_acc);
+  // Rounded like python_ref's torch.as_tensor(gamma, dtype=float32).
+  return run_aggregate<float>(cl, weights, static_cast<float>(g), out, out_is_acc);
+}
+
+template <typename acc_t>
+Tensor run_client_dots(const Clients& cl, const Tensor& g, bool g_is_acc) {
+  const int64_t C = cl.C;
+  const ChunkTable table = build_chunk_table({cl.N}, {0}, 1, kAggChunk);
+  const int64_t nc = static_cast<int64_t>(table.chunks.size());
+  std::vector<acc_t> partials(nc * C);
+
+  DotsArgs<acc_t> args;
+  args.kind = scalar_kind(cl.dtype);
+  args.g_is_acc = g_is_acc;
+  args.num_clients = C;
+  args.clients = cl.rows.data();
+  args.g = g.const_data_ptr();
+  args.chunks = table.chunks.data();
+  args.partials = partials.data();
+  const Kernels<acc_t>& k = kernels().get<acc_t>();
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) { k.client_dots(args, c0, c1); });
+
+  Tensor d = at::empty({C}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
+  acc_t* dp = d.data_ptr<acc_t>();
+  for (int64_t i = 0; i < C; ++i) {
+    acc_t s = 0;
+    for (int64_t c = 0; c < nc; ++c) s += partials[c * C + i];
+    dp[i] = s;
+  }
+  return d;
+}
+
+Tensor client_dots_cpu(TensorList clients, const Tensor& g) {
+  const Clients cl = unpack_clients(clients);
+  const bool g_is_acc = check_vector(g, cl, "g");
+  if (acc_type(cl.dtype) == at::kDouble) return run_client_dots<double>(cl, g, g_is_acc);
+  return run_client_dots<float>(cl, g, g_is_acc);
+}
+
+}  // namespace
+}  // namespace fedopt::cpu
+
+TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
+  m.impl("aggregate", &fedopt::cpu::aggregate_cpu);
+  m.impl("client_dots", &fedopt::cpu::client_dots_cpu);
+}

@@ -1,0 +1,108 @@
+// Interface between the CPU ops (nar_step.cpp, aggregate.cpp: tensors, threads, stats)
+// and the streaming kernels (kernels.h, compiled once per instruction set).
+//
+// Nothing here includes torch: the kernels see raw pointers, a chunk table and the
+// hyperparameters already resolved on the host.  A kernel entry processes the chunks
+// [c0, c1) of its table; the ops split the chunks among threads (at::parallel_for) and
+// combine the per-chunk partial sums in chunk order, so every result is independent of
+// the thread count and of the instruction set (see kernels.h, "Determinism").
+#pragma once
+
+#include <cstdint>
+
+#include <fedopt/chunks.h>
+#include <fedopt/math.h>
+
+namespace fedopt::cpu {
+
+// Element counts of the chunks (chunks.h).  Fixed constants, never derived from the
+// thread count: changing one changes the rounding of the sums (still deterministic).
+// 64 Ki elements (256 KiB of fp32 per stream) keep the per-chunk overhead (a table
+// entry, one partial, one horizontal sum) below 0.1% while a ResNet-18 still has ~200
+// chunks to balance over the threads.  The aggregation cuts [C, N] by columns; 16 Ki
+// columns leave enough chunks to split a few-100k-parameter model over threads.
+constexpr int64_t kNarChunk = int64_t(1) << 16;
+constexpr int64_t kAggChunk = int64_t(1) << 14;
+
+// Element type of the data (the accumulation type is float, or double for kDouble).
+enum class ScalarKind : int { kFloat, kDouble, kHalf, kBFloat16 };
+
+// Both passes of a FedNAR step over the chunks of `chunks` (one group per norm).
+template <typename acc_t>
+struct NarArgs {
+  ScalarKind kind;
+  NarMode mode;                     // also params[g].mode, hoisted for dispatch
+  bool momentum;                    // momentum != 0: `b` is read and written
+  const Chunk* chunks;
+  void* const* x;                   // per tensor: params
+  const void* const* g;             // per tensor: grads
+  void* const* b;                   // per tensor: momentum buffers (momentum only)
+  const NarParams<acc_t>* params;   // per group
+  acc_t* partials;                  // norm pass output: sum of squares per chunk
+  const acc_t* scale;               // update pass input: clip scale per group
+  const uint8_t* skip;              // update pass input: 1 = leave the group untouched
+};
+
+// out = gamma * sum_i w_i X_i over column chunks, with per-chunk partials of
+// ||X_i||^2 and ||sum_i w_i X_i||^2.
+template <typename acc_t>
+struct AggregateArgs {
+  ScalarKind kind;                  // clients' element type
+  bool out_is_acc;                  // out holds acc_t (else the clients' type)
+  int64_t num_clients;
+  const void* const* clients;       // per client: the first element of its row
+  const acc_t* weights;             // [C]
+  acc_t gamma;
+  void* out;                        // [N]
+  const Chunk* chunks;              // column ranges of [0, N)
+  acc_t* client_partials;           // [num_chunks][C]
+  acc_t* sum_partials;              // [num_chunks]
+};
+
+// <X_i, g> for every client over column chunks.
+template <typename acc_t>
+struct DotsArgs {
+  ScalarKind kind;                  // clients' element type
+  bool g_is_acc;                    // g holds acc_t (else the clients' type)
+  int64_t num_clients;
+  const void* const* clients;
+  const void* g;
+  const Chunk* chunks;
+  acc_t* partials;                  // [num_chunks][C]
+};
+
+template <typename acc_t>
+struct Kernels {
+  void (*nar_norm)(const NarArgs<acc_t>&, int64_t c0, int64_t c1);
+  // Processes its chunks from last to first (see kernels.h, "Cache reuse").
+  void (*nar_update)(const NarArgs<acc_t>&, int64_t c0, int64_t c1);
+  void (*aggregate)(const AggregateArgs<acc_t>&, int64_t c0, int64_t c1);
+  void (*client_dots)(const DotsArgs<acc_t>&, int64_t c0, int64_t c1);
+};
+
+struct KernelTable {
+  const char* isa;  // "DEFAULT", "AVX2", "AVX512"
+  Kernels<float> f32;
+  Kernels<double> f64;
+
+  template <typename acc_t>
+  const Kernels<acc_t>& get() const {
+    if constexpr (sizeof(acc_t) == sizeof(double)) {
+      return f64;
+    } else {
+      return f32;
+    }
+  }
+};
+
+// One table per instruction set compiled in (isa_*.cpp); the AVX ones are nullptr on
+// other architectures or compilers.
+const KernelTable* kernels_default();
+const KernelTable* kernels_avx2();
+const KernelTable* kernels_avx512();
+
+// The table to use: the instruction set torch itself dispatches its CPU kernels to
+// (at::get_cpu_capability(), which honours ATEN_CPU_CAPABILITY), chosen once.
+const KernelTable& kernels();
+
+}  // namespace fedopt::cpu

@@ -1,0 +1,474 @@
+// Streaming kernels of the CPU backend, compiled once per instruction set.
+//
+// Each isa_*.cpp defines CPU_CAPABILITY (DEFAULT, AVX2, AVX512) and the matching
+// CPU_CAPABILITY_* macro, sets the compiler's target, and includes this file; it
+// expands to the kernel table `fedopt::cpu::<CPU_CAPABILITY>::kTable` (kernel_api.h).
+// All functions here have internal linkage, so the per-ISA copies can never be mixed
+// up by the linker.
+//
+// Determinism.  Every sum is taken in a fixed logical layout that does not depend on
+// the vector width: a chunk is read in blocks of kN = 128 bytes of acc_t (32 floats or
+// 16 doubles) and element j of a block always goes to lane j; one 256-bit vector holds
+// 8 of these lanes and one 512-bit vector 16, so the same kN lanes exist for every
+// ISA.  At the end of a chunk the lanes are added in a fixed tree (reduce_lanes).  The
+// ragged end of a chunk goes through a zero-filled block whose unused lanes are forced
+// to +0 before they are summed.  The TUs are compiled without floating-point
+// contraction (no FMA; isa_*.cpp), so the elementwise math is the separately rounded
+// math of python_ref: every ISA gives bitwise the same results, and when the clip scale
+// is exactly 1 the updated params match python_ref bit for bit.
+//
+// Cache reuse.  nar_update walks its chunks from last to first: the norm pass has just
+// streamed them first to last, so the update pass starts on the data still in the L2/L3
+// caches (on a ResNet-18 in fp32, ~90 MB of x and g, a 32 MB L3 holds the last third).
+#pragma once
+
+#ifndef CPU_CAPABILITY
+#error "kernels.h is included by isa_*.cpp, which define CPU_CAPABILITY"
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "kernel_api.h"
+
+namespace fedopt::cpu::CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// Columns per sub-block of the aggregation: its fp32 accumulator (8 KiB) stays in L1
+// while the C clients stream through it.
+constexpr int64_t kSub = 2048;
+
+// A block of kN elements held as kK vectors of acc_t.
+template <typename acc_t>
+struct Block {
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t kN = 128 / int64_t(sizeof(acc_t));
+  static constexpr int64_t kW = Vec::size();
+  static constexpr int64_t kK = kN / kW;
+  static_assert(kK * kW == kN, "a block must be a whole number of vectors");
+
+  // kN elements of scalar_t, converted to acc_t.
+  template <typename scalar_t>
+  static C10_ALWAYS_INLINE void load(const scalar_t* p, Vec* v) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      for (int64_t k = 0; k < kK; ++k) v[k] = Vec::loadu(p + k * kW);
+    } else {
+      using SVec = Vectorized<scalar_t>;
+      static_assert(SVec::size() == 2 * kW, "a reduced-precision vector converts to two");
+      for (int64_t k = 0; k < kK; k += 2) {
+        auto [lo, hi] = at::vec::convert_to_float<scalar_t>(SVec::loadu(p + k * kW));
+        v[k] = lo;
+        v[k + 1] = hi;
+      }
+    }
+  }
+
+  template <typename scalar_t>
+  static C10_ALWAYS_INLINE void store(scalar_t* p, const Vec* v) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      for (int64_t k = 0; k < kK; ++k) v[k].store(p + k * kW);
+    } else {
+      for (int64_t k = 0; k < kK; k += 2) {
+        at::vec::convert_from_float<scalar_t>(v[k], v[k + 1]).store(p + k * kW);
+      }
+    }
+  }
+
+  // The first n < kN elements; the other lanes read as 0.
+  template <typename scalar_t>
+  static C10_ALWAYS_INLINE void load_tail(const scalar_t* p, int64_t n, Vec* v) {
+    alignas(64) scalar_t buf[kN];
+    std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+    std::memcpy(static_cast<void*>(buf), p, n * sizeof(scalar_t));
+    load(buf, v);
+  }
+
+  template <typename scalar_t>
+  static C10_ALWAYS_INLINE void store_tail(scalar_t* p, int64_t n, const Vec* v) {
+    alignas(64) scalar_t buf[kN];
+    store(buf, v);
+    std::memcpy(static_cast<void*>(p), buf, n * sizeof(scalar_t));
+  }
+
+  // Lanes >= n set to +0 (whatever they held, NaN included).
+  static C10_ALWAYS_INLINE void keep_first(Vec* v, int64_t n) {
+    for (int64_t k = 0; k < kK; ++k) {
+      v[k] = Vec::set(Vec(acc_t(0)), v[k], std::clamp<int64_t>(n - k * kW, 0, kW));
+    }
+  }
+
+  static C10_ALWAYS_INLINE void zero(Vec* v) {
+    for (int64_t k = 0; k < kK; ++k) v[k] = Vec(acc_t(0));
+  }
+
+  // Sum of kN lanes in memory, in a fixed tree: lane i += lane i + w for w = kN/2 .. 1.
+  static acc_t reduce_lanes(acc_t* lanes) {
+    for (int64_t w = kN / 2; w >= 1; w /= 2) {
+      for (int64_t i = 0; i < w; ++i) lanes[i] = lanes[i] + lanes[i + w];
+    }
+    return lanes[0];
+  }
+
+  static acc_t reduce(const Vec* v) {
+    alignas(64) acc_t lanes[kN];
+    for (int64_t k = 0; k < kK; ++k) v[k].store(lanes + k * kW);
+    return reduce_lanes(lanes);
+  }
+};
+
+// ---------------------------------------------------------------------------------
+// Type and mode dispatch.
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <typename acc_t, typename F>
+void dispatch_kind(ScalarKind kind, const F& f) {
+  if constexpr (std::is_same_v<acc_t, double>) {
+    f(Tag<double>{});
+  } else {
+    switch (kind) {
+      case ScalarKind::kHalf: f(Tag<c10::Half>{}); break;
+      case ScalarKind::kBFloat16: f(Tag<c10::BFloat16>{}); break;
+      default: f(Tag<float>{}); break;
+    }
+  }
+}
+
+template <NarMode M>
+using ModeTag = std::integral_constant<NarMode, M>;
+
+template <typename F>
+void dispatch_mode(NarMode mode, const F& f) {
+  switch (mode) {
+    case NarMode::kCo: f(ModeTag<NarMode::kCo>{}); break;
+    case NarMode::kGrad: f(ModeTag<NarMode::kGrad>{}); break;
+    default: f(ModeTag<NarMode::kNone>{}); break;
+  }
+}
+
+// The hyperparameters broadcast to vectors, with the mode a compile-time constant so
+// that math.h's mode tests fold away inside the loops.
+template <NarMode M, typename acc_t>
+C10_ALWAYS_INLINE NarParams<Vectorized<acc_t>> vec_params(const NarParams<acc_t>& p) {
+  using Vec = Vectorized<acc_t>;
+  return {Vec(p.lr), Vec(p.weight_decay), Vec(p.momentum), Vec(p.inv_grad_scale), M};
+}
+
+// ---------------------------------------------------------------------------------
+// FedNAR, pass 1: sum of squares of the clipped-on vector (g + wd x in mode co, g
+// otherwise; the other modes never read x).
+
+template <typename scalar_t, typename acc_t, NarMode M>
+acc_t nar_norm_chunk(const scalar_t* x, const scalar_t* g, int64_t n, const NarParams<acc_t>& hp) {
+  using B = Block<acc_t>;
+  using Vec = typename B::Vec;
+  constexpr bool kReadX = M == NarMode::kCo;
+  const NarParams<Vec> p = vec_params<M>(hp);
+  Vec acc[B::kK], xv[B::kK], gv[B::kK];
+  B::zero(acc);
+  B::zero(xv);
+  auto accumulate = [&]() C10_ALWAYS_INLINE_ATTRIBUTE {
+    for (int64_t k = 0; k < B::kK; ++k) {
+      const Vec t = nar_norm_term(xv[k], nar_unscale(gv[k], p), p);
+      acc[k] = acc[k] + t * t;
+    }
+  };
+  // Two levels: `acc` collects kInner blocks at a time and is then added to `sum`, so
+  // each lane adds ~n / 32 / kInner + kInner terms in sequence rather than n / 32
+  // (a few times less rounding error, for nothing in a memory-bound loop).
+  constexpr int64_t kInner = 16;
+  Vec sum[B::kK];
+  B::zero(sum);
+  int64_t i = 0;
+  while (i + B::kN <= n) {
+    const int64_t stop = std::min(n - B::kN, i + (kInner - 1) * B::kN);
+    for (; i <= stop; i += B::kN) {
+      if constexpr (kReadX) B::load(x + i, xv);
+      B::load(g + i, gv);
+      accumulate();
+    }
+    for (int64_t k = 0; k < B::kK; ++k) {
+      sum[k] = sum[k] + acc[k];
+      acc[k] = Vec(acc_t(0));
+    }
+  }
+  if (i < n) {  // zero-padded; the padding lanes are forced to +0 (0 * inf would be NaN)
+    if constexpr (kReadX) B::load_tail(x + i, n - i, xv);
+    B::load_tail(g + i, n - i, gv);
+    accumulate();  // acc is zero here
+    B::keep_first(acc, n - i);
+    for (int64_t k = 0; k < B::kK; ++k) sum[k] = sum[k] + acc[k];
+  }
+  return B::reduce(sum);
+}
+
+template <typename acc_t>
+void nar_norm_pass(const NarArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  dispatch_kind<acc_t>(a.kind, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    dispatch_mode(a.mode, [&](auto mode) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const Chunk& ch = a.chunks[c];
+        const auto* x = static_cast<const scalar_t*>(a.x[ch.tensor]) + ch.start;
+        const auto* g = static_cast<const scalar_t*>(a.g[ch.tensor]) + ch.start;
+        a.partials[c] =
+            nar_norm_chunk<scalar_t, acc_t, decltype(mode)::value>(x, g, ch.len, a.params[ch.group]);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// FedNAR, pass 2: x <- x - lr * d (or through the momentum buffer), math.h's update.
+
+template <typename scalar_t, typename acc_t, NarMode M, bool kMomentum>
+void nar_update_chunk(scalar_t* x, const scalar_t* g, scalar_t* b, int64_t n,
+                      const NarParams<acc_t>& hp, acc_t scale) {
+  using B = Block<acc_t>;
+  using Vec = typename B::Vec;
+  const NarParams<Vec> p = vec_params<M>(hp);
+  const Vec s(scale);
+  Vec xv[B::kK], gv[B::kK], bv[B::kK];
+  auto update = [&]() C10_ALWAYS_INLINE_ATTRIBUTE {
+    for (int64_t k = 0; k < B::kK; ++k) {
+      if constexpr (kMomentum) {
+        nar_update_momentum(xv[k], nar_unscale(gv[k], p), bv[k], s, p);
+      } else {
+        nar_update_plain(xv[k], nar_unscale(gv[k], p), s, p);
+      }
+    }
+  };
+  int64_t i = 0;
+  for (; i + B::kN <= n; i += B::kN) {
+    B::load(x + i, xv);
+    B::load(g + i, gv);
+    if constexpr (kMomentum) B::load(b + i, bv);
+    update();
+    B::store(x + i, xv);
+    if constexpr (kMomentum) B::store(b + i, bv);
+  }
+  if (i < n) {
+    B::load_tail(x + i, n - i, xv);
+    B::load_tail(g + i, n - i, gv);
+    if constexpr (kMomentum) B::load_tail(b + i, n - i, bv);
+    update();
+    B::store_tail(x + i, n - i, xv);
+    if constexpr (kMomentum) B::store_tail(b + i, n - i, bv);
+  }
+}
+
+template <typename acc_t>
+void nar_update_pass(const NarArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  dispatch_kind<acc_t>(a.kind, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    dispatch_mode(a.mode, [&](auto mode) {
+      auto run = [&](auto momentum) {
+        for (int64_t c = c1 - 1; c >= c0; --c) {  // last to first: see "Cache reuse"
+          const Chunk& ch = a.chunks[c];
+          if (a.skip[ch.group]) continue;
+          auto* x = static_cast<scalar_t*>(a.x[ch.tensor]) + ch.start;
+          const auto* g = static_cast<const scalar_t*>(a.g[ch.tensor]) + ch.start;
+          scalar_t* b = decltype(momentum)::value ? static_cast<scalar_t*>(a.b[ch.tensor]) + ch.start : nullptr;
+          nar_update_chunk<scalar_t, acc_t, decltype(mode)::value, decltype(momentum)::value>(
+              x, g, b, ch.len, a.params[ch.group], a.scale[ch.group]);
+        }
+      };
+      if (a.momentum) {
+        run(std::true_type{});
+      } else {
+        run(std::false_type{});
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Aggregation: per column chunk, per sub-block of kSub columns, every client adds
+// w_i * x_i to an L1-resident accumulator in client order (exactly python_ref's
+// `total = total + w_i * x_i`; a client with w_i == 0 is never multiplied) and its
+// squares to its own lanes; then out = gamma * total and ||total||^2.
+
+template <typename scalar_t, typename out_t, typename acc_t>
+void aggregate_chunks(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  using B = Block<acc_t>;
+  using Vec = typename B::Vec;
+  constexpr int64_t kN = B::kN, kW = B::kW, kK = B::kK;
+  const int64_t C = a.num_clients;
+  std::vector<acc_t> q(C * kN);  // lanes of ||X_i||^2 over the current chunk
+  alignas(64) acc_t total[kSub];
+  const Vec gamma(a.gamma);
+  out_t* out = static_cast<out_t*>(a.out);
+
+  for (int64_t c = c0; c < c1; ++c) {
+    const Chunk& ch = a.chunks[c];
+    std::fill(q.begin(), q.end(), acc_t(0));
+    Vec sq[kK];
+    B::zero(sq);
+    for (int64_t s = 0; s < ch.len; s += kSub) {
+      const int64_t col = ch.start + s;
+      const int64_t m = std::min(kSub, ch.len - s);
+      const int64_t full = m / kN * kN;
+      const int64_t padded = (m + kN - 1) / kN * kN;
+      std::fill(total, total + padded, acc_t(0));
+      for (int64_t i = 0; i < C; ++i) {
+        const scalar_t* xi = static_cast<const scalar_t*>(a.clients[i]) + col;
+        const acc_t w = a.weights[i];
+        const Vec wv(w);
+        Vec qi[kK], xv[kK];  // this sub-block's squares, added to q below
+        B::zero(qi);
+        auto add = [&](int64_t j, auto weighted) C10_ALWAYS_INLINE_ATTRIBUTE {
+          for (int64_t k = 0; k < kK; ++k) {
+            qi[k] = qi[k] + xv[k] * xv[k];
+            if constexpr (decltype(weighted)::value) {
+              acc_t* t = total + j + k * kW;
+              (Vec::loadu(t) + wv * xv[k]).store(t);
+            }
+          }
+        };
+        auto client = [&](auto weighted) {
+          int64_t j = 0;
+          for (; j < full; j += kN) {
+            B::load(xi + j, xv);
+            add(j, weighted);
+          }
+          if (j < m) {  // zero-padded: adds 0 to q, w * 0 to total's padding
+            B::load_tail(xi + j, m - j, xv);
+            add(j, weighted);
+          }
+        };
+        if (w != acc_t(0)) {
+          client(std::true_type{});
+        } else {
+          client(std::false_type{});
+        }
+        for (int64_t k = 0; k < kK; ++k) {
+          acc_t* lanes = q.data() + i * kN + k * kW;
+          (Vec::loadu(lanes) + qi[k]).store(lanes);
+        }
+      }
+      std::fill(total + m, total + padded, acc_t(0));  // w * 0 may be NaN for w = inf
+      Vec tv[kK], sqs[kK];
+      B::zero(sqs);
+      for (int64_t j = 0; j < padded; j += kN) {
+        for (int64_t k = 0; k < kK; ++k) {
+          tv[k] = Vec::loadu(total + j + k * kW);
+          sqs[k] = sqs[k] + tv[k] * tv[k];
+          tv[k] = gamma * tv[k];
+        }
+        if (j + kN <= m) {
+          B::store(out + col + j, tv);
+        } else {
+          B::store_tail(out + col + j, m - j, tv);
+        }
+      }
+      for (int64_t k = 0; k < kK; ++k) sq[k] = sq[k] + sqs[k];
+    }
+    a.sum_partials[c] = B::reduce(sq);
+    for (int64_t i = 0; i < C; ++i) a.client_partials[c * C + i] = B::reduce_lanes(q.data() + i * kN);
+  }
+}
+
+template <typename acc_t>
+void aggregate_pass(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  dispatch_kind<acc_t>(a.kind, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    if (a.out_is_acc) {
+      aggregate_chunks<scalar_t, acc_t, acc_t>(a, c0, c1);
+    } else {
+      aggregate_chunks<scalar_t, scalar_t, acc_t>(a, c0, c1);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// client_dots: per sub-block, g is converted once into an L1 buffer, then every
+// client streams through it into its own lanes.
+
+template <typename scalar_t, typename g_t, typename acc_t>
+void client_dots_chunks(const DotsArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  using B = Block<acc_t>;
+  using Vec = typename B::Vec;
+  constexpr int64_t kN = B::kN, kW = B::kW, kK = B::kK;
+  const int64_t C = a.num_clients;
+  std::vector<acc_t> d(C * kN);
+  alignas(64) acc_t gbuf[kSub];
+  const g_t* g = static_cast<const g_t*>(a.g);
+
+  for (int64_t c = c0; c < c1; ++c) {
+    const Chunk& ch = a.chunks[c];
+    std::fill(d.begin(), d.end(), acc_t(0));
+    for (int64_t s = 0; s < ch.len; s += kSub) {
+      const int64_t col = ch.start + s;
+      const int64_t m = std::min(kSub, ch.len - s);
+      const int64_t full = m / kN * kN;
+      Vec v[kK];
+      int64_t j = 0;
+      for (; j < full; j += kN) {
+        B::load(g + col + j, v);
+        for (int64_t k = 0; k < kK; ++k) v[k].store(gbuf + j + k * kW);
+      }
+      if (j < m) {  // zero-padded
+        B::load_tail(g + col + j, m - j, v);
+        B::keep_first(v, m - j);
+        for (int64_t k = 0; k < kK; ++k) v[k].store(gbuf + j + k * kW);
+      }
+      for (int64_t i = 0; i < C; ++i) {
+        const scalar_t* xi = static_cast<const scalar_t*>(a.clients[i]) + col;
+        Vec di[kK], xv[kK];  // this sub-block's products, added to d below
+        B::zero(di);
+        auto add = [&](int64_t jj) C10_ALWAYS_INLINE_ATTRIBUTE {
+          for (int64_t k = 0; k < kK; ++k) di[k] = di[k] + xv[k] * Vec::loadu(gbuf + jj + k * kW);
+        };
+        int64_t jj = 0;
+        for (; jj < full; jj += kN) {
+          B::load(xi + jj, xv);
+          add(jj);
+        }
+        if (jj < m) {  // x and g both zero-padded: the padding adds 0 * 0
+          B::load_tail(xi + jj, m - jj, xv);
+          add(jj);
+        }
+        for (int64_t k = 0; k < kK; ++k) {
+          acc_t* lanes = d.data() + i * kN + k * kW;
+          (Vec::loadu(lanes) + di[k]).store(lanes);
+        }
+      }
+    }
+    for (int64_t i = 0; i < C; ++i) a.partials[c * C + i] = B::reduce_lanes(d.data() + i * kN);
+  }
+}
+
+template <typename acc_t>
+void client_dots_pass(const DotsArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  dispatch_kind<acc_t>(a.kind, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    if (a.g_is_acc) {
+      client_dots_chunks<scalar_t, acc_t, acc_t>(a, c0, c1);
+    } else {
+      client_dots_chunks<scalar_t, scalar_t, acc_t>(a, c0, c1);
+    }
+  });
+}
+
+}  // namespace
+
+constexpr KernelTable kTable = {
+    C10_STRINGIZE(CPU_CAPABILITY),
+    {&nar_norm_pass<float>, &nar_update_pass<float>, &aggregate_pass<float>, &client_dots_pass<float>},
+    {&nar_norm_pass<double>, &nar_update_pass<double>, &aggregate_pass<double>,
+     &client_dots_pass<double>},
+};
+
+}  // namespace fedopt::cpu::CPU_CAPABILITY

@@ -1,0 +1,191 @@
+// CPU kernels of fedopt_C::nar_step_ and fedopt_C::nar_step_batched_ (schemas and
+// semantics: csrc/registration.cpp; math: include/fedopt/math.h; oracle:
+// python_ref/fednar.py).
+//
+// A step is two passes over the chunk table of all tensors (chunks.h), whatever the
+// number of tensors, with no copy into a flat buffer:
+//   1. norm pass (parallel): one sum of squares per chunk;
+//   2. host: per group, the chunk sums in chunk order -> norm, clip scale, skip flag;
+//   3. update pass (parallel, skipped groups untouched): x (and b) in place.
+// Traffic per element: mode co reads x, g then reads x, g and writes x (5 words, the
+// floor of DESIGN.md section 4); modes grad/none skip x in the norm pass (4 words).
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "ops_common.h"
+
+namespace fedopt::cpu {
+namespace {
+
+using at::Tensor;
+using at::TensorList;
+using OptTensor = std::optional<Tensor>;
+
+// The tensors of one call, as the kernels see them.
+struct NarTensors {
+  at::ScalarType dtype;
+  std::vector<int64_t> numels, group_of;
+  int64_t num_groups = 0;
+  std::vector<void*> x, b;
+  std::vector<const void*> g;
+};
+
+struct NarHyper {
+  double lr;
+  const OptTensor& lr_tensor;
+  double weight_decay;
+  const OptTensor& weight_decay_tensor;
+  double max_norm;
+  int64_t mode;
+  double momentum;
+  const OptTensor& grad_scale;
+  const OptTensor& found_inf;
+};
+
+template <typename acc_t>
+void run_nar(const NarTensors& t, const NarHyper& h, acc_t* norm_out, acc_t* scale_out, bool* skip_out) {
+  TORCH_CHECK(h.mode >= 0 && h.mode <= 2, "fedopt_C: mode must be 0 (co), 1 (grad) or 2 (none), got ", h.mode);
+  const int64_t G = t.num_groups;
+  const NarMode mode = static_cast<NarMode>(h.mode);
+  const std::vector<acc_t> lr = read_hyper<acc_t>(h.lr, h.lr_tensor, G, "lr_tensor");
+  const std::vector<acc_t> wd = read_hyper<acc_t>(h.weight_decay, h.weight_decay_tensor, G, "weight_decay_tensor");
+  const acc_t inv_grad_scale =
+      h.grad_scale.has_value() ? acc_t(1) / static_cast<acc_t>(read_scalar(*h.grad_scale, "grad_scale")) : acc_t(1);
+  const bool found_inf = h.found_inf.has_value() && read_scalar(*h.found_inf, "found_inf") != 0;
+
+  std::vector<NarParams<acc_t>> params(G);
+  for (int64_t i = 0; i < G; ++i) {
+    params[i] = {lr[i], wd[i], static_cast<acc_t>(h.momentum), inv_grad_scale, mode};
+  }
+  const ChunkTable table = build_chunk_table(t.numels, t.group_of, G, kNarChunk);
+  std::vector<acc_t> partials(table.chunks.size());
+  std::vector<acc_t> scale(G);
+  std::vector<uint8_t> skip(G);
+
+  NarArgs<acc_t> args;
+  args.kind = scalar_kind(t.dtype);
+  args.mode = mode;
+  args.momentum = h.momentum != 0;
+  args.chunks = table.chunks.data();
+  args.x = t.x.data();
+  args.g = t.g.data();
+  args.b = t.b.data();
+  args.params = params.data();
+  args.partials = partials.data();
+  args.scale = scale.data();
+  args.skip = skip.data();
+  const Kernels<acc_t>& k = kernels().get<acc_t>();
+
+  for_chunk_ranges(table.chunks, kNarChunk, [&](int64_t c0, int64_t c1) { k.nar_norm(args, c0, c1); });
+
+  bool any_step = false;
+  for (int64_t i = 0; i < G; ++i) {
+    acc_t sum = 0;
+    for (int64_t c = table.group_begin[i]; c < table.group_begin[i + 1]; ++c) sum += partials[c];
+    const acc_t norm = std::sqrt(sum);
+    scale[i] = nar_clip_scale(norm, static_cast<acc_t>(h.max_norm), mode);
+    skip[i] = nar_skip(norm, found_inf);
+    any_step = any_step || !skip[i];
+    norm_out[i] = norm;
+    scale_out[i] = scale[i];
+    skip_out[i] = skip[i];
+  }
+  if (any_step) {
+    for_chunk_ranges(table.chunks, kNarChunk, [&](int64_t c0, int64_t c1) { k.nar_update(args, c0, c1); });
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor> run_nar_with_stats(const NarTensors& t, const NarHyper& h,
+                                                      at::IntArrayRef stat_shape) {
+  const at::ScalarType acc = acc_type(t.dtype);
+  Tensor norm = at::empty(stat_shape, at::TensorOptions().dtype(acc));
+  Tensor scale = at::empty(stat_shape, at::TensorOptions().dtype(acc));
+  Tensor skipped = at::empty(stat_shape, at::TensorOptions().dtype(at::kBool));
+  if (acc == at::kDouble) {
+    run_nar<double>(t, h, norm.data_ptr<double>(), scale.data_ptr<double>(), skipped.data_ptr<bool>());
+  } else {
+    run_nar<float>(t, h, norm.data_ptr<float>(), scale.data_ptr<float>(), skipped.data_ptr<bool>());
+  }
+  return {norm, scale, skipped};
+}
+
+std::tuple<Tensor, Tensor, Tensor> nar_step_cpu(TensorList params, TensorList grads, TensorList momentum_buffers,
+                                                double lr, const OptTensor& lr_tensor, double weight_decay,
+                                                const OptTensor& weight_decay_tensor, double max_norm, int64_t mode,
+                                                double momentum, const OptTensor& grad_scale,
+                                                const OptTensor& found_inf) {
+  const size_t T = params.size();
+  TORCH_CHECK(T > 0, "fedopt_C::nar_step_: params must not be empty");
+  TORCH_CHECK(grads.size() == T, "fedopt_C::nar_step_: ", grads.size(), " grads for ", T, " params");
+  const bool use_momentum = momentum != 0;
+  TORCH_CHECK(!use_momentum || momentum_buffers.size() == T, "fedopt_C::nar_step_: ", momentum_buffers.size(),
+              " momentum_buffers for ", T, " params");
+  NarTensors t;
+  t.dtype = params[0].scalar_type();
+  scalar_kind(t.dtype);  // rejects other dtypes
+  t.num_groups = 1;
+  t.numels.reserve(T);
+  t.group_of.assign(T, 0);
+  t.x.reserve(T);
+  t.g.reserve(T);
+  for (size_t i = 0; i < T; ++i) {
+    check_flat(params[i], t.dtype, "params");
+    check_partner(grads[i], params[i], "grads");
+    t.numels.push_back(params[i].numel());
+    t.x.push_back(params[i].data_ptr());
+    t.g.push_back(grads[i].const_data_ptr());
+    if (use_momentum) {
+      check_partner(momentum_buffers[i], params[i], "momentum_buffers");
+      t.b.push_back(momentum_buffers[i].data_ptr());
+    }
+  }
+  const NarHyper h{lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum, grad_scale, found_inf};
+  return run_nar_with_stats(t, h, {});
+}
+
+std::tuple<Tensor, Tensor, Tensor> nar_step_batched_cpu(const Tensor& X, const Tensor& G, const OptTensor& B,
+                                                        double lr, const OptTensor& lr_tensor, double weight_decay,
+                                                        const OptTensor& weight_decay_tensor, double max_norm,
+                                                        int64_t mode, double momentum, const OptTensor& grad_scale,
+                                                        const OptTensor& found_inf) {
+  TORCH_CHECK(X.dim() == 2, "fedopt_C::nar_step_batched_: params must be [C, N], got ", X.sizes());
+  TORCH_CHECK(X.is_contiguous(), "fedopt_C::nar_step_batched_: params must be contiguous");
+  scalar_kind(X.scalar_type());
+  check_flat(X, X.scalar_type(), "params");
+  check_partner(G, X, "grads");
+  TORCH_CHECK(G.sizes() == X.sizes(), "fedopt_C::nar_step_batched_: grads ", G.sizes(), " vs params ", X.sizes());
+  const bool use_momentum = momentum != 0;
+  if (use_momentum) {
+    TORCH_CHECK(B.has_value(), "fedopt_C::nar_step_batched_: momentum_buffers is required when momentum != 0");
+    check_partner(*B, X, "momentum_buffers");
+    TORCH_CHECK(B->sizes() == X.sizes(), "fedopt_C::nar_step_batched_: momentum_buffers ", B->sizes(), " vs params ",
+                X.sizes());
+  }
+  const int64_t C = X.size(0), N = X.size(1);
+  const int64_t item = X.element_size();
+  NarTensors t;
+  t.dtype = X.scalar_type();
+  t.num_groups = C;
+  t.numels.assign(C, N);
+  t.group_of.resize(C);
+  for (int64_t i = 0; i < C; ++i) {  // row i is tensor i, group i
+    t.group_of[i] = i;
+    t.x.push_back(static_cast<char*>(X.data_ptr()) + i * N * item);
+    t.g.push_back(static_cast<const char*>(G.const_data_ptr()) + i * N * item);
+    if (use_momentum) t.b.push_back(static_cast<char*>(B->data_ptr()) + i * N * item);
+  }
+  const NarHyper h{lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum, grad_scale, found_inf};
+  return run_nar_with_stats(t, h, {C});
+}
+
+}  // namespace
+}  // namespace fedopt::cpu
+
+TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
+  m.impl("nar_step_", &fedopt::cpu::nar_step_cpu);
+  m.impl("nar_step_batched_", &fedopt::cpu::nar_step_batched_cpu);
+}

@@ -1,0 +1,92 @@
+// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp): tensor checks that
+// guard memory safety, hyperparameter reads, and the split of a chunk table among
+// threads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "kernel_api.h"
+
+namespace fedopt::cpu {
+
+inline ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ScalarKind::kFloat;
+    case at::kDouble: return ScalarKind::kDouble;
+    case at::kHalf: return ScalarKind::kHalf;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: TORCH_CHECK(false, "fedopt_C: unsupported dtype ", t, " (float16/bfloat16/float32/float64)");
+  }
+}
+
+// float64 data accumulates in float64, everything else in float32.
+inline at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The kernels read a tensor as the flat array [data_ptr, data_ptr + numel): it must be
+// a CPU tensor of `dtype` whose elements fill that range exactly once.
+inline void check_flat(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "fedopt_C: ", what, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.layout() == at::kStrided && t.is_non_overlapping_and_dense(),
+              "fedopt_C: ", what, " must be dense and non-overlapping");
+}
+
+// `t` is read element for element alongside `ref`: same numel and the same memory
+// layout (a grad laid out differently from its param would pair the wrong elements).
+inline void check_partner(const at::Tensor& t, const at::Tensor& ref, const char* what) {
+  check_flat(t, ref.scalar_type(), what);
+  TORCH_CHECK(t.numel() == ref.numel(), "fedopt_C: ", what, " has ", t.numel(), " elements, expected ", ref.numel());
+  TORCH_CHECK(t.numel() <= 1 || t.strides() == ref.strides(), "fedopt_C: ", what,
+              " must have the same strides as its param, got ", t.strides(), " and ", ref.strides());
+}
+
+// A hyperparameter given as a float or as a CPU tensor of 1 or `n` values (read here:
+// on the CPU that is a plain memory read, not a device sync), in acc_t.
+template <typename acc_t>
+std::vector<acc_t> read_hyper(double value, const std::optional<at::Tensor>& tensor, int64_t n, const char* what) {
+  if (!tensor.has_value()) return std::vector<acc_t>(std::max<int64_t>(n, 1), static_cast<acc_t>(value));
+  const at::Tensor& t = *tensor;
+  TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.numel() == 1 || t.numel() == n, "fedopt_C: ", what, " must have 1 or ", n, " elements, got ",
+              t.numel());
+  // The conversion rounds like python_ref's `.to(acc dtype)`.
+  const at::Tensor c = t.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
+  const acc_t* p = c.data_ptr<acc_t>();
+  if (t.numel() == 1) return std::vector<acc_t>(std::max<int64_t>(n, 1), p[0]);
+  return std::vector<acc_t>(p, p + n);
+}
+
+// Reads a one-element CPU tensor as double.
+inline double read_scalar(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.numel() == 1, "fedopt_C: ", what, " must have one element, got ", t.numel());
+  return t.item<double>();
+}
+
+// Runs fn(c0, c1) on consecutive chunk ranges, one per thread, balanced by element
+// count (a table mixes 64-element and 64Ki-element chunks).  The ranges depend on the
+// thread count; the results do not (one partial per chunk).  For the same table the
+// same thread gets the same chunks in every call, which the update pass relies on to
+// find its data in that core's cache.
+template <typename F>
+void for_chunk_ranges(const std::vector<Chunk>& chunks, int64_t grain, const F& fn) {
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  if (n == 0) return;
+  std::vector<int64_t> offset(n + 1, 0);  // first element of each chunk in the whole table
+  for (int64_t c = 0; c < n; ++c) offset[c + 1] = offset[c] + chunks[c].len;
+  at::parallel_for(0, offset[n], grain, [&](int64_t begin, int64_t end) {
+    // Chunk c belongs to the range holding its first element.
+    const int64_t c0 = std::lower_bound(offset.begin(), offset.begin() + n, begin) - offset.begin();
+    const int64_t c1 = std::lower_bound(offset.begin(), offset.begin() + n, end) - offset.begin();
+    if (c0 < c1) fn(c0, c1);
+  });
+}
+
+}  // namespace fedopt::cpu

@@ -51,12 +51,13 @@ FEDOPT_HD acc_t nar_norm_term(acc_t x, acc_t g, const NarParams<acc_t>& p) {
   return p.mode == NarMode::kCo ? g + p.weight_decay * x : g;
 }
 
-// s = min(1, A / (n + eps)) for co/grad, 1 for none.
+// s = min(1, A / (n + eps)) for co/grad, 1 for none.  A NaN norm gives a NaN scale, as
+// python_ref's torch.clamp(..., max=1) does (the step is skipped then anyway).
 template <typename acc_t>
 FEDOPT_HD acc_t nar_clip_scale(acc_t norm, acc_t max_norm, NarMode mode) {
   if (mode == NarMode::kNone) return acc_t(1);
   acc_t s = max_norm / (norm + acc_t(kClipEps));
-  return s < acc_t(1) ? s : acc_t(1);
+  return s > acc_t(1) ? acc_t(1) : s;
 }
 
 // A step is skipped when its norm is not finite or GradScaler found an inf/nan.

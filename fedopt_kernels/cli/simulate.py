@@ -6,7 +6,6 @@ import argparse
 import math
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import List, Optional
 

@@ -22,7 +22,6 @@ steps) accumulate in device tensors and are read once per round.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

@@ -35,7 +35,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 __all__ = ["Results", "CSV_COLUMNS", "write_atomic", "plot_comparison", "comparison_rows"]
 

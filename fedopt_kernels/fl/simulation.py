@@ -35,7 +35,6 @@ import time
 from typing import Callable, List, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import __version__

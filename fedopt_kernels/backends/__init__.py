@@ -113,7 +113,16 @@ _names: dict = {}
 _modules: dict = {}
 
 
-@torch.compiler.assume_constant_result
+def _compile_constant(fn):
+    """``torch.compiler.assume_constant_result`` without its cost: that function imports
+    ``torch._dynamo`` (~1.5 s, paid by every ``fedopt`` command) only to set this flag.
+    tests/test_fednar_optimizer.py compiles a step with fullgraph=True, which fails if
+    Dynamo stops honouring it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_compile_constant
 def resolve_name(backend: Optional[str], device_type: str) -> str:
     """Name of the backend to run on ``device_type`` ("cpu", "cuda"); raises if the
     requested one cannot run there.  A constant for ``torch.compile`` (the choice depends

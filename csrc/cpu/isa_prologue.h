@@ -22,7 +22,10 @@
 #endif
 
 // at::vec's headers are written for torch's own flags (-Wno-unknown-pragmas for its
-// `#pragma unroll`, -Wno-psabi for vector-returning lambdas in the AVX code).
+// `#pragma unroll`, -Wno-psabi for vector-passing helpers, -Wno-maybe-uninitialized for
+// GCC's AVX-512 intrinsics).  GCC < 13 ignores the first one as a pragma in C++ (GCC bug
+// 53431), so a -Wall build with GCC 12 still lists ~24 "ignoring #pragma unroll"
+// warnings per isa_*.cpp; -Wno-unknown-pragmas in setup.py would silence them.
 #if defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
 #pragma GCC diagnostic ignored "-Wpsabi"

@@ -503,7 +503,8 @@ import hashlib, sys, torch
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 import test_cpu_kernels as t
-print(torch.backends.cpu.get_cpu_capability())
+import fedopt_kernels.backends.cpu
+print(torch.backends.cpu.get_cpu_capability(), torch.ops.fedopt_C.cpu_isa())
 for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
     h = hashlib.sha256()
     for r in t._all_results(dtype):
@@ -527,8 +528,8 @@ def test_results_independent_of_instruction_set():
         res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         lines = res.stdout.split()
-        assert lines[0] == level.upper(), f"ATEN_CPU_CAPABILITY={level} ran {lines[0]}"
-        outputs[level] = lines[1:]
+        assert lines[:2] == [level.upper()] * 2, f"ATEN_CPU_CAPABILITY={level}: torch {lines[0]}, kernels {lines[1]}"
+        outputs[level] = lines[2:]
     first = outputs[levels[0]]
     for level in levels[1:]:
         assert outputs[level] == first, f"{level} differs from {levels[0]}"
@@ -536,6 +537,16 @@ def test_results_independent_of_instruction_set():
 
 # --------------------------------------------------------------------------------------
 # the build
+
+
+def test_cpu_isa_follows_torch():
+    """The kernels run the instruction set torch's own CPU kernels use."""
+    isa = torch.ops.fedopt_C.cpu_isa()
+    expected = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64") and expected in ("DEFAULT", "AVX2", "AVX512"):
+        assert isa == expected
+    else:
+        assert isa == "DEFAULT"
 
 
 def _extension_path():

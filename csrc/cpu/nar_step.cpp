@@ -10,6 +10,7 @@
 // Traffic per element: mode co reads x, g then reads x, g and writes x (5 words, the
 // floor of DESIGN.md section 4); modes grad/none skip x in the norm pass (4 words).
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -188,4 +189,11 @@ std::tuple<Tensor, Tensor, Tensor> nar_step_batched_cpu(const Tensor& X, const T
 TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
   m.impl("nar_step_", &fedopt::cpu::nar_step_cpu);
   m.impl("nar_step_batched_", &fedopt::cpu::nar_step_batched_cpu);
+}
+
+// An addition to the namespace (no existing schema changes): which build of the CPU
+// kernels this process runs, "DEFAULT", "AVX2" or "AVX512" (chosen once, like torch's
+// own CPU kernels; ATEN_CPU_CAPABILITY caps it).  For diagnostics and tests.
+TORCH_LIBRARY_FRAGMENT(fedopt_C, m) {
+  m.def("cpu_isa() -> str", []() -> std::string { return fedopt::cpu::kernels().isa; });
 }

@@ -2,7 +2,11 @@
 
 Not a test (pytest does not collect it).  Run from the repository root:
 
-    PYTHONPATH=. python tests/bench_cpu_kernels.py [--reps 15] [--only nar|agg]
+    PYTHONPATH=. python tests/bench_cpu_kernels.py [--reps 15] [--only nar|agg] [--dtype bfloat16]
+
+(``python -m fedopt_kernels.benchmarks.suite --backend cpu`` is the project-wide
+suite; this script adds the CPU-specific cases: the raw op next to the ops API, momentum
+and mode grad, list vs [C, N] clients, client_dots against MKL's X @ g.)
 
 Every measurement is the median of interleaved repetitions in one process, so that
 each timed call starts with the caches full of the other candidates' data (as in
@@ -14,8 +18,9 @@ training, where a forward/backward pass separates two steps).
 * aggregate: 20 clients x 11.18M fp32, against `torch.sum(X, dim=0)` (the floor: each
   client read once, out written once) and against `w @ X` + separate norms.
 
+"speed vs floor" = floor time / candidate time (> 1: faster than the floor).
 ATEN_CPU_CAPABILITY=default|avx2|avx512 selects the instruction set of both torch's and
-these kernels.
+these kernels (torch.ops.fedopt_C.cpu_isa() says which build runs).
 """
 
 from __future__ import annotations
@@ -109,7 +114,8 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"fedopt CPU kernels {torch.ops.fedopt_C.cpu_isa()}")
     if args.only in (None, "nar"):
         bench_nar(args.reps, dtype)
     if args.only in (None, "agg"):

@@ -27,7 +27,7 @@ $(STAMP): $(VENV)/bin/python $(SOURCES)
 setup: $(STAMP)
 
 demo: setup
-	$(VENV)/bin/fedopt simulate --config examples/digits.toml --out results/digits
+	$(VENV)/bin/fedopt compare --dataset digits --algos fedavg:grad,fedavg:co,scaffold:co,fedadam:co,fedexp:co,asnes:co,fedlaw:co --rounds 40 --max-norm 2 --out results/digits
 
 test: setup
 	$(PY) -m pytest -q

@@ -9,7 +9,8 @@ Environment switches:
 * ``FEDOPT_BUILD_CUDA=auto|0|1`` (default ``auto``): ``1`` fails the build when CUDA is
   not usable, ``0`` never builds it, ``auto`` builds it when possible and otherwise
   prints one line saying why not.
-* ``FEDOPT_CUDA_ARCH_LIST`` (default ``8.0;9.0``), also honours ``TORCH_CUDA_ARCH_LIST``.
+* ``FEDOPT_CUDA_ARCH_LIST`` (default ``8.0;9.0+PTX``: machine code for A100 and H100,
+  plus PTX that newer GPUs JIT-compile), also honours ``TORCH_CUDA_ARCH_LIST``.
 * ``CUDA_HOME`` / ``CUDA_PATH``: the toolkit root; otherwise it is found from ``nvcc``
   (following wrapper scripts, which point at the real toolkit) or ``/usr/local/cuda*``.
 
@@ -94,9 +95,13 @@ def cuda_build_decision() -> tuple[bool, str]:
 
 
 def extensions():
+    # Decide (and set CUDA_HOME) BEFORE importing torch.utils.cpp_extension, which reads
+    # CUDA_HOME once at import time and would otherwise guess /usr/local from the wrapper.
+    build_cuda, why = cuda_build_decision()
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wall", "-Wno-unused-function"]
+    # -Wno-unknown-pragmas: GCC < 13 warns about the "#pragma unroll" in torch headers.
+    cxx = ["-O3", "-std=c++20", "-fopenmp", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"]
     include = [os.path.join(ROOT, "csrc", "include")]
     cpu_sources = ["csrc/registration.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     exts = [
@@ -108,9 +113,8 @@ def extensions():
             extra_link_args=["-fopenmp"],
         )
     ]
-    build_cuda, why = cuda_build_decision()
     if build_cuda:
-        arch_list = os.environ.get("FEDOPT_CUDA_ARCH_LIST") or os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.0;9.0"
+        arch_list = os.environ.get("FEDOPT_CUDA_ARCH_LIST") or os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.0;9.0+PTX"
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
         print(f"fedopt_kernels: building the CUDA extension for sm {arch_list}: {why}", file=sys.stderr)
         exts.append(

@@ -26,6 +26,12 @@ FedExP and ASNES need -- and the robustness decisions, taken on the device:
   before averaging (norm bounding, a standard defence against poisoned updates; the
   weights are not renormalised afterwards, so bounding shrinks the step).
 
+Many processes (``torch.distributed``): :class:`fedopt_kernels.distributed.DistributedServerOptimizer`
+wraps a server optimizer so that ``step(local_updates, local_weights)`` on every rank
+aggregates the union of all ranks' updates (the same ``D``, statistics and decisions on
+every rank) and applies the identical step to every rank's copy of the global model.
+It plugs its aggregation into :meth:`ServerOptimizer._step`; this layer does not import it.
+
 The subclasses then apply their formula per parameter to views of ``D``.  Their state
 lives in ``self.state[param]`` (plain tensors, like ``torch.optim``), so
 ``state_dict()``/``load_state_dict()`` round-trip and a restored optimizer continues
@@ -180,7 +186,10 @@ class ServerOptimizer(Optimizer):
         return sum(p.numel() for p in self._params())
 
     # ------------------------------------------------------------------ validation
-    def _check_updates(self, updates: Updates, N: int, dtype: torch.dtype, device: torch.device):
+    def _check_updates(self, updates: Updates, N: int, dtype: torch.dtype, device: torch.device, *,
+                       allow_empty: bool = False):
+        """``(rows, C)`` of valid ``updates``; ``allow_empty``: ``C == 0`` is accepted (a rank
+        of a distributed round may hold no client: a ``[0, N]`` tensor or an empty list)."""
         def check_one(t, name, dims):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -202,13 +211,13 @@ class ServerOptimizer(Optimizer):
                 raise ValueError(f"updates as a tensor must be 2-D [C, N], got shape {tuple(updates.shape)}; "
                                  "for one client pass updates[None] or [update]")
             check_one(updates, "updates", 2)
-            if updates.shape[0] == 0:
+            if updates.shape[0] == 0 and not allow_empty:
                 raise ValueError("updates must hold at least one client")
             return updates, updates.shape[0]
         if not isinstance(updates, (list, tuple)):
             raise TypeError(f"updates must be a [C, N] tensor or a list/tuple of flat vectors, "
                             f"got {type(updates).__name__}")
-        if len(updates) == 0:
+        if len(updates) == 0 and not allow_empty:
             raise ValueError("updates must hold at least one client")
         for i, u in enumerate(updates):
             check_one(u, f"updates[{i}]", 1)
@@ -265,18 +274,32 @@ class ServerOptimizer(Optimizer):
         positive finite number skips the round (``stats.skipped``), and negative
         entries are the caller's responsibility.
         """
+        return self._step(updates, weights, None)
+
+    def _step(self, updates: Updates, weights, aggregation) -> ServerStats:
+        """:meth:`step` with a pluggable aggregation (None: this process alone).
+
+        ``aggregation(optimizer, updates, weights, out) -> (p, valid, stats)`` validates
+        ``updates``/``weights`` as :meth:`step` documents, writes the mean update ``D``
+        into ``out`` (``[N]``, acc dtype) and returns the normalised weights ``p`` of ALL
+        the clients it averaged, the validity flag of :meth:`_check_weights` and their
+        :class:`~fedopt_kernels.ops.AggregateStats`.  The distributed layer passes one
+        that averages the union of every rank's updates.
+        """
         params = self._params()
         if not params:
             raise ValueError("the optimizer has no parameters")
         dtype, device = params[0].dtype, params[0].device
         acc = acc_dtype(dtype)
         N = sum(p.numel() for p in params)
-        rows, C = self._check_updates(updates, N, dtype, device)
-        p_in, valid = self._check_weights(weights, C, device, acc)
-
         D = torch.empty(N, dtype=acc, device=device)
-        _, st = aggregate(rows, p_in, out=D, nonfinite=self.nonfinite, max_client_norm=self.max_client_norm,
-                          backend=self.backend)
+        if aggregation is None:
+            rows, C = self._check_updates(updates, N, dtype, device)
+            p_in, valid = self._check_weights(weights, C, device, acc)
+            _, st = aggregate(rows, p_in, out=D, nonfinite=self.nonfinite, max_client_norm=self.max_client_norm,
+                              backend=self.backend)
+        else:
+            p_in, valid, st = aggregation(self, updates, weights, D)
         info = self._round_info(p_in, st, valid)
         d_views, offset = [], 0
         for group in self.param_groups:

@@ -1,0 +1,26 @@
+"""Federated aggregation across processes with ``torch.distributed``.
+
+Each rank holds some of a round's clients; these collectives give every rank the
+result one process would compute from all of them (global client order: rank 0's
+clients, then rank 1's, ...):
+
+* :func:`all_aggregate` -- :func:`fedopt_kernels.ops.aggregate` over the union of the
+  ranks' clients (weighted sum, ``gamma``, every statistic, NaN exclusion and norm
+  bounding decided globally).  ``mode="ordered"`` (default) is bitwise identical to the
+  single-process result for any number of ranks; ``mode="all_reduce"`` does one packed
+  ``all_reduce`` of partial sums and statistics, within a stated tolerance.
+* :class:`DistributedServerOptimizer` -- wraps a server optimizer (FedAvg, FedAdam,
+  ASNES, ...) so ``step(local_updates, local_weights)`` on every rank applies the
+  global step to every rank's copy of the global model.
+
+gloo carries CPU tensors, NCCL CUDA tensors; the small host-side metadata exchange
+uses gloo (a gloo group over the same ranks is made for an NCCL-only group).  The
+simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distributed``
+(:mod:`fedopt_kernels.fl.distributed`).  See ``docs/distributed.md``.
+"""
+
+from ._comm import RankInputError
+from .aggregate import MODES, all_aggregate
+from .server import DistributedServerOptimizer
+
+__all__ = ["all_aggregate", "DistributedServerOptimizer", "RankInputError", "MODES"]

@@ -1,0 +1,334 @@
+r"""``all_aggregate``: :func:`fedopt_kernels.ops.aggregate` over the clients of every rank.
+
+Each rank holds some clients (``[C_r, N]``, any ``C_r >= 0``); the result is the
+aggregation of the UNION, in the global client order -- rank 0's clients, then rank
+1's, ... (each rank's in its own order) -- with every statistic over all the clients,
+the same on every rank.  Robustness is global: a NaN client on rank 1 is excluded and
+the others are renormalised with the global weight total, exactly as one process would.
+
+Two modes:
+
+``"ordered"`` (default) -- bitwise identical to the single-process ``ops.aggregate`` of
+    the union, for ANY number of ranks and any split.  Every backend computes, per
+    element, ``t = 0; t = t + w_i x_i`` for ``i = 0 .. C-1`` in the acc dtype (python_ref's
+    order), a sequence of roundings that cannot be regrouped.  So the ranks continue ONE
+    running sum: rank ``r`` receives the running sum ``t`` of the clients before it,
+    runs the SAME fused kernel on ``[t] + its rows`` with weights ``[1] + its weights``
+    (``0 + 1 * t == t`` exactly, then the very additions one process makes) and sends
+    the result on; the last rank applies ``gamma`` and broadcasts.  ``||X_i||^2`` is a
+    function of row ``i`` alone and ``||sum||^2`` of the final sum alone, so the
+    statistics match too.  The price: the ranks aggregate one after another (the
+    aggregation takes as long as in one process; client training, the expensive part,
+    still runs in parallel).
+
+``"all_reduce"`` -- each rank aggregates its own clients with the fused kernel, then
+    ONE ``all_reduce`` of a packed buffer ``[partial sum (N) | ||X_i||^2 (C) | w_i (C)]``
+    combines the partial sums and the per-client statistics (every slot of the
+    statistics is written by one rank, the others add exact zeros).  The per-client
+    statistics, exclusions and weights are bitwise those of one process; the sum is
+    regrouped (``C_r`` fp32 additions per rank, then the reduction's own order), so
+    elementwise ``|out - out_1| <= gamma * 2 (C + W) u sum_i |w_i x_i|`` with ``u`` the
+    unit roundoff of the acc dtype (``2^-24`` for fp32/fp16/bf16 data, ``2^-53`` for fp64)
+    plus one rounding to ``out``'s dtype; ``||sum||^2`` follows from that sum.  It is
+    deterministic for a fixed world size and collective algorithm (gloo; NCCL with a
+    fixed ``NCCL_ALGO``/topology).
+
+Collective traffic per call (``W`` ranks, ``N`` elements, acc words; ``C`` clients):
+
+============  ==========================================================================
+ordered       W-1 point-to-point sends of N (rank r -> r+1), one gather of 2 * max(C_r)
+              per rank, one broadcast of N (+ 1) from the last rank; with
+              ``nonfinite="exclude"`` or ``max_client_norm`` a second chain of W-1 sends
+              when a weight changed (on CUDA always: the decision stays on the device
+              and the disabled kernels leave the first chain's sums in place)
+all_reduce    one all_reduce of N + 2C; a second all_reduce of N under the same
+              condition as ``ordered``'s second chain
+both          one host-side ``all_gather_object`` of a few integers per rank (counts,
+              shapes, errors: see ``_comm.exchange``)
+============  ==========================================================================
+
+No host sync on CUDA: counts and shapes travel on the host, every decision (exclusion,
+renormalisation, whether a second pass writes) is a device tensor, as in ``ops.aggregate``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..ops import _validation as V
+from ..ops.aggregate import NONFINITE, AggregateStats, _runner, check_gamma, robust_weights
+from ..ops._validation import acc_dtype
+from . import _comm
+from ._comm import Plan
+
+__all__ = ["all_aggregate", "MODES"]
+
+MODES = ("ordered", "all_reduce")
+Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
+    """``(rows, C_r, N, dtype, device)``; a rank may hold no client: a ``[0, N]`` tensor,
+    or an empty list when ``out`` gives ``N``, the dtype and the device."""
+    if isinstance(clients, torch.Tensor):
+        V.check_tensor(clients, "local_clients", dims=2)
+        if not clients.is_contiguous():
+            raise ValueError("local_clients as a [C, N] tensor must be contiguous")
+        C, N = clients.shape
+        return list(clients.unbind(0)) if C else [], C, N, clients.dtype, clients.device
+    rows = V.check_tensor_list(clients, "local_clients")
+    if not rows:
+        if out is None:
+            raise ValueError("a rank without clients must pass a [0, N] tensor as local_clients (or give out=), so "
+                             "that N, the dtype and the device are known")
+        V.check_tensor(out, "out", dims=1)
+        return [], 0, out.shape[0], out.dtype, out.device
+    first = rows[0]
+    for i, r in enumerate(rows):
+        if r.dim() != 1:
+            raise ValueError(f"local_clients[{i}] must be a 1-D vector, got shape {tuple(r.shape)}")
+        if not r.is_contiguous():
+            raise ValueError(f"local_clients[{i}] must be contiguous")
+        V.check_like(r, first, f"local_clients[{i}]", "local_clients[0]", strides=False)
+    return rows, len(rows), first.numel(), first.dtype, first.device
+
+
+def _local_weights(weights, C: int, device, acc) -> torch.Tensor:
+    """Shape/dtype/device checks, plus (CPU) finite and ``>= 0``; "not all zero" is a
+    property of the union, checked after the exchange."""
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"local_weights must be a torch.Tensor of shape [{C}], got {type(weights).__name__}")
+    if weights.dim() != 1 or weights.shape[0] != C:
+        raise ValueError(f"local_weights must have shape [{C}] (one weight per local client), got "
+                         f"{tuple(weights.shape)}")
+    if not weights.is_floating_point():
+        raise ValueError(f"local_weights must be floating point, got {weights.dtype}")
+    if weights.device != device:
+        raise ValueError(f"local_weights is on {weights.device} but the clients are on {device}")
+    if weights.device.type == "cpu" and C:
+        w = weights.detach().double()
+        bad = ~torch.isfinite(w)
+        if bad.any():
+            raise ValueError(f"local_weights must be finite, got {w[bad][0].item()} at index {int(bad.nonzero()[0])}")
+        neg = w < 0
+        if neg.any():
+            raise ValueError(f"local_weights must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
+    return weights.detach().to(acc).contiguous()
+
+
+def _check_out(out, N, dtype, acc, device):
+    if out is None:
+        return torch.empty(N, dtype=dtype, device=device)
+    V.check_tensor(out, "out", dims=1)
+    if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{N}] tensor on {device} with dtype {dtype} or {acc}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
+def all_aggregate(
+    local_clients: Clients,
+    local_weights: torch.Tensor,
+    *,
+    gamma=1.0,
+    group=None,
+    out: Optional[torch.Tensor] = None,
+    nonfinite: str = "exclude",
+    max_client_norm: Optional[float] = None,
+    backend: Optional[str] = None,
+    mode: str = "ordered",
+):
+    r"""Collective: :func:`fedopt_kernels.ops.aggregate` over the union of every rank's
+    clients.  Call it on every rank of ``group`` (None: the default group).
+
+    ``local_clients`` is this rank's ``[C_r, N]`` tensor or list of ``C_r`` vectors
+    (``C_r`` may differ between ranks and be 0: pass a ``[0, N]`` tensor), and
+    ``local_weights`` their ``[C_r]`` weights; ``gamma``, ``out``, ``nonfinite``,
+    ``max_client_norm`` and ``backend`` mean what they mean for ``ops.aggregate``.
+
+    Returns ``(out, AggregateStats)`` on EVERY rank: ``out = gamma * sum_i w_i X_i`` over
+    all clients and statistics of all ``C = sum_r C_r`` clients in the global order
+    (rank 0's clients first).  ``mode="ordered"`` (default) is bitwise identical to one
+    process calling ``ops.aggregate`` on the union; ``"all_reduce"`` does one collective
+    and is exact except for the regrouped sum (see the module docstring for both, the
+    tolerance and the traffic).
+
+    Every rank validates its inputs before any collective on the data; if one rank's
+    inputs are wrong, that rank raises its error and every other rank raises
+    :class:`RankInputError` (nobody hangs).
+    """
+    error = None
+    rows, C_r, N, dtype, device, acc = [], 0, None, None, None, None
+    try:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        if max_client_norm is not None:
+            max_client_norm = V.check_real(max_client_norm, "max_client_norm", low=0.0, low_open=True)
+        rows, C_r, N, dtype, device = _local_clients(local_clients, out)
+        acc = acc_dtype(dtype)
+        w_local = _local_weights(local_weights, C_r, device, acc)
+        gamma = check_gamma(gamma, device, acc)
+        out = _check_out(out, N, dtype, acc, device)
+        run = _runner(backend, device)  # raises here if the backend cannot run
+    except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
+        error = exc
+    # CPU weights: whether any is positive ("not all zero" holds for the union, or fails
+    # on every rank before any data moves); device weights are not read (no sync).
+    positive = bool((w_local > 0).any()) if error is None and device.type == "cpu" else None
+    plan = _comm.exchange(group, what="all_aggregate", count=C_r, N=N, dtype=dtype,
+                          device_type=None if device is None else device.type, error=error, extra=positive)
+    if positive is not None and not any(plan.extras):
+        raise ValueError("all_aggregate: the weights of the clients of all ranks must not all be zero")
+    return _aggregate_planned(rows, w_local, gamma, out, plan, group, run=run, nonfinite=nonfinite,
+                              max_client_norm=max_client_norm, mode=mode, dtype=dtype, device=device)
+
+
+def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, nonfinite, max_client_norm, mode,
+                       dtype, device):
+    """The aggregation once every rank has agreed on ``plan`` (inputs already checked)."""
+    acc = acc_dtype(dtype)
+    robust = nonfinite == "exclude" or max_client_norm is not None
+    host_decides = device.type == "cpu"  # reading a CPU flag is free; on CUDA it would sync
+    if mode == "ordered":
+        result = _Ordered(rows, plan, group, run, acc, dtype, device, gamma, out)
+    else:
+        result = _AllReduce(rows, plan, group, run, acc, device, gamma)
+
+    q_local = result.first_pass(w_local)
+    # [C, 2]: (||X_i||^2, w_i) of every client, in the global order
+    qw = _comm.gather_rows(torch.stack([q_local, w_local], dim=1), plan, group) if mode == "ordered" \
+        else result.gathered
+    q, w = qw[:, 0].contiguous(), qw[:, 1].contiguous()
+    if robust:
+        eff, excluded = robust_weights(w, q, nonfinite == "exclude", max_client_norm)
+        redo = (eff != w).any()
+        if not host_decides or bool(redo):
+            result.second_pass(eff[plan.start:plan.stop].contiguous(), None if host_decides else redo)
+        else:
+            redo = None
+    else:
+        eff, excluded, redo = w, torch.zeros(plan.C, dtype=torch.bool, device=device), None
+    Q = result.finish(out, redo)
+    return out, AggregateStats(q, Q, excluded, eff, excluded.all())
+
+
+class _Ordered:
+    """The running sum passed along the ranks (see the module docstring)."""
+
+    def __init__(self, rows, plan: Plan, group, run, acc, dtype, device, gamma, out):
+        self.plan, self.group, self.run, self.acc, self.device = plan, group, run, acc, device
+        self.rows = rows
+        # The running sum enters the kernel as a client, so it must share the rows'
+        # dtype: fp16/bf16 rows are widened (exactly) for the chain; their ||X_i||^2
+        # still comes from the rows as given (the kernels' tiles depend on the dtype).
+        self.half = dtype != acc
+        self.chain_rows = [r.to(acc) for r in rows] if self.half else rows
+        N = plan.N
+        self.first = plan.rank == 0
+        self.last = plan.rank == plan.world - 1
+        self.prev = None if self.first else torch.empty(N, dtype=acc, device=device)
+        if self.last:
+            # The last kernel writes gamma * sum, as the single-process kernel does; into
+            # an acc buffer when out is fp16/bf16 (rounded by finish(), also to nearest).
+            self.target = out if out.dtype == acc else torch.empty(N, dtype=acc, device=device)
+            self.gamma = gamma
+        else:
+            self.target = torch.empty(N, dtype=acc, device=device)
+            self.gamma = 1.0
+        self.one = torch.ones(1, dtype=acc, device=device)
+        self.Q = [None, None]
+
+    def _pass(self, weights, enabled, index: int):
+        plan, group = self.plan, self.group
+        if not self.first:
+            _comm.recv(self.prev, plan.rank - 1, group)
+            rows, w = [self.prev] + self.chain_rows, torch.cat([self.one, weights])
+        else:
+            rows, w = self.chain_rows, weights
+        q = None
+        if rows:
+            q, self.Q[index] = self.run(rows, w, self.gamma, self.target, enabled)
+            if not self.first:
+                q = q[1:]
+        elif index == 0:  # rank 0 without clients: the running sum starts at +0
+            self.target.zero_()
+        if not self.last:
+            _comm.send(self.target, plan.rank + 1, group)
+        return q
+
+    def first_pass(self, w_local):
+        q = self._pass(w_local, None, 0)
+        if self.half and self.rows:
+            scratch = torch.empty(self.plan.N, dtype=self.acc, device=self.device)
+            q, _ = self.run(self.rows, torch.zeros_like(w_local), 1.0, scratch, None)
+        if q is None:
+            q = torch.zeros(0, dtype=self.acc, device=self.device)
+        return q
+
+    def second_pass(self, eff_local, enabled):
+        self._pass(eff_local, enabled, 1)
+
+    def finish(self, out, redo):
+        src = self.plan.world - 1
+        Q = torch.empty((), dtype=self.acc, device=self.device)
+        if self.last:
+            Q.copy_(self.Q[0] if redo is None else torch.where(redo, self.Q[1], self.Q[0]))
+            if self.target is not out:
+                out.copy_(self.target)
+        _comm.broadcast(out, src, self.group)
+        _comm.broadcast(Q, src, self.group)
+        return Q
+
+
+class _AllReduce:
+    """Partial sums per rank, one packed all_reduce (see the module docstring)."""
+
+    def __init__(self, rows, plan: Plan, group, run, acc, device, gamma):
+        self.rows, self.plan, self.group, self.run, self.acc, self.device = rows, plan, group, run, acc, device
+        self.gamma = gamma
+        N, C = plan.N, plan.C
+        self.buf = torch.empty(N + 2 * C, dtype=acc, device=device)
+        self.partial = self.buf[:N]
+
+    def _local_sum(self, weights, target, enabled):
+        if self.rows:
+            q, _ = self.run(self.rows, weights, 1.0, target, enabled)
+            return q
+        if enabled is None:
+            target.zero_()
+        return torch.zeros(0, dtype=self.acc, device=self.device)
+
+    def first_pass(self, w_local):
+        plan, N, C = self.plan, self.plan.N, self.plan.C
+        q = self._local_sum(w_local, self.partial, None)
+        stats = self.buf[N:]
+        stats.zero_()
+        stats[plan.start:plan.stop] = q
+        stats[C + plan.start:C + plan.stop] = w_local
+        _comm.all_reduce(self.buf, self.group)  # partial sums + every rank's slots (x + 0 == x exactly)
+        self.gathered = torch.stack([self.buf[N:N + C], self.buf[N + C:]], dim=1)
+        return q
+
+    def second_pass(self, eff_local, enabled):
+        if enabled is None:
+            self._local_sum(eff_local, self.partial, None)
+            _comm.all_reduce(self.partial, self.group)
+            return
+        tmp = torch.zeros_like(self.partial) if not self.rows else torch.empty_like(self.partial)
+        self._local_sum(eff_local, tmp, enabled)
+        _comm.all_reduce(tmp, self.group)
+        torch.where(enabled, tmp, self.partial, out=self.partial)
+
+    def finish(self, out, redo):
+        gamma = self.gamma
+        total = self.partial
+        scaled = out if out.dtype == self.acc else torch.empty_like(total)
+        one = torch.ones(1, dtype=self.acc, device=self.device)
+        _, Q = self.run([total], one, gamma, scaled, None)  # gamma * total and ||total||^2, every rank alike
+        if scaled is not out:
+            out.copy_(scaled)
+        return Q

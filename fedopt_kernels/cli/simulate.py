@@ -126,8 +126,11 @@ class _Progress:
         return False
 
 
-def _build_simulation(config: SimulationConfig, **kwargs):
-    from ..fl.simulation import Simulation
+def _build_simulation(config: SimulationConfig, *, distributed: bool = False, **kwargs):
+    if distributed:
+        from ..fl.distributed import DistributedSimulation as Simulation
+    else:
+        from ..fl.simulation import Simulation
 
     try:
         return Simulation(config, **kwargs)
@@ -161,10 +164,36 @@ def add_simulate_parser(sub) -> None:
                    help=f"continue the run saved in <out>/{CHECKPOINT} (its settings, flags may change --rounds)")
     p.add_argument("--checkpoint-every", type=int, default=argparse.SUPPRESS, metavar="K",
                    help=f"also save <out>/{CHECKPOINT} every K rounds (it is always saved at the end and on Ctrl-C)")
+    p.add_argument("--distributed", action="store_true",
+                   help="spread each round's clients over the ranks of a torchrun launch (torchrun "
+                        "--nproc_per_node=N -m fedopt_kernels simulate --distributed ...); same results as one "
+                        "process, rank 0 writes them")
     p.set_defaults(func=run_simulate)
 
 
 def run_simulate(args) -> int:
+    # a run option, not a setting of the simulation (build_settings would reject it)
+    if not vars(args).pop("distributed", False):
+        return _run_simulate(args)
+    from ..fl.distributed import shutdown
+
+    try:
+        return _run_simulate(args, distributed=True)
+    finally:
+        shutdown()
+
+
+def _init_distributed(config: SimulationConfig) -> int:
+    from ..fl.distributed import init_from_env
+
+    try:
+        rank, _ = init_from_env(config.device)
+    except (RuntimeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    return rank
+
+
+def _run_simulate(args, distributed: bool = False) -> int:
     base = None
     state = None
     if args.resume:
@@ -180,8 +209,11 @@ def run_simulate(args) -> int:
     checkpoint_every = getattr(args, "checkpoint_every", None) or opts.get("checkpoint_every") or 0
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
         raise CLIError(f"checkpoint-every must be a non-negative integer, got {checkpoint_every!r}")
+    rank = _init_distributed(config) if distributed else 0
+    main = rank == 0  # in a distributed run only rank 0 prints and writes
+    quiet = args.quiet or not main
     out = prepare_out_dir(opts["out"])
-    sim = _build_simulation(config)
+    sim = _build_simulation(config, distributed=distributed)
     if state is not None:
         try:
             sim.load_state_dict(state)
@@ -189,21 +221,25 @@ def run_simulate(args) -> int:
             raise CLIError(f"--resume: {exc}") from None
     _apply_threads(opts["threads"], sim.numel)
     console = _console(min_width=120)
-    if not args.quiet:
+    if not quiet:
         part = sim.partition.summary()
         console.print(f"[bold]fedopt simulate[/]: {config.algo} (nar={config.nar}) on {sim.dataset.name}: "
                       f"{config.clients} clients ({part['method']}, sizes {part['min']}-{part['max']}), "
                       f"{config.per_round}/round, {config.local_steps} local steps, {sim.numel:,} parameters, "
                       f"backend {sim.results.meta['backend']}, {torch.get_num_threads()} thread(s)")
+    if distributed and not quiet:
+        console.print(f"distributed over {sim.world_size} ranks: contiguous blocks of each round's clients")
     results = sim.results
 
     def save(record, s):
+        if not main:
+            return
         results.write(out)
         if checkpoint_every and record["round"] and record["round"] % checkpoint_every == 0:
             _save_checkpoint(s, out)
 
     interrupted = False
-    with _Progress(not args.quiet) as progress:
+    with _Progress(not quiet) as progress:
         task = progress.add(f"{config.algo}", config.rounds, sim.round)
 
         def callback(record, s):
@@ -215,6 +251,8 @@ def run_simulate(args) -> int:
         except KeyboardInterrupt:
             interrupted = True
     results.meta["interrupted"] = interrupted
+    if not main:
+        return 130 if interrupted else 0
     files = results.write(out)
     _save_checkpoint(sim, out)
     files.append(out / CHECKPOINT)

@@ -269,7 +269,7 @@ class Simulation:
             sizes = self.client_sizes[clients]
             C = len(clients)
             self._proxy_gen.manual_seed(derive_seed(cfg.seed, _PROXY_ORDER, r))
-            server_stats = self.server.step(self.updates[:C], sizes)
+            server_stats = self._server_step(clients, sizes)
             if self._has_buffers:  # floating buffers (BatchNorm statistics): data-size weighted mean
                 p = (sizes / sizes.sum()).to(self.buffer_rows.dtype).to(self.device)
                 vector_to_buffers(p @ self.buffer_rows[:C], self.global_model)
@@ -285,6 +285,12 @@ class Simulation:
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
+
+    def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
+        """The round's server step on the updates in rows ``[:len(clients)]`` (weighted by
+        ``sizes``).  :class:`~fedopt_kernels.fl.distributed.DistributedSimulation` spreads
+        it over ranks."""
+        return self.server.step(self.updates[:len(clients)], sizes)
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:

@@ -1,0 +1,191 @@
+"""The simulator over ``torch.distributed`` ranks.
+
+``torchrun --nproc_per_node=W -m fedopt_kernels simulate --distributed ...`` (or
+:class:`DistributedSimulation` in a process group of your own) runs the SAME simulation
+as one process, with each round's clients trained on W ranks at once:
+
+* every rank builds the whole simulation from the same config and seed: the same data,
+  partition, initial model and sampled clients (the seeds are functions of
+  ``(seed, purpose, round, client)``, never of the rank);
+* the round's sampled clients (sorted) are cut into W contiguous blocks, the first
+  ``C mod W`` ranks taking one client more (:func:`rank_block`); rank r trains its
+  block with the usual engine into its local ``[C_r, N]`` updates -- the same seeds,
+  so the same batches and the same ``D_i`` as one process;
+* the server step is :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`:
+  contiguous blocks keep the global client order (rank 0's block first) equal to the
+  single-process order, so every rank applies the single-process step bit for bit;
+* what a round needs besides the mean update is gathered in the same order: BatchNorm
+  style floating buffers (the data-size weighted mean is then the single-process
+  one), SCAFFOLD's control-variate changes, FedLAW's client models (FedLAW trains its
+  aggregation weights on a proxy set over all client models, so its updates are
+  all-gathered and every rank runs the single-process FedLAW step);
+* rank 0 evaluates the global model and (in the CLI) writes results and checkpoints;
+  the other ranks record ``None`` for the test metrics.
+
+Agreement with one process: the global model, server state and server statistics are
+bitwise identical (``mode="ordered"``, the default) -- the local training runs the same
+code on the same data with the same seeds (use the same thread count: the CLI uses one
+thread for models under 5M parameters).  The round record's ``train_loss`` and
+``mean_clipped_norm`` are float64 sums of float32 per-step values, added per rank and
+then in rank order: exact, hence equal to one process's, while the per-step values of
+a round span less than ~2^25 in magnitude (float64 holds 53 bits; float32 values 24).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import DistributedServerOptimizer
+from ..distributed import _comm
+from ..distributed._comm import Plan
+from .client import RoundStats
+from .config import SimulationConfig
+from .simulation import Simulation
+
+__all__ = ["DistributedSimulation", "rank_block", "init_from_env", "shutdown"]
+
+
+def rank_block(num_clients: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """``(start, stop)``: rank ``rank``'s contiguous share of a round's ``num_clients``
+    clients (the first ``num_clients % world_size`` ranks get one more; a rank may get
+    none when there are fewer clients than ranks)."""
+    base, extra = divmod(num_clients, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class DistributedSimulation(Simulation):
+    """A :class:`~fedopt_kernels.fl.Simulation` whose rounds are spread over the ranks
+    of ``group`` (None: the default group); see the module docstring.  Construct it on
+    every rank with the same arguments, after ``torch.distributed.init_process_group``.
+
+    ``mode``: the aggregation mode of the server step (``"ordered"``: bitwise the
+    single-process run; ``"all_reduce"``: one all_reduce, within a tolerance).
+    """
+
+    def __init__(self, config: SimulationConfig, *, group=None, mode: str = "ordered", **kwargs):
+        _comm.check_initialized("DistributedSimulation")
+        self.group = group
+        self.rank = _comm.group_rank(group)
+        self.world_size = _comm.group_size(group)
+        self.mode = mode
+        config.validate()
+        self._check_same_config(config)
+        super().__init__(config, **kwargs)
+        if self.server.optimizer is not None:
+            self.server.optimizer = DistributedServerOptimizer(self.server.optimizer, group, mode=mode)
+        self.results.meta["distributed"] = {
+            "world_size": self.world_size, "backend": str(dist.get_backend(group)), "mode": mode,
+            "split": "contiguous blocks of the round's sorted clients"}
+
+    def _check_same_config(self, config: SimulationConfig) -> None:
+        configs: List[dict] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(configs, config.to_dict(), group=_comm._object_group(self.group))
+        for r, other in enumerate(configs):
+            diff = sorted(k for k in set(other) | set(configs[0]) if other.get(k) != configs[0].get(k))
+            if diff:
+                raise ValueError(f"DistributedSimulation: rank {r} has a different config than rank 0 "
+                                 f"({', '.join(diff)}); every rank must run the same settings")
+
+    # ------------------------------------------------------------------ rounds
+    def _plan(self, num_clients: int) -> Plan:
+        counts = tuple(b - a for a, b in (rank_block(num_clients, self.world_size, r)
+                                          for r in range(self.world_size)))
+        return Plan(rank=self.rank, world=self.world_size, counts=counts, N=self.numel, extras=())
+
+    def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
+        plan = self._plan(len(clients))
+        mine = clients[plan.start:plan.stop]
+        stats = super()._train_clients(round_number, mine) if mine else RoundStats(self.device)
+        stats = self._combine_stats(stats, plan)
+        if self.scaffold is not None:
+            self._gather_scaffold(clients, plan)
+        if self._has_buffers:
+            rows = _comm.gather_rows(self.buffer_rows[:len(mine)], plan, self.group)
+            self.buffer_rows[:len(clients)].copy_(rows)
+        return stats
+
+    def _combine_stats(self, local: RoundStats, plan: Plan) -> RoundStats:
+        """The round's statistics over every rank's steps (sums in rank order)."""
+        row = torch.stack([local.loss_sum, local.clipped, local.clipped_norm_sum, local.skipped,
+                           torch.tensor(float(local.steps), dtype=local.loss_sum.dtype, device=self.device)])
+        one_each = Plan(plan.rank, plan.world, (1,) * plan.world, plan.N, ())
+        rows = _comm.gather_rows(row[None], one_each, self.group)
+        total = rows[0]
+        for r in range(1, plan.world):
+            total = total + rows[r]
+        out = RoundStats(self.device, dtype=local.loss_sum.dtype)
+        out.loss_sum, out.clipped, out.clipped_norm_sum, out.skipped = (total[i].clone() for i in range(4))
+        out.steps = int(total[4].item())
+        return out
+
+    def _gather_scaffold(self, clients: List[int], plan: Plan) -> None:
+        """Every rank gets every client's pending control-variate change, in the global
+        (single-process) order, so ``ScaffoldState.server_update`` is the same everywhere."""
+        sc = self.scaffold
+        mine = clients[plan.start:plan.stop]
+        local = torch.zeros(len(mine), self.numel + 1, dtype=sc.c.dtype, device=sc.c.device)
+        for i, cid in enumerate(mine):
+            delta = sc._pending.get(cid)
+            if delta is not None:  # absent when the client's local lrs summed to 0
+                local[i, :-1] = delta
+                local[i, -1] = 1
+        rows = _comm.gather_rows(local, plan, self.group)
+        present = rows[:, -1].tolist()
+        sc._pending = {cid: rows[i, :-1].clone() for i, cid in enumerate(clients) if present[i]}
+
+    def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
+        plan = self._plan(len(clients))
+        if self.server.fedlaw is not None:  # FedLAW needs every client model on every rank
+            rows = _comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
+            self.updates[:len(clients)].copy_(rows)
+            return super()._server_step(clients, sizes)
+        return self.server.step(self.updates[:plan.stop - plan.start], sizes[plan.start:plan.stop])
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 2048) -> tuple:
+        """Rank 0: ``(accuracy, loss)`` of the global model; other ranks ``(None, None)``
+        (they hold the same model)."""
+        if self.rank != 0:
+            return None, None
+        return super().evaluate(batch_size)
+
+
+# ---------------------------------------------------------------------------- launching
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_from_env(device: str = "cpu", *, backend: Optional[str] = None) -> Tuple[int, int]:
+    """``init_process_group`` from torchrun's environment; returns ``(rank, world_size)``.
+
+    CPU runs use gloo; CUDA runs use NCCL for CUDA tensors and gloo for CPU ones, each
+    rank on GPU ``LOCAL_RANK`` (so pass ``device="cuda"``, not ``"cuda:N"``).  An already
+    initialised process group is used as it is.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in _TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"--distributed needs torchrun's environment ({', '.join(missing)} not set): launch with "
+                           "torchrun --nproc_per_node=N -m fedopt_kernels simulate --distributed ...")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if dev.index is not None and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ValueError(f"device {device!r} would put every rank on one GPU; use device 'cuda' (rank r takes "
+                             "GPU LOCAL_RANK)")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = backend or "cpu:gloo,cuda:nccl"
+    else:
+        backend = backend or "gloo"
+    dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -236,7 +236,19 @@ inline FoundInf found_inf_flag(const std::optional<at::Tensor>& t, const char* o
 // non_blocking=true on the current stream.  copy_ records the copy on the pinned
 // block (CachingHostAllocator record_event), so the block is not handed out again
 // before the copy has run; the device tensor is stream-ordered like any other.
+//
+// Not capturable into a CUDA graph: the graph would replay the copy from a pinned block
+// that is recycled after this call.  The table-free forms (nar_step_batched_, aggregate
+// on a [C, N] tensor or a single client) capture fine, so a capture hitting this fails
+// loudly instead of replaying stale addresses.
 inline at::Tensor upload_table(const std::vector<int64_t>& host, const at::Device& device) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capture));
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+              "fedopt_kernels (cuda backend): the list form of this op uploads a pointer table from host memory "
+              "on every call, which a CUDA graph cannot replay; capture nar_step_batched_ on a [1, N] view of "
+              "flat parameters, or aggregate on a [C, N] tensor, instead (or use the triton backend, whose "
+              "tables are cached after a warm-up call)");
   const int64_t n = static_cast<int64_t>(host.size());
   at::Tensor pinned = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   if (n > 0) std::memcpy(pinned.data_ptr<int64_t>(), host.data(), sizeof(int64_t) * host.size());

@@ -42,6 +42,9 @@ ALIGN_BYTES = 16
 
 _CACHE_SIZE = 64
 _cache: "OrderedDict[tuple, object]" = OrderedDict()
+# Tables used while a CUDA graph was being captured: the graph replays their device
+# addresses, so they must outlive any LRU eviction (kept for the life of the process).
+_captured: dict = {}
 stats = {"hits": 0, "misses": 0}
 
 
@@ -65,10 +68,21 @@ def _stream_key(device: torch.device):
     return None
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _to_device(rows: list, device: torch.device, cols: int) -> torch.Tensor:
     host = torch.tensor(rows, dtype=torch.int64).reshape(-1, cols)
     if device.type == "cpu":
         return host
+    if _capturing(device):
+        # A captured host-to-device copy would be replayed from a pinned buffer that is
+        # freed after this call.  Tables come from the cache once warmed up, so the fix
+        # is the warm-up that CUDA-graph capture needs anyway.
+        raise RuntimeError(
+            "fedopt_kernels (triton backend): a pointer table would have to be uploaded while a CUDA graph "
+            "is being captured; run the same call once before capturing (warm-up) so the table is cached")
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -77,6 +91,8 @@ def _cached(key: tuple, build):
     if hit is not None:
         _cache.move_to_end(key)
         stats["hits"] += 1
+        if _capturing(key[1]):  # every key starts with (kind, device, ...)
+            _captured[key] = hit
         return hit
     stats["misses"] += 1
     value = build()

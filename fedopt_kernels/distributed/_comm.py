@@ -56,7 +56,8 @@ def _object_group(group):
     member creates it at its first exchange) so the exchange never touches the GPU.
     """
     g = _group(group)
-    backend = str(dist.get_backend(g)).lower()
+    config = getattr(dist, "get_backend_config", dist.get_backend)  # "cpu:gloo,cuda:nccl" for a mixed group
+    backend = str(config(g)).lower()
     if "gloo" in backend or "mpi" in backend:
         return g
     key = id(g)

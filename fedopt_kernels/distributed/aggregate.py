@@ -274,14 +274,14 @@ class _Ordered:
 
     def finish(self, out, redo):
         src = self.plan.world - 1
-        Q = torch.empty((), dtype=self.acc, device=self.device)
+        Q = torch.empty(1, dtype=self.acc, device=self.device)
         if self.last:
             Q.copy_(self.Q[0] if redo is None else torch.where(redo, self.Q[1], self.Q[0]))
             if self.target is not out:
                 out.copy_(self.target)
         _comm.broadcast(out, src, self.group)
         _comm.broadcast(Q, src, self.group)
-        return Q
+        return Q.reshape(())
 
 
 class _AllReduce:

@@ -1,0 +1,533 @@
+"""torch.distributed aggregation: 2 gloo processes on this machine vs the single-process path.
+
+One launch of 2 processes (``torch.multiprocessing``, a file store in a temp dir, gloo
+over loopback) runs every distributed scenario and saves what each rank got; the tests
+then compare it with the library's public single-process path computed here:
+
+* ``all_aggregate`` vs ``ops.aggregate`` on the union -- bitwise in ``mode="ordered"``
+  (NaN/Inf clients on either rank, uneven and empty ranks, norm bounding, gamma,
+  fp32/fp64/bf16/fp16, the cpu and reference backends); ``mode="all_reduce"``: the
+  statistics bitwise, the sum within the documented bound;
+* ``DistributedServerOptimizer`` vs ``ServerOptimizer.step`` -- parameters, state and
+  statistics bitwise over several rounds (a NaN client, an empty rank, a skipped round);
+* ``DistributedSimulation`` vs ``Simulation`` -- global model, server state and the
+  round records bitwise; and ``torchrun ... simulate --distributed`` vs ``fedopt
+  simulate`` end to end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available in this torch build")
+
+WORLD = 2
+LAUNCH_TIMEOUT_S = 300
+ROOT = Path(__file__).resolve().parents[1]
+F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+
+
+def _acc(dtype):
+    return F64 if dtype == F64 else F32
+
+
+# ============================================================================ cases
+# Built identically here and in every worker (pure functions of their seeds).
+
+AGG_CASES = {
+    "nan_on_rank1_uneven": dict(seed=1, C=7, N=10_007, counts=(3, 4), nan=(5,), kw=dict(gamma=0.7)),
+    "nan_on_rank0": dict(seed=11, C=6, N=4_096, counts=(4, 2), nan=(1,)),
+    "rank0_empty_bounded_gamma_tensor": dict(seed=2, C=5, N=4_099, counts=(0, 5),
+                                            kw=dict(gamma="tensor", max_client_norm=3.0)),
+    "rank1_empty_propagate_inf": dict(seed=3, C=4, N=513, counts=(4, 0), inf=(1,), kw=dict(nonfinite="propagate")),
+    "all_excluded": dict(seed=4, C=3, N=300, counts=(1, 2), nan=(0, 1, 2)),
+    "zero_weights": dict(seed=9, C=5, N=640, counts=(2, 3), zero=(0, 1, 3)),
+    "bf16": dict(seed=5, C=6, N=2_051, counts=(2, 4), dtype=BF16, nan=(3,)),
+    "fp16_out_fp32": dict(seed=6, C=5, N=1_000, counts=(3, 2), dtype=F16, kw=dict(out="acc", gamma=1.5)),
+    "fp64_bounded": dict(seed=7, C=5, N=1_001, counts=(2, 3), dtype=F64, kw=dict(max_client_norm=10.0)),
+    "reference_backend": dict(seed=8, C=5, N=777, counts=(2, 3), nan=(0,), kw=dict(backend="reference")),
+}
+ALL_REDUCE_CASES = ("nan_on_rank1_uneven", "rank0_empty_bounded_gamma_tensor", "bf16", "fp64_bounded",
+                    "zero_weights")
+# 3 ranks: the middle rank both receives and sends the running sum (here also empty, or alone with a NaN client)
+COUNTS3 = {"nan_on_rank1_uneven": (2, 0, 5), "nan_on_rank0": (1, 1, 4), "bf16": (1, 3, 2),
+           "fp64_bounded": (2, 2, 1), "rank0_empty_bounded_gamma_tensor": (0, 2, 3), "all_excluded": (1, 1, 1)}
+
+
+def agg_data(case, world=2):
+    c = AGG_CASES[case]
+    dtype = c.get("dtype", F32)
+    g = torch.Generator().manual_seed(c["seed"])
+    C, N = c["C"], c["N"]
+    scale = torch.logspace(-2, 2, C, dtype=F64)  # magnitudes that make rounding order matter
+    X = (torch.randn(C, N, generator=g, dtype=F64) * scale[:, None]).to(dtype)
+    for i in c.get("nan", ()):
+        X[i, N // 3] = float("nan")
+    for i in c.get("inf", ()):
+        X[i, 5] = float("inf")
+    w = (torch.rand(C, generator=g, dtype=F64) + 0.1).to(_acc(dtype))
+    for i in c.get("zero", ()):
+        w[i] = 0.0
+    kw = dict(c.get("kw", {}))
+    if kw.get("gamma") == "tensor":
+        kw["gamma"] = torch.tensor(0.625, dtype=_acc(dtype))
+    if kw.get("out") == "acc":
+        kw["out"] = torch.empty(N, dtype=_acc(dtype))
+    return X, w, c["counts"] if world == 2 else COUNTS3[case], kw
+
+
+def bounds(counts, rank):
+    start = sum(counts[:rank])
+    return start, start + counts[rank]
+
+
+SERVER_CASES = {
+    "asnes_sizes": dict(cls="ASNES", opts=dict(lr=0.5, momentum=0.9), weights="sizes"),
+    "fedadam_uniform_bounded": dict(cls="FedAdam", opts=dict(lr=0.05, max_client_norm=1.0), weights=None),
+    "fedexp_list": dict(cls="FedExP", opts=dict(lr=1.0), weights="list"),
+    "fedavgm_propagate": dict(cls="FedAvgM", opts=dict(lr=0.7, momentum=0.5, nonfinite="propagate"),
+                              weights="sizes", finite=True),
+}
+# per round: (counts per rank, NaN clients); round 3 leaves rank 0 empty, round 4 is all NaN (skipped)
+SERVER_ROUNDS = [((2, 3), ()), ((4, 1), (4,)), ((0, 2), ()), ((1, 1), (0, 1)), ((3, 2), ())]
+SHAPES = [(33, 7), (7,), (5, 3, 2)]
+
+
+def server_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in SHAPES]
+
+
+def server_round(case, r):
+    counts, nan = SERVER_ROUNDS[r]
+    if SERVER_CASES[case].get("finite"):
+        nan = ()
+    N = sum(math.prod(s) for s in SHAPES)
+    g = torch.Generator().manual_seed(100 + r)
+    C = sum(counts)
+    U = torch.randn(C, N, generator=g) * torch.logspace(-1, 1, C)[:, None]
+    for i in nan:
+        U[i, 3] = float("nan")
+    sizes = torch.randint(1, 50, (C,), generator=g).to(F64)
+    kind = SERVER_CASES[case]["weights"]
+    weights = None if kind is None else (sizes if kind == "sizes" else sizes.tolist())
+    return U, weights, counts
+
+
+def make_server_opt(case, params):
+    from fedopt_kernels import server as S
+
+    c = SERVER_CASES[case]
+    return getattr(S, c["cls"])(params, **c["opts"])
+
+
+SIM_BASE = dict(dataset="digits", hidden=(32,), clients=10, per_round=5, rounds=3, local_steps=5, batch_size=32,
+                lr=0.05, weight_decay=1e-3, engine="sequential")
+SIM_CASES = {
+    "asnes": dict(algo="asnes"),
+    "scaffold": dict(algo="scaffold"),
+    "fedlaw": dict(algo="fedlaw", fedlaw_epochs=2),
+    "fedavg_one_client_per_round": dict(algo="fedavg", per_round=1),  # rank 1 trains nobody
+    "fedadam_batchnorm": dict(algo="fedadam", model="bn"),
+    "fedexp_default_engine": dict(algo="fedexp", engine=None, weighting="uniform"),  # whatever the default is
+}
+
+
+def bn_model():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Linear(24, 10))
+
+
+def sim_args(case):
+    from fedopt_kernels.fl import SimulationConfig
+
+    kw = {**SIM_BASE, **SIM_CASES[case]}
+    if kw["engine"] is None:
+        del kw["engine"]
+    model = None
+    if kw.get("model") == "bn":
+        kw.pop("model")
+        model = bn_model
+    return SimulationConfig(**kw), model
+
+
+# ============================================================================ workers
+def _scenario_aggregate(rank, world):
+    from fedopt_kernels.distributed import all_aggregate
+
+    got = {}
+    for mode in ("ordered", "all_reduce"):
+        for case in AGG_CASES if world == 2 else COUNTS3:
+            if mode == "all_reduce" and case not in ALL_REDUCE_CASES:
+                continue
+            X, w, counts, kw = agg_data(case, world)
+            a, b = bounds(counts, rank)
+            local = X[a:b].contiguous()
+            if mode == "ordered" and case == "nan_on_rank0":
+                local = list(local.unbind(0))  # a list of vectors works as a [C_r, N] tensor does
+            out, st = all_aggregate(local, w[a:b], mode=mode, **kw)
+            got[(mode, case)] = (out.clone(), st)
+    return got
+
+
+def _scenario_errors(rank, world):
+    """A rank with bad input raises its error, the other a RankInputError; nobody hangs,
+    and the group still works afterwards."""
+    from fedopt_kernels.distributed import all_aggregate
+
+    got = {}
+    X, w, _, _ = agg_data("nan_on_rank0")
+    bad = X[:2, :100].contiguous() if rank == 1 else X[:2].contiguous()  # rank 1: wrong N
+    try:
+        all_aggregate(bad, w[:2])
+        got["wrong_N"] = None
+    except Exception as exc:  # noqa: BLE001
+        got["wrong_N"] = type(exc).__name__
+    local = X[:1] if rank == 0 else X[:2, :]  # different counts are fine...
+    weights = w[:1] if rank == 0 else torch.tensor([1.0, -1.0])  # ...a negative weight is not
+    try:
+        all_aggregate(local.contiguous(), weights)
+        got["negative_weight"] = None
+    except Exception as exc:  # noqa: BLE001
+        got["negative_weight"] = type(exc).__name__
+    try:
+        all_aggregate(X[:1].contiguous(), torch.zeros(1))
+        got["all_zero"] = None
+    except Exception as exc:  # noqa: BLE001
+        got["all_zero"] = type(exc).__name__
+    out, _ = all_aggregate(X[rank:rank + 1].contiguous(), w[rank:rank + 1])
+    got["after"] = out
+    return got
+
+
+def _scenario_server(rank, world):
+    from fedopt_kernels.distributed import DistributedServerOptimizer
+
+    got = {}
+    for case in SERVER_CASES:
+        params = server_params()
+        opt = DistributedServerOptimizer(make_server_opt(case, params))
+        rounds = []
+        for r in range(len(SERVER_ROUNDS)):
+            U, weights, counts = server_round(case, r)
+            a, b = bounds(counts, rank)
+            local_w = None if weights is None else weights[a:b]
+            st = opt.step(U[a:b].contiguous(), local_w)
+            rounds.append(({k: v for k, v in vars(st).items()}, [p.clone() for p in params]))
+        got[case] = (rounds, opt.state_dict())
+    return got
+
+
+def _scenario_simulation(rank, world):
+    from fedopt_kernels.fl.distributed import DistributedSimulation
+
+    got = {}
+    for case in SIM_CASES:
+        config, model = sim_args(case)
+        sim = DistributedSimulation(config, model=model)
+        res = sim.run()
+        got[case] = dict(x=sim.x_global.clone(), records=res.records, server=sim.server.state_dict(),
+                         buffers=[b.clone() for b in sim.global_model.buffers()], meta=res.meta)
+    return got
+
+
+SCENARIOS = {"aggregate": _scenario_aggregate, "errors": _scenario_errors, "server": _scenario_server,
+             "simulation": _scenario_simulation}
+
+
+def _worker(rank, world, init_file, out_dir, scenarios):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    try:
+        for name in scenarios:
+            t0 = time.perf_counter()
+            results[name] = SCENARIOS[name](rank, world)
+            results[f"{name}_seconds"] = time.perf_counter() - t0
+    except BaseException:
+        results["error"] = traceback.format_exc()
+        raise
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def launch(tmp: Path, world: int, scenarios) -> list:
+    """Run ``scenarios`` on ``world`` gloo processes; each rank's results, in rank order."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp), tuple(scenarios)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):  # raises, with the rank's traceback, if a rank failed
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {world} gloo processes did not finish in {LAUNCH_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    out = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(out):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every scenario on 2 gloo processes (one launch); ``[rank0_results, rank1_results]``."""
+    return launch(tmp_path_factory.mktemp("dist2"), WORLD, list(SCENARIOS))
+
+
+@pytest.fixture(scope="module")
+def ranks3(tmp_path_factory):
+    """The aggregation on 3 gloo processes (a middle rank relays the running sum)."""
+    return launch(tmp_path_factory.mktemp("dist3"), 3, ["aggregate"])
+
+
+# ============================================================================ checks
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor (so NaN == NaN and -0 != +0)."""
+    if t.dtype == torch.bool or not t.is_floating_point():
+        return t
+    return t.contiguous().view({F64: torch.int64, F32: torch.int32, F16: torch.int16, BF16: torch.int16}[t.dtype])
+
+
+def assert_bitwise(a, b, what):
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), what
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    diff = (bits(a) != bits(b)).flatten()
+    assert not bool(diff.any()), (f"{what}: {int(diff.sum())} of {a.numel()} elements differ, e.g. "
+                                  f"{a.flatten()[diff][:3].tolist()} vs {b.flatten()[diff][:3].tolist()}")
+
+
+def assert_tree_bitwise(a, b, what):
+    if isinstance(a, torch.Tensor):
+        assert_bitwise(a, b, what)
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{what}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_tree_bitwise(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_bitwise(x, y, f"{what}[{i}]")
+    else:
+        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{what}: {a!r} vs {b!r}"
+
+
+def single_aggregate(case):
+    """The reference: the public single-process ``ops.aggregate`` on the union."""
+    from fedopt_kernels.ops import aggregate
+
+    X, w, _, kw = agg_data(case)
+    out, st = aggregate(X, w, **kw)
+    return out, st
+
+
+def check_ordered(results, case):
+    ref_out, ref = single_aggregate(case)
+    for r, res in enumerate(results):
+        out, st = res["aggregate"][("ordered", case)]
+        assert_bitwise(out, ref_out, f"rank {r} out")
+        for field in ref._fields:
+            assert_bitwise(getattr(st, field), getattr(ref, field), f"rank {r} stats.{field}")
+
+
+@pytest.mark.parametrize("case", list(AGG_CASES))
+def test_all_aggregate_ordered_is_bitwise_the_single_process_aggregate(ranks, case):
+    check_ordered(ranks, case)
+
+
+@pytest.mark.parametrize("case", list(COUNTS3))
+def test_all_aggregate_ordered_on_three_ranks(ranks3, case):
+    check_ordered(ranks3, case)
+
+
+def test_the_cases_exercise_what_they_claim():
+    _, st = single_aggregate("nan_on_rank1_uneven")
+    assert st.excluded.tolist() == [False] * 5 + [True, False]  # the excluded client lives on rank 1
+    _, st = single_aggregate("all_excluded")
+    assert bool(st.all_excluded)
+    _, st = single_aggregate("rank0_empty_bounded_gamma_tensor")
+    assert bool((st.weights < agg_data("rank0_empty_bounded_gamma_tensor")[1]).any())  # some client bounded
+
+
+@pytest.mark.parametrize("case", ALL_REDUCE_CASES)
+def test_all_aggregate_all_reduce_is_within_the_documented_bound(ranks, case):
+    ref_out, ref = single_aggregate(case)
+    X, w, counts, kw = agg_data(case)
+    gamma = float(kw.get("gamma", 1.0))
+    acc = _acc(X.dtype)
+    u = torch.finfo(acc).eps / 2
+    C, W = X.shape[0], len(counts)
+    Xa = torch.where(ref.weights[:, None] != 0, X.to(acc), torch.zeros((), dtype=acc))
+    mag = (ref.weights[:, None].abs() * Xa.abs()).sum(0).double()
+    bound = gamma * 2 * (C + W) * u * mag
+    if X.dtype != acc:  # one more rounding to the data dtype
+        bound = bound + ref_out.double().abs() * torch.finfo(X.dtype).eps
+    outs = [ranks[r]["aggregate"][("all_reduce", case)][0] for r in range(WORLD)]
+    assert_bitwise(outs[0], outs[1], "all_reduce: ranks agree")
+    for r in range(WORLD):
+        out, st = ranks[r]["aggregate"][("all_reduce", case)]
+        err = (out.double() - ref_out.double()).abs()
+        assert bool((err <= bound).all()), f"rank {r}: max error {err.max():.3g}, bound there {bound[err.argmax()]:.3g}"
+        for field in ("client_sq_norms", "excluded", "weights", "all_excluded"):
+            assert_bitwise(getattr(st, field), getattr(ref, field), f"rank {r} stats.{field}")
+        assert math.isclose(st.sq_norm.item(), ref.sq_norm.item(), rel_tol=1e-4)
+
+
+def test_inconsistent_inputs_raise_on_every_rank(ranks):
+    from fedopt_kernels.ops import aggregate
+
+    e0, e1 = ranks[0]["errors"], ranks[1]["errors"]
+    assert (e0["wrong_N"], e1["wrong_N"]) == ("ValueError", "ValueError")  # the ranks disagree on N
+    assert (e0["negative_weight"], e1["negative_weight"]) == ("RankInputError", "ValueError")
+    assert (e0["all_zero"], e1["all_zero"]) == ("ValueError", "ValueError")
+    X, w, _, _ = agg_data("nan_on_rank0")
+    ref, _ = aggregate(X[:2], w[:2])
+    for r in range(WORLD):
+        assert_bitwise(ranks[r]["errors"]["after"], ref, f"rank {r}: the group works after the errors")
+
+
+@pytest.mark.parametrize("case", list(SERVER_CASES))
+def test_distributed_server_step_is_bitwise_the_single_process_step(ranks, case):
+    params = server_params()
+    opt = make_server_opt(case, params)
+    ref_rounds = []
+    for r in range(len(SERVER_ROUNDS)):
+        U, weights, _ = server_round(case, r)
+        st = opt.step(U, weights)
+        ref_rounds.append(({k: v for k, v in vars(st).items()}, [p.clone() for p in params]))
+    assert any(bool(s["skipped"]) for s, _ in ref_rounds) != bool(SERVER_CASES[case].get("finite"))
+    for rank in range(WORLD):
+        rounds, state = ranks[rank]["server"][case]
+        for r, ((st, ps), (ref_st, ref_ps)) in enumerate(zip(rounds, ref_rounds)):
+            assert_tree_bitwise(st, ref_st, f"rank {rank} round {r} stats")
+            assert_tree_bitwise(ps, ref_ps, f"rank {rank} round {r} params")
+        assert_tree_bitwise(state, opt.state_dict(), f"rank {rank} state_dict")
+
+
+def _strip(records):
+    return [{k: v for k, v in r.items() if k != "wall_time"} for r in records]
+
+
+@pytest.mark.parametrize("case", list(SIM_CASES))
+def test_distributed_simulation_is_bitwise_the_single_process_simulation(ranks, case):
+    import warnings
+
+    from fedopt_kernels.fl import Simulation
+
+    config, model = sim_args(case)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the BatchNorm model's engine fallback notice
+            sim = Simulation(config, model=model)
+            res = sim.run()
+    finally:
+        torch.set_num_threads(old)
+    for rank in range(WORLD):
+        got = ranks[rank]["simulation"][case]
+        assert_bitwise(got["x"], sim.x_global, f"rank {rank} global model")
+        assert_tree_bitwise(got["buffers"], [b.clone() for b in sim.global_model.buffers()], f"rank {rank} buffers")
+        assert_tree_bitwise(got["server"], sim.server.state_dict(), f"rank {rank} server state")
+        assert got["meta"]["distributed"]["world_size"] == WORLD
+    records = _strip(ranks[0]["simulation"][case]["records"])
+    assert records == _strip(res.records)
+    others = _strip(ranks[1]["simulation"][case]["records"])  # rank 1 does not evaluate
+    assert [{k: v for k, v in r.items() if not k.startswith("test_")} for r in others] == \
+        [{k: v for k, v in r.items() if not k.startswith("test_")} for r in records]
+
+
+def test_without_a_process_group_it_says_what_to_do():
+    from fedopt_kernels.distributed import all_aggregate
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        all_aggregate(torch.ones(2, 3), torch.ones(2))
+
+
+def test_a_group_of_one_is_the_single_process_path(tmp_path):
+    """World size 1 in this process: both modes and the server wrapper are the single-process path."""
+    from fedopt_kernels.distributed import DistributedServerOptimizer, all_aggregate
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for case in ("nan_on_rank1_uneven", "bf16", "fp64_bounded", "rank0_empty_bounded_gamma_tensor"):
+            X, w, _, kw = agg_data(case)
+            ref_out, ref = single_aggregate(case)
+            for mode in ("ordered", "all_reduce"):
+                kw2 = dict(kw, out=None if kw.get("out") is None else torch.empty_like(kw["out"]))
+                out, st = all_aggregate(X, w, mode=mode, **kw2)
+                assert_bitwise(out, ref_out, f"{case} {mode} out")
+                assert_tree_bitwise(list(st), list(ref), f"{case} {mode} stats")
+        for case in SERVER_CASES:
+            pa, pb = server_params(), server_params()
+            single, wrapped = make_server_opt(case, pa), DistributedServerOptimizer(make_server_opt(case, pb))
+            for r in range(len(SERVER_ROUNDS)):
+                U, weights, _ = server_round(case, r)
+                assert_tree_bitwise(vars(wrapped.step(U, weights)), vars(single.step(U, weights)), f"{case} {r}")
+            assert_tree_bitwise(pb, pa, f"{case} params")
+            assert wrapped.param_groups is wrapped.optimizer.param_groups
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_block_splits_contiguously_and_evenly():
+    from fedopt_kernels.fl.distributed import rank_block
+
+    for n in range(0, 12):
+        for world in range(1, 5):
+            blocks = [rank_block(n, world, r) for r in range(world)]
+            assert blocks[0][0] == 0 and blocks[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+            sizes = [b - a for a, b in blocks]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+# ============================================================================ torchrun
+def _cli_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("FEDOPT_BACKEND", None)
+    return env
+
+
+def test_torchrun_simulate_distributed_matches_fedopt_simulate(tmp_path):
+    args = ["simulate", "--algo", "fedadam", "--dataset", "digits", "--hidden", "32", "--clients", "8",
+            "--per-round", "5", "--rounds", "2", "--local-steps", "4", "--engine", "sequential", "--quiet",
+            "--no-plots"]
+    single = subprocess.run([sys.executable, "-m", "fedopt_kernels", *args, "--out", str(tmp_path / "one")],
+                            env=_cli_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "fedopt_kernels", *args, "--distributed", "--out", str(tmp_path / "two")],
+                         env=_cli_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
+    assert_bitwise(two["x_global"], one["x_global"], "global model")
+    assert_tree_bitwise(two["server"], one["server"], "server state")
+    r1 = json.loads((tmp_path / "one" / "results.json").read_text())
+    r2 = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert _strip(r2["records"]) == _strip(r1["records"])
+    assert r2["meta"]["distributed"]["world_size"] == 2

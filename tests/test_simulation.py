@@ -166,7 +166,8 @@ def test_results_files_round_trip(tmp_path):
     (dict(lr=-0.1), "lr"),
     (dict(algo="fedfoo"), "algo"),
     (dict(dataset="mnist"), "dataset"),
-    (dict(engine="batched"), "batched"),
+    (dict(engine="vectorised"), "engine"),
+    (dict(client_batch=-1), "client-batch"),
     (dict(nar="clip"), "nar"),
 ])
 def test_config_errors(change, match):
@@ -197,8 +198,10 @@ def test_ctrl_c_during_the_commit_is_deferred_to_the_end_of_the_round(monkeypatc
 
 
 def test_ctrl_c_during_client_training_leaves_the_state_untouched(monkeypatch):
-    _, full = _run(algo="scaffold", rounds=3)
-    sim = Simulation(SimulationConfig(**{**SMALL, "algo": "scaffold", "rounds": 3}))
+    # the sequential engine's trainer is interrupted here; tests/test_batched_engine.py
+    # interrupts the batched one
+    _, full = _run(algo="scaffold", rounds=3, engine="sequential")
+    sim = Simulation(SimulationConfig(**{**SMALL, "algo": "scaffold", "rounds": 3, "engine": "sequential"}))
     sim.run(rounds=1)
     c_before, ci_before = sim.scaffold.c.clone(), sim.scaffold.c_clients.clone()
     real = sim.trainer.train

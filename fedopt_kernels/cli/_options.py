@@ -109,7 +109,10 @@ SIM_OPTIONS: List[tuple] = [
     ("--eval-every", int, "evaluate every k rounds (default 1)"),
     ("--device", str, "cpu or cuda (default cpu)"),
     ("--backend", str, "kernel backend: reference, cpu, triton, cuda (default automatic)"),
-    ("--engine", str, f"client engine: {', '.join(ENGINES)} (default sequential)"),
+    ("--engine", str, f"client engine: {', '.join(ENGINES)}; batched trains a round's clients as one vmapped "
+                      "computation, sequential one after another (default auto: batched unless --per-round 1)"),
+    ("--client-batch", int, "most clients the batched engine trains at once, to bound memory; the result does not "
+                            "depend on it (default 0: chosen from the free memory)"),
 ]
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -21,6 +24,30 @@ AUTO_THREADS_MAX_PARAMS = 5_000_000
 
 
 # ---------------------------------------------------------------------------- helpers
+def _with_notices(fn):
+    """Run ``fn`` showing the simulator's engine fallback as one line
+    (``fedopt: note: ...``) instead of a Python warning with its source line."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from ..fl.batched import EngineFallbackWarning
+
+        previous = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, EngineFallbackWarning):
+                print(f"fedopt: note: {message}", file=sys.stderr)
+            else:
+                previous(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            warnings.showwarning = previous
+
+    return wrapper
+
+
 def prepare_out_dir(path: str) -> Path:
     """Create ``path`` and prove it writable (one line on failure)."""
     p = Path(path).expanduser()
@@ -171,6 +198,7 @@ def add_simulate_parser(sub) -> None:
     p.set_defaults(func=run_simulate)
 
 
+@_with_notices
 def run_simulate(args) -> int:
     # a run option, not a setting of the simulation (build_settings would reject it)
     if not vars(args).pop("distributed", False):
@@ -226,7 +254,8 @@ def _run_simulate(args, distributed: bool = False) -> int:
         console.print(f"[bold]fedopt simulate[/]: {config.algo} (nar={config.nar}) on {sim.dataset.name}: "
                       f"{config.clients} clients ({part['method']}, sizes {part['min']}-{part['max']}), "
                       f"{config.per_round}/round, {config.local_steps} local steps, {sim.numel:,} parameters, "
-                      f"backend {sim.results.meta['backend']}, {torch.get_num_threads()} thread(s)")
+                      f"{sim.results.meta['engine']} engine, backend {sim.results.meta['backend']}, "
+                      f"{torch.get_num_threads()} thread(s)")
     if distributed and not quiet:
         console.print(f"distributed over {sim.world_size} ranks: contiguous blocks of each round's clients")
     results = sim.results
@@ -305,6 +334,7 @@ def parse_runs(text, default_nar: str) -> List[tuple]:
     return runs
 
 
+@_with_notices
 def run_compare(args) -> int:
     from ..fl.simulation import load_config_dataset, make_partition
 

@@ -21,7 +21,7 @@ __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGIN
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp", "asnes",
               "fedlaw")
 PARTITIONS = ("auto", "dirichlet", "iid", "natural")
-ENGINES = ("sequential", "batched")
+ENGINES = ("auto", "batched", "sequential")
 WEIGHTINGS = ("size", "uniform")
 FEDLAW_LEARN = ("both", "gamma", "lambda")
 
@@ -38,6 +38,13 @@ class SimulationConfig:
     decayed by 0.998 per round, max norm 10) scaled to the 1437 training images of
     ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
     default (:data:`fedopt_kernels.fl.server.SERVER_DEFAULTS`).
+
+    ``engine``: ``"batched"`` trains a round's clients as one batched computation
+    (:mod:`fedopt_kernels.fl.batched`; models it cannot batch fall back to sequential
+    with a notice), ``"sequential"`` one client after another (the oracle), ``"auto"``
+    batched unless only one client trains per round.  ``client_batch``: the most
+    clients the batched engine trains at once (0: chosen from the free memory); the
+    result does not depend on it.
     """
 
     # what runs
@@ -89,7 +96,8 @@ class SimulationConfig:
     eval_every: int = 1
     device: str = "cpu"
     backend: Optional[str] = None
-    engine: str = "sequential"
+    engine: str = "auto"
+    client_batch: int = 0
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -166,8 +174,7 @@ class SimulationConfig:
         choice("decay_per", DECAY_PER)
         choice("fedlaw_learn", FEDLAW_LEARN)
         choice("engine", ENGINES)
-        if self.engine == "batched":
-            raise ConfigError("engine 'batched' is not implemented yet; use engine 'sequential'")
+        integer("client_batch", 0)
         integer("clients", 1)
         integer("per_round", 1)
         if self.per_round > self.clients:

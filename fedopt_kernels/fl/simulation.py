@@ -6,9 +6,10 @@ model for all clients (:class:`~fedopt_kernels.fl.client.LocalTrainer`), the ser
 side (:class:`~fedopt_kernels.fl.server.ServerSide`) and the :class:`Results`.  A round:
 
 1. sample ``per_round`` of the ``clients`` uniformly without replacement;
-2. train them (engine ``"sequential"``: one after another on the local model), each
-   writing ``D_i = x_global - x_end_i`` into its row of a preallocated ``[C, N]``
-   tensor;
+2. train them (engine ``"batched"``: all together as one ``[C, N]`` computation,
+   :mod:`fedopt_kernels.fl.batched`; ``"sequential"``: one after another on the local
+   model), each writing ``D_i = x_global - x_end_i`` into its row of a preallocated
+   ``[C, N]`` tensor;
 3. one server step on that tensor (weighted by the clients' data sizes by default);
 4. evaluate the global model on the test set; append a record.
 
@@ -19,9 +20,13 @@ the same seed gives bit-identical results, two algorithms with the same seed see
 same clients and the same batches (``fedopt compare``), and resuming from a
 :meth:`Simulation.state_dict` needs no RNG state: the round number is enough.
 
-Engines: ``"sequential"`` now; a ``"batched"`` engine (all of a round's clients as one
-``[C, N]`` tensor under ``torch.func.vmap`` with the row-wise fused FedNAR step) fits
-behind :meth:`Simulation._train_clients` without changing anything else.
+Engines (:meth:`Simulation._train_clients`): ``"batched"`` trains the round's clients
+as one ``[C, N]`` tensor under ``torch.func.vmap`` with the row-wise fused FedNAR step,
+drawing exactly the sequential engine's batches; ``"sequential"`` is the oracle it is
+tested against (same global model to fp32 rounding).  ``"auto"`` (the default) is
+batched unless one client trains per round.  A model ``vmap`` cannot batch falls back
+to sequential with an :class:`~fedopt_kernels.fl.batched.EngineFallbackWarning`;
+``results.meta["engine"]`` says which engine ran.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import platform
 import signal
 import threading
 import time
+import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -39,6 +45,7 @@ from torch import nn
 
 from .. import __version__
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
+from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState, derive_seed
 from .config import ConfigError, SimulationConfig
 from .data import FederatedDataset, load_dataset
@@ -155,6 +162,8 @@ class Simulation:
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
+        self.batched: Optional[BatchedTrainer] = None
+        self._setup_engine()
 
     # ------------------------------------------------------------------ setup
     def _make_model(self, model) -> nn.Module:
@@ -232,9 +241,53 @@ class Simulation:
         acc, total = torch.stack([correct.to(torch.float64), loss]).tolist()
         return acc / ds.num_test, total / ds.num_test
 
+    # ------------------------------------------------------------------ engines
+    def _setup_engine(self) -> None:
+        """The client engine ``config.engine`` asks for (see :mod:`.batched`)."""
+        cfg = self.config
+        engine = cfg.engine
+        if engine == "auto":
+            engine = "batched" if cfg.per_round > 1 else "sequential"
+        self.results.meta["engine"] = engine
+        if engine != "batched":
+            return
+        reason = unsupported_reason(self.global_model)
+        if reason is not None:
+            self._fall_back(reason)
+            return
+        self.batched = BatchedTrainer(self.trainer.model, self.loss_fn, self.dataset.x_train, self.dataset.y_train,
+                                      self.local, num_classes=self.dataset.num_classes,
+                                      buffers=dict(self.global_model.named_buffers()),
+                                      client_batch=cfg.client_batch, seed=cfg.seed)
+
+    def _fall_back(self, reason: str) -> None:
+        """Use the sequential engine from now on, with a one-line notice."""
+        self.batched = None
+        self.results.meta["engine"] = "sequential"
+        self.results.meta["engine_fallback"] = reason
+        warnings.warn(f"the batched engine cannot train this model ({reason}); using the sequential engine",
+                      EngineFallbackWarning, stacklevel=4)
+
+    def _train_clients_batched(self, round_number: int, clients: List[int]) -> RoundStats:
+        stats = RoundStats(self.device)
+        C = len(clients)
+        self.batched.train_round(
+            self.x_global, [self.partition.client_indices[cid] for cid in clients], round_index=round_number - 1,
+            seeds=[derive_seed(self.config.seed, _BATCH, round_number, cid) for cid in clients],
+            out=self.updates[:C], stats=stats, clients=clients, scaffold=self.scaffold)
+        if self._has_buffers:  # buffers the batched engine allows are not changed by training
+            self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
+        self.results.meta.setdefault("client_batch_used", self.batched.last_group_size)
+        return stats
+
     def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
-        if self.config.engine != "sequential":  # pragma: no cover - the config refuses others
-            raise NotImplementedError(f"engine {self.config.engine!r}")
+        if self.batched is not None:
+            try:
+                return self._train_clients_batched(round_number, clients)
+            except BatchedUnsupported as exc:  # the first batched round failed: redo it sequentially
+                if self.scaffold is not None:
+                    self.scaffold.discard_round()
+                self._fall_back(str(exc))
         stats = RoundStats(self.device)
         global_buffers = buffers_to_vector(self.global_model) if self._has_buffers else None
         for row, cid in enumerate(clients):
@@ -331,11 +384,12 @@ class Simulation:
             "results": self.results.to_dict(),
         }
 
-    _RESUMABLE = ("rounds", "eval_every", "device", "backend")
+    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch")
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
-        ``eval_every``, ``device`` and ``backend`` may differ)."""
+        ``eval_every``, ``device``, ``backend``, ``engine`` and ``client_batch`` may
+        differ)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.config.to_dict()

@@ -1,0 +1,272 @@
+"""The batched client engine (fl/batched.py) against the sequential engine (the oracle).
+
+Tolerance.  Both engines draw the same clients and the same batches and add the same
+FedProx/SCAFFOLD terms; what differs is the arithmetic inside the model: under
+``vmap`` a client's matrix products become batched GEMMs (convolutions grouped ones),
+the loss is a weighted sum instead of a mean, and with padding a GEMM's inner
+dimension carries extra zero terms -- each a different fp32 reduction order.  Those
+~1e-7 relative differences per step compound through training, so after a few rounds
+the global models agree to about 1e-7 (MLP) or 1e-6 (CNN) relative here.  The
+assertion is ``||x_batched - x_seq|| <= 1e-5 ||x_seq||`` and every element within
+``atol=1e-5`` (+ ``rtol=1e-4``): 10-100x above the observed rounding, far below any
+real error (a wrong batch, lr or correction moves the model by > 1e-2).
+
+Grouped (``client_batch``) runs must be BITWISE equal to one group on CPU: a row's
+arithmetic depends only on its client, and a lone client is computed beside a copy of
+itself (a batch-1 GEMM would take another BLAS path).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from fedopt_kernels.fl import ALGORITHMS, Simulation, SimulationConfig
+from fedopt_kernels.fl import batched as B
+from fedopt_kernels.fl.client import LocalConfig, LocalTrainer
+
+# 30 clients of digits with Dirichlet(0.3): several hold fewer than 32 samples, so the
+# padded/masked batches are exercised in every test.
+SMALL = dict(dataset="digits", hidden=(32,), clients=30, per_round=6, rounds=3, local_steps=8, batch_size=32,
+             lr=0.05, weight_decay=1e-3, max_norm=1.0)
+RTOL_NORM = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _sim(module=None, loss_fn=None, **kw):
+    return Simulation(SimulationConfig(**{**SMALL, **kw}), model=module, loss_fn=loss_fn)
+
+
+def _run(module=None, loss_fn=None, **kw):
+    sim = _sim(module, loss_fn, **kw)
+    sim.run()
+    return sim
+
+
+def assert_close_models(a, b, rtol_norm=RTOL_NORM):
+    rel = float((a - b).norm() / a.norm())
+    assert rel <= rtol_norm, rel
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def assert_same_records(seq, bat, *, exact_clips=True):
+    for rs, rb in zip(seq.results.records[1:], bat.results.records[1:]):
+        assert rs["clients"] == rb["clients"]
+        assert rs["local_steps_total"] == rb["local_steps_total"]
+        assert rb["train_loss"] == pytest.approx(rs["train_loss"], rel=1e-5)
+        assert rb["test_accuracy"] == pytest.approx(rs["test_accuracy"], abs=2.5e-3)  # one test image at most
+        if exact_clips:
+            assert rb["clipped_steps"] == rs["clipped_steps"] and rb["skipped_steps"] == rs["skipped_steps"]
+
+
+def test_small_clients_are_padded_in_these_tests():
+    sim = _sim()
+    assert min(sim.partition.sizes) < SMALL["batch_size"] < max(sim.partition.sizes)
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_engines_agree_for_every_algorithm(algo):
+    kw = dict(algo=algo)
+    if algo == "fedlaw":
+        kw.update(fedlaw_epochs=3)
+    seq = _run(engine="sequential", **kw)
+    bat = _run(engine="batched", **kw)
+    assert seq.results.meta["engine"] == "sequential" and bat.results.meta["engine"] == "batched"
+    assert not torch.equal(seq.x_global, _sim(**kw).x_global)  # it trained
+    assert_close_models(seq.x_global, bat.x_global)
+    assert_same_records(seq, bat)
+    if algo == "scaffold":
+        assert_close_models(seq.scaffold.c_clients, bat.scaffold.c_clients, rtol_norm=1e-4)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(nar="grad", momentum=0.9),
+    dict(nar="none", decay_beta=0.7, decay_per="epoch", algo="scaffold"),  # per-row lrs (epochs differ by client)
+    dict(decay_beta=0.8, decay_kind="linear", lr_decay=0.9, wd_decay=0.5, algo="fedprox", prox_mu=0.1),
+    dict(batch_size=64, per_round=9),  # most clients padded
+], ids=["grad-momentum", "feddecay-epochs-scaffold", "feddecay-linear-fedprox", "batch64"])
+def test_engines_agree_for_local_options(extra):
+    seq = _run(engine="sequential", **extra)
+    bat = _run(engine="batched", **extra)
+    assert_close_models(seq.x_global, bat.x_global)
+    assert_same_records(seq, bat)
+
+
+def test_engines_agree_for_the_cnn():
+    kw = dict(model="cnn", rounds=2, local_steps=5, per_round=4)
+    seq = _run(engine="sequential", **kw)
+    bat = _run(engine="batched", **kw)
+    assert bat.results.meta["engine"] == "batched"
+    assert_close_models(seq.x_global, bat.x_global)
+    assert_same_records(seq, bat, exact_clips=False)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(algo="scaffold", momentum=0.5, per_round=7),
+    dict(algo="fedprox", decay_per="epoch", decay_beta=0.5, per_round=7),
+    dict(model="cnn", rounds=2, local_steps=4, per_round=5),
+], ids=["mlp-scaffold", "mlp-fedprox-epochs", "cnn"])
+@pytest.mark.parametrize("client_batch", [1, 2, 3])
+def test_groups_are_bitwise_equal_to_one_group(kw, client_batch):
+    one = _run(engine="batched", **kw)
+    grouped = _run(engine="batched", client_batch=client_batch, **kw)
+    assert one.results.meta["client_batch_used"] == kw["per_round"]
+    assert grouped.results.meta["client_batch_used"] == client_batch
+    assert torch.equal(one.x_global, grouped.x_global)
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "wall_time"} for r in recs]  # noqa: E731
+    assert strip(one.results.records) == strip(grouped.results.records)
+    if one.scaffold is not None:
+        assert torch.equal(one.scaffold.c, grouped.scaffold.c)
+
+
+def test_automatic_group_size_follows_the_free_memory(monkeypatch):
+    sim = _sim(engine="batched")
+    per_client = sim.batched.client_bytes(32)
+    assert per_client > 4 * 6 * sim.numel
+    monkeypatch.setattr(B, "available_memory", lambda device: 2 * 3.5 * per_client)  # half of it: 3.5 clients
+    assert sim.batched.group_size(6, 32) == 3
+    sim.run()
+    assert sim.results.meta["client_batch_used"] == 3
+    monkeypatch.undo()
+    whole = _run(engine="batched")
+    assert torch.equal(whole.x_global, sim.x_global)
+    assert B.available_memory(torch.device("cpu")) > 0
+
+
+def _bn_model():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
+
+class DataDependent(nn.Module):
+    """Python control flow on tensor values: vmap cannot batch it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 10), nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.a(x) if float(x.sum()) > 0 else self.b(x)
+
+
+@pytest.mark.parametrize("make, when", [(_bn_model, "BatchNorm1d"), (DataDependent, "first round")])
+def test_unbatchable_models_fall_back_to_sequential(make, when):
+    seq = _run(module=make, engine="sequential")
+    with pytest.warns(B.EngineFallbackWarning, match="using the sequential engine") as record:
+        bat = _run(module=make, engine="batched")
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    assert bat.results.meta["engine"] == "sequential"
+    if when == "BatchNorm1d":
+        assert "BatchNorm1d" in bat.results.meta["engine_fallback"]
+    assert torch.equal(seq.x_global, bat.x_global)
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "wall_time"} for r in recs]  # noqa: E731
+    assert strip(seq.results.records) == strip(bat.results.records)
+
+
+def test_auto_engine():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _sim().results.meta["engine"] == "batched"
+        assert SimulationConfig().engine == "auto"
+        assert _sim(per_round=1).results.meta["engine"] == "sequential"
+    with pytest.warns(B.EngineFallbackWarning):
+        assert _sim(module=_bn_model).results.meta["engine"] == "sequential"
+
+
+def test_masked_and_grouped_losses():
+    """An NLL loss is masked per sample; a loss the engine cannot see into is called as
+    given, the clients grouped by batch size."""
+    def make():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10), nn.LogSoftmax(-1))
+
+    for loss_fn, mode in [(nn.NLLLoss(), "masked"), (lambda out, y: nn.functional.nll_loss(out, y), "plain")]:
+        seq = _run(module=make, loss_fn=loss_fn, engine="sequential")
+        bat = _sim(module=make, loss_fn=loss_fn, engine="batched")
+        modes = {g.mode for g in bat.batched.plan(bat.partition.sizes)}
+        assert modes == {mode}
+        bat.run()
+        assert_close_models(seq.x_global, bat.x_global)
+        assert_same_records(seq, bat)
+        grouped = _run(module=make, loss_fn=loss_fn, engine="batched", client_batch=2)
+        assert torch.equal(grouped.x_global, bat.x_global)
+
+
+def test_label_smoothing_and_frozen_parameters():
+    def make():
+        m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        m[1].bias.requires_grad_(False)
+        return m
+
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
+    seq = _run(module=make, loss_fn=loss_fn, engine="sequential")
+    bat = _run(module=make, loss_fn=loss_fn, engine="batched")
+    assert_close_models(seq.x_global, bat.x_global)
+    assert_same_records(seq, bat)
+
+
+def test_client_batches_are_the_sequential_batches():
+    x, y = torch.randn(100, 3), torch.randint(0, 2, (100,))
+    for n, bs, steps in [(7, 32, 5), (32, 32, 3), (45, 32, 4), (100, 8, 30)]:
+        cfg = LocalConfig(steps=steps, batch_size=bs)
+        trainer = LocalTrainer(nn.Linear(3, 2), nn.CrossEntropyLoss(), x, y, cfg)
+        indices = torch.randperm(100)[:n].sort().values
+        gen = torch.Generator().manual_seed(1234)
+        it = trainer._batches(indices, gen)
+        expected = torch.stack([next(it) for _ in range(steps)])
+        assert torch.equal(B.client_batches(indices, 1234, bs, steps), expected)
+
+
+def test_random_layers_are_reproducible():
+    def make():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+
+    a = _run(module=make, engine="batched")
+    b = _run(module=make, engine="batched")
+    assert a.results.meta["engine"] == "batched"
+    assert torch.equal(a.x_global, b.x_global)
+    assert a.results.final["test_accuracy"] > a.results.initial["test_accuracy"]
+
+
+def test_ctrl_c_during_batched_training_leaves_the_state_untouched(monkeypatch):
+    full = _run(algo="scaffold", engine="batched", client_batch=2)
+    sim = _sim(algo="scaffold", engine="batched", client_batch=2)
+    sim.run(rounds=1)
+    c_before, ci_before = sim.scaffold.c.clone(), sim.scaffold.c_clients.clone()
+    x_before = sim.x_global.clone()
+    real = sim.batched._train_group
+    calls = {"n": 0}
+
+    def group_then_ctrl_c(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second group of round 2: the first group's clients are recorded
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(sim.batched, "_train_group", group_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert sim.round == 1 and sim.results.meta["engine"] == "batched"
+    assert torch.equal(sim.x_global, x_before)
+    assert torch.equal(sim.scaffold.c, c_before) and torch.equal(sim.scaffold.c_clients, ci_before)
+    monkeypatch.setattr(sim.batched, "_train_group", real)
+    sim.run()
+    assert torch.equal(sim.x_global, full.x_global)
+
+
+def test_resume_with_the_other_engine():
+    sim = _run(engine="sequential", rounds=2)
+    other = Simulation(SimulationConfig(**{**SMALL, "engine": "batched", "rounds": 3}))
+    other.load_state_dict(sim.state_dict())
+    other.run()
+    ref = _run(engine="sequential", rounds=3)
+    assert_close_models(ref.x_global, other.x_global)

@@ -512,6 +512,7 @@ def _cli_env():
     return env
 
 
+@pytest.mark.slow
 def test_torchrun_simulate_distributed_matches_fedopt_simulate(tmp_path):
     args = ["simulate", "--algo", "fedadam", "--dataset", "digits", "--hidden", "32", "--clients", "8",
             "--per-round", "5", "--rounds", "2", "--local-steps", "4", "--engine", "sequential", "--quiet",

@@ -25,7 +25,9 @@ as one process, with each round's clients trained on W ranks at once:
 Agreement with one process: the global model, server state and server statistics are
 bitwise identical (``mode="ordered"``, the default) -- the local training runs the same
 code on the same data with the same seeds (use the same thread count: the CLI uses one
-thread for models under 5M parameters).  The round record's ``train_loss`` and
+thread for models under 5M parameters; the batched engine's dropout masks depend on how
+clients are grouped, so models with random layers agree only with the sequential
+engine).  The round record's ``train_loss`` and
 ``mean_clipped_norm`` are float64 sums of float32 per-step values, added per rank and
 then in rank order: exact, hence equal to one process's, while the per-step values of
 a round span less than ~2^25 in magnitude (float64 holds 53 bits; float32 values 24).

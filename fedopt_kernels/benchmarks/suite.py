@@ -1,7 +1,8 @@
 """The kernel benchmark suite behind ``fedopt bench`` (and ``python -m fedopt_kernels.benchmarks.suite``).
 
-Prints one table of medians and ratios measured in the same run; ``--json`` also
-writes the rows.  ``--quick`` uses fewer repetitions and skips ``torch.compile``.
+Prints tables of medians and ratios measured in the same run (kernels; whole simulated
+rounds, :mod:`.simulation`); ``--json`` also writes the rows.  ``--quick`` uses fewer
+repetitions and skips ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from .aggregate import bench_aggregate
 from .nar_step import bench_nar_step
 from .shapes import numel, resnet18_shapes, small_cnn_shapes
 
-SUITES = ("nar_step", "aggregate")
+SUITES = ("nar_step", "aggregate", "simulation")
+SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
+               ("vs hand loop", "x faster than hand loop"), ("time / batched", "time / batched"))
+KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
+                  ("time / fused", "time / fused"))
 
 
 def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quick: bool = False) -> list:
@@ -33,31 +38,45 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
                                 device=device, repeats=max(3, repeats // 2))
         rows += bench_aggregate(100, numel(small_cnn_shapes()), label="100 x small CNN (91K)", backend=backend,
                                 device=device, repeats=repeats * 2)
+    if "simulation" in only:
+        from . import simulation
+
+        rows += simulation.run(device=device, backend=backend, quick=quick)
     return rows
 
 
-def format_rows(rows: list) -> list:
+def format_rows(rows: list, keys=tuple(k for k, _ in KERNEL_COLUMNS)) -> list:
     def fmt(v):
         if isinstance(v, float):
             return "-" if math.isnan(v) else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
         return str(v)
 
-    return [[fmt(r[k]) for k in ("benchmark", "case", "ms", "vs floor", "time / fused")] for r in rows]
+    return [[fmt(r.get(k, float("nan"))) for k in keys] for r in rows]
 
 
 def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
+    """One table for the kernel rows, one for the simulated rounds (their own columns)."""
+    kernels = [r for r in rows if "vs hand loop" not in r]
+    rounds = [r for r in rows if "vs hand loop" in r]
+    for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds")):
+        if part or (not rows and columns is KERNEL_COLUMNS):
+            _print_one(part, columns, name)
+
+
+def _print_one(rows: list, columns, title: str) -> None:
+    keys = tuple(k for k, _ in columns)
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # plain text fallback
         print(title)
-        for r in format_rows(rows):
+        for r in format_rows(rows, keys):
             print(" | ".join(r))
         return
     table = Table(title=title)
-    for col in ("benchmark", "case", "median ms", "speed vs floor", "time / fused"):
-        table.add_column(col, justify="left" if col in ("benchmark", "case") else "right")
-    for r in format_rows(rows):
+    for key, col in columns:
+        table.add_column(col, justify="left" if key in ("benchmark", "case") else "right")
+    for r in format_rows(rows, keys):
         table.add_row(*r)
     Console(width=150).print(table)
 
@@ -68,6 +87,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no torch.compile")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for every candidate (default: torch's own choice)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     return parser
 
@@ -78,6 +99,8 @@ def main(argv=None) -> int:
 
 
 def run_from_args(args) -> int:
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     rows = run(only=tuple(args.only or SUITES), backend=args.backend, device=args.device, quick=args.quick)
     print_table(rows, title=f"fedopt_kernels benchmarks on {args.device} ({torch.get_num_threads()} threads)")
     if args.json:

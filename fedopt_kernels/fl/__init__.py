@@ -11,11 +11,14 @@ Quick start::
 Pieces: :mod:`~fedopt_kernels.fl.data` (digits, FedProx's Synthetic, your own data),
 :mod:`~fedopt_kernels.fl.partition` (Dirichlet label split), :mod:`~fedopt_kernels.fl.models`
 (MLP, FedLAW's SimpleCNN), :mod:`~fedopt_kernels.fl.client` (local training on a flat
-vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.server`
-(server optimizers and FedLAW), :mod:`~fedopt_kernels.fl.simulation` (the round loop),
-:mod:`~fedopt_kernels.fl.results` (records, files, plots).
+vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.batched` (all
+of a round's clients as one vmapped computation, the default engine),
+:mod:`~fedopt_kernels.fl.server` (server optimizers and FedLAW),
+:mod:`~fedopt_kernels.fl.simulation` (the round loop), :mod:`~fedopt_kernels.fl.results`
+(records, files, plots).
 """
 
+from .batched import BatchedTrainer, EngineFallbackWarning
 from .client import LocalConfig, LocalTrainer, ScaffoldState, derive_seed
 from .config import ALGORITHMS, ConfigError, SimulationConfig
 from .data import FederatedDataset, dataset_names, digits, load_dataset, register_dataset, synthetic
@@ -31,4 +34,5 @@ __all__ = [
     "Partition", "dirichlet_partition", "iid_partition", "natural_partition", "make_partition", "sample_clients",
     "MLP", "SimpleCNN", "build_model", "register_model", "model_names",
     "LocalConfig", "LocalTrainer", "ScaffoldState", "derive_seed", "ServerSide", "SERVER_DEFAULTS",
+    "BatchedTrainer", "EngineFallbackWarning",
 ]

@@ -29,7 +29,7 @@ engine's: the same generator (seeded ``derive_seed(seed, 3, round, client)``), t
 drawn up front on the CPU into a ``[tau, C, B]`` index table (moved to the device once);
 each step gathers its inputs with one ``index_select`` into ``[C, B, ...]``.  A client
 holding fewer than ``batch_size`` samples trains on batches of its size ``b_i < B``
-(``B`` = the largest batch of the round): its row is padded with one of its own samples
+(``B`` = the largest batch of its bin, below): its row is padded with one of its own samples
 and the loss is ``sum_j w_ij l_ij`` with ``w_ij = 1/b_i`` on real samples and ``0`` on
 padding -- the sequential mean over its batch, whose gradient the padding cannot touch
 (``0 * finite = 0``).  This needs per-sample losses: the torch losses whose ``"mean"`` is
@@ -38,18 +38,25 @@ MSE, L1, smooth L1, Huber, BCE, BCE-with-logits, soft margin, KL divergence) get
 from a ``reduction="none"`` copy; any other ``loss_fn`` is called as given under
 ``vmap`` on unpadded batches, the clients being grouped by batch size.
 
+**Bins.**  Padding costs arithmetic: with 100 clients of ``digits`` most hold ~15
+samples, the largest 32.  The round's clients are put in bins of similar batch size
+(:func:`batch_bins`: fewest padded samples, plus a penalty for each extra batched call
+per step), each bin padded to its own largest batch ``B``; a bin is one batched call
+per local step.  A loss that cannot be masked gets one bin per batch size.
+
 **Groups (memory).**  ``C`` copies of the model, their gradients, batches and
 activations must fit.  ``client_batch`` bounds how many clients are trained at once
 (``0``: chosen from the free memory -- ``/proc/meminfo``'s MemAvailable or
 ``os.sysconf`` on CPU, ``torch.cuda.mem_get_info`` on CUDA -- and a conservative
-per-client estimate, :func:`estimate_client_bytes`).  Groups are computed one after
-another and give the same result as one group: every row's arithmetic depends only on
-its own client (``B`` is a property of the round, not of the group), and a group is
-never a single client when the round has several -- a lone client is computed beside a
-copy of itself, because batch-1 matrix products take another BLAS path than batched
-ones.  On CPU this makes grouped results bitwise identical to one group (tested);
-batched GEMM libraries on GPUs may pick kernels by batch count, so there expect fp32
-rounding differences.
+per-client estimate, :func:`estimate_client_bytes`); each bin is cut into groups of at
+most that many clients, computed one after another.  The result is the same as with
+one group: every row's arithmetic depends only on its own client (bins and their ``B``
+are properties of the round, not of the grouping), and a group is never a single
+client when the round has several -- a lone client is computed beside a copy of
+itself, because batch-1 matrix products take another BLAS path than batched ones.  On
+CPU this makes grouped results bitwise identical to one group (tested); batched GEMM
+libraries on GPUs may pick kernels by batch count, so there expect fp32 rounding
+differences.
 
 **Fallback.**  Models ``vmap`` cannot batch -- BatchNorm (or InstanceNorm) tracking
 running statistics in training mode, data-dependent Python control flow, ``.item()``
@@ -79,7 +86,7 @@ from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState, derive_seed
 
 __all__ = ["BatchedTrainer", "BatchedUnsupported", "EngineFallbackWarning", "unsupported_reason",
-           "per_sample_loss", "client_batches", "estimate_client_bytes", "available_memory"]
+           "per_sample_loss", "client_batches", "batch_bins", "estimate_client_bytes", "available_memory"]
 
 _DROPOUT = 6  # purpose of the derived seed of random layers (simulation.py uses 1-5)
 
@@ -202,6 +209,38 @@ def estimate_client_bytes(numel: int, batch: int, input_numel: int, activation_n
     return int(1.5 * element_size * (rows + per_batch))
 
 
+def batch_bins(batch_sizes: Sequence[int], *, penalty: float = 1 / 16) -> List[tuple]:
+    """Bins ``[(rows, B), ...]`` of clients by batch size, largest ``B`` first: each bin
+    pads its clients' batches to its largest one, ``B``.
+
+    A bin costs its padded samples ``len(rows) * B`` plus ``penalty * C * max(b)``
+    (one more batched call per local step); the bins minimise the total (dynamic
+    programming over the sorted distinct sizes).  ``penalty=inf`` gives one bin; ``0``
+    one bin per distinct size (no padding at all).  The bins depend on the round's batch
+    sizes only, never on how its clients are later grouped for memory.
+    """
+    bs = list(batch_sizes)
+    values = sorted(set(bs))
+    if math.isinf(penalty):
+        return [(list(range(len(bs))), values[-1])]
+    counts = [bs.count(v) for v in values]
+    extra = penalty * len(bs) * values[-1]
+    best, cut = [0.0] + [math.inf] * len(values), [0] * (len(values) + 1)
+    for j in range(1, len(values) + 1):
+        n = 0
+        for i in range(j, 0, -1):  # a bin of values[i-1 .. j-1], padded to values[j-1]
+            n += counts[i - 1]
+            cost = best[i - 1] + n * values[j - 1] + extra
+            if cost < best[j]:
+                best[j], cut[j] = cost, i - 1
+    bins, j = [], len(values)
+    while j > 0:
+        lo, hi = values[cut[j]], values[j - 1]
+        bins.append(([r for r, b in enumerate(bs) if lo <= b <= hi], hi))
+        j = cut[j]
+    return bins
+
+
 class _Group:
     """Rows of the round trained together: ``rows`` (indices into the round's clients,
     a lone client doubled; the first ``real`` are distinct), the padded batch length and
@@ -274,6 +313,7 @@ class BatchedTrainer:
             k = int(num_classes) if num_classes is not None else int(y_train.max()) + 1
             eye = torch.eye(k, device=x_train.device, dtype=self.layout.dtype)
             self._soft_targets = eye * (1.0 - smoothing) + smoothing / k if smoothing else eye
+        self.bin_penalty = 1 / 16  # see batch_bins
         self.verified = False  # a first round ran: later errors are real errors, not "vmap cannot"
         self.last_group_size: Optional[int] = None
         self._activation: Optional[int] = None
@@ -290,7 +330,11 @@ class BatchedTrainer:
         return functional_call(self.model, ({**params, **frozen} if frozen else params, self.buffers), (xb,))
 
     def _soft_loss(self, params, frozen, xb, targets):
-        loss = -(self._forward(params, frozen, xb).log_softmax(-1) * targets).sum()
+        out = self._forward(params, frozen, xb)
+        if out.shape != targets.shape:
+            raise ValueError(f"the soft-target cross-entropy needs [batch, classes] outputs of shape "
+                             f"{tuple(targets.shape)}, the model gives {tuple(out.shape)}")
+        loss = -(out.log_softmax(-1) * targets).sum()
         return loss, loss.detach()
 
     def _masked_loss(self, params, frozen, xb, yb, wb):
@@ -333,23 +377,20 @@ class BatchedTrainer:
 
     def plan(self, sizes: Sequence[int]) -> List[_Group]:
         """The groups of a round whose clients hold ``sizes`` samples (see the module
-        docstring): one part with one padded batch length ``B`` when the loss can be
-        masked (or no batch is short), else one part per batch size; each part cut into
-        groups of :meth:`group_size` clients."""
+        docstring).  Clients are first put in bins of similar batch size, each padded to
+        its largest batch (:func:`batch_bins`; one bin per batch size when the loss
+        cannot be masked), then each bin is cut into groups of :meth:`group_size`."""
         bs = [min(self.config.batch_size, n) for n in sizes]
-        C, B = len(bs), max(bs)
-        if self._soft_targets is not None:
-            parts = [(list(range(C)), B, "soft")]
-        elif all(b == B for b in bs):
-            parts = [(list(range(C)), B, "plain")]
-        elif self._per_sample is not None:
-            parts = [(list(range(C)), B, "masked")]
-        else:  # a loss we cannot mask: one part per batch size, unpadded
-            parts = [([r for r in range(C) if bs[r] == b], b, "plain") for b in sorted(set(bs), reverse=True)]
-        groups = []
-        for rows, batch, mode in parts:
+        C = len(bs)
+        maskable = self._soft_targets is not None or self._per_sample is not None
+        groups, self.last_group_size = [], 0
+        for rows, batch in batch_bins(bs, penalty=self.bin_penalty if maskable else 0.0):
+            if self._soft_targets is not None:
+                mode = "soft"
+            else:
+                mode = "plain" if all(bs[r] == batch for r in rows) else "masked"
             size = self.group_size(len(rows), batch)
-            self.last_group_size = size
+            self.last_group_size = max(self.last_group_size, size)
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
                 real = len(chunk)

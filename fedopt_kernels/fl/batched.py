@@ -29,7 +29,7 @@ engine's: the same generator (seeded ``derive_seed(seed, 3, round, client)``), t
 drawn up front on the CPU into a ``[tau, C, B]`` index table (moved to the device once);
 each step gathers its inputs with one ``index_select`` into ``[C, B, ...]``.  A client
 holding fewer than ``batch_size`` samples trains on batches of its size ``b_i < B``
-(``B`` = the largest batch of its bin, below): its row is padded with one of its own samples
+(``B`` = its padded length, below): its row is padded with one of its own samples
 and the loss is ``sum_j w_ij l_ij`` with ``w_ij = 1/b_i`` on real samples and ``0`` on
 padding -- the sequential mean over its batch, whose gradient the padding cannot touch
 (``0 * finite = 0``).  This needs per-sample losses: the torch losses whose ``"mean"`` is
@@ -38,11 +38,15 @@ MSE, L1, smooth L1, Huber, BCE, BCE-with-logits, soft margin, KL divergence) get
 from a ``reduction="none"`` copy; any other ``loss_fn`` is called as given under
 ``vmap`` on unpadded batches, the clients being grouped by batch size.
 
-**Bins.**  Padding costs arithmetic: with 100 clients of ``digits`` most hold ~15
-samples, the largest 32.  The round's clients are put in bins of similar batch size
-(:func:`batch_bins`: fewest padded samples, plus a penalty for each extra batched call
-per step), each bin padded to its own largest batch ``B``; a bin is one batched call
-per local step.  A loss that cannot be masked gets one bin per batch size.
+**Padded lengths.**  Padding costs arithmetic: with 100 clients of ``digits`` most hold
+~15 samples, the largest 32.  A few padded batch lengths ("levels") are chosen once
+from the batch sizes of ALL clients (:func:`batch_bins`: fewest padded samples, plus a
+penalty for each extra batched call per step); a client is padded to the smallest
+level that holds its batch, and the clients of one level form one batched call per
+local step.  A loss that cannot be masked gets one level per batch size.  So a
+client's padded length -- and with it all of its arithmetic -- depends on its own size
+alone, never on which clients share its round, its group or (``fl.distributed``) its
+rank.
 
 **Groups (memory).**  ``C`` copies of the model, their gradients, batches and
 activations must fit.  ``client_batch`` bounds how many clients are trained at once
@@ -50,10 +54,9 @@ activations must fit.  ``client_batch`` bounds how many clients are trained at o
 ``os.sysconf`` on CPU, ``torch.cuda.mem_get_info`` on CUDA -- and a conservative
 per-client estimate, :func:`estimate_client_bytes`); each bin is cut into groups of at
 most that many clients, computed one after another.  The result is the same as with
-one group: every row's arithmetic depends only on its own client (bins and their ``B``
-are properties of the round, not of the grouping), and a group is never a single
-client when the round has several -- a lone client is computed beside a copy of
-itself, because batch-1 matrix products take another BLAS path than batched ones.  On
+one group: every row's arithmetic depends only on its own client (above), and a group
+is never a single client -- a lone client is computed beside a copy of itself, because
+batch-1 matrix products take another BLAS path than batched ones.  On
 CPU this makes grouped results bitwise identical to one group (tested); batched GEMM
 libraries on GPUs may pick kernels by batch count, so there expect fp32 rounding
 differences.
@@ -287,11 +290,14 @@ class BatchedTrainer:
             simulator updates in place); None: the module's own.
         client_batch: most clients per group (0: from the free memory).
         seed: the simulation's seed (random layers).
+        population_sizes: every client's number of samples (the padded batch lengths
+            are chosen once from them, so a client's arithmetic never depends on which
+            clients share its round); None: chosen per round.
     """
 
     def __init__(self, model: nn.Module, loss_fn, x_train: torch.Tensor, y_train: torch.Tensor, config: LocalConfig,
                  *, num_classes: Optional[int] = None, buffers: Optional[Dict[str, torch.Tensor]] = None,
-                 client_batch: int = 0, seed: int = 0):
+                 client_batch: int = 0, seed: int = 0, population_sizes: Optional[Sequence[int]] = None):
         from torch.func import grad, vmap
 
         self.model = model
@@ -314,6 +320,7 @@ class BatchedTrainer:
             eye = torch.eye(k, device=x_train.device, dtype=self.layout.dtype)
             self._soft_targets = eye * (1.0 - smoothing) + smoothing / k if smoothing else eye
         self.bin_penalty = 1 / 16  # see batch_bins
+        self._levels = self.levels(population_sizes) if population_sizes is not None else None
         self.verified = False  # a first round ran: later errors are real errors, not "vmap cannot"
         self.last_group_size: Optional[int] = None
         self._activation: Optional[int] = None
@@ -375,26 +382,37 @@ class BatchedTrainer:
         budget = available_memory(device) * (0.8 if device.type == "cuda" else 0.5)
         return max(1, min(clients, int(budget // max(self.client_bytes(batch), 1))))
 
+    def levels(self, sizes: Sequence[int]) -> List[tuple]:
+        """``[(B, uniform), ...]`` ascending: the padded batch lengths for clients of
+        ``sizes`` samples (the bins of :func:`batch_bins`; one per batch size when the
+        loss cannot be masked); ``uniform``: a single batch size pads to ``B`` (no
+        padding, the loss as given)."""
+        bs = [min(self.config.batch_size, n) for n in sizes]
+        maskable = self._soft_targets is not None or self._per_sample is not None
+        bins = batch_bins(bs, penalty=self.bin_penalty if maskable else 0.0)
+        return sorted((B, len({bs[r] for r in rows}) == 1) for rows, B in bins)
+
     def plan(self, sizes: Sequence[int]) -> List[_Group]:
         """The groups of a round whose clients hold ``sizes`` samples (see the module
-        docstring).  Clients are first put in bins of similar batch size, each padded to
-        its largest batch (:func:`batch_bins`; one bin per batch size when the loss
-        cannot be masked), then each bin is cut into groups of :meth:`group_size`."""
+        docstring): clients by padded batch length (:meth:`levels` of the population
+        when known, else of this round), each level cut into groups of
+        :meth:`group_size` clients, a lone client doubled."""
         bs = [min(self.config.batch_size, n) for n in sizes]
-        C = len(bs)
         maskable = self._soft_targets is not None or self._per_sample is not None
+        levels = self._levels if self._levels is not None else self.levels(sizes)
+        by_level: Dict[tuple, List[int]] = {}
+        for r, b in enumerate(bs):
+            level = next((lv for lv in levels if lv[0] >= b and (maskable or lv[0] == b)), (b, True))
+            by_level.setdefault(level, []).append(r)
         groups, self.last_group_size = [], 0
-        for rows, batch in batch_bins(bs, penalty=self.bin_penalty if maskable else 0.0):
-            if self._soft_targets is not None:
-                mode = "soft"
-            else:
-                mode = "plain" if all(bs[r] == batch for r in rows) else "masked"
+        for (batch, uniform), rows in sorted(by_level.items(), reverse=True):
+            mode = "soft" if self._soft_targets is not None else "plain" if uniform else "masked"
             size = self.group_size(len(rows), batch)
             self.last_group_size = max(self.last_group_size, size)
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
                 real = len(chunk)
-                if real == 1 and C > 1:
+                if real == 1:
                     chunk = chunk * 2  # a lone client beside a copy of itself (same BLAS path as a group)
                 groups.append(_Group(chunk, real, batch, mode))
         return groups

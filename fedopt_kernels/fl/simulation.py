@@ -258,7 +258,8 @@ class Simulation:
         self.batched = BatchedTrainer(self.trainer.model, self.loss_fn, self.dataset.x_train, self.dataset.y_train,
                                       self.local, num_classes=self.dataset.num_classes,
                                       buffers=dict(self.global_model.named_buffers()),
-                                      client_batch=cfg.client_batch, seed=cfg.seed)
+                                      client_batch=cfg.client_batch, seed=cfg.seed,
+                                      population_sizes=self.partition.sizes)
 
     def _fall_back(self, reason: str) -> None:
         """Use the sequential engine from now on, with a one-line notice."""

@@ -1,0 +1,58 @@
+"""Flower integration: fused-aggregation strategies and a FedNAR client for Flower 1.41.
+
+Install with ``pip install fedopt_kernels[flower]`` (``flwr>=1.41,<1.42``; Flower's
+simulation runtime additionally needs ``flwr[simulation]``, i.e. Ray).  Built on
+Flower's Message API (``flwr.serverapp.strategy``, ``ServerApp`` / ``ClientApp``):
+
+* server: :class:`FusedStrategy` and the named strategies :class:`FedAvg` (server lr,
+  global weight shrinking ``gamma``), :class:`FedAvgM`, :class:`FedAdam`,
+  :class:`FedYogi`, :class:`FedAdagrad`, :class:`FedExP`, :class:`ASNES`,
+  :class:`FedLAW` (server-side proxy set), or :func:`make_strategy` by name.  Their
+  ``aggregate_train`` stacks the clients' ArrayRecords into one ``[C, N]`` tensor (one
+  copy per array) and runs one fused aggregation and the server optimizer of
+  :mod:`fedopt_kernels.server`.
+* client: :class:`FedNARClient` builds the ``ClientApp``'s ``train`` / ``evaluate``
+  functions: local FedNAR training (with FedProx's and SCAFFOLD's terms), replying with
+  the trained arrays and ``num-examples``.
+* records: :func:`stack_arrayrecords`, :func:`arrayrecord_to_vector`,
+  :func:`model_to_arrayrecord`, :func:`load_arrayrecord_` (ArrayRecord <-> flat tensors).
+
+See ``docs/flower.md`` and ``examples/flower_app``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .. import INTEGRATIONS, _installed_version, _parse
+
+_SPEC = INTEGRATIONS["flower"]
+try:
+    import flwr as _flwr
+except ImportError as _exc:
+    raise ImportError(
+        "fedopt_kernels.integrations.flower needs Flower (flwr 1.41), which is not installed: "
+        f"{_SPEC['install']}  (add flwr[simulation] to run Flower's simulation runtime)") from _exc
+_version = getattr(_flwr, "__version__", None) or _installed_version("flwr") or "0"
+if _parse(_version)[:2] < _SPEC["min"]:
+    raise ImportError(
+        f"fedopt_kernels.integrations.flower needs {_SPEC['requirement']} (Flower's Message API of "
+        f"flwr.serverapp.strategy), found flwr {_version}: {_SPEC['install']}")
+if _parse(_version)[:2] >= _SPEC["below"]:
+    warnings.warn(f"fedopt_kernels.integrations.flower is tested with {_SPEC['requirement']}, found flwr {_version}",
+                  stacklevel=2)
+
+from .client import FedNARClient, batch_seed, init_seed, local_config_from_run_config  # noqa: E402
+from .records import (arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord,  # noqa: E402
+                      stack_arrayrecords, tensor_to_array, tensors_to_arrayrecord)
+from .strategy import (ASNES, STRATEGIES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedLAW,  # noqa: E402
+                       FedYogi, FusedStrategy, make_strategy)
+
+__version_flwr__ = _version
+
+__all__ = [
+    "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
+    "make_strategy", "STRATEGIES", "FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed",
+    "stack_arrayrecords", "arrayrecord_to_vector", "model_to_arrayrecord", "load_arrayrecord_",
+    "tensor_to_array", "tensors_to_arrayrecord",
+]

@@ -1,0 +1,488 @@
+"""Flower strategies whose ``aggregate_train`` is one fused aggregation + a server optimizer.
+
+:class:`FusedStrategy` is a :class:`flwr.serverapp.strategy.FedAvg` (same sampling,
+same messages, same ``fraction_train`` / ``min_*_nodes`` / ``weighted_by_key``
+arguments, same federated evaluation) whose aggregation is replaced: it keeps the
+global model on the server (``strategy.model``, its parameters moved into ONE flat
+vector ``strategy.x_global``) and, per round,
+
+1. ``configure_train``: loads the ``ArrayRecord`` it is asked to send into that model
+   (round 1: the ``initial_arrays`` of :meth:`start`; later rounds: what it returned);
+2. ``aggregate_train``: puts the replies in a fixed order (by the ``partition-id`` a
+   client reports, else by node id -- so the result does not depend on the order in
+   which messages arrive), reads their ArrayRecords into ONE ``[C, N]`` tensor of
+   updates ``D_i = x_global - x_i`` (:func:`~.records.stack_arrayrecords`: one pass
+   per array, the subtraction folded into the copy; on an accelerator the models are
+   copied over and subtracted there) and calls the server optimizer's ``step(D,
+   weights)`` with the replies' ``num-examples`` as weights -- one fused pass computes
+   the weighted mean and every norm the adaptive methods need, and excludes clients
+   whose arrays hold NaN/Inf.  FedLAW gets the client models themselves.  Floating
+   buffers (BatchNorm statistics) become the ``num-examples``-weighted mean of the
+   clients'; integer buffers keep the server's values.  It returns the new global
+   ``ArrayRecord`` (the keys, in the order, of the one it sent) and a ``MetricRecord``
+   with Flower's weighted mean of the clients' metrics plus the server's statistics
+   (``server_lr``, ``lr_scale``, ``update_norm``, ``excluded_clients``,
+   ``server_skipped``; ASNES adds ``gain_ratio``, ``sigma2``, ``nu2``; FedLAW reports
+   ``gamma``, ``lambda`` and ``proxy_loss``) -- the names of ``fedopt simulate``'s records.
+
+SCAFFOLD (``scaffold=True``): the server's control variate ``c`` (flat, zeros at
+first) travels to the clients as a second ``ArrayRecord`` under
+``"scaffold-c"``; a client reports ``lr_sum`` (the sum of its local learning rates)
+and the server applies option II: ``c <- c + (1/M) sum_i (D_i / lr_sum_i - c)``, ``M``
+the number of clients in the federation (``scaffold_num_clients``, default: the nodes
+connected to the grid).  The client side is :mod:`fedopt_kernels.integrations.flower.client`.
+
+The named strategies (:class:`FedAvg`, :class:`FedAvgM`, :class:`FedAdam`,
+:class:`FedYogi`, :class:`FedAdagrad`, :class:`FedExP`, :class:`ASNES`,
+:class:`FedLAW`) take the hyperparameters of the server optimizers of
+:mod:`fedopt_kernels.server` and Flower's ``FedAvg`` keyword arguments;
+:func:`make_strategy` builds one by the simulator's algorithm names.
+"""
+
+from __future__ import annotations
+
+import time
+from logging import INFO, WARNING
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.exception import AggregationError
+from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
+from flwr.supercore import log
+from torch import nn
+
+from ... import server as S
+from ...utils.flat import buffers_layout, flatten_parameters_, parameters_layout, vector_to_buffers
+from .records import load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
+
+__all__ = [
+    "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
+    "make_strategy", "STRATEGIES", "SCAFFOLD_KEY", "ORDER_KEY",
+]
+
+SCAFFOLD_KEY = "scaffold-c"  # ArrayRecord of the server control variate in train messages
+ORDER_KEY = "partition-id"  # a reply's ConfigRecord entry that fixes the aggregation order
+LR_SUM_KEY = "lr_sum"  # a reply's MetricRecord entry: sum of the local lrs (SCAFFOLD)
+
+ServerFactory = Callable[[List[nn.Parameter]], S.ServerOptimizer]
+
+
+class FusedStrategy(_FlowerFedAvg):
+    """A Flower strategy around one server optimizer of :mod:`fedopt_kernels.server`
+    (or a :class:`~fedopt_kernels.server.FedLAW`); see the module docstring.
+
+    Args:
+        model: the global model.  The strategy takes it over: its parameters are moved
+            into one flat vector (``x_global``) and updated in place every round, so
+            ``strategy.model`` is always the current global model.  All parameters
+            must share one dtype and device (the aggregation runs on that device).
+        server: a ``ServerOptimizer`` built over ``model.parameters()``, a callable
+            ``params -> ServerOptimizer``, or a ``FedLAW`` over ``model``.
+        scaffold: send SCAFFOLD's server control variate and update it (see above).
+        scaffold_num_clients: ``M`` of SCAFFOLD's update (default: connected nodes).
+        on_round: optional ``callback(server_round)`` called at the start of every
+            ``aggregate_train`` (e.g. to reseed a data loader).
+        **kwargs: Flower ``FedAvg``'s (``fraction_train``, ``fraction_evaluate``,
+            ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``,
+            ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
+            ``train_metrics_aggr_fn``, ``evaluate_metrics_aggr_fn``).
+    """
+
+    def __init__(self, model: nn.Module, server: Union[S.ServerOptimizer, S.FedLAW, ServerFactory], *,
+                 scaffold: bool = False, scaffold_num_clients: Optional[int] = None,
+                 on_round: Optional[Callable[[int], None]] = None, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not any(True for _ in model.parameters()):
+            raise ValueError("the model has no parameters")
+        self.model = model
+        self.x_global = flatten_parameters_(model)  # Parameter objects are kept: optimizers stay valid
+        self.layout = parameters_layout(model)
+        self.buffers_layout = buffers_layout(model)
+        self.device = self.x_global.device
+        params = [p for _, p in model.named_parameters()]
+        self.fedlaw: Optional[S.FedLAW] = None
+        self.optimizer: Optional[S.ServerOptimizer] = None
+        if isinstance(server, S.FedLAW):
+            if server.model is not model:
+                raise ValueError("the FedLAW server must be built over the strategy's model")
+            self.fedlaw = server
+        elif isinstance(server, S.ServerOptimizer):
+            owned = {id(p) for g in server.param_groups for p in g["params"]}
+            if owned != {id(p) for p in params} or server.numel != self.layout.numel:
+                raise ValueError("the server optimizer must be built over exactly the model's parameters")
+            self.optimizer = server
+        elif callable(server):
+            opt = server(params)
+            if not isinstance(opt, S.ServerOptimizer):
+                raise TypeError(f"the server factory returned {type(opt).__name__}, not a ServerOptimizer")
+            self.optimizer = opt
+        else:
+            raise TypeError("server must be a ServerOptimizer, a FedLAW or a callable params -> ServerOptimizer")
+        if self.optimizer is not None:
+            order = [p for g in self.optimizer.param_groups for p in g["params"]]
+            if [id(p) for p in order] != [id(p) for p in params]:
+                raise ValueError("the server optimizer must hold the model's parameters in named_parameters() "
+                                 "order (build it from model.parameters())")
+        if scaffold_num_clients is not None and (not isinstance(scaffold_num_clients, int) or scaffold_num_clients < 1):
+            raise ValueError(f"scaffold_num_clients must be a positive int, got {scaffold_num_clients!r}")
+        self.scaffold = bool(scaffold)
+        self.scaffold_num_clients = scaffold_num_clients
+        self.c: Optional[torch.Tensor] = torch.zeros_like(self.x_global) if self.scaffold else None
+        self._scaffold_m: Optional[int] = None
+        self.on_round = on_round
+        self._sent: Optional[ArrayRecord] = None  # the record this strategy produced last
+        self._keys: Optional[List[str]] = None  # keys (and order) of the global ArrayRecord
+        self._rows: Optional[torch.Tensor] = None  # reusable [C, N] CPU buffer
+        self.last_stats = None  # ServerStats (or FedLAWRound) of the last round
+        self.last_aggregation_time: Optional[float] = None
+
+    # ------------------------------------------------------------------ info
+    @property
+    def server(self):
+        return self.fedlaw if self.fedlaw is not None else self.optimizer
+
+    def summary(self) -> None:
+        """Log the server optimizer, then Flower ``FedAvg``'s summary."""
+        srv = self.server
+        if self.fedlaw is not None:
+            desc = (f"FedLAW(learn={srv.learn}, server_epochs={srv.server_epochs}, lr={srv.lr}, "
+                    f"betas={srv.betas}, swa={srv.swa})")
+        else:
+            hyper = {k: v for k, v in srv.param_groups[0].items() if k != "params"}
+            desc = f"{type(srv).__name__}({', '.join(f'{k}={v}' for k, v in hyper.items())})"
+        log(INFO, "\t├──> fedopt_kernels server: %s", desc)
+        log(INFO, "\t│\t├── model: %d parameters in %d tensors (%s, %s)", self.layout.numel, len(self.layout),
+            self.layout.dtype, self.device)
+        log(INFO, "\t│\t└── SCAFFOLD control variates: %s", "on" if self.scaffold else "off")
+        super().summary()
+
+    def global_arrays(self) -> ArrayRecord:
+        """The current global model as an ``ArrayRecord`` (``state_dict`` keys)."""
+        return tensors_to_arrayrecord(self._named_state(self._keys))
+
+    def load_global_arrays(self, arrays: ArrayRecord) -> None:
+        """Make ``arrays`` (``state_dict`` keys; every parameter present) the global
+        model: ``configure_train`` does this with the record it sends, unless it is the
+        one this strategy returned last round."""
+        load_arrayrecord_(self.model, arrays)
+        self._keys = list(arrays.keys())
+        self._sent = arrays
+
+    def _named_state(self, keys: Optional[Sequence[str]]):
+        state = self.model.state_dict()
+        keys = list(state.keys()) if keys is None else keys
+        return [(k, state[k]) for k in keys]
+
+    # ------------------------------------------------------------------ train
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Load ``arrays`` into the server's model (unless it is the record this
+        strategy returned last round), then sample and build the messages as Flower's
+        ``FedAvg`` does (plus SCAFFOLD's ``c``)."""
+        if arrays is not self._sent:
+            self.load_global_arrays(arrays)
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        if self.scaffold and messages:
+            if self.scaffold_num_clients is not None:
+                self._scaffold_m = self.scaffold_num_clients
+            else:
+                self._scaffold_m = len(list(grid.get_node_ids()))
+            c_record = tensors_to_arrayrecord(
+                (s.name, self.c[s.offset:s.offset + s.numel].view(s.shape)) for s in self.layout.slots)
+            for msg in messages:
+                msg.content[SCAFFOLD_KEY] = c_record
+        return messages
+
+    def _order(self, replies: List[Message]) -> List[Message]:
+        def key(msg: Message):
+            for rec in msg.content.config_records.values():
+                if ORDER_KEY in rec:
+                    return (0, int(rec[ORDER_KEY]), int(msg.metadata.src_node_id))
+            return (1, 0, int(msg.metadata.src_node_id))
+
+        return sorted(replies, key=key)
+
+    def _rows_buffer(self, C: int) -> torch.Tensor:
+        N = self.layout.numel
+        if self._rows is None or tuple(self._rows.shape) != (C, N):
+            self._rows = None  # free the old one first
+            self._rows = torch.empty(C, N, dtype=self.layout.dtype, pin_memory=self.device.type == "cuda")
+        return self._rows
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        """Aggregate the replies with the fused kernels and the server optimizer."""
+        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        if not valid:
+            return None, None
+        t0 = time.perf_counter()
+        if self.on_round is not None:
+            self.on_round(server_round)
+        valid = self._order(valid)
+        contents = [m.content for m in valid]
+        nodes = [int(m.metadata.src_node_id) for m in valid]
+        records = [next(iter(c.array_records.values())) for c in contents]
+        metrics = [next(iter(c.metric_records.values())) for c in contents]
+        names = [f"the ArrayRecord of node {n}" for n in nodes]
+        try:
+            weights = [float(m[self.weighted_by_key]) for m in metrics]
+        except (ValueError, TypeError) as exc:
+            raise AggregationError(reason=f"bad '{self.weighted_by_key}' in a reply: {exc}") from None
+        if any(not (w >= 0.0) or w == float("inf") for w in weights) or sum(weights) <= 0:
+            raise AggregationError(reason=f"the '{self.weighted_by_key}' of the replies must be finite, >= 0 and not "
+                                          f"all 0, got {weights}")
+        sizes = torch.tensor(weights, dtype=torch.float64)
+        C = len(records)
+        on_cpu = self.device.type == "cpu"
+        updates = self.fedlaw is None  # server optimizers take D_i = x_global - x_i, FedLAW the models
+
+        with torch.no_grad():
+            try:
+                # One pass per array: D_i = x_global - x_i straight from the client's bytes (CPU), or
+                # the client models (FedLAW, or an accelerator: subtracted there after one transfer).
+                rows = stack_arrayrecords(records, self.layout, out=self._rows_buffer(C), names=names,
+                                          subtract_from=self.x_global if (updates and on_cpu) else None)
+                buffers = self._client_buffers(records)
+            except (ValueError, TypeError) as exc:
+                raise AggregationError(reason=str(exc)) from None
+            U = rows if on_cpu else rows.to(self.device, non_blocking=True)
+            if updates and not on_cpu:
+                torch.sub(self.x_global, U, out=U)
+            if self.fedlaw is not None:
+                deltas = self._scaffold_deltas(self.x_global - U, metrics) if self.scaffold else None
+                server_metrics = self._fedlaw_step(U, weights, nodes)
+            else:
+                deltas = self._scaffold_deltas(U, metrics) if self.scaffold else None
+                server_metrics = self._optimizer_step(U, sizes, nodes)
+            if deltas is not None:
+                self.c.add_(deltas, alpha=1.0 / self._scaffold_m)
+            if buffers is not None:  # floating buffers: num-examples weighted mean
+                p = (sizes / sizes.sum()).to(buffers.dtype).to(buffers.device)
+                vector_to_buffers(p @ buffers, self.model)
+        out = tensors_to_arrayrecord(self._named_state(self._keys))
+        self._sent = out
+        agg = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        for k, v in server_metrics.items():
+            agg[k] = v
+        self.last_aggregation_time = time.perf_counter() - t0
+        return out, agg
+
+    def _client_buffers(self, records: List[ArrayRecord]) -> Optional[torch.Tensor]:
+        L = self.buffers_layout
+        if len(L) == 0 or not all(all(s.name in r for s in L.slots) for r in records):
+            return None  # no buffers, or the clients do not send them: keep the server's
+        B = stack_arrayrecords(records, L)
+        return B.to(self.device) if self.device.type != "cpu" else B
+
+    def _scaffold_deltas(self, D: torch.Tensor, metrics: List[MetricRecord]) -> torch.Tensor:
+        """``sum_i (D_i / lr_sum_i - c)`` over the clients with ``lr_sum > 0`` (SCAFFOLD
+        option II, in the simulator's order of operations)."""
+        total = torch.zeros_like(self.c)
+        for i, m in enumerate(metrics):
+            if LR_SUM_KEY not in m:
+                raise AggregationError(reason=f"scaffold=True needs '{LR_SUM_KEY}' in every reply's MetricRecord "
+                                              "(use fedopt_kernels.integrations.flower.FedNARClient)")
+            lr_sum = float(m[LR_SUM_KEY])
+            if lr_sum > 0:
+                delta = D[i] / lr_sum - self.c
+                if bool(torch.isfinite(delta).all()):
+                    total += delta
+        return total
+
+    def _optimizer_step(self, D: torch.Tensor, sizes: torch.Tensor, nodes: List[int]) -> Dict[str, object]:
+        st = self.optimizer.step(D, sizes)
+        self.last_stats = st
+        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(lr) if isinstance(lr, torch.Tensor) else lr
+        scalars = [st.lr_scale, st.update_sq_norm, st.excluded.sum(), st.skipped]
+        extra = [st.gain_ratio, st.sigma2, st.nu2] if st.gain_ratio is not None else []
+        values = torch.stack([t.detach().to(torch.float64).cpu() for t in scalars + extra]).tolist()  # one sync
+        excluded = st.excluded.cpu().tolist()
+        out: Dict[str, object] = {
+            "server_lr": values[0] * lr,
+            "lr_scale": values[0],
+            "update_norm": values[1] ** 0.5,
+            "excluded_clients": int(values[2]),
+            "server_skipped": int(values[3]),
+        }
+        if extra:
+            out.update(gain_ratio=values[4], sigma2=values[5], nu2=values[6])
+        if any(excluded):
+            log(WARNING, "aggregate_train: left out the update(s) of node(s) %s (NaN/Inf)%s",
+                [n for n, e in zip(nodes, excluded) if e], "; round skipped" if values[3] else "")
+        return out
+
+    def _fedlaw_step(self, X: torch.Tensor, weights: List[float], nodes: List[int]) -> Dict[str, object]:
+        gamma, lam = self.fedlaw.step(X, weights)
+        rnd = self.fedlaw.last_round
+        self.last_stats = rnd
+        excluded = rnd.excluded.cpu().tolist()
+        out: Dict[str, object] = {
+            "gamma": float(gamma),
+            "lambda": [float(v) for v in lam.cpu().tolist()],
+            "excluded_clients": int(sum(excluded)),
+            "server_skipped": int(rnd.skipped),
+        }
+        if rnd.losses.numel():
+            out["proxy_loss"] = float(rnd.losses[-1])
+        if any(excluded):
+            log(WARNING, "aggregate_train: left out the model(s) of node(s) %s (NaN/Inf)",
+                [n for n, e in zip(nodes, excluded) if e])
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The server's state (global model, optimizer state, SCAFFOLD's ``c``)."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scaffold_c": self.c.clone() if self.c is not None else None,
+            "keys": list(self._keys) if self._keys is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`; pass :meth:`global_arrays` as the
+        ``initial_arrays`` of :meth:`start`."""
+        with torch.no_grad():
+            own = self.model.state_dict()
+            for k, v in state["model"].items():
+                own[k].copy_(v)
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.c is not None and state.get("scaffold_c") is not None:
+            self.c.copy_(state["scaffold_c"])
+        self._keys = state.get("keys")
+        self._sent = None
+
+
+# ---------------------------------------------------------------------------- named strategies
+def _common(kwargs: dict) -> dict:
+    return {k: kwargs.pop(k) for k in ("nonfinite", "max_client_norm", "backend") if k in kwargs}
+
+
+class FedAvg(FusedStrategy):
+    """FedAvg with a server lr and global weight shrinking (:class:`fedopt_kernels.server.FedAvg`):
+    ``x <- gamma (x - lr D)``; ``lr = gamma = 1`` is McMahan et al.'s FedAvg.  With
+    ``scaffold=True`` (and :class:`~.client.FedNARClient`'s ``scaffold``) it is SCAFFOLD."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1.0, gamma: float = 1.0, **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.FedAvg(p, lr=lr, gamma=gamma, **opt), **kwargs)
+
+
+class FedAvgM(FusedStrategy):
+    """FedAvg with server momentum (:class:`fedopt_kernels.server.FedAvgM`)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
+                 **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.FedAvgM(p, lr=lr, momentum=momentum, nesterov=nesterov, **opt),
+                         **kwargs)
+
+
+class FedAdam(FusedStrategy):
+    """FedAdam (:class:`fedopt_kernels.server.FedAdam`, Reddi et al. 2021, no bias
+    correction -- Flower's ``FedAdam`` adds one)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99),
+                 tau: float = 1e-3, **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.FedAdam(p, lr=lr, betas=betas, tau=tau, **opt), **kwargs)
+
+
+class FedYogi(FusedStrategy):
+    """FedYogi (:class:`fedopt_kernels.server.FedYogi`)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99),
+                 tau: float = 1e-3, **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.FedYogi(p, lr=lr, betas=betas, tau=tau, **opt), **kwargs)
+
+
+class FedAdagrad(FusedStrategy):
+    """FedAdagrad (:class:`fedopt_kernels.server.FedAdagrad`)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1e-2, momentum: float = 0.0, tau: float = 1e-3, **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.FedAdagrad(p, lr=lr, momentum=momentum, tau=tau, **opt), **kwargs)
+
+
+class FedExP(FusedStrategy):
+    """FedExP's extrapolated server step (:class:`fedopt_kernels.server.FedExP`)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1.0, eps: float = 1e-3, scale_eps_by_clients: bool = False,
+                 **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.FedExP(p, lr=lr, eps=eps, scale_eps_by_clients=scale_eps_by_clients,
+                                                   **opt), **kwargs)
+
+
+class ASNES(FusedStrategy):
+    """ASNES: AdaScale gain ratio + Nesterov momentum (:class:`fedopt_kernels.server.ASNES`)."""
+
+    def __init__(self, model: nn.Module, *, lr: float = 1.0, momentum: float = 0.9, smoothing: float = 0.0,
+                 **kwargs):
+        opt = _common(kwargs)
+        super().__init__(model, lambda p: S.ASNES(p, lr=lr, momentum=momentum, smoothing=smoothing, **opt),
+                         **kwargs)
+
+
+class FedLAW(FusedStrategy):
+    """FedLAW (:class:`fedopt_kernels.server.FedLAW`): learns ``gamma`` and ``lambda``
+    on a server-side proxy set every round, from the clients' full models.
+
+    ``proxy_loader``: a re-iterable of ``(input, target)`` batches (a ``DataLoader`` or
+    a list), or a callable ``server_round -> loader`` called every round (round 1 once
+    more at construction).  ``loss_fn(output, target) -> scalar``.  The other arguments
+    are :class:`fedopt_kernels.server.FedLAW`'s, then Flower ``FedAvg``'s.
+    """
+
+    def __init__(self, model: nn.Module, proxy_loader, loss_fn: Callable, *, learn: str = "both",
+                 server_epochs: int = 20, lr: float = 0.01, betas: Tuple[float, float] = (0.5, 0.999),
+                 swa: bool = False, swa_start: int = 5, swa_lr: float = 0.05,
+                 lr_step: Optional[Tuple[int, float]] = (20, 0.5), train_mode: bool = True,
+                 backend: Optional[str] = None, **kwargs):
+        self._proxy_fn = None
+        loader = proxy_loader
+        if callable(proxy_loader) and not hasattr(proxy_loader, "__iter__"):
+            self._proxy_fn = proxy_loader
+            loader = proxy_loader(1)
+        fedlaw = S.FedLAW(model, loader, loss_fn, learn=learn, server_epochs=server_epochs, lr=lr, betas=betas,
+                          swa=swa, swa_start=swa_start, swa_lr=swa_lr, lr_step=lr_step, train_mode=train_mode,
+                          backend=backend)
+        user_hook = kwargs.pop("on_round", None)
+
+        def on_round(server_round: int) -> None:
+            if self._proxy_fn is not None:
+                self.fedlaw.proxy_loader = self._proxy_fn(server_round)
+            if user_hook is not None:
+                user_hook(server_round)
+
+        super().__init__(model, fedlaw, on_round=on_round, **kwargs)
+
+
+STRATEGIES = {
+    "fedavg": FedAvg, "fedprox": FedAvg, "scaffold": FedAvg, "fedavgm": FedAvgM, "fedadam": FedAdam,
+    "fedyogi": FedYogi, "fedadagrad": FedAdagrad, "fedexp": FedExP, "asnes": ASNES, "fedlaw": FedLAW,
+}
+
+
+def make_strategy(algo: str, model: nn.Module, **kwargs) -> FusedStrategy:
+    """The strategy of one of ``fedopt simulate``'s algorithm names (``fedprox`` is
+    ``FedAvg`` on the server -- its proximal term is client-side; ``scaffold`` is
+    ``FedAvg(scaffold=True)``; ``fedlaw`` needs ``proxy_loader`` and ``loss_fn``)."""
+    if algo not in STRATEGIES:
+        raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(STRATEGIES)}")
+    if algo == "scaffold":
+        kwargs.setdefault("scaffold", True)
+    if algo == "fedlaw":
+        try:
+            proxy_loader, loss_fn = kwargs.pop("proxy_loader"), kwargs.pop("loss_fn")
+        except KeyError:
+            raise ValueError("fedlaw needs proxy_loader= and loss_fn=") from None
+        return FedLAW(model, proxy_loader, loss_fn, **kwargs)
+    return STRATEGIES[algo](model, **kwargs)

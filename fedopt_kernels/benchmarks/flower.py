@@ -1,0 +1,126 @@
+"""Server-side aggregation time in Flower: the fused strategies vs Flower's own.
+
+One round's ``aggregate_train`` on the SAME ``C`` client replies (Flower
+``Message``s holding one ``ArrayRecord`` and ``num-examples`` each), timed interleaved
+(medians, same run):
+
+* ``flwr FedAvg`` / ``flwr FedAdam``: ``flwr.serverapp.strategy.FedAvg`` / ``FedAdam``
+  (per array and client: ``Array.numpy()``, ``value * weight``, ``+=``; FedAdam then
+  its NumPy Adam step per array);
+* ``fused FedAvg`` / ``fused FedAdam``: :mod:`fedopt_kernels.integrations.flower`'s
+  (one copy per array into a ``[C, N]`` tensor, one fused aggregation, the server
+  optimizer, the new ``ArrayRecord``).
+
+Both sides decode the replies and encode the new global ``ArrayRecord``; message
+transport is not included.  Run ``python -m fedopt_kernels.benchmarks.flower``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .shapes import resnet18_shapes, small_cnn_shapes
+from .timing import interleaved
+
+MODELS = {"resnet18": resnet18_shapes, "small_cnn": small_cnn_shapes}
+
+
+class ShapesModel(nn.Module):
+    """A module whose parameters have the given shapes (``p0``, ``p1``, ...)."""
+
+    def __init__(self, shapes: Sequence[Tuple[int, ...]]):
+        super().__init__()
+        for i, s in enumerate(shapes):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.zeros(s)))
+
+
+def _ensure_task_identity() -> None:
+    """Flower ``Message``s need a run id; a benchmark process has none."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    try:
+        TaskIdentity.run_id
+    except RuntimeError:
+        TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+
+
+def make_replies(shapes, C: int, *, seed: int = 0, scale: float = 1e-2):
+    """``(global ArrayRecord, [C reply Messages])``: clients = global + small noise,
+    ``num-examples`` random in [50, 500)."""
+    from flwr.app import Message, MessageType, MetricRecord, RecordDict
+
+    from ..integrations.flower.records import tensors_to_arrayrecord
+
+    _ensure_task_identity()
+    g = torch.Generator().manual_seed(seed)
+    global_tensors = [torch.randn(s, generator=g) for s in shapes]
+    global_arrays = tensors_to_arrayrecord((f"p{i}", t) for i, t in enumerate(global_tensors))
+    replies = []
+    for c in range(C):
+        rec = tensors_to_arrayrecord((f"p{i}", t + scale * torch.randn(t.shape, generator=g))
+                                     for i, t in enumerate(global_tensors))
+        n = int(torch.randint(50, 500, (1,), generator=g))
+        content = RecordDict({"arrays": rec, "metrics": MetricRecord({"num-examples": n, "train_loss": 1.0})})
+        ins = Message(content=RecordDict(), message_type=MessageType.TRAIN, dst_node_id=100 + c)
+        replies.append(Message(content=content, reply_to=ins))
+    return global_arrays, replies
+
+
+def bench_flower(C: int = 20, model: str = "resnet18", *, repeats: int = 5, warmup: int = 1) -> List[dict]:
+    """Median ms of one ``aggregate_train`` of each strategy (see the module docstring)."""
+    import logging
+
+    from flwr.serverapp import strategy as flwr_strategy
+
+    from ..integrations import flower as fk
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    shapes = MODELS[model]()
+    N = sum(math.prod(s) for s in shapes)
+    global_arrays, replies = make_replies(shapes, C)
+    kw = dict(fraction_evaluate=0.0)
+
+    flwr_avg = flwr_strategy.FedAvg(**kw)
+    flwr_adam = flwr_strategy.FedAdam(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, **kw)
+    flwr_adam.current_arrays = {k: a.numpy() for k, a in global_arrays.items()}  # what configure_train sets
+    ours_avg = fk.FedAvg(ShapesModel(shapes), **kw)
+    ours_adam = fk.FedAdam(ShapesModel(shapes), lr=1e-2, **kw)
+    for s in (ours_avg, ours_adam):
+        s.load_global_arrays(global_arrays)
+    rnd = iter(range(1, 10 ** 9))
+    times = interleaved({
+        "flwr FedAvg": lambda: flwr_avg.aggregate_train(next(rnd), replies),
+        "fused FedAvg": lambda: ours_avg.aggregate_train(next(rnd), replies),
+        "flwr FedAdam": lambda: flwr_adam.aggregate_train(next(rnd), replies),
+        "fused FedAdam": lambda: ours_adam.aggregate_train(next(rnd), replies),
+    }, repeats=repeats, warmup=warmup)
+    label = f"{C} x {model} ({N / 1e6:.3g}M params, {len(shapes)} arrays)"
+    rows = []
+    for algo in ("FedAvg", "FedAdam"):
+        flwr_t, ours_t = times[f"flwr {algo}"], times[f"fused {algo}"]
+        rows.append({"benchmark": f"flower aggregate_train {label}", "case": algo, "flwr ms": flwr_t * 1e3,
+                     "fused ms": ours_t * 1e3, "speed-up": flwr_t / ours_t,
+                     "threads": torch.get_num_threads()})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    rows = bench_flower(args.clients, args.model, repeats=args.repeats)
+    for r in rows:
+        print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms, "
+              f"speed-up {r['speed-up']:.2f}x ({r['threads']} threads)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -492,3 +492,44 @@ def test_flower_simulation_matches_simulator(superlink, tmp_path):
         history = json.loads((out / "history.json").read_text())
         assert [h["test_accuracy"] for h in history] == [r["test_accuracy"] for r in res.records]
         assert [h["round"] for h in history] == list(range(rounds + 1))
+
+
+@needs_flwr
+def test_client_evaluate_and_run_config():
+    """FedNARClient.evaluate answers Flower's federated evaluation; hyperparameters come
+    from the run config by default."""
+    from flwr.clientapp import ClientApp
+
+    from fedopt_kernels.fl import LocalConfig, digits, iid_partition
+    from fedopt_kernels.integrations import flower as fk
+
+    cfg = fk.local_config_from_run_config({"local-steps": 3, "local-lr": 0.1, "nar": "grad", "backend": "",
+                                           "prox-mu": 0.01, "batch-size": 16})
+    assert cfg == LocalConfig(steps=3, lr=0.1, nar="grad", backend=None, prox_mu=0.01, batch_size=16)
+    ds = digits(seed=0)
+    part = iid_partition(ds.num_train, 3, seed=0)
+
+    def data_fn(context):
+        idx = part.client_indices[int(context.node_config["partition-id"])]
+        return ds.x_train[idx], ds.y_train[idx]
+
+    client = fk.FedNARClient(lambda c: _Digits(), data_fn, eval_data_fn=lambda c: (ds.x_test, ds.y_test))
+    app = ClientApp()
+    app.train()(client.train)
+    app.evaluate()(client.evaluate)
+    grid = LocalGrid(app, 3, run_config={"local-steps": 4, "local-lr": 0.1, "seed": 1})
+    torch.manual_seed(0)
+    strategy = fk.FedAvg(_Digits(), min_available_nodes=3)
+    result = strategy.start(grid=grid, initial_arrays=fk.model_to_arrayrecord(_Digits()), num_rounds=2)
+    ev = result.evaluate_metrics_clientapp[2]
+    assert 0.0 <= ev["eval_acc"] <= 1.0 and ev["eval_loss"] > 0
+    assert result.train_metrics_clientapp[2]["lr_sum"] == pytest.approx(4 * 0.1, rel=1e-9)  # LocalConfig: lr_decay 1
+
+
+class _Digits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)

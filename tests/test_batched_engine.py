@@ -298,7 +298,8 @@ def test_simulation_benchmark_runs():
     from fedopt_kernels.benchmarks import simulation
 
     rows = simulation.bench_simulation("mlp", 4, label="smoke", repeats=1, warmup=0)
-    assert [r["case"] for r in rows] == ["batched engine", "sequential engine", "hand-written loop"]
+    assert [r["case"] for r in rows] == ["batched engine", "sequential engine", "hand-written loop",
+                                        "hand-written loop, lean"]
     assert all(r["ms"] > 0 and r["vs hand loop"] > 0 for r in rows)
     assert rows[0]["time / batched"] == 1.0
 

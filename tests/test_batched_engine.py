@@ -324,3 +324,18 @@ def test_a_clients_update_does_not_depend_on_the_other_clients_of_its_round():
     for subset in (clients[:1], clients[3:8], clients[::3]):
         rows = [clients.index(c) for c in subset]
         assert torch.equal(updates(subset), whole[rows])
+
+
+def test_batch_statistics_see_no_padding():
+    """BatchNorm on batch statistics (no running stats: vmap can batch it) mixes the
+    samples of a batch, so its clients are never padded."""
+    def make():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32, track_running_stats=False),
+                             nn.ReLU(), nn.Linear(32, 10))
+
+    seq = _run(module=make, engine="sequential")
+    bat = _sim(module=make, engine="batched")
+    assert {b for b, _ in bat.batched._levels} == {min(32, n) for n in bat.partition.sizes}
+    bat.run()
+    assert bat.results.meta["engine"] == "batched"
+    assert_close_models(seq.x_global, bat.x_global)

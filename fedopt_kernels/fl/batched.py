@@ -43,7 +43,8 @@ from a ``reduction="none"`` copy; any other ``loss_fn`` is called as given under
 from the batch sizes of ALL clients (:func:`batch_bins`: fewest padded samples, plus a
 penalty for each extra batched call per step); a client is padded to the smallest
 level that holds its batch, and the clients of one level form one batched call per
-local step.  A loss that cannot be masked gets one level per batch size.  So a
+local step.  A loss that cannot be masked, or a model with BatchNorm layers (batch
+statistics would see the padding), gets one level per batch size.  So a
 client's padded length -- and with it all of its arithmetic -- depends on its own size
 alone, never on which clients share its round, its group or (``fl.distributed``) its
 rank.
@@ -319,6 +320,11 @@ class BatchedTrainer:
             k = int(num_classes) if num_classes is not None else int(y_train.max()) + 1
             eye = torch.eye(k, device=x_train.device, dtype=self.layout.dtype)
             self._soft_targets = eye * (1.0 - smoothing) + smoothing / k if smoothing else eye
+        # padding is invisible to a client's loss only if the loss can be masked and no
+        # layer mixes the samples of a batch (BatchNorm on batch statistics)
+        self._mixes_batch = next((type(m).__name__ for m in model.modules()
+                                  if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+        self._can_pad = (self._soft_targets is not None or self._per_sample is not None) and not self._mixes_batch
         self.bin_penalty = 1 / 16  # see batch_bins
         self._levels = self.levels(population_sizes) if population_sizes is not None else None
         self.verified = False  # a first round ran: later errors are real errors, not "vmap cannot"
@@ -388,8 +394,7 @@ class BatchedTrainer:
         loss cannot be masked); ``uniform``: a single batch size pads to ``B`` (no
         padding, the loss as given)."""
         bs = [min(self.config.batch_size, n) for n in sizes]
-        maskable = self._soft_targets is not None or self._per_sample is not None
-        bins = batch_bins(bs, penalty=self.bin_penalty if maskable else 0.0)
+        bins = batch_bins(bs, penalty=self.bin_penalty if self._can_pad else 0.0)
         return sorted((B, len({bs[r] for r in rows}) == 1) for rows, B in bins)
 
     def plan(self, sizes: Sequence[int]) -> List[_Group]:
@@ -398,11 +403,10 @@ class BatchedTrainer:
         when known, else of this round), each level cut into groups of
         :meth:`group_size` clients, a lone client doubled."""
         bs = [min(self.config.batch_size, n) for n in sizes]
-        maskable = self._soft_targets is not None or self._per_sample is not None
         levels = self._levels if self._levels is not None else self.levels(sizes)
         by_level: Dict[tuple, List[int]] = {}
         for r, b in enumerate(bs):
-            level = next((lv for lv in levels if lv[0] >= b and (maskable or lv[0] == b)), (b, True))
+            level = next((lv for lv in levels if lv[0] >= b and (self._can_pad or lv[0] == b)), (b, True))
             by_level.setdefault(level, []).append(r)
         groups, self.last_group_size = [], 0
         for (batch, uniform), rows in sorted(by_level.items(), reverse=True):

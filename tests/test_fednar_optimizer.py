@@ -226,3 +226,39 @@ def test_torch_compile_step_fullgraph_without_recompiles(momentum):
         for a, b in zip(model.parameters(), eager_model.parameters()):
             torch.testing.assert_close(a, b)
     assert counter.frame_count == (1 if momentum == 0.0 else 2)
+
+
+def test_whole_training_step_compiles_fullgraph():
+    """Forward + backward + ``FedNAR.step()`` in ONE compiled graph (Dynamo traces the
+    backward with ``trace_autograd_ops``; ``zero_grad`` stays outside, as PyTorch marks
+    ``Optimizer.zero_grad`` untraceable), no recompiles over 5 lr values, same values as
+    eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model, eager_model = make_model(7), make_model(7)
+    lr = torch.tensor(0.1)
+    opt = FedNAR(model.parameters(), lr=lr, weight_decay=torch.tensor(0.01), max_norm=1.0)
+    eager_opt = FedNAR(eager_model.parameters(), lr=0.1, weight_decay=0.01, max_norm=1.0)
+
+    def train_step(m, o, xb, yb):
+        loss = torch.nn.functional.cross_entropy(m(xb), yb)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(train_step, backend=counter, fullgraph=True)
+        xb, yb = torch.randn(8, 64), torch.randint(0, 10, (8,))
+        for value in (0.1, 0.05, 0.02, 0.3, 0.01):
+            lr.fill_(value)
+            eager_opt.param_groups[0]["lr"] = value
+            opt.zero_grad()
+            eager_opt.zero_grad()
+            loss = compiled(model, opt, xb, yb)
+            eager_loss = train_step(eager_model, eager_opt, xb, yb)
+            torch.testing.assert_close(loss, eager_loss)
+            for a, b in zip(model.parameters(), eager_model.parameters()):
+                torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1

@@ -339,3 +339,31 @@ def test_batch_statistics_see_no_padding():
     bat.run()
     assert bat.results.meta["engine"] == "batched"
     assert_close_models(seq.x_global, bat.x_global)
+
+
+@pytest.mark.parametrize("kw", [dict(algo="scaffold", momentum=0.5, clients=12, per_round=12),
+                                dict(model="cnn", rounds=3, local_steps=3, clients=8, per_round=8),
+                                dict(clients=100, per_round=25, batch_size=16, client_batch=4)],
+                         ids=["mlp-scaffold", "cnn", "many-small-grouped"])
+def test_traced_steps_equal_the_torch_func_transforms(kw):
+    """From the second sighting of a group's shapes the vmapped gradient runs as a
+    traced graph of ATen ops: the same bits as the transforms run eagerly."""
+    traced = _sim(engine="batched", **kw)
+    eager = _sim(engine="batched", **kw)
+    eager.batched.trace = False
+    traced.run()
+    eager.run()
+    assert traced.batched._traced and not eager.batched._traced and traced.batched.trace_failure is None
+    assert torch.equal(traced.x_global, eager.x_global)
+
+
+def test_random_layers_traced_and_eager_agree():
+    def make():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+
+    traced = _run(module=make, engine="batched", clients=12, per_round=12)
+    eager = _sim(module=make, engine="batched", clients=12, per_round=12)
+    eager.batched.trace = False
+    eager.run()
+    assert traced.batched._traced
+    assert torch.equal(traced.x_global, eager.x_global)

@@ -13,7 +13,14 @@ after another.  The batched engine trains the round's ``C`` clients together:
   order), batched over the clients.
 * **gradients**: ``vmap(grad(loss of functional_call(model, views, batch)))`` over the
   clients (:mod:`torch.func`); the per-parameter gradients are concatenated into a
-  preallocated ``[C, N]`` buffer ``G``.
+  preallocated ``[C, N]`` buffer ``G``.  When a group's shapes come back (the next
+  round, another group) that vmapped gradient is traced once with ``make_fx`` into a
+  graph of the plain ATen ops the transforms dispatch to (batched matmuls ...) and the
+  graph runs instead: the same ops, the same bits (tested), without the per-op cost
+  of the transforms -- a third of a small model's step.  ``trainer.trace = False``
+  turns it off (a model whose Python ``forward`` changes with state outside its
+  tensors would need that); a failed trace turns it off and is recorded in
+  ``trainer.trace_failure``.
 * **corrections and step**: FedProx's ``mu (x - x0)`` (``x0 = x_global`` broadcast) and
   SCAFFOLD's ``c - c_i`` rows are added to ``G`` -- before the step, so inside FedNAR's
   clip, as in the sequential engine -- then one
@@ -331,35 +338,70 @@ class BatchedTrainer:
         self.last_group_size: Optional[int] = None
         self._activation: Optional[int] = None
         self._grad = {
-            "soft": vmap(grad(self._soft_loss, has_aux=True), in_dims=(0, 0, 0, 0), randomness="different"),
-            "masked": vmap(grad(self._masked_loss, has_aux=True), in_dims=(0, 0, 0, 0, 0), randomness="different"),
-            "plain": vmap(grad(self._plain_loss, has_aux=True), in_dims=(0, 0, 0, 0), randomness="different"),
+            "soft": vmap(grad(self._soft_loss, has_aux=True), in_dims=(0, 0, None, 0, 0), randomness="different"),
+            "masked": vmap(grad(self._masked_loss, has_aux=True), in_dims=(0, 0, None, 0, 0, 0),
+                           randomness="different"),
+            "plain": vmap(grad(self._plain_loss, has_aux=True), in_dims=(0, 0, None, 0, 0), randomness="different"),
         }
+        self.trace = True  # see _traced_grad
+        self._traced: Dict[tuple, object] = {}
+        self._sightings: Dict[tuple, int] = {}
+        self.trace_failure: Optional[str] = None
 
     # ------------------------------------------------------------------ the vmapped losses (one client)
-    def _forward(self, params, frozen, xb):
+    def _forward(self, params, frozen, buffers, xb):
         from torch.func import functional_call
 
-        return functional_call(self.model, ({**params, **frozen} if frozen else params, self.buffers), (xb,))
+        return functional_call(self.model, ({**params, **frozen} if frozen else params, buffers), (xb,))
 
-    def _soft_loss(self, params, frozen, xb, targets):
-        out = self._forward(params, frozen, xb)
+    def _soft_loss(self, params, frozen, buffers, xb, targets):
+        out = self._forward(params, frozen, buffers, xb)
         if out.shape != targets.shape:
             raise ValueError(f"the soft-target cross-entropy needs [batch, classes] outputs of shape "
                              f"{tuple(targets.shape)}, the model gives {tuple(out.shape)}")
         loss = -(out.log_softmax(-1) * targets).sum()
         return loss, loss.detach()
 
-    def _masked_loss(self, params, frozen, xb, yb, wb):
-        per = self._per_sample(self._forward(params, frozen, xb), yb)
+    def _masked_loss(self, params, frozen, buffers, xb, yb, wb):
+        per = self._per_sample(self._forward(params, frozen, buffers, xb), yb)
         if per.dim() > 1:
             per = per.reshape(per.shape[0], -1).mean(1)
         loss = (per * wb).sum()
         return loss, loss.detach()
 
-    def _plain_loss(self, params, frozen, xb, yb):
-        loss = self.loss_fn(self._forward(params, frozen, xb), yb)
+    def _plain_loss(self, params, frozen, buffers, xb, yb):
+        loss = self.loss_fn(self._forward(params, frozen, buffers, xb), yb)
         return loss, loss.detach()
+
+    def _traced_grad(self, key: tuple, mode: str, example: tuple):
+        """The vmapped gradient of ``mode`` for the shapes ``key``, traced once into a
+        graph of plain ATen ops (``make_fx``) when these shapes come back (a second
+        group of the same shapes, usually the next round): running that graph skips
+        the per-op dispatch of the torch.func transforms -- about a third of a small
+        model's step -- and gives the same bits.  None: run the transforms eagerly
+        (first sighting, before the first round completed, tracing off or failed)."""
+        fn = self._traced.get(key)
+        if fn is not None or not self.trace or not self.verified:
+            return fn
+        if self._sightings.get(key, 0) < 2:
+            return None
+        try:
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            vmapped = self._grad[mode]
+
+            def step(*args):  # a plain function: make_fx would count the bound method's `self`
+                return vmapped(*args)
+
+            fn = make_fx(step, tracing_mode="fake")(*example)
+        except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager
+            self.trace = False
+            self.trace_failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            return None
+        if len(self._traced) >= 128:
+            self._traced.pop(next(iter(self._traced)))
+        self._traced[key] = fn
+        return fn
 
     # ------------------------------------------------------------------ planning
     def client_bytes(self, batch: int) -> int:
@@ -517,6 +559,9 @@ class BatchedTrainer:
         params = {n: X[:, o:o + k].view(c, *s) for n, o, k, s, t in self._slots if t}
         frozen = {n: X[:, o:o + k].view(c, *s).detach() for n, o, k, s, t in self._slots if not t}
         grad_fn = self._grad[group.mode]
+        key = (group.mode, c, B)
+        self._sightings[key] = self._sightings.get(key, 0) + 1
+        traced = None
         G_parts = [G[:, o:o + k] for _, o, k, _, _ in self._slots]
         in_shape, y_shape = self.x_train.shape[1:], self.y_train.shape[1:]
         targets_w = weights.view(c * B, 1) if group.mode == "soft" else None
@@ -530,12 +575,15 @@ class BatchedTrainer:
                 xb = self.x_train.index_select(0, ib).view(c, B, *in_shape)
                 yb = self.y_train.index_select(0, ib)
                 if group.mode == "soft":
-                    targets = self._soft_targets.index_select(0, yb).mul_(targets_w)
-                    grads, loss = grad_fn(params, frozen, xb, targets.view(c, B, -1))
+                    args = (params, frozen, self.buffers, xb,
+                            self._soft_targets.index_select(0, yb).mul_(targets_w).view(c, B, -1))
                 elif group.mode == "masked":
-                    grads, loss = grad_fn(params, frozen, xb, yb.view(c, B, *y_shape), weights)
+                    args = (params, frozen, self.buffers, xb, yb.view(c, B, *y_shape), weights)
                 else:
-                    grads, loss = grad_fn(params, frozen, xb, yb.view(c, B, *y_shape))
+                    args = (params, frozen, self.buffers, xb, yb.view(c, B, *y_shape))
+                if k == 0:
+                    traced = self._traced_grad(key, group.mode, args)
+                grads, loss = (traced or grad_fn)(*args)
                 with torch.no_grad():
                     self._gather(grads, G, G_parts, c)
                     if tmp is not None:  # FedProx: g += mu (x - x0)

@@ -29,6 +29,12 @@ struct Clients {
   std::vector<const void*> rows;
 };
 
+// Column chunks per thread: each chunk reads C * kAggChunk elements.
+int64_t chunks_per_thread(int64_t C) {
+  const int64_t per_chunk = std::max<int64_t>(C, 1) * kAggChunk;
+  return std::max<int64_t>(1, (kMinElementsPerThread + per_chunk - 1) / per_chunk);
+}
+
 Clients unpack_clients(TensorList clients) {
   TORCH_CHECK(!clients.empty(), "fedopt_C: clients must hold one [C, N] tensor or C 1-D tensors");
   Clients r;
@@ -86,7 +92,7 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
   args.client_partials = client_partials.data();
   args.sum_partials = sum_partials.data();
   const Kernels<acc_t>& k = kernels().get<acc_t>();
-  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) { k.aggregate(args, c0, c1); });
+  at::parallel_for(0, nc, chunks_per_thread(C), [&](int64_t c0, int64_t c1) { k.aggregate(args, c0, c1); });
 
   const auto acc = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value);
   Tensor q = at::empty({C}, acc);
@@ -139,7 +145,7 @@ Tensor run_client_dots(const Clients& cl, const Tensor& g, bool g_is_acc) {
   args.chunks = table.chunks.data();
   args.partials = partials.data();
   const Kernels<acc_t>& k = kernels().get<acc_t>();
-  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) { k.client_dots(args, c0, c1); });
+  at::parallel_for(0, nc, chunks_per_thread(C), [&](int64_t c0, int64_t c1) { k.client_dots(args, c0, c1); });
 
   Tensor d = at::empty({C}, at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value));
   acc_t* dp = d.data_ptr<acc_t>();

@@ -81,7 +81,7 @@ void run_nar(const NarTensors& t, const NarHyper& h, acc_t* norm_out, acc_t* sca
   args.skip = skip.data();
   const Kernels<acc_t>& k = kernels().get<acc_t>();
 
-  for_chunk_ranges(table.chunks, kNarChunk, [&](int64_t c0, int64_t c1) { k.nar_norm(args, c0, c1); });
+  for_chunk_ranges(table.chunks, kMinElementsPerThread, [&](int64_t c0, int64_t c1) { k.nar_norm(args, c0, c1); });
 
   bool any_step = false;
   for (int64_t i = 0; i < G; ++i) {
@@ -96,7 +96,7 @@ void run_nar(const NarTensors& t, const NarHyper& h, acc_t* norm_out, acc_t* sca
     skip_out[i] = skip[i];
   }
   if (any_step) {
-    for_chunk_ranges(table.chunks, kNarChunk, [&](int64_t c0, int64_t c1) { k.nar_update(args, c0, c1); });
+    for_chunk_ranges(table.chunks, kMinElementsPerThread, [&](int64_t c0, int64_t c1) { k.nar_update(args, c0, c1); });
   }
 }
 

@@ -63,6 +63,41 @@ def check_tensor_list(tensors, name: str) -> list:
     return tensors
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
+def lists_match_fast(params, grads, bufs) -> bool:
+    """True when ``params``/``grads`` (and ``bufs`` unless None) are equally long,
+    non-empty lists or tuples of contiguous strided tensors of one floating dtype on one
+    device with matching shapes: the common case, checked in one tight pass (~1 us per
+    tensor).  False means "run the detailed checks", never "invalid" by itself."""
+    if not isinstance(params, (list, tuple)) or not isinstance(grads, (list, tuple)) or not params:
+        return False
+    if len(grads) != len(params) or (bufs is not None and (not isinstance(bufs, (list, tuple))
+                                                           or len(bufs) != len(params))):
+        return False
+    try:
+        p0 = params[0]
+        dtype, device = p0.dtype, p0.device
+        if dtype not in _FLOAT_SET:
+            return False
+        strided = torch.strided
+        for i, p in enumerate(params):
+            g = grads[i]
+            if (p.dtype != dtype or g.dtype != dtype or p.layout != strided or g.layout != strided
+                    or p.device != device or g.device != device or p.shape != g.shape
+                    or not p.is_contiguous() or not g.is_contiguous()):
+                return False
+            if bufs is not None:
+                b = bufs[i]
+                if (b.dtype != dtype or b.layout != strided or b.device != device or b.shape != p.shape
+                        or not b.is_contiguous()):
+                    return False
+    except (AttributeError, TypeError, RuntimeError):  # not tensors: the detailed checks say so
+        return False
+    return True
+
+
 def check_like(t: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str, *, strides: bool = True) -> None:
     """``t`` must match ``ref`` in shape, dtype and device (and memory layout)."""
     if t.shape != ref.shape:

@@ -44,6 +44,36 @@ def _check_common(lr, weight_decay, max_norm, mode, momentum, backend, device, d
     return lr, weight_decay, max_norm, mode_id, momentum
 
 
+def _check_lists(params, grads):
+    """Detailed checks of params and grads, raising a message that names the argument."""
+    params = V.check_tensor_list(params, "params")
+    grads = V.check_tensor_list(grads, "grads")
+    if not params:
+        raise ValueError("params must contain at least one tensor")
+    if len(grads) != len(params):
+        raise ValueError(f"grads has {len(grads)} tensors but params has {len(params)}")
+    V.check_same_device(params, "params")
+    dtype = params[0].dtype
+    for i, p in enumerate(params):
+        if p.dtype != dtype:
+            raise ValueError(
+                f"params must share one dtype (their norm is taken together): params[0] is {dtype}, "
+                f"params[{i}] is {p.dtype}; put tensors of different dtypes in separate calls or param groups")
+        V.check_like(grads[i], p, f"grads[{i}]", f"params[{i}]")
+    return params, grads
+
+
+def _check_buffers(momentum_buffers, params) -> list:
+    if momentum_buffers is None:
+        raise ValueError("momentum_buffers is required when momentum != 0 (one zero-initialised tensor per param)")
+    bufs = V.check_tensor_list(momentum_buffers, "momentum_buffers")
+    if len(bufs) != len(params):
+        raise ValueError(f"momentum_buffers has {len(bufs)} tensors but params has {len(params)}")
+    for i, p in enumerate(params):
+        V.check_like(bufs[i], p, f"momentum_buffers[{i}]", f"params[{i}]")
+    return bufs
+
+
 def nar_step_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -89,31 +119,17 @@ def nar_step_(
         float64 params).  Runs two passes over the data (norm, then update) whatever the
         number of tensors, and never synchronises with the device.
     """
-    params = V.check_tensor_list(params, "params")
-    grads = V.check_tensor_list(grads, "grads")
-    if not params:
-        raise ValueError("params must contain at least one tensor")
-    if len(grads) != len(params):
-        raise ValueError(f"grads has {len(grads)} tensors but params has {len(params)}")
-    device = V.check_same_device(params, "params")
-    dtype = params[0].dtype
-    for i, p in enumerate(params):
-        if p.dtype != dtype:
-            raise ValueError(
-                f"params must share one dtype (their norm is taken together): params[0] is {dtype}, "
-                f"params[{i}] is {p.dtype}; put tensors of different dtypes in separate calls or param groups")
-        V.check_like(grads[i], p, f"grads[{i}]", f"params[{i}]")
+    # The common case is checked in one tight pass; anything unusual takes the detailed
+    # checks, which raise the message naming the argument.
+    fast = V.lists_match_fast(params, grads, momentum_buffers if momentum != 0.0 else None)
+    params, grads = (list(params), list(grads)) if fast else _check_lists(params, grads)
+    device, dtype = params[0].device, params[0].dtype
     lr, weight_decay, max_norm, mode_id, momentum = _check_common(
         lr, weight_decay, max_norm, mode, momentum, backend, device, dtype, lr_sizes=((),))
     bufs: list = []
     if momentum != 0.0:
-        if momentum_buffers is None:
-            raise ValueError("momentum_buffers is required when momentum != 0 (one zero-initialised tensor per param)")
-        bufs = V.check_tensor_list(momentum_buffers, "momentum_buffers")
-        if len(bufs) != len(params):
-            raise ValueError(f"momentum_buffers has {len(bufs)} tensors but params has {len(params)}")
-        for i, p in enumerate(params):
-            V.check_like(bufs[i], p, f"momentum_buffers[{i}]", f"params[{i}]")
+        fast_bufs = fast and momentum_buffers is not None  # the fast pass checked them
+        bufs = list(momentum_buffers) if fast_bufs else _check_buffers(momentum_buffers, params)
     grad_scale = V.check_scalar_tensor(grad_scale, "grad_scale", device)
     found_inf = V.check_scalar_tensor(found_inf, "found_inf", device)
     if grad_scale is not None:

@@ -126,8 +126,8 @@ def add_simulation_options(parser: argparse.ArgumentParser, *, compare: bool = F
     run.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
     run.add_argument("--out", default=argparse.SUPPRESS, metavar="DIR", help="output directory (default results)")
     run.add_argument("--threads", type=int, default=argparse.SUPPRESS,
-                     help="torch CPU threads (default: 1 for models under 5M parameters, where more threads only "
-                          "add overhead, else torch's default)")
+                     help="torch CPU threads (default: 1 for the sequential engine on models under 5M parameters, "
+                          "where more threads only add overhead, else torch's default)")
     run.add_argument("--no-plots", dest="plots", action="store_false", default=argparse.SUPPRESS,
                      help="do not draw the PNG plots")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -68,9 +68,13 @@ def prepare_out_dir(path: str) -> Path:
     return p
 
 
-def _apply_threads(threads: Optional[int], num_params: int) -> None:
+def _apply_threads(threads: Optional[int], num_params: int, batched: bool = False) -> None:
+    """``--threads``, else 1 thread for the sequential engine on models under 5M
+    parameters (more threads only add overhead to its tiny ops); the batched engine
+    keeps torch's default: its batched matmuls spread over the cores (and its results
+    do not depend on the thread count)."""
     if threads is None:
-        if num_params < AUTO_THREADS_MAX_PARAMS:
+        if num_params < AUTO_THREADS_MAX_PARAMS and not batched:
             torch.set_num_threads(1)
     else:
         torch.set_num_threads(threads)
@@ -247,7 +251,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
             sim.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CLIError(f"--resume: {exc}") from None
-    _apply_threads(opts["threads"], sim.numel)
+    _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
     console = _console(min_width=120)
     if not quiet:
         part = sim.partition.summary()
@@ -387,7 +391,7 @@ def run_compare(args) -> int:
         try:
             for label, cfg in configs:
                 sim = _build_simulation(cfg, dataset=dataset, partition=partition)
-                _apply_threads(opts["threads"], sim.numel)
+                _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
                 sim.results.label = label
                 current = sim.results
                 task = progress.add(label, cfg.rounds)

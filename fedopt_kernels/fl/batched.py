@@ -60,7 +60,7 @@ rank.
 activations must fit.  ``client_batch`` bounds how many clients are trained at once
 (``0``: chosen from the free memory -- ``/proc/meminfo``'s MemAvailable or
 ``os.sysconf`` on CPU, ``torch.cuda.mem_get_info`` on CUDA -- and a conservative
-per-client estimate, :func:`estimate_client_bytes`); each bin is cut into groups of at
+per-client estimate, :func:`estimate_client_bytes`); each level is cut into groups of at
 most that many clients, computed one after another.  The result is the same as with
 one group: every row's arithmetic depends only on its own client (above), and a group
 is never a single client -- a lone client is computed beside a copy of itself, because

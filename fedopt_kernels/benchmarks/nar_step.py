@@ -59,7 +59,7 @@ def _lr_sequence():
 
 
 def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device="cpu", repeats: int = 15,
-                   include_compile: bool = True) -> list:
+                   include_compile: bool = True, warm_cache: bool = False) -> list:
     device = torch.device(device)
     params, grads = _make(shapes, device)
     n = numel(shapes)
@@ -84,7 +84,7 @@ def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device=
         extra["torch.compile first new lr"] = time.perf_counter() - start
         candidates["torch.compile lr changes"] = lambda: compiled(params, grads, lr=next_lr(), **HYPER)
 
-    times = interleaved(candidates, repeats=repeats, device=device)
+    times = interleaved(candidates, repeats=repeats, device=device, warm_cache=warm_cache)
     times.update(extra)
     floor = times["floor (dot + add_)"]
     rows = []

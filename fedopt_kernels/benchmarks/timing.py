@@ -20,8 +20,14 @@ def _sync(device: torch.device) -> None:
 
 
 def interleaved(candidates: Dict[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 2,
-                device: torch.device = torch.device("cpu")) -> Dict[str, float]:
-    """Median seconds per call of each candidate, timed round-robin."""
+                device: torch.device = torch.device("cpu"), warm_cache: bool = False) -> Dict[str, float]:
+    """Median seconds per call of each candidate, timed round-robin.
+
+    ``warm_cache``: precede every timed call by one untimed call of the same candidate,
+    so data that fits in cache is resident when timing starts -- as a small model's
+    params and grads are right after the backward pass of a training step.  Without it
+    each call starts with the caches full of the previous candidate's data.
+    """
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
@@ -29,6 +35,8 @@ def interleaved(candidates: Dict[str, Callable[[], object]], *, repeats: int = 1
     samples: Dict[str, list] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
+            if warm_cache:
+                fn()
             _sync(device)
             start = time.perf_counter()
             fn()

@@ -1,6 +1,5 @@
 """Dirichlet label partition, IID split, and the built-in datasets."""
 
-import numpy as np
 import pytest
 import torch
 

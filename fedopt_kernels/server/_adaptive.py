@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 
-from ._base import ServerOptimizer, axpy, commit_
+from ._base import ServerOptimizer, axpy, check_nonneg, commit_
 
 
 class AdaptiveServerOptimizer(ServerOptimizer):
@@ -36,3 +38,17 @@ class AdaptiveServerOptimizer(ServerOptimizer):
                 commit_(v, v_new, info.skip)
                 commit_(p, x_new, info.skip)
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))
+
+
+class BetasServerOptimizer(AdaptiveServerOptimizer):
+    """The constructor FedAdam and FedYogi share: ``lr``, ``betas=(beta1, beta2)``, ``tau``."""
+
+    def __init__(self, params, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-3, *,
+                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+                 backend: Optional[str] = None):
+        check_nonneg(lr, "lr")
+        check_nonneg(betas[0], "betas[0]", high=1.0, high_open=True)
+        check_nonneg(betas[1], "betas[1]", high=1.0, high_open=True)
+        check_nonneg(tau, "tau", low_open=True)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), tau=tau), nonfinite=nonfinite,
+                         max_client_norm=max_client_norm, backend=backend)

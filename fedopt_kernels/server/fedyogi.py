@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 
-from ._adaptive import AdaptiveServerOptimizer
-from ._base import axpy, check_nonneg
+from ._adaptive import BetasServerOptimizer
+from ._base import axpy
 
 
-class FedYogi(AdaptiveServerOptimizer):
+class FedYogi(BetasServerOptimizer):
     r"""FedYogi, Reddi et al. 2021 Algorithm 2, on the mean update ``D = sum_i p_i D_i``::
 
         m <- beta1 m + (1 - beta1) D
@@ -26,16 +24,6 @@ class FedYogi(AdaptiveServerOptimizer):
         tau (float): ``> 0`` (default 1e-3).
         nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
     """
-
-    def __init__(self, params, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-3, *,
-                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                 backend: Optional[str] = None):
-        check_nonneg(lr, "lr")
-        check_nonneg(betas[0], "betas[0]", high=1.0, high_open=True)
-        check_nonneg(betas[1], "betas[1]", high=1.0, high_open=True)
-        check_nonneg(tau, "tau", low_open=True)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), tau=tau), nonfinite=nonfinite,
-                         max_client_norm=max_client_norm, backend=backend)
 
     def _second_moment(self, group, v, d2):
         b2 = group["betas"][1]

@@ -2,7 +2,7 @@
 
 Not a test (pytest does not collect it).  Run from the repository root:
 
-    PYTHONPATH=. python tests/bench_cpu_kernels.py [--reps 15] [--only nar|agg] [--dtype bfloat16]
+    PYTHONPATH=. python bench/cpu_kernels.py [--reps 15] [--only nar|agg] [--dtype bfloat16]
 
 (``python -m fedopt_kernels.benchmarks.suite --backend cpu`` is the project-wide
 suite; this script adds the CPU-specific cases: the raw op next to the ops API, momentum

@@ -58,7 +58,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..ops import _validation as V
-from ..ops.aggregate import NONFINITE, AggregateStats, _runner, check_gamma, robust_weights
+from ..ops.aggregate import NONFINITE, AggregateStats, _runner, check_clients, check_gamma, robust_weights
 from ..ops._validation import acc_dtype
 from . import _comm
 from ._comm import Plan
@@ -72,27 +72,17 @@ Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
 def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
     """``(rows, C_r, N, dtype, device)``; a rank may hold no client: a ``[0, N]`` tensor,
     or an empty list when ``out`` gives ``N``, the dtype and the device."""
-    if isinstance(clients, torch.Tensor):
+    if isinstance(clients, torch.Tensor) and clients.dim() == 2 and clients.shape[0] == 0:
         V.check_tensor(clients, "local_clients", dims=2)
-        if not clients.is_contiguous():
-            raise ValueError("local_clients as a [C, N] tensor must be contiguous")
-        C, N = clients.shape
-        return list(clients.unbind(0)) if C else [], C, N, clients.dtype, clients.device
-    rows = V.check_tensor_list(clients, "local_clients")
-    if not rows:
+        return [], 0, clients.shape[1], clients.dtype, clients.device
+    if isinstance(clients, (list, tuple)) and not clients:
         if out is None:
             raise ValueError("a rank without clients must pass a [0, N] tensor as local_clients (or give out=), so "
                              "that N, the dtype and the device are known")
         V.check_tensor(out, "out", dims=1)
         return [], 0, out.shape[0], out.dtype, out.device
-    first = rows[0]
-    for i, r in enumerate(rows):
-        if r.dim() != 1:
-            raise ValueError(f"local_clients[{i}] must be a 1-D vector, got shape {tuple(r.shape)}")
-        if not r.is_contiguous():
-            raise ValueError(f"local_clients[{i}] must be contiguous")
-        V.check_like(r, first, f"local_clients[{i}]", "local_clients[0]", strides=False)
-    return rows, len(rows), first.numel(), first.dtype, first.device
+    rows, C, N, dtype, device = check_clients(clients, "local_clients")
+    return (list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else rows), C, N, dtype, device
 
 
 def _local_weights(weights, C: int, device, acc) -> torch.Tensor:

@@ -308,7 +308,8 @@ def test_a_clients_update_does_not_depend_on_the_other_clients_of_its_round():
     """What lets a round be grouped for memory or split over ranks (fl/distributed.py)
     without changing a bit: padded lengths come from the whole population, a lone
     client is doubled."""
-    from fedopt_kernels.fl.client import RoundStats, derive_seed
+    from fedopt_kernels.fl.client import RoundStats
+    from fedopt_kernels.fl.seeds import batch_seed
 
     sim = _sim(engine="batched", clients=100, per_round=12, batch_size=16, momentum=0.9, algo="fedprox")
     clients = sim.sample_clients(1)
@@ -316,7 +317,7 @@ def test_a_clients_update_does_not_depend_on_the_other_clients_of_its_round():
     def updates(subset):
         out = torch.empty(len(subset), sim.numel)
         sim.batched.train_round(sim.x_global, [sim.partition.client_indices[c] for c in subset], round_index=0,
-                                seeds=[derive_seed(0, 3, 1, c) for c in subset], out=out,
+                                seeds=[batch_seed(0, 1, c) for c in subset], out=out,
                                 stats=RoundStats("cpu"), clients=subset)
         return out
 

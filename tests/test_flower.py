@@ -147,7 +147,7 @@ def _flower_run(sim, algo: str, model_factory=None):
     from flwr.clientapp import ClientApp
 
     from fedopt_kernels.fl import build_model
-    from fedopt_kernels.fl.client import derive_seed
+    from fedopt_kernels.fl.seeds import proxy_order_seed
     from fedopt_kernels.integrations import flower as fk
 
     cfg, ds, part = sim.config, sim.dataset, sim.partition
@@ -173,7 +173,7 @@ def _flower_run(sim, algo: str, model_factory=None):
         loader = sim.server.fedlaw.proxy_loader  # the simulator's proxy set, reseeded per round as it does
 
         def proxy(server_round):
-            sim._proxy_gen.manual_seed(derive_seed(cfg.seed, 5, server_round))
+            sim._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, server_round))
             return loader
 
         strategy = fk.make_strategy("fedlaw", model, proxy_loader=proxy, loss_fn=nn.CrossEntropyLoss(),

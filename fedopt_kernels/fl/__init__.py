@@ -15,16 +15,17 @@ vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.batch
 of a round's clients as one vmapped computation, the default engine),
 :mod:`~fedopt_kernels.fl.server` (server optimizers and FedLAW),
 :mod:`~fedopt_kernels.fl.simulation` (the round loop), :mod:`~fedopt_kernels.fl.results`
-(records, files, plots).
+(records, files, plots), :mod:`~fedopt_kernels.fl.seeds` (the seed of every random draw).
 """
 
 from .batched import BatchedTrainer, EngineFallbackWarning
-from .client import LocalConfig, LocalTrainer, ScaffoldState, derive_seed
+from .client import LocalConfig, LocalTrainer, ScaffoldState
 from .config import ALGORITHMS, ConfigError, SimulationConfig
 from .data import FederatedDataset, dataset_names, digits, load_dataset, register_dataset, synthetic
 from .models import MLP, SimpleCNN, build_model, model_names, register_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results, plot_comparison
+from .seeds import batch_seed, derive_seed, init_seed
 from .server import SERVER_DEFAULTS, ServerSide
 from .simulation import Simulation, make_partition, sample_clients
 
@@ -33,6 +34,7 @@ __all__ = [
     "FederatedDataset", "digits", "synthetic", "load_dataset", "register_dataset", "dataset_names",
     "Partition", "dirichlet_partition", "iid_partition", "natural_partition", "make_partition", "sample_clients",
     "MLP", "SimpleCNN", "build_model", "register_model", "model_names",
-    "LocalConfig", "LocalTrainer", "ScaffoldState", "derive_seed", "ServerSide", "SERVER_DEFAULTS",
+    "LocalConfig", "LocalTrainer", "ScaffoldState", "derive_seed", "init_seed", "batch_seed", "ServerSide",
+    "SERVER_DEFAULTS",
     "BatchedTrainer", "EngineFallbackWarning",
 ]

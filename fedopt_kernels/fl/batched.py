@@ -31,7 +31,7 @@ after another.  The batched engine trains the round's ``C`` clients together:
   device and are reduced once per group of clients: no host sync inside the loop.
 
 **Batches.**  Client ``i``'s batch of local step ``k`` is exactly the sequential
-engine's: the same generator (seeded ``derive_seed(seed, 3, round, client)``), the same
+engine's: the same generator (seeded :func:`~fedopt_kernels.fl.seeds.batch_seed`), the same
 ``randperm`` per local epoch, the same dropped ragged tail.  All batches of a round are
 drawn up front on the CPU into a ``[tau, C, B]`` index table (moved to the device once);
 each step gathers its inputs with one ``index_select`` into ``[C, B, ...]``.  A client
@@ -94,12 +94,12 @@ from torch import nn
 
 from ..ops import nar_step_batched_
 from ..utils import parameters_layout
-from .client import LocalConfig, RoundStats, ScaffoldState, derive_seed
+from .client import LocalConfig, RoundStats, ScaffoldState
+from .seeds import dropout_seed
 
 __all__ = ["BatchedTrainer", "BatchedUnsupported", "EngineFallbackWarning", "unsupported_reason",
            "per_sample_loss", "client_batches", "batch_bins", "estimate_client_bytes", "available_memory"]
 
-_DROPOUT = 6  # purpose of the derived seed of random layers (simulation.py uses 1-5)
 
 # torch losses whose reduction="mean" is the plain mean of the reduction="none" output
 _MEAN_OF_ELEMENTS = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
@@ -569,7 +569,7 @@ class BatchedTrainer:
         devices = [device] if device.type == "cuda" else []
         first = clients[rows[0]] if clients is not None else rows[0]
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(derive_seed(self.seed, _DROPOUT, round_index + 1, group_index, first))
+            torch.manual_seed(dropout_seed(self.seed, round_index + 1, group_index, first))
             for k in range(cfg.steps):
                 ib = idx[k]
                 xb = self.x_train.index_select(0, ib).view(c, B, *in_shape)

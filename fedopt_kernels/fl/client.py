@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -33,13 +32,7 @@ from ..lr_scheduler import annealing_factor, within_round_factor
 from ..optim import FedNAR
 from ..utils import buffers_layout, flatten_parameters_
 
-__all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats", "derive_seed"]
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys (e.g. ``(seed, purpose, round, client)``): a
-    stable function of the keys alone, so every draw can be reproduced independently."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+__all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats"]
 
 
 @dataclass

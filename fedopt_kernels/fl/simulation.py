@@ -46,18 +46,17 @@ from torch import nn
 from .. import __version__
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
-from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState, derive_seed
+from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
 from .data import FederatedDataset, load_dataset
 from .models import build_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results
+from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
 from .server import ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients"]
 
-# purposes of the derived seeds
-_INIT, _SAMPLE, _BATCH, _PROXY, _PROXY_ORDER = 1, 2, 3, 4, 5
 STATE_VERSION = 1
 
 
@@ -103,7 +102,7 @@ def make_partition(config: SimulationConfig, dataset: FederatedDataset) -> Parti
 def sample_clients(seed: int, round_number: int, num_clients: int, per_round: int) -> List[int]:
     """The (sorted) clients of round ``round_number`` (1-based): uniform without
     replacement, a function of ``(seed, round_number)`` only."""
-    g = torch.Generator().manual_seed(derive_seed(seed, _SAMPLE, round_number))
+    g = torch.Generator().manual_seed(sampling_seed(seed, round_number))
     return sorted(torch.randperm(num_clients, generator=g)[:per_round].tolist())
 
 
@@ -169,7 +168,7 @@ class Simulation:
     def _make_model(self, model) -> nn.Module:
         cfg = self.config
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(cfg.seed, _INIT))
+            torch.manual_seed(init_seed(cfg.seed))
             if model is None:
                 opts = {"hidden": cfg.hidden} if cfg.model == "mlp" else {}
                 try:
@@ -194,7 +193,7 @@ class Simulation:
         their data), batches of 128 in a per-round seeded order."""
         cfg, ds = self.config, self.dataset
         y = ds.y_train.cpu()
-        g = torch.Generator().manual_seed(derive_seed(cfg.seed, _PROXY))
+        g = torch.Generator().manual_seed(proxy_seed(cfg.seed))
         classes = torch.unique(y).tolist()
         per_class, extra = divmod(cfg.proxy_size, len(classes))
         chosen = []
@@ -274,7 +273,7 @@ class Simulation:
         C = len(clients)
         self.batched.train_round(
             self.x_global, [self.partition.client_indices[cid] for cid in clients], round_index=round_number - 1,
-            seeds=[derive_seed(self.config.seed, _BATCH, round_number, cid) for cid in clients],
+            seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
             out=self.updates[:C], stats=stats, clients=clients, scaffold=self.scaffold)
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
             self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
@@ -296,7 +295,7 @@ class Simulation:
         for row, cid in enumerate(clients):
             self.trainer.train(
                 self.x_global, self.client_indices[cid], round_index=round_number - 1,
-                seed=derive_seed(self.config.seed, _BATCH, round_number, cid), out_update=self.updates[row],
+                seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[row],
                 stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
                 out_buffers=self.buffer_rows[row] if self._has_buffers else None)
         return stats
@@ -324,7 +323,7 @@ class Simulation:
                 self.scaffold.server_update()
             sizes = self.client_sizes[clients]
             C = len(clients)
-            self._proxy_gen.manual_seed(derive_seed(cfg.seed, _PROXY_ORDER, r))
+            self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
             server_stats = self._server_step(clients, sizes)
             if self._has_buffers:  # floating buffers (BatchNorm statistics): data-size weighted mean
                 p = (sizes / sizes.sum()).to(self.buffer_rows.dtype).to(self.device)

@@ -49,8 +49,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from ...fl import simulation as _simulation
-from ...fl.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState, derive_seed
+from ...fl.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
+from ...fl.seeds import batch_seed, init_seed
 from ...utils.flat import parameters_layout
 from .records import arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord, tensors_to_arrayrecord
 from .strategy import LR_SUM_KEY, ORDER_KEY, SCAFFOLD_KEY
@@ -70,18 +70,6 @@ RUN_CONFIG_KEYS = {
 }
 
 Data = Tuple[torch.Tensor, torch.Tensor]
-
-
-def batch_seed(seed: int, server_round: int, client: int) -> int:
-    """The seed of client ``client``'s batch order in round ``server_round`` (1-based),
-    the one :class:`fedopt_kernels.fl.Simulation` uses."""
-    return derive_seed(seed, _simulation._BATCH, server_round, client)
-
-
-def init_seed(seed: int) -> int:
-    """The seed under which :class:`fedopt_kernels.fl.Simulation` initialises its model
-    (``torch.manual_seed(init_seed(seed))`` then build it gives the same initial values)."""
-    return derive_seed(seed, _simulation._INIT)
 
 
 def local_config_from_run_config(run_config, base: Optional[LocalConfig] = None) -> LocalConfig:

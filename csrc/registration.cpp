@@ -57,4 +57,14 @@ TORCH_LIBRARY(fedopt_C, m) {
   // [<clients[i], g> for each i] in one pass over the data (the backward of the
   // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");
+  // The elementwise step of a server optimizer over a list of tensors, in ONE pass
+  // (rules and formulas: fedopt::ServerRule in include/fedopt/math.h).  `updates[i]`
+  // is the mean update for params[i] (same numel, contiguous, acc dtype); `exp_avg`
+  // (m, or the momentum buffer b) and `exp_avg_sq` (v) are in the params' dtype:
+  // empty lists where the rule has no such state (kSgd: both; kMomentum: exp_avg_sq).
+  // `skip` (0-d bool): when true nothing is written (read on the device: no sync).
+  m.def(
+      "server_update_(Tensor(a!)[] params, Tensor[] updates, Tensor(b!)[] exp_avg, "
+      "Tensor(c!)[] exp_avg_sq, int rule, float lr, Tensor? lr_tensor, float gamma, "
+      "Tensor? gamma_tensor, float beta1, float beta2, float tau, bool nesterov, Tensor? skip) -> ()");
 }

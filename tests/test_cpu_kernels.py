@@ -9,21 +9,19 @@ instruction-set independence of every result, and the per-ISA build itself.
 from __future__ import annotations
 
 import math
-import os
 import platform
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
+from _cpu_isa import results_per_isa, x86_only
 from fedopt_kernels import backends, ops
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 MODES = ["co", "grad", "none"]
 ODD = [(1,), (5,), (1025,), (278011,)]  # 278011 > 4 chunks of 64Ki: several threads
@@ -498,41 +496,14 @@ def test_results_independent_of_thread_count(dtype, threads):
         assert_bitwise(results[0], other)
 
 
-_ISA_SCRIPT = r"""
-import hashlib, sys, torch
-sys.path.insert(0, {root!r})
-sys.path.insert(0, {tests!r})
-import test_cpu_kernels as t
-import fedopt_kernels.backends.cpu
-print(torch.backends.cpu.get_cpu_capability(), torch.ops.fedopt_C.cpu_isa())
-for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-    h = hashlib.sha256()
-    for r in t._all_results(dtype):
-        h.update(t.bits(r).numpy().tobytes())
-    print(h.hexdigest())
-"""
-
-
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 instruction sets")
+@x86_only
 def test_results_independent_of_instruction_set():
     """The DEFAULT (SSE2), AVX2 and AVX-512 builds of the kernels give the same bits:
     the same 32-lane reduction layout and no FMA in any of them."""
-    best = torch.backends.cpu.get_cpu_capability()
-    levels = {"DEFAULT": ["default"], "AVX2": ["default", "avx2"], "AVX512": ["default", "avx2", "avx512"]}.get(best)
-    if levels is None or len(levels) < 2:
-        pytest.skip(f"only one instruction set available here ({best})")
-    script = _ISA_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
-    outputs = {}
-    for level in levels:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=level, PYTHONPATH=ROOT)
-        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
-        lines = res.stdout.split()
-        assert lines[:2] == [level.upper()] * 2, f"ATEN_CPU_CAPABILITY={level}: torch {lines[0]}, kernels {lines[1]}"
-        outputs[level] = lines[2:]
-    first = outputs[levels[0]]
+    outputs = results_per_isa("test_cpu_kernels", "_all_results")
+    levels = list(outputs)
     for level in levels[1:]:
-        assert outputs[level] == first, f"{level} differs from {levels[0]}"
+        assert outputs[level] == outputs[levels[0]], f"{level} differs from {levels[0]}"
 
 
 # --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-// Interface between the CPU ops (nar_step.cpp, aggregate.cpp: tensors, threads, stats)
-// and the streaming kernels (kernels.h, compiled once per instruction set).
+// Interface between the CPU ops (nar_step.cpp, aggregate.cpp, server_update.cpp:
+// tensors, threads, stats) and the streaming kernels (kernels.h, compiled once per
+// instruction set).
 //
 // Nothing here includes torch: the kernels see raw pointers, a chunk table and the
 // hyperparameters already resolved on the host.  A kernel entry processes the chunks
@@ -76,6 +77,20 @@ struct DotsArgs {
   acc_t* partials;                  // [num_chunks][C]
 };
 
+// One server-optimizer step (math.h's server_update_*) over the chunks of `chunks`.
+// The updates are in acc_t whatever the params' type; `m` and `v` are read and written
+// only by the rules that have them (kMomentum: m; kAdagrad, kAdam, kYogi: m and v).
+template <typename acc_t>
+struct ServerUpdateArgs {
+  ScalarKind kind;                  // params' (and m's, v's) element type
+  const Chunk* chunks;
+  void* const* x;                   // per tensor: params
+  const acc_t* const* d;            // per tensor: updates
+  void* const* m;                   // per tensor: exp_avg (the momentum buffer b for kMomentum)
+  void* const* v;                   // per tensor: exp_avg_sq
+  ServerParams<acc_t> params;       // rule and nesterov included
+};
+
 template <typename acc_t>
 struct Kernels {
   void (*nar_norm)(const NarArgs<acc_t>&, int64_t c0, int64_t c1);
@@ -83,6 +98,7 @@ struct Kernels {
   void (*nar_update)(const NarArgs<acc_t>&, int64_t c0, int64_t c1);
   void (*aggregate)(const AggregateArgs<acc_t>&, int64_t c0, int64_t c1);
   void (*client_dots)(const DotsArgs<acc_t>&, int64_t c0, int64_t c1);
+  void (*server_update)(const ServerUpdateArgs<acc_t>&, int64_t c0, int64_t c1);
 };
 
 struct KernelTable {

@@ -1,6 +1,6 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
-Every backend is a module exposing the same four functions, with the same contract
+Every backend is a module exposing the same five functions, with the same contract
 (the ops layer has validated every argument before they are called; ``lr`` and
 ``weight_decay`` are floats or tensors already in the acc dtype on the data's device;
 ``mode`` is 0 co / 1 grad / 2 none):
@@ -22,6 +22,14 @@ found_inf) -> (norm, scale, skipped)``
 
 ``client_dots(clients, g) -> [C]``
     ``<clients[i], g>`` for every client in one pass.
+
+``server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau,
+nesterov, skip) -> None``
+    The elementwise step of a server optimizer (``rule`` 0 sgd / 1 momentum / 2 adagrad /
+    3 adam / 4 yogi, see :func:`fedopt_kernels.ops.server_update_`) in one pass over
+    lists of tensors; ``updates`` in the acc dtype; ``exp_avg``/``exp_avg_sq`` possibly
+    empty lists; ``lr``/``gamma`` floats or 0-d tensors; ``skip`` None or a 0-d bool
+    tensor (true: nothing written).
 
 Choice: the ``backend=`` argument, else the ``FEDOPT_BACKEND`` environment variable,
 else by device: CPU tensors use the C++ CPU extension; CUDA tensors use the C++ CUDA

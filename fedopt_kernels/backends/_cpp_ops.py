@@ -43,3 +43,13 @@ def client_dots(clients, g):
     if isinstance(clients, torch.Tensor):
         clients = [clients]
     return torch.ops.fedopt_C.client_dots(clients, g)
+
+
+def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau, nesterov, skip):
+    if not params:  # nothing to do, and no tensor the dispatcher could pick a kernel by
+        return
+    lr_f, lr_t = _split(lr)
+    gamma_f, gamma_t = _split(gamma)
+    torch.ops.fedopt_C.server_update_(
+        params, updates, exp_avg, exp_avg_sq, int(rule), lr_f, lr_t, gamma_f, gamma_t, float(beta1),
+        float(beta2), float(tau), bool(nesterov), skip)

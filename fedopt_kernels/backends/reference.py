@@ -6,6 +6,7 @@ import torch
 
 import python_ref.aggregation as _agg
 import python_ref.fednar as _nar
+import python_ref.server_optimizers as _srv
 
 _MODE_NAMES = _nar.MODES  # index = the integer mode of the contract
 
@@ -35,3 +36,32 @@ def aggregate(clients, weights, gamma, out, enabled):
 
 def client_dots(clients, g):
     return _agg.client_dots(clients, g)
+
+
+def _server_rule(rule, x, d, m, v, lr, gamma, beta1, beta2, tau, nesterov):
+    """New ``(x, m, v)`` of one tensor (flat, acc dtype) by python_ref's formulas."""
+    if rule == 0:
+        return _srv.fedavg(x, d, lr=lr, gamma=gamma), m, v
+    if rule == 1:
+        x, m = _srv.fedavgm(x, d, m, lr=lr, momentum=beta1, nesterov=nesterov)
+        return x, m, v
+    if rule == 2:
+        return _srv.fedadagrad(x, d, m, v, lr=lr, momentum=beta1, tau=tau)
+    step = _srv.fedadam if rule == 3 else _srv.fedyogi
+    return step(x, d, m, v, lr=lr, betas=(beta1, beta2), tau=tau)
+
+
+def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau, nesterov, skip):
+    for i, (p, d) in enumerate(zip(params, updates)):
+        d = d.reshape(-1)
+        acc = d.dtype
+        m = exp_avg[i].reshape(-1).to(acc) if exp_avg else None
+        v = exp_avg_sq[i].reshape(-1).to(acc) if exp_avg_sq else None
+        new = _server_rule(rule, p.reshape(-1).to(acc), d, m, v, lr, gamma, beta1, beta2, tau, nesterov)
+        targets = [p] + ([exp_avg[i]] if exp_avg else []) + ([exp_avg_sq[i]] if exp_avg_sq else [])
+        for dst, val in zip(targets, new):
+            val = val.view(dst.shape).to(dst.dtype)
+            if skip is None:
+                dst.copy_(val)
+            else:
+                torch.where(skip, dst, val, out=dst)

@@ -119,3 +119,27 @@ def _(clients, g, backend):
 def client_dots_op(clients, g, backend):
     rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
     return _client_dots(rows, g, backend)
+
+
+@torch.library.custom_op("fedopt::server_update_", mutates_args=("params", "exp_avg", "exp_avg_sq"))
+def _server_update(
+    params: list[torch.Tensor], updates: list[torch.Tensor], exp_avg: list[torch.Tensor],
+    exp_avg_sq: list[torch.Tensor], rule: int, lr: float, lr_tensor: Optional[torch.Tensor], gamma: float,
+    gamma_tensor: Optional[torch.Tensor], beta1: float, beta2: float, tau: float, nesterov: bool,
+    skip: Optional[torch.Tensor], backend: str,
+) -> None:
+    impl = backends.resolve(backend, params[0].device)
+    impl.server_update_(params, updates, exp_avg, exp_avg_sq, rule, _join(lr, lr_tensor), _join(gamma, gamma_tensor),
+                        beta1, beta2, tau, nesterov, skip)
+
+
+@_server_update.register_fake
+def _(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor, beta1, beta2, tau,
+      nesterov, skip, backend):
+    return None
+
+
+def server_update_op(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau, nesterov, skip,
+                     backend):
+    _server_update(params, updates, exp_avg, exp_avg_sq, rule, *_split(lr), *_split(gamma), beta1, beta2, tau,
+                   nesterov, skip, backend)

@@ -106,4 +106,79 @@ FEDOPT_HD void nar_update(acc_t& x, acc_t g, acc_t& b, acc_t scale, const NarPar
   }
 }
 
+// ---------------------------------------------------------------------------------
+// Server update (fedopt_C::server_update_): the elementwise step of every server
+// optimizer on the round's mean update D (python_ref/server_optimizers.py; the rule
+// integers are part of the op schema).  Per element, all in acc_t, separately rounded:
+//
+//   kSgd:      x <- gamma * (x - lr * D)                          (FedAvg, FedExP)
+//   kMomentum: b <- beta1 * b + D ;  s = nesterov ? beta1 * b + D : b ;
+//              x <- x - lr * s                                    (FedAvgM, ASNES)
+//   adaptive:  m <- beta1 * m + (1 - beta1) * D
+//              kAdagrad: v <- v + D * D
+//              kAdam:    v <- beta2 * v + (1 - beta2) * (D * D)
+//              kYogi:    v <- v - (1 - beta2) * (D * D) * sign(v - D * D)
+//              x <- x - lr * (m / (sqrt(v) + tau))                (FedAdagrad/Adam/Yogi)
+//
+// `m` (or `b`) and `v` are stored in the params' dtype, so the values carried to the
+// next round are the rounded ones, as torch.optim keeps its state in the param dtype.
+enum class ServerRule : int64_t { kSgd = 0, kMomentum = 1, kAdagrad = 2, kAdam = 3, kYogi = 4 };
+
+template <typename acc_t>
+struct ServerParams {
+  acc_t lr;
+  acc_t gamma;     // kSgd only
+  acc_t beta1;     // kMomentum: the momentum; adaptive: the first-moment factor
+  acc_t beta2;     // kAdam, kYogi
+  acc_t tau;       // adaptive rules
+  bool nesterov;   // kMomentum
+  ServerRule rule;
+};
+
+template <typename acc_t>
+FEDOPT_HD void server_update_sgd(acc_t& x, acc_t d, const ServerParams<acc_t>& p) {
+  x = p.gamma * (x - p.lr * d);
+}
+
+template <typename acc_t>
+FEDOPT_HD void server_update_momentum(acc_t& x, acc_t d, acc_t& b, const ServerParams<acc_t>& p) {
+  b = p.beta1 * b + d;
+  const acc_t s = p.nesterov ? p.beta1 * b + d : b;
+  x = x - p.lr * s;
+}
+
+// sign(a): -1 or 1 for a negative or positive a, a itself for +-0 and NaN (torch.sign
+// gives +0 for -0 and 0 for NaN; in Yogi's v - c * d2 * sign(v - d2) that changes at
+// most the sign of a zero term or a NaN's payload, never a value).  sign_of and
+// sqrt_of are templates of their own so that the CPU kernels can specialize them for
+// SIMD vectors (kernels.h), where `?:` on a comparison and std::sqrt do not apply.
+template <typename acc_t>
+FEDOPT_HD acc_t sign_of(acc_t a) {
+  return a > acc_t(0) ? acc_t(1) : (a < acc_t(0) ? acc_t(-1) : a);
+}
+
+// sqrt(a), correctly rounded.
+template <typename acc_t>
+FEDOPT_HD acc_t sqrt_of(acc_t a) {
+#if defined(__CUDA_ARCH__)
+  return sqrt(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+template <typename acc_t>
+FEDOPT_HD void server_update_adaptive(acc_t& x, acc_t d, acc_t& m, acc_t& v, const ServerParams<acc_t>& p) {
+  m = p.beta1 * m + (acc_t(1) - p.beta1) * d;
+  const acc_t d2 = d * d;
+  if (p.rule == ServerRule::kAdagrad) {
+    v = v + d2;
+  } else if (p.rule == ServerRule::kAdam) {
+    v = p.beta2 * v + (acc_t(1) - p.beta2) * d2;
+  } else {
+    v = v - (acc_t(1) - p.beta2) * d2 * sign_of(v - d2);
+  }
+  x = x - p.lr * (m / (sqrt_of(v) + p.tau));
+}
+
 }  // namespace fedopt

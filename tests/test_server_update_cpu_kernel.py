@@ -1,0 +1,251 @@
+"""The CPU kernel of fedopt_C::server_update_ (csrc/cpu/server_update.cpp, kernels.h),
+called through torch.ops directly.
+
+The oracle is the op's contract evaluated exactly (tests/_server_update_oracle.py: one
+torch op per operation in the acc dtype, math.h's order, an IEEE sqrt), the results
+stored to the params' dtype.  The kernel must match it BIT FOR BIT in every dtype:
+fp16/bf16 too, since the acc values agree and so do their roundings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _cpu_isa import results_per_isa, x86_only
+from _server_update_oracle import server_update_exact
+from fedopt_kernels.backends import _extensions
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# (rule, nesterov): 0 sgd, 1 momentum (heavy ball / nesterov), 2 adagrad, 3 adam, 4 yogi
+RULES = [(0, False), (1, False), (1, True), (2, False), (3, False), (4, False)]
+RULE_IDS = ["sgd", "momentum", "nesterov", "adagrad", "adam", "yogi"]
+# > 2 * 2**18 elements in all (kMinElementsPerThread): two threads get work; 300007
+# and 278011 end in ragged chunks of 64Ki, and an empty tensor sits in the middle.
+LIST = [(300007,), (0,), (5,), (64, 32, 3, 3), (1025,), (1,), (278011,)]
+SHAPES = {"0": [(0,)], "1": [(1,)], "5": [(5,)], "1025": [(1025,)], "70001": [(70001,)], "list": LIST}
+HYPER = dict(lr=0.03, gamma=0.9, beta1=0.9, beta2=0.99, tau=1e-3)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _extension():
+    reason = _extensions.load("_C")
+    if reason is not None:
+        pytest.fail(f"the C++ CPU extension must be built for these tests: {reason}")
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def acc_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (so -0.0 != 0.0)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        if not torch.equal(bits(x), bits(y)):
+            diff = (x.double() - y.double()).abs()
+            raise AssertionError(f"not bitwise equal: {int((bits(x) != bits(y)).sum())} of {x.numel()} elements, "
+                                 f"max diff {float(diff.max())}")
+
+
+# --------------------------------------------------------------------------------------
+# data and oracle
+
+
+def make(shapes, dtype, *, seed=0, exact=False):
+    """params, updates, exp_avg, exp_avg_sq.  The updates are views of one flat acc vector
+    at odd element offsets (pointers only 4-byte aligned).  Every 97th element is a Yogi
+    tie (v == D^2 exactly: sign 0) and every 89th has D = 0.  `exact`: values with 21
+    fractional bits, drawn the same by every instruction set's torch kernels."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = acc_of(dtype)
+
+    def rand(n, scale):
+        if exact:
+            return torch.randint(-(2 ** 22), 2 ** 22, (n,), generator=gen, dtype=torch.int64).double() / 2 ** 21 * scale
+        return torch.randn(n, generator=gen, dtype=torch.float64) * scale
+
+    sizes = [torch.Size(s).numel() for s in shapes]
+    total = sum(sizes)
+    flat = rand(total + 3, 0.1)
+    x, m, v = rand(total, 1.0), rand(total, 0.1), rand(total, 0.1).abs() * 0.2
+    tie, zero = torch.arange(total) % 97 == 0, torch.arange(total) % 89 == 0
+    d = flat[1:1 + total]
+    d[tie] = 0.25
+    v[tie] = 0.0625
+    d[zero] = 0.0
+    flat = flat.to(acc)
+    params, updates, exp_avg, exp_avg_sq, off = [], [], [], [], 0
+    for s, n in zip(shapes, sizes):
+        params.append(x[off:off + n].to(dtype).view(s))
+        updates.append(flat[1 + off:1 + off + n].view(s))
+        exp_avg.append(m[off:off + n].to(dtype).view(s))
+        exp_avg_sq.append(v[off:off + n].to(dtype).view(s))
+        off += n
+    return params, updates, exp_avg, exp_avg_sq
+
+
+def formulas(params, updates, exp_avg, exp_avg_sq, rule, nesterov, *, lr, gamma, beta1, beta2, tau):
+    """The contract's step, out of place: (params, exp_avg, exp_avg_sq) as new lists."""
+    xs, ms, vs = [], [], []
+    for i, (p, D) in enumerate(zip(params, updates)):
+        m = exp_avg[i] if rule >= 1 else None
+        v = exp_avg_sq[i] if rule >= 2 else None
+        x, m, v = server_update_exact(rule, nesterov, p, D, m, v, lr=lr, gamma=gamma, beta1=beta1, beta2=beta2,
+                                      tau=tau)
+        xs.append(x.to(p.dtype))
+        if m is not None:
+            ms.append(m.to(p.dtype))
+        if v is not None:
+            vs.append(v.to(p.dtype))
+    return xs, ms, vs
+
+
+def run(params, updates, exp_avg, exp_avg_sq, rule, nesterov, *, lr, gamma, beta1, beta2, tau, skip=None):
+    """torch.ops.fedopt_C.server_update_ on copies; lr / gamma: float or 0-d tensor.
+    Returns the copies (params, the state lists the rule has)."""
+    x = [t.clone() for t in params]
+    m = [t.clone() for t in exp_avg] if rule >= 1 else []
+    v = [t.clone() for t in exp_avg_sq] if rule >= 2 else []
+    lr_f, lr_t = (0.0, lr) if isinstance(lr, torch.Tensor) else (lr, None)
+    gamma_f, gamma_t = (0.0, gamma) if isinstance(gamma, torch.Tensor) else (gamma, None)
+    torch.ops.fedopt_C.server_update_(x, updates, m, v, rule, lr_f, lr_t, gamma_f, gamma_t, beta1, beta2, tau,
+                                      nesterov, skip)
+    return x, m, v
+
+
+# --------------------------------------------------------------------------------------
+# values
+
+
+@pytest.mark.parametrize("shapes", list(SHAPES.values()), ids=list(SHAPES))
+@pytest.mark.parametrize("rule,nesterov", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bitwise_the_formulas(dtype, rule, nesterov, shapes):
+    data = make(shapes, dtype, seed=rule)
+    acc = acc_of(dtype)
+    expected = formulas(*data, rule, nesterov, **HYPER)
+    as_floats = run(*data, rule, nesterov, **HYPER)
+    tensors = dict(HYPER, lr=torch.tensor(HYPER["lr"], dtype=acc), gamma=torch.tensor(HYPER["gamma"], dtype=acc))
+    as_tensors = run(*data, rule, nesterov, **tensors)
+    for got in (as_floats, as_tensors):
+        for ours, ref in zip(got, expected):
+            assert_bitwise(ours, ref)
+
+
+@pytest.mark.parametrize("rule,nesterov", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_skip(dtype, rule, nesterov):
+    """skip=True writes nothing (even with NaN updates); False is the same as None."""
+    data = make(LIST, dtype, seed=10)
+    before = [t.clone() for t in data[0] + data[2] + data[3]]
+    nan_updates = [torch.full_like(d, float("nan")) for d in data[1]]
+    x, m, v = run(data[0], nan_updates, data[2], data[3], rule, nesterov, skip=torch.tensor(True), **HYPER)
+    assert_bitwise(x + m + v, data[0] + data[2][:len(m)] + data[3][:len(v)])
+    assert_bitwise(data[0] + data[2] + data[3], before)
+    stepped = run(*data, rule, nesterov, skip=torch.tensor(False), **HYPER)
+    none = run(*data, rule, nesterov, skip=None, **HYPER)
+    for a, b in zip(stepped, none):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("rule,nesterov", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nonfinite_values_propagate_like_the_formulas(dtype, rule, nesterov):
+    """inf / NaN in x, D, m, v: the same values, NaN where the formulas give NaN (a NaN's
+    payload bits are not compared)."""
+    params, updates, exp_avg, exp_avg_sq = make([(1025,), (77,)], dtype, seed=11)
+    bad = [float("nan"), float("inf"), -float("inf")]
+    for k, val in enumerate(bad):
+        params[0][10 + k] = val
+        updates[0][40 + k] = val
+        exp_avg[0][70 + k] = val
+        exp_avg_sq[1][k] = abs(val)  # v = +inf, and v = +inf with D = +-inf below
+        updates[1][k] = val
+    got = run(params, updates, exp_avg, exp_avg_sq, rule, nesterov, **HYPER)
+    expected = formulas(params, updates, exp_avg, exp_avg_sq, rule, nesterov, **HYPER)
+    for ours, ref in zip(got, expected):
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------
+# determinism
+
+
+def _all_results(dtype):
+    """Every rule on LIST (several chunks and threads), as one list of tensors."""
+    data = make(LIST, dtype, seed=12, exact=True)
+    out = []
+    for rule, nesterov in RULES:
+        x, m, v = run(*data, rule, nesterov, **HYPER)
+        out += x + m + v
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_independent_of_thread_count(dtype, threads):
+    threads(1)
+    one = _all_results(dtype)
+    threads(2)
+    assert_bitwise(one, _all_results(dtype))
+
+
+@x86_only
+def test_independent_of_instruction_set():
+    """The DEFAULT (SSE2), AVX2 and AVX-512 builds give the same bits: no FMA in any,
+    IEEE sqrt and division in all, and the same selects for Yogi's sign."""
+    outputs = results_per_isa("test_server_update_cpu_kernel", "_all_results")
+    levels = list(outputs)
+    for level in levels[1:]:
+        assert outputs[level] == outputs[levels[0]], f"{level} differs from {levels[0]}"
+
+
+# --------------------------------------------------------------------------------------
+# edge cases and checks
+
+
+def test_no_tensors_and_empty_tensors():
+    # With no tensor at all the dispatcher has no device to go by (ops.server_update_
+    # returns before the call); a CPU skip flag routes it here.
+    torch.ops.fedopt_C.server_update_([], [], [], [], 3, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False,
+                                      torch.tensor(False))
+    for dtype in DTYPES:
+        params = [torch.empty(0, dtype=dtype), torch.empty(3, 0, dtype=dtype)]
+        updates = [torch.empty(0, dtype=acc_of(dtype)), torch.empty(3, 0, dtype=acc_of(dtype))]
+        for rule, nesterov in RULES:
+            run(params, updates, [t.clone() for t in params], [t.clone() for t in params], rule, nesterov, **HYPER)
+
+
+def test_raw_op_checks_what_would_be_memory_unsafe():
+    op = torch.ops.fedopt_C.server_update_
+    p, d = [torch.zeros(5)], [torch.zeros(5)]
+    rest = (0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, None)
+    with pytest.raises(RuntimeError, match="elements"):
+        op(p, [torch.zeros(4)], [], [], 0, *rest)
+    with pytest.raises(RuntimeError, match="updates"):
+        op(p, [], [], [], 0, *rest)
+    with pytest.raises(RuntimeError, match="dtype"):  # updates in the acc dtype, not the params'
+        op([torch.zeros(5, dtype=torch.float16)], [torch.zeros(5, dtype=torch.float16)], [], [], 0, *rest)
+    with pytest.raises(RuntimeError, match="exp_avg"):
+        op(p, d, [], [], 1, *rest)
+    with pytest.raises(RuntimeError, match="exp_avg_sq"):
+        op(p, d, [torch.zeros(5)], [], 3, *rest)
+    with pytest.raises(RuntimeError, match="exp_avg_sq"):
+        op(p, d, [torch.zeros(5)], [torch.zeros(5, dtype=torch.float64)], 4, *rest)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op([torch.zeros(4, 3).t()], [torch.zeros(12)], [], [], 0, *rest)
+    with pytest.raises(RuntimeError, match="rule"):
+        op(p, d, [], [], 5, *rest)

@@ -6,11 +6,14 @@ interpreted function that cannot be compiled); tests/test_triton_aot.py runs it 
 subprocess.  ``python tests/_aot_compile.py [--quick]`` also works by hand.
 
 For every variant and arch it records: PTX and cubin produced, the global load/store
-instructions of the PTX by kind, and (sm_90a, and sm_80 too) ptxas' registers and spill
-bytes.  Signatures mirror what the launches in fedopt_kernels/backends/triton/__init__.py
-pass: pointer arguments the runtime sees as 16-byte aligned (torch allocations) carry
-the ``tt.divisibility = 16`` attribute the JIT would specialize them with; pointers read
-from tables get their alignment only through the ALIGNED constexpr.
+instructions of the PTX by kind, the number of FMA instructions of the PTX, and (sm_90a,
+and sm_80 too) ptxas' registers and spill bytes.  Variants compile with the options
+their launch passes (``options``: the server kernel launches with
+``enable_fp_fusion=False``).  Signatures mirror what the launches in
+fedopt_kernels/backends/triton/__init__.py pass: pointer arguments the runtime sees as
+16-byte aligned (torch allocations) carry the ``tt.divisibility = 16`` attribute the JIT
+would specialize them with; pointers read from tables get their alignment only through
+the ALIGNED constexpr.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import fedopt_kernels.backends.triton as TB  # noqa: E402
 # submodule of the same name), so the kernel modules are fetched by their full names.
 A = importlib.import_module("fedopt_kernels.backends.triton.aggregate")
 N = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
+S = importlib.import_module("fedopt_kernels.backends.triton.server_update")
 
 PTXAS = os.environ.get("PTXAS", "/usr/local/cuda-13.0/bin/ptxas")
 ARCHS = (80, 90)
@@ -106,6 +110,22 @@ def variants(quick: bool = False):
                 cx = dict(base, ALIGNED=aligned)
                 out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
                                 ptrs=["ctab_ptr", "g_ptr", "part_ptr"]))
+            # ---- server update: (RULE, NESTEROV, LR_KIND, GAMMA_KIND, HAS_SKIP); absent
+            # tensors are replaced by the (int64) table at launch, hence their types.
+            fn = S.server_update_kernel
+            flags = [(0, False, 0, 0, False), (4, False, 1, 0, True), (0, False, 1, 1, True),
+                     (1, False, 0, 0, True), (1, True, 1, 0, False), (2, False, 0, 0, False),
+                     (3, False, 1, 0, True)]
+            for rule, nest, lrk, gk, sk in flags[:2] if quick else flags:
+                types = dict(tab_ptr="*i64", lr_ptr=a if lrk else "*i64", gamma_ptr=a if gk else "*i64",
+                             skip_ptr="*i1" if sk else "*i64", lr_value="fp64", gamma_value="fp64",
+                             beta1="fp64", beta2="fp64", tau="fp64")
+                sblock, swarps = TB.server_launch_config(dt, rule)
+                cx = dict(base, BLOCK=sblock, RULE=rule, NESTEROV=nest, LR_KIND=lrk, GAMMA_KIND=gk,
+                          HAS_SKIP=sk, ALIGNED=aligned)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=swarps, dtype=dt, aligned=aligned,
+                                ptrs=["tab_ptr", "lr_ptr", "gamma_ptr", "skip_ptr"],
+                                options=dict(enable_fp_fusion=False)))
     # ---- finalize kernels (no data dtype, no table pointers)
     for acc in (torch.float32, torch.float64):
         a = "*" + TY[acc]
@@ -123,6 +143,7 @@ def variants(quick: bool = False):
 
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global\.[\w.]+)")
+_FMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?fma\.", re.M)
 
 
 def mem_ops(ptx: str) -> dict:
@@ -134,13 +155,14 @@ def mem_ops(ptx: str) -> dict:
     return dict(counts)
 
 
-def ptxas_info(ptx: str, arch: str) -> dict:
+def ptxas_info(ptx: str, arch: str, fmad: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([PTXAS, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
+        # --fmad=false as Triton passes it to ptxas for enable_fp_fusion=False launches
+        r = subprocess.run([PTXAS, f"-arch={arch}", "-v"] + ([] if fmad else ["--fmad=false"])
+                           + [src, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
     text = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill_st = re.search(r"(\d+) bytes spill stores", text)
@@ -155,12 +177,15 @@ def compile_one(v, cc: int) -> dict:
     fn = v["kernel"]
     src = ASTSource(fn=fn, signature=_sig(fn, v["types"], v["cx"]), constexprs=v["cx"],
                     attrs=_attrs(fn, v["ptrs"]))
-    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(num_warps=v["warps"]))
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                       options=dict(v.get("options", {}), num_warps=v["warps"]))
     ptx = k.asm["ptx"]
     rec = dict(ptx_bytes=len(ptx), cubin_bytes=len(k.asm.get("cubin", b"")), mem=mem_ops(ptx),
+               fma=len(_FMA.findall(ptx)),
                target=re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1))
     if os.path.exists(PTXAS):
-        rec["ptxas"] = ptxas_info(ptx, "sm_90a" if cc == 90 else "sm_80")
+        rec["ptxas"] = ptxas_info(ptx, "sm_90a" if cc == 90 else "sm_80",
+                                  fmad=v.get("options", {}).get("enable_fp_fusion", True))
     return rec
 
 
@@ -170,7 +195,7 @@ _QUICK = False
 def run_variant(index: int) -> dict:
     v = variants(_QUICK)[index]
     entry = dict(kernel=v["kernel"].__name__, dtype=str(v["dtype"]).replace("torch.", ""),
-                 aligned=v["aligned"], warps=v["warps"],
+                 aligned=v["aligned"], warps=v["warps"], options=v.get("options", {}),
                  constexprs={k: (str(x) if isinstance(x, tl.dtype) else x) for k, x in v["cx"].items()},
                  archs={})
     for cc in ARCHS:

@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of every Triton kernel variant for sm_80 and sm_90 (no GPU
 needed): PTX and cubin are produced, the ALIGNED variants use 16-byte vector accesses,
-the unaligned ones do not, and ptxas reports no spills.
+the unaligned ones do not, ptxas reports no spills, and kernels launched without FP
+contraction (the server update) have no FMA in their PTX.
 
 The compile runs in a subprocess (tests/_aot_compile.py) with TRITON_INTERPRET unset:
 under the interpreter ``triton.jit`` returns interpreted functions that cannot be
@@ -21,7 +22,13 @@ pytest.importorskip("triton")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_aot_compile.py")
 # Kernels that reach their data through a pointer table (ALIGNED matters for them).
-TABLE_KERNELS = {"nar_norm_kernel", "nar_update_kernel", "aggregate_kernel", "client_dots_kernel"}
+TABLE_KERNELS = {"nar_norm_kernel", "nar_update_kernel", "aggregate_kernel", "client_dots_kernel",
+                 "server_update_kernel"}
+# Kernels that write their data in place through the table (vector stores when ALIGNED).
+UPDATE_KERNELS = {"nar_update_kernel", "server_update_kernel"}
+# Kernels whose contract rounds every operation separately (launched with
+# enable_fp_fusion=False): no fma.* in their PTX.
+NO_FMA_KERNELS = {"server_update_kernel"}
 MAX_REGISTERS = 96  # streaming kernels: keep occupancy high (64K regs / 256 threads / 2 CTAs = 128)
 
 
@@ -66,9 +73,19 @@ def test_aligned_variants_use_16_byte_vector_accesses(report):
             continue
         vec = _vector_load(e["dtype"])
         assert r["mem"].get(vec, 0) > 0, f"{_name(e, arch)} has no {vec}: {r['mem']}"
-        if e["kernel"] == "nar_update_kernel":
+        if e["kernel"] in UPDATE_KERNELS:
             st = vec.replace("ld.", "st.")
             assert r["mem"].get(st, 0) > 0, f"{_name(e, arch)} has no {st}: {r['mem']}"
+
+
+def test_separately_rounded_kernels_have_no_fma(report):
+    seen = set()
+    for e, arch, r in _entries(report):
+        if e["kernel"] in NO_FMA_KERNELS:
+            seen.add(e["kernel"])
+            assert e["options"].get("enable_fp_fusion") is False, _name(e, arch)
+            assert r["fma"] == 0, f"{_name(e, arch)} contracts into {r['fma']} fma instructions"
+    assert seen == NO_FMA_KERNELS
 
 
 def test_unaligned_variants_use_scalar_table_accesses(report):

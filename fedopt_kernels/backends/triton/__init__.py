@@ -3,8 +3,10 @@
 
 Kernels: ``nar_step.py`` (FedNAR: one norm launch + one update launch for all tensors
 of a call, over a chunk table of the original tensors), ``aggregate.py`` (aggregation
-and ``client_dots``: one pass over the clients + a tiny fixed-order finalize), math in
-``_helpers.py`` (mirrors csrc/include/fedopt/math.h), host tables in ``_tables.py``.
+and ``client_dots``: one pass over the clients + a tiny fixed-order finalize),
+``server_update.py`` (the server optimizers' elementwise step: one launch over a chunk
+table, no reduction), math in ``_helpers.py`` (mirrors csrc/include/fedopt/math.h),
+host tables in ``_tables.py``.
 
 Host side rules: tables come from metadata only (addresses, sizes), every branch here
 is on metadata (never on a tensor value: no ``.item()``, no host sync), float
@@ -24,8 +26,9 @@ from . import _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
 from .aggregate import aggregate_kernel, client_dots_kernel, row_sum_kernel
 from .nar_step import group_sum_kernel, nar_norm_kernel, nar_update_kernel
+from .server_update import server_update_kernel
 
-__all__ = ["nar_step_", "nar_step_batched_", "aggregate", "client_dots"]
+__all__ = ["nar_step_", "nar_step_batched_", "aggregate", "client_dots", "server_update_"]
 
 TL_DTYPES = {
     torch.float16: tl.float16,
@@ -52,6 +55,23 @@ def launch_config(dtype: torch.dtype):
     if dtype == torch.float64:
         return 1024, 4
     return 2048, 8
+
+
+def server_launch_config(dtype: torch.dtype, rule: int):
+    """``(BLOCK, num_warps)`` of ``server_update_kernel``: ``launch_config`` except for
+    the adaptive rules (2-4) on fp32 / fp64 data, which take 4 elements per thread at 8
+    warps (still one 16-byte access per thread and array for fp32, two for fp64).
+
+    Those rules keep 4 arrays in flight plus a correctly rounded division and square
+    root per element.  At 8 elements per thread ptxas used 96-98 registers (fp32,
+    unaligned variant) and 110-128 (fp64); at 4 per thread 48-64 (fp32) and 76-92
+    (fp64), no spills (fp64 at 4 warps x 4 elements spilled 8 bytes on sm_80).  16-bit
+    data keeps 8 per thread: one 16-byte access of 2-byte elements needs them, and it
+    stays at 64-93 registers.
+    """
+    if rule >= 2 and dtype in (torch.float32, torch.float64):
+        return 1024, 8
+    return launch_config(dtype)
 
 
 def _on(device: torch.device):
@@ -205,3 +225,40 @@ def _client_dots(clients, g):
     row_sum_kernel[(C,)](part, res, res, nblk, ACC=TL_DTYPES[acc], HAS_EN=False, PBLOCK=PBLOCK,
                          num_warps=SMALL_NUM_WARPS)
     return res
+
+
+def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau,
+                   nesterov, skip):
+    """One server optimizer step (math.h ``ServerRule`` ``rule``) over ``params`` in place,
+    one launch for all tensors (contract; validated by the ops layer).
+
+    ``lr`` / ``gamma``: floats or 0-d acc tensors on the device (read in the kernel);
+    ``skip``: None or a 0-d bool tensor, read in the kernel (true: nothing written).
+    """
+    rule = int(rule)
+    params, updates = list(params), list(updates)
+    # Only the state the rule uses enters the table (and its cache key).
+    exp_avg = list(exp_avg) if rule != 0 else []
+    exp_avg_sq = list(exp_avg_sq) if rule >= 2 else []
+    if sum(p.numel() for p in params) == 0:  # also T == 0: nothing to launch
+        return
+    dtype, device = params[0].dtype, params[0].device
+    acc = acc_dtype(dtype)
+    with _on(device):
+        table = _tables.server_table(params, updates, exp_avg, exp_avg_sq)
+        block, warps = server_launch_config(dtype, rule)
+        lr_kind, lr_f, lr_t = _hyper(lr, per_row=False)
+        # Only sgd reads gamma: elsewhere a gamma tensor is not even passed (its pointer
+        # type would select another compiled variant for nothing).
+        g_kind, g_f, g_t = _hyper(gamma, per_row=False) if rule == 0 else (HYPER_FLOAT.value, 0.0, None)
+        dummy = table.chunks  # stands for absent optional pointers (never read)
+        has_skip = skip is not None
+        server_update_kernel[(table.n_chunks,)](
+            table.chunks, lr_t if lr_t is not None else dummy, g_t if g_t is not None else dummy,
+            skip if has_skip else dummy, lr_f, g_f, float(beta1), float(beta2), float(tau),
+            DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc], RULE=rule, NESTEROV=bool(nesterov) and rule == 1,
+            LR_KIND=lr_kind, GAMMA_KIND=g_kind, HAS_SKIP=has_skip,
+            ALIGNED=table.aligned, BLOCK=block, num_warps=warps,
+            # The contract rounds every operation separately (math.h, as the CPU
+            # kernels do): no FMA contraction by LLVM or ptxas (--fmad=false).
+            enable_fp_fusion=False)

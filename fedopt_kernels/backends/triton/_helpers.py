@@ -1,5 +1,6 @@
-"""Shared ``@triton.jit`` helpers: the FedNAR math of csrc/include/fedopt/math.h, plus
-the pointer-table and fixed-order-reduction idioms every kernel of this backend uses.
+"""Shared ``@triton.jit`` helpers: the FedNAR and server-update math of
+csrc/include/fedopt/math.h, plus the pointer-table and fixed-order-reduction idioms
+every kernel of this backend uses.
 
 Everything that decides a *value* lives here (same split as math.h: kernels only move
 data).  Plain-Python reference of the math (DESIGN.md section 1, python_ref/fednar.py),
@@ -18,9 +19,27 @@ Differences from math.h, on purpose: the clip scale of a NaN norm is NaN (python
 uses ``torch.clamp``, which propagates NaN; math.h's ``s < 1 ? s : 1`` gives 1).  The
 step is skipped then, so only the reported ``scale`` statistic differs.
 
+Server update (math.h ``server_update_*``; ``RULE`` is a constexpr, the values of
+math.h ``ServerRule``), in ``ACC``, each operation separately rounded, in this order::
+
+    sgd (0):       x <- gamma * (x - lr * D)
+    momentum (1):  b <- beta1 * b + D ;  s = beta1 * b + D if nesterov else b
+                   x <- x - lr * s
+    adaptive:      m <- beta1 * m + (1 - beta1) * D ;  d2 = D * D
+                   adagrad (2): v <- v + d2
+                   adam (3):    v <- beta2 * v + (1 - beta2) * d2
+                   yogi (4):    v <- v - (1 - beta2) * d2 * sign(v - d2)
+                   x <- x - lr * (m / (sqrt(v) + tau))
+
+"Separately rounded" needs the launch option ``enable_fp_fusion=False`` on the GPU
+(the server kernel passes it): by default LLVM and ptxas contract ``a * b + c`` into
+one FMA, which rounds once.  The interpreter (numpy) never contracts.
+
 Divisions and the square root use the IEEE round-to-nearest forms (``div_rn``,
 ``sqrt_rn``): Triton's ``/`` and ``tl.sqrt`` on fp32 are approximate on NVIDIA GPUs.
-They run once per program, never per element.
+The FedNAR kernels run them once per program; the adaptive server rules run one of
+each per element (as the C++ kernels, which nvcc compiles with IEEE division and
+square root), which the memory-bound kernel hides.
 """
 
 from __future__ import annotations
@@ -36,6 +55,13 @@ MODE_NONE = tl.constexpr(2)
 HYPER_FLOAT = tl.constexpr(0)  # a runtime fp64 kernel argument (a new value never recompiles)
 HYPER_SCALAR = tl.constexpr(1)  # a 0-d tensor, loaded in the kernel
 HYPER_ROW = tl.constexpr(2)  # a [C] tensor (one value per group), loaded in the kernel
+
+# math.h ServerRule (the ``rule`` integer of the server_update_ schema).
+SERVER_SGD = tl.constexpr(0)
+SERVER_MOMENTUM = tl.constexpr(1)
+SERVER_ADAGRAD = tl.constexpr(2)
+SERVER_ADAM = tl.constexpr(3)
+SERVER_YOGI = tl.constexpr(4)
 
 CLIP_EPS = tl.constexpr(1e-6)  # as torch.nn.utils.clip_grad_norm_ (math.h kClipEps)
 _INF = tl.constexpr(float("inf"))
@@ -223,3 +249,45 @@ def nar_update(x, g, b, scale, lr, wd, momentum, MODE: tl.constexpr, HAS_MOM: tl
     else:
         x = nar_update_plain(x, g, scale, lr, wd, MODE)
     return x, b
+
+
+@triton.jit
+def server_update_sgd(x, d, lr, gamma):
+    """math.h ``server_update_sgd``: ``gamma * (x - lr * D)``."""
+    return gamma * (x - lr * d)
+
+
+@triton.jit
+def server_update_momentum(x, d, b, lr, beta1, NESTEROV: tl.constexpr):
+    """math.h ``server_update_momentum``: ``b <- beta1 b + D`` then ``x - lr * s`` with
+    ``s = beta1 b + D`` (nesterov, on the new ``b``) or ``b``; returns ``(x, b)``."""
+    b = beta1 * b + d
+    if NESTEROV:
+        s = beta1 * b + d
+    else:
+        s = b
+    return x - lr * s, b
+
+
+@triton.jit
+def sign_of(a):
+    """math.h ``sign_of`` (as torch.sign): 1, -1, or ``a`` itself for +-0 and NaN."""
+    return tl.where(a > 0.0, 1.0, tl.where(a < 0.0, -1.0, a)).to(a.dtype)
+
+
+@triton.jit
+def server_update_adaptive(x, d, m, v, lr, beta1, beta2, tau, RULE: tl.constexpr, ACC: tl.constexpr):
+    """math.h ``server_update_adaptive`` (rule decided at compile time); returns
+    ``(x, m, v)``.  ``1 - beta1`` / ``1 - beta2`` are scalar expressions, so they are
+    computed once (the same value math.h computes per element)."""
+    m = beta1 * m + (1.0 - beta1) * d
+    d2 = d * d
+    if RULE == SERVER_ADAGRAD:
+        v = v + d2
+    elif RULE == SERVER_ADAM:
+        v = beta2 * v + (1.0 - beta2) * d2
+    else:
+        v = v - (1.0 - beta2) * d2 * sign_of(v - d2)
+    root = sqrt_rn(v, ACC)
+    x = x - lr * div_rn(m, root + tau, ACC)
+    return x, m, v

@@ -20,6 +20,14 @@ Chunk table of the FedNAR kernels (one row of ``NAR_COLS`` int64 per chunk)::
 chunk's group owns partials ``[pbegin, pend)`` (its chunks are contiguous, in list
 order).  Chunks start at multiples of ``chunk_size`` (a power of two >= 8192) inside
 their tensor, so a chunk address is 16-byte aligned iff its tensor's is.
+
+Chunk table of the server update (``SERVER_COLS`` int64 per chunk, same chunking)::
+
+    [x_addr, d_addr, m_addr, v_addr, len, 0, 0, 0]
+
+Its pointers have two element types: ``d`` (the mean update) is in the acc dtype,
+``x``, ``m``, ``v`` in the params' dtype, so each column advances by its own element
+size.  ``m_addr`` / ``v_addr`` are 0 where the rule has no such state.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 NAR_COLS = 8
+SERVER_COLS = 8  # 5 used; 64-byte rows like NAR_COLS
 # Chunk size: a power of two, at least MIN_CHUNK elements, large enough that a call
 # has at most about TARGET_CHUNKS chunks plus one per tensor (the tail chunks).
 MIN_CHUNK = 8192
@@ -205,3 +214,46 @@ def client_table(clients) -> ClientTable:
         return ClientTable(_to_device(list(a), device, 1).reshape(-1), aligned)
 
     return _cached(key, build)
+
+
+@dataclass(frozen=True)
+class ServerTable:
+    chunks: torch.Tensor  # [n_chunks, SERVER_COLS] int64, on the device
+    n_chunks: int
+    chunk_size: int
+    aligned: bool  # every address of every column is 16-byte aligned
+
+
+def _build_server(xa, da, ma, va, numels, esize, dsize, device) -> ServerTable:
+    chunk = chunk_size_for(sum(numels))
+    rows: list = []
+    aligned = True
+    for x0, d0, m0, v0, n in zip(xa, da, ma, va, numels):
+        if not n:
+            continue  # an empty tensor has no chunk (and its address may be anything)
+        # One misaligned pointer of any column (typically an update view at an odd
+        # offset of the flat mean vector) sends the whole call to the unaligned variant.
+        if (x0 | d0 | m0 | v0) % ALIGN_BYTES:
+            aligned = False
+        for start in range(0, n, chunk):
+            off, doff = start * esize, start * dsize
+            rows += (x0 + off, d0 + doff, (m0 + off) if m0 else 0, (v0 + off) if v0 else 0,
+                     min(chunk, n - start), 0, 0, 0)
+    return ServerTable(chunks=_to_device(rows, device, SERVER_COLS), n_chunks=len(rows) // SERVER_COLS,
+                       chunk_size=chunk, aligned=aligned)
+
+
+def server_table(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                 exp_avg: Sequence[torch.Tensor], exp_avg_sq: Sequence[torch.Tensor]) -> ServerTable:
+    """Table of ``server_update_``: ``exp_avg`` / ``exp_avg_sq`` are empty lists when the
+    rule has no such state."""
+    device = params[0].device
+    T = len(params)
+    xa = tuple(p.data_ptr() for p in params)
+    da = tuple(d.data_ptr() for d in updates)
+    ma = tuple(m.data_ptr() for m in exp_avg) if exp_avg else (0,) * T
+    va = tuple(v.data_ptr() for v in exp_avg_sq) if exp_avg_sq else (0,) * T
+    numels = tuple(p.numel() for p in params)
+    esize, dsize = params[0].element_size(), updates[0].element_size()
+    key = ("server", device, _stream_key(device), esize, dsize, xa, da, ma, va, numels)
+    return _cached(key, lambda: _build_server(xa, da, ma, va, numels, esize, dsize, device))

@@ -14,17 +14,29 @@ and tile tails), empty tensors and all-empty calls (no chunk: the stats-only ker
 misaligned views (the scalar variants), more than one chunk per tensor and more than
 one tile per block (grid-stride with the per-block partial read-modify-write), more
 than 32 clients (several staged client batches).
+
+server_update_ is checked BIT FOR BIT (no tolerance) against an oracle that performs
+the contract's operations one torch op at a time on CPU copies in the acc dtype: the
+kernel must round every operation separately, in that order (no FMA contraction, IEEE
+division and sqrt), and store with round-to-nearest-even.  Its three load paths are
+reached on purpose: everything 16-byte aligned (vectors), updates at odd offsets of a
+flat vector (vector x/m/v with scalar D loads), params and state at odd offsets too
+(scalar), plus the scalar tails and chunk tables with grown chunks.
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import pytest
 import torch
 
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
+from _server_update_oracle import server_update_exact
 
-OPS = ("nar_step_", "nar_step_batched_", "aggregate", "client_dots")
+OPS = ("nar_step_", "nar_step_batched_", "aggregate", "client_dots", "server_update_")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 LOW = [torch.float32, torch.float16, torch.bfloat16]
 MODES = {"co": 0, "grad": 1, "none": 2}
@@ -514,3 +526,278 @@ def test_client_dots_misaligned_and_deterministic(cuda):
     # The aligned copies go through the vectorised path.
     d3 = cuda.client_dots([c.clone() for c in clients], g.clone())
     torch.testing.assert_close(d3, d1, rtol=2e-5, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- server_update_
+
+# name -> (rule integer of the schema, nesterov)
+SERVER_RULES = {"sgd": (0, False), "momentum": (1, False), "nesterov": (1, True), "adagrad": (2, False),
+                "adam": (3, False), "yogi": (4, False)}
+SERVER_SIZES = [(0,), (1,), (5,), (1025,), (33, 31), (278011,)]
+SERVER_HYPER = dict(beta1=0.8, beta2=0.95, tau=1e-2)
+
+
+class ServerCase:
+    """params, updates (acc dtype), exp_avg and exp_avg_sq on the GPU for one rule (state
+    lists empty where the rule has none), laid out as ``layout`` says:
+
+    * ``"separate"``: every tensor its own allocation: all 16-byte aligned (vector path);
+    * ``"flat"``: updates are views at odd element offsets of ONE flat acc vector, as the
+      ops layer passes them (most not 16-byte aligned: vector x/m/v, scalar D loads);
+    * ``"views"``: params and state are views at odd offsets of flat buffers too (scalar
+      path); the buffers' first and last elements are guards that must not change.
+    """
+
+    def __init__(self, rule, dtype, sizes, *, seed=0, layout="separate"):
+        code, nesterov = SERVER_RULES[rule]
+        self.code, self.nesterov, self.dtype, self.layout = code, nesterov, dtype, layout
+        acc = acc_of(dtype)
+        gen = torch.Generator().manual_seed(seed)
+        total = sum(math.prod(s) for s in sizes)
+        x = torch.randn(total, generator=gen, dtype=torch.float64)
+        d = torch.randn(total, generator=gen, dtype=torch.float64) * 0.3
+        m = torch.randn(total, generator=gen, dtype=torch.float64) * 0.1
+        # v > 0 as a second moment is; about half of it below D^2 (both signs for Yogi).
+        v = torch.rand(total, generator=gen, dtype=torch.float64) * 0.05 + 1e-4
+        self.guards = []  # (buffer, its guard values) for the "views" layout
+        self.params = self._place(x, dtype, sizes, as_views=layout == "views", offset=1)
+        self.updates = self._place(d, acc, sizes, as_views=layout in ("flat", "views"), offset=3)
+        self.exp_avg = self._place(m, dtype, sizes, as_views=layout == "views", offset=1) if code >= 1 else []
+        self.exp_avg_sq = self._place(v, dtype, sizes, as_views=layout == "views", offset=1) if code >= 2 else []
+
+    def _place(self, values, dtype, sizes, *, as_views, offset):
+        if as_views:
+            buf = torch.full((values.numel() + offset + 1,), 7.0, dtype=dtype, device="cuda")
+            buf[offset:offset + values.numel()] = values.to(dtype).cuda()
+            self.guards.append((buf, torch.cat([buf[:offset], buf[-1:]]).clone()))
+        out, at = [], 0
+        for s in sizes:
+            n = math.prod(s)
+            if as_views:
+                out.append(buf[offset + at:offset + at + n].view(s))
+            else:
+                out.append(values[at:at + n].to(dtype).view(s).clone().cuda())  # own allocation
+            at += n
+        return out
+
+    def writable(self):
+        return self.params + self.exp_avg + self.exp_avg_sq
+
+    def clone(self):
+        """The same values in fresh aligned tensors (updates shared: they are only read)."""
+        c = object.__new__(ServerCase)
+        c.__dict__.update(self.__dict__)
+        c.guards = []
+        c.params, c.exp_avg, c.exp_avg_sq = ([t.clone() for t in ts] for ts in (self.params, self.exp_avg,
+                                                                                  self.exp_avg_sq))
+        return c
+
+    def run(self, cuda, *, lr=0.3, gamma=0.9, skip=None, **hyper):
+        h = dict(SERVER_HYPER, **hyper)
+        cuda.server_update_(self.params, self.updates, self.exp_avg, self.exp_avg_sq, self.code, lr, gamma,
+                            h["beta1"], h["beta2"], h["tau"], self.nesterov, skip)
+
+    def expected(self, *, lr=0.3, gamma=0.9, **hyper):
+        """The oracle's new (params, exp_avg, exp_avg_sq) from the CURRENT values, as CPU
+        tensors in the params' dtype (the GPU tensors are not modified)."""
+        h = dict(SERVER_HYPER, **hyper)
+        acc = acc_of(self.dtype)
+        out = ([], [], [])
+        for i, (p, u) in enumerate(zip(self.params, self.updates)):
+            x = p.cpu().reshape(-1).to(acc)
+            m = self.exp_avg[i].cpu().reshape(-1).to(acc) if self.exp_avg else None
+            v = self.exp_avg_sq[i].cpu().reshape(-1).to(acc) if self.exp_avg_sq else None
+            x, m, v = server_update_exact(self.code, self.nesterov, x, u.cpu().reshape(-1), m, v, lr=lr, gamma=gamma,
+                                          **h)
+            for lst, new, keep in zip(out, (x, m, v), (True, bool(self.exp_avg), bool(self.exp_avg_sq))):
+                if keep:
+                    lst.append(new.to(self.dtype).view(p.shape))
+        return out
+
+    def assert_equals(self, expected, what, nan_ok=False):
+        names = ("params", "exp_avg", "exp_avg_sq")
+        for name, got, exp in zip(names, (self.params, self.exp_avg, self.exp_avg_sq), expected):
+            assert len(got) == len(exp)
+            for i, (a, e) in enumerate(zip(got, exp)):
+                assert_bits_equal(a, e, f"{what}: {name}[{i}]", nan_ok=nan_ok)
+
+    def assert_guards_untouched(self):
+        for buf, before in self.guards:
+            n = before.numel() - 1
+            assert same_bits(torch.cat([buf[:n], buf[-1:]]), before), "wrote outside the views"
+
+
+def assert_bits_equal(actual, expected, what, nan_ok=False):
+    """Bitwise equality (NaN payloads aside when ``nan_ok``), with the first mismatches."""
+    a = actual.detach().cpu()
+    assert a.dtype == expected.dtype and a.shape == expected.shape, what
+    differ = bits(a) != bits(expected)
+    if nan_ok:
+        both_nan = torch.isnan(a) & torch.isnan(expected)
+        differ &= ~both_nan
+    if bool(differ.any()):
+        idx = differ.reshape(-1).nonzero().reshape(-1)[:5].tolist()
+        pytest.fail(f"{what}: {int(differ.sum())} of {a.numel()} elements differ in their bits, first at {idx}: "
+                    f"got {a.reshape(-1)[idx].tolist()}, expected {expected.reshape(-1)[idx].tolist()}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule", list(SERVER_RULES))
+@pytest.mark.parametrize("layout", ["separate", "flat", "views"])
+def test_server_update_matches_formulas_bitwise(cuda, dtype, rule, layout):
+    case = ServerCase(rule, dtype, SERVER_SIZES, seed=len(rule) + 10 * DTYPES.index(dtype), layout=layout)
+    nonempty = [i for i, p in enumerate(case.params) if p.numel()]
+    aligned = [case.params[i].data_ptr() % 16 == 0 for i in nonempty]
+    d_aligned = [case.updates[i].data_ptr() % 16 == 0 for i in nonempty]
+    if layout == "separate":
+        assert all(aligned) and all(d_aligned)
+    elif layout == "flat":  # both the full-vector and the scalar-D variant occur
+        assert all(aligned) and any(d_aligned) and not all(d_aligned)
+    else:  # a view may still start aligned by chance; most do not
+        assert not all(aligned)
+    for rnd in range(2):  # the second round reads the state the first one wrote
+        expected = case.expected()
+        case.run(cuda)
+        case.assert_equals(expected, f"round {rnd}")
+    case.assert_guards_untouched()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule", list(SERVER_RULES))
+def test_server_update_device_tensor_hyperparameters(cuda, dtype, rule):
+    """lr / gamma as 0-d acc tensors on the device give the bits of the same values as
+    floats (0.3 and 0.9 are not exact in fp32: both must round the same way), and the
+    kernel reads the tensors when it runs (a value changed on the device is used)."""
+    acc = acc_of(dtype)
+    a = ServerCase(rule, dtype, [(5,), (1025,), (4099,)], seed=20, layout="flat")
+    b = a.clone()
+    expected = a.expected(lr=0.3, gamma=0.9)
+    a.run(cuda, lr=0.3, gamma=0.9)
+    lr_t = torch.tensor(0.3, dtype=acc, device="cuda")
+    gamma_t = torch.tensor(0.9, dtype=acc, device="cuda")
+    b.run(cuda, lr=lr_t, gamma=gamma_t)
+    a.assert_equals(expected, "floats")
+    b.assert_equals(expected, "0-d tensors")
+    # Changed on the device (no host round trip), then read by the next launch.
+    lr_t.mul_(0.5)
+    gamma_t.fill_(0.5)
+    expected = b.expected(lr=lr_t, gamma=gamma_t)
+    b.run(cuda, lr=lr_t, gamma=gamma_t)
+    b.assert_equals(expected, "updated 0-d tensors")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule", list(SERVER_RULES))
+def test_server_update_skip_flag(cuda, dtype, rule):
+    case = ServerCase(rule, dtype, [(1,), (1025,), (278011,)], seed=30, layout="flat")
+    case.updates[1][17] = float("nan")  # a skipped step must not write even these
+    case.updates[2][5] = float("inf")
+    before = [t.clone() for t in case.writable()]
+    flag = torch.tensor(True, device="cuda")
+    case.run(cuda, skip=flag)
+    case.run(cuda, lr=torch.tensor(0.3, dtype=acc_of(dtype), device="cuda"), skip=flag)
+    for t, b in zip(case.writable(), before):
+        assert same_bits(t, b)
+    # skip = False is exactly skip = None; the flag is read on the device at run time.
+    other = case.clone()
+    flag.fill_(False)
+    expected = case.expected()
+    case.run(cuda, skip=flag)
+    other.run(cuda, skip=None)
+    for t, o in zip(case.writable(), other.writable()):
+        assert same_bits(t, o)
+    case.assert_equals(expected, "skip=False", nan_ok=True)
+    assert not same_bits(case.params[2], before[2])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule", list(SERVER_RULES))
+def test_server_update_special_values(cuda, dtype, rule):
+    """Zeros, infinities, NaN and v == D^2 exactly (Yogi's sign(0)) follow the oracle."""
+    case = ServerCase(rule, dtype, [(37,)], seed=40)
+    specials = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 0.5, -1.5, 0.25]
+    u = case.updates[0]
+    u[:len(specials)] = torch.tensor(specials, dtype=u.dtype, device="cuda")
+    if case.exp_avg_sq:  # v = D^2 exactly (representable in every dtype for these D)
+        v = case.exp_avg_sq[0]
+        v[5:8] = (u[5:8] * u[5:8]).to(v.dtype)
+        v[20] = 0.0
+        u[20] = 0.0
+    expected = case.expected()
+    case.run(cuda)
+    case.assert_equals(expected, "special values", nan_ok=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_server_update_grown_chunks(cuda, rule):
+    # > 2048 chunks of the minimum size in total: the chunk size doubles; the big tensor
+    # spans many chunks, the small ones add a tail chunk each.
+    case = ServerCase(rule, torch.float32, [(16_777_219,), (7,), (3, 5)], seed=50, layout="flat")
+    expected = case.expected()
+    case.run(cuda)
+    case.assert_equals(expected, "grown chunks")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule", list(SERVER_RULES))
+def test_server_update_matches_cpu_kernel_bitwise(cuda, dtype, rule):
+    """The CUDA and CPU kernels evaluate the same math.h functions: the same bits."""
+    from fedopt_kernels.backends import cpu
+
+    case = ServerCase(rule, dtype, [(5,), (1025,), (70001,)], seed=60, layout="flat")
+    host = [[t.cpu() for t in ts] for ts in (case.params, case.updates, case.exp_avg, case.exp_avg_sq)]
+    h = SERVER_HYPER
+    cpu.server_update_(*host, case.code, 0.3, 0.9, h["beta1"], h["beta2"], h["tau"], case.nesterov, None)
+    case.run(cuda)
+    case.assert_equals((host[0], host[2], host[3]), "CPU kernel")
+
+
+@needs_cuda
+def test_server_update_empty_calls_launch_nothing(cuda):
+    # Nothing to do must not even upload a table: the calls succeed during CUDA graph
+    # capture, which the table upload refuses.
+    # (Everything is created before the capture: a host-to-device copy cannot be captured.)
+    empty = [[torch.empty(0, device="cuda"), torch.empty(0, 3, device="cuda")] for _ in range(4)]
+    skip = torch.tensor(False, device="cuda")
+    lr = torch.tensor(0.1, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+        with torch.cuda.graph(g):
+            cuda.server_update_([], [], [], [], 3, 0.1, 1.0, 0.9, 0.99, 1e-3, False, None)
+            cuda.server_update_(*empty, 4, lr, 1.0, 0.9, 0.99, 1e-3, False, skip)
+            cuda.server_update_(empty[0], empty[1], [], [], 0, 0.1, lr, 0.9, 0.99, 1e-3, False, None)
+
+
+@needs_cuda
+def test_server_update_rejects_memory_unsafe_arguments(cuda):
+    case = ServerCase("adam", torch.float16, [(5,), (6, 7)], seed=70)
+    before = [t.clone() for t in case.writable()]
+    h = SERVER_HYPER
+
+    def call(params=None, updates=None, exp_avg=None, exp_avg_sq=None, rule=3):
+        cuda.server_update_(case.params if params is None else params, case.updates if updates is None else updates,
+                            case.exp_avg if exp_avg is None else exp_avg,
+                            case.exp_avg_sq if exp_avg_sq is None else exp_avg_sq, rule, 0.1, 1.0, h["beta1"],
+                            h["beta2"], h["tau"], False, None)
+
+    with pytest.raises(RuntimeError, match=r"updates\[0\] has dtype"):  # params' dtype instead of acc
+        call(updates=[u.half() for u in case.updates])
+    with pytest.raises(RuntimeError, match=r"updates\[1\] has 41 elements"):
+        call(updates=[case.updates[0], case.updates[1].reshape(-1)[:41]])
+    with pytest.raises(RuntimeError, match=r"exp_avg\[1\] must be contiguous"):
+        call(exp_avg=[case.exp_avg[0], case.exp_avg[1].t()])
+    with pytest.raises(RuntimeError, match=r"params\[1\] is on cpu"):
+        call(params=[case.params[0], case.params[1].cpu()])
+    with pytest.raises(RuntimeError, match="needs one exp_avg_sq per param"):
+        call(exp_avg_sq=[])
+    with pytest.raises(RuntimeError, match="rule must be"):
+        call(rule=5)
+    for t, b in zip(case.writable(), before):
+        assert same_bits(t, b)

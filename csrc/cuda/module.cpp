@@ -20,4 +20,5 @@ TORCH_LIBRARY_IMPL(fedopt_C, CUDA, m) {
   m.impl("nar_step_batched_", TORCH_FN(fedopt::cuda::nar_step_batched_));
   m.impl("aggregate", TORCH_FN(fedopt::cuda::aggregate));
   m.impl("client_dots", TORCH_FN(fedopt::cuda::client_dots));
+  m.impl("server_update_", TORCH_FN(fedopt::cuda::server_update_));
 }

@@ -31,5 +31,10 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
 
 at::Tensor client_dots(at::TensorList clients, const at::Tensor& g);
 
+void server_update_(at::TensorList params, at::TensorList updates, at::TensorList exp_avg,
+                    at::TensorList exp_avg_sq, int64_t rule, double lr, const std::optional<at::Tensor>& lr_tensor,
+                    double gamma, const std::optional<at::Tensor>& gamma_tensor, double beta1, double beta2,
+                    double tau, bool nesterov, const std::optional<at::Tensor>& skip);
+
 }  // namespace cuda
 }  // namespace fedopt

@@ -7,7 +7,8 @@
 // alignment, hyperparameter tensors, pinned-table upload).
 //
 // Value decisions (clip scale, direction, skip) are NOT here: they live in math.h,
-// shared with the CPU kernels.
+// shared with the CPU kernels.  What is here for math.h is Unfused<T>, the acc type
+// under which its formulas are evaluated without FMA contraction.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,11 +18,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
+
+#include "fedopt/math.h"
 
 namespace fedopt {
 namespace cuda {
@@ -133,6 +137,84 @@ __device__ __forceinline__ double device_sqrt<double>(double v) {
   return sqrt(v);
 }
 
+// Unfused<T>: a float or double whose arithmetic is never contracted.  nvcc contracts
+// a * b + c into one FMA (one rounding instead of two) by default, which is usually a
+// free win but breaks a contract that says "each operation separately rounded": math.h's
+// server update must give the bits of the CPU kernel (and of the same operations done
+// one correctly rounded op at a time, the tests' oracle).  Instantiating a formula with
+// acc_t = Unfused<float> (or <double>) maps every +, -, *, / to the __f*_rn / __d*_rn
+// intrinsics, which the compiler never merges into an FMA (CUDA C Programming Guide,
+// "Intrinsic Functions"); they compile to the same FADD/FMUL/DADD/DMUL instructions, so
+// this costs nothing but the fusion.  sqrt_of is specialised below (__fsqrt_rn /
+// __dsqrt_rn: IEEE round-to-nearest whatever -prec-sqrt says).  The host branches only
+// exist so that math.h's __host__ __device__ templates instantiate in nvcc's host pass.
+template <typename T>
+struct Unfused {
+  T v;
+  Unfused() = default;
+  __host__ __device__ __forceinline__ constexpr Unfused(T x) : v(x) {}  // NOLINT: implicit on purpose
+};
+
+namespace unfused_detail {
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+#else
+template <typename T> inline T add(T a, T b) { return a + b; }
+template <typename T> inline T sub(T a, T b) { return a - b; }
+template <typename T> inline T mul(T a, T b) { return a * b; }
+template <typename T> inline T div(T a, T b) { return a / b; }
+template <typename T> inline T sqrt_rn(T a) { return std::sqrt(a); }
+#endif
+}  // namespace unfused_detail
+
+template <typename T>
+__host__ __device__ __forceinline__ Unfused<T> operator+(Unfused<T> a, Unfused<T> b) {
+  return unfused_detail::add(a.v, b.v);
+}
+template <typename T>
+__host__ __device__ __forceinline__ Unfused<T> operator-(Unfused<T> a, Unfused<T> b) {
+  return unfused_detail::sub(a.v, b.v);
+}
+template <typename T>
+__host__ __device__ __forceinline__ Unfused<T> operator*(Unfused<T> a, Unfused<T> b) {
+  return unfused_detail::mul(a.v, b.v);
+}
+template <typename T>
+__host__ __device__ __forceinline__ Unfused<T> operator/(Unfused<T> a, Unfused<T> b) {
+  return unfused_detail::div(a.v, b.v);
+}
+template <typename T>
+__host__ __device__ __forceinline__ bool operator<(Unfused<T> a, Unfused<T> b) {
+  return a.v < b.v;
+}
+template <typename T>
+__host__ __device__ __forceinline__ bool operator>(Unfused<T> a, Unfused<T> b) {
+  return a.v > b.v;
+}
+
+}  // namespace cuda
+
+// math.h's sqrt_of for Unfused (its generic version calls sqrt / std::sqrt on acc_t).
+template <>
+FEDOPT_HD cuda::Unfused<float> sqrt_of(cuda::Unfused<float> a) {
+  return cuda::unfused_detail::sqrt_rn(a.v);
+}
+template <>
+FEDOPT_HD cuda::Unfused<double> sqrt_of(cuda::Unfused<double> a) {
+  return cuda::unfused_detail::sqrt_rn(a.v);
+}
+
+namespace cuda {
+
 // A GradScaler found_inf flag: non-zero (NaN included) means "skip".
 // kind: 0 absent, 1 float32, 2 float64 (see FoundInf below).
 __device__ __forceinline__ bool read_found_inf(const void* p, int kind) {
@@ -231,6 +313,24 @@ inline FoundInf found_inf_flag(const std::optional<at::Tensor>& t, const char* o
   return f;
 }
 
+// A 0-d flag the kernels read on the device (`skip`, `enabled`): a bool on `device`, or
+// null when absent.  Other dtypes are converted (non-zero -> true) on the device.
+struct BoolFlag {
+  at::Tensor tensor;  // keeps a converted copy alive until the launches are queued
+  const bool* ptr = nullptr;
+};
+
+inline BoolFlag bool_flag(const std::optional<at::Tensor>& t, const char* op, const char* name,
+                          const at::Device& device) {
+  BoolFlag f;
+  if (!t.has_value() || !t->defined()) return f;
+  TORCH_CHECK(t->device() == device, op, ": ", name, " is on ", t->device(), " but the data is on ", device);
+  TORCH_CHECK(t->numel() == 1, op, ": ", name, " must have one element, got shape ", t->sizes());
+  f.tensor = t->scalar_type() == at::kBool ? *t : t->to(at::kBool);
+  f.ptr = f.tensor.data_ptr<bool>();
+  return f;
+}
+
 // Uploads an int64 table to `device` without synchronising: the host data goes into a
 // pinned tensor from torch's caching host allocator and is copied with
 // non_blocking=true on the current stream.  copy_ records the copy on the pinned
@@ -240,15 +340,19 @@ inline FoundInf found_inf_flag(const std::optional<at::Tensor>& t, const char* o
 // Not capturable into a CUDA graph: the graph would replay the copy from a pinned block
 // that is recycled after this call.  The table-free forms (nar_step_batched_, aggregate
 // on a [C, N] tensor or a single client) capture fine, so a capture hitting this fails
-// loudly instead of replaying stale addresses.
-inline at::Tensor upload_table(const std::vector<int64_t>& host, const at::Device& device) {
+// loudly instead of replaying stale addresses.  `capture_hint` replaces the advice of
+// that error for ops without such a table-free form.
+inline at::Tensor upload_table(const std::vector<int64_t>& host, const at::Device& device,
+                               const char* capture_hint = nullptr) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capture));
   TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
               "fedopt_kernels (cuda backend): the list form of this op uploads a pointer table from host memory "
-              "on every call, which a CUDA graph cannot replay; capture nar_step_batched_ on a [1, N] view of "
-              "flat parameters, or aggregate on a [C, N] tensor, instead (or use the triton backend, whose "
-              "tables are cached after a warm-up call)");
+              "on every call, which a CUDA graph cannot replay; ",
+              capture_hint != nullptr
+                  ? capture_hint
+                  : "capture nar_step_batched_ on a [1, N] view of flat parameters, or aggregate on a [C, N] "
+                    "tensor, instead (or use the triton backend, whose tables are cached after a warm-up call)");
   const int64_t n = static_cast<int64_t>(host.size());
   at::Tensor pinned = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   if (n > 0) std::memcpy(pinned.data_ptr<int64_t>(), host.data(), sizeof(int64_t) * host.size());

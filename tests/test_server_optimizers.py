@@ -187,6 +187,29 @@ def test_stats_are_the_round_statistics():
     assert stats.excluded.tolist() == [False] * 3 and not stats.skipped
 
 
+@pytest.mark.parametrize("name", ["FedAvgM", "FedAdam", "FedExP", "ASNES"])
+def test_channels_last_params_step_like_contiguous_ones(name):
+    """The fused step pairs elements by memory position and ``D`` is in logical order:
+    a channels_last conv weight (stepped on contiguous copies) must end exactly where
+    the same weight stored contiguously does, and keep its memory format."""
+    cls, kw = CASES[name]
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).double()
+    last = copy.deepcopy(conv).to(memory_format=torch.channels_last)
+    assert not last.weight.is_contiguous()
+    N = sum(p.numel() for p in conv.parameters())
+    opt_c, opt_l = cls(conv.parameters(), **kw), cls(last.parameters(), **kw)
+    for updates, weights in make_rounds(N, rounds=3):
+        opt_c.step(updates, weights)
+        opt_l.step(updates, weights)
+    assert last.weight.is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(conv.parameters(), last.parameters()):
+        assert torch.equal(a, b)
+    for p_c, p_l in zip(conv.parameters(), last.parameters()):
+        for key, value in opt_c.state[p_c].items():
+            assert torch.equal(value, opt_l.state[p_l][key]), key
+
+
 # --------------------------------------------------------------------------- state_dict
 @pytest.mark.parametrize("name", list(CASES))
 def test_state_dict_restore_continues_bitwise(name):

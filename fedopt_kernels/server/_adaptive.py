@@ -6,37 +6,31 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._base import ServerOptimizer, axpy, check_nonneg, commit_
+from ._base import ServerOptimizer, check_nonneg, state_buffers
 
 
 class AdaptiveServerOptimizer(ServerOptimizer):
     r"""``m <- b1 m + (1 - b1) D``; ``v <- second_moment(v, D^2)``;
     ``x <- x - lr m / (sqrt(v) + tau)`` with ``m_0 = 0``, ``v_0 = tau^2``; no bias
-    correction.  Subclasses define :meth:`_second_moment` and the group's ``b1``."""
+    correction.  Subclasses name their ``rule`` of :func:`fedopt_kernels.ops.server_update_`
+    (which fuses the three lines into one pass) and the group's ``b1``/``b2``."""
 
-    def _beta1(self, group) -> float:
-        return group["betas"][0]
+    rule: str = ""
 
-    def _second_moment(self, group, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def _betas(self, group) -> Tuple[float, float]:
+        return group["betas"]
 
     def _server_step(self, d_views, info):
         for group, views in zip(self.param_groups, d_views):
-            lr, tau, b1 = group["lr"], group["tau"], self._beta1(group)
-            for p, d in zip(group["params"], views):
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    # Reddi et al. require v_{-1} >= tau^2; start at tau^2.
-                    state["exp_avg_sq"] = torch.full_like(p, tau * tau, memory_format=torch.preserve_format)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m_new = axpy(m.to(d.dtype) * b1, 1 - b1, d)  # b1 m + (1 - b1) D
-                v_new = self._second_moment(group, v.to(d.dtype), d * d)
-                denom = torch.sqrt(v_new).add_(tau)
-                x_new = p.to(d.dtype) - (m_new / denom).mul_(lr)
-                commit_(m, m_new, info.skip)
-                commit_(v, v_new, info.skip)
-                commit_(p, x_new, info.skip)
+            params, tau = group["params"], group["tau"]
+            b1, b2 = self._betas(group)
+            m = state_buffers(self, params, "exp_avg",
+                              lambda p: torch.zeros_like(p, memory_format=torch.preserve_format))
+            # Reddi et al. require v_{-1} >= tau^2; start at tau^2.
+            v = state_buffers(self, params, "exp_avg_sq",
+                              lambda p: torch.full_like(p, tau * tau, memory_format=torch.preserve_format))
+            self._update(params, views, self.rule, info.skip, exp_avg=m, exp_avg_sq=v, lr=group["lr"], beta1=b1,
+                         beta2=b2, tau=tau)
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))
 
 

@@ -32,7 +32,9 @@ aggregates the union of all ranks' updates (the same ``D``, statistics and decis
 every rank) and applies the identical step to every rank's copy of the global model.
 It plugs its aggregation into :meth:`ServerOptimizer._step`; this layer does not import it.
 
-The subclasses then apply their formula per parameter to views of ``D``.  Their state
+The subclasses then apply their formula to the per-tensor views of ``D`` with ONE fused
+:func:`fedopt_kernels.ops.server_update_` per param group (one pass over params, ``D``
+and the state; the skip decision read on the device).  Their state
 lives in ``self.state[param]`` (plain tensors, like ``torch.optim``), so
 ``state_dict()``/``load_state_dict()`` round-trip and a restored optimizer continues
 bit for bit.  ``step`` returns a :class:`ServerStats` of tensors.
@@ -47,7 +49,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import backends
-from ..ops import aggregate
+from ..ops import aggregate, server_update_
 from ..ops._validation import acc_dtype
 from ..ops.aggregate import check_weight_values
 
@@ -109,11 +111,16 @@ def commit_(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor) -> None:
     torch.where(skip, dst, new.to(dst.dtype), out=dst)
 
 
-def axpy(y: torch.Tensor, a, x: torch.Tensor) -> torch.Tensor:
-    """A new ``y + a * x`` in one pass (``a`` a number or a 0-d tensor)."""
-    if isinstance(a, torch.Tensor):
-        return torch.addcmul(y, a.to(x.dtype), x)
-    return torch.add(y, x, alpha=a)
+def state_buffers(optimizer: Optimizer, params, key: str, init) -> List[torch.Tensor]:
+    """``optimizer.state[p][key]`` for every ``p`` of ``params``, created by ``init(p)`` the
+    first time."""
+    bufs = []
+    for p in params:
+        state = optimizer.state[p]
+        if key not in state:
+            state[key] = init(p)
+        bufs.append(state[key])
+    return bufs
 
 
 def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[float] = None,
@@ -327,6 +334,31 @@ class ServerOptimizer(Optimizer):
         skip = st.all_excluded if valid is None else (st.all_excluded | ~valid)
         return RoundInfo(p=p, skip=skip, sq_norm=st.sq_norm, mean_sq=(p * q).sum(), sum_p_sq=(p * p).sum(),
                          num_clients=(p > 0).sum())
+
+    def _update(self, params: List[torch.Tensor], views: List[torch.Tensor], rule: str, skip: torch.Tensor, *,
+                exp_avg: Optional[List[torch.Tensor]] = None, exp_avg_sq: Optional[List[torch.Tensor]] = None,
+                **hyper) -> None:
+        """The elementwise step of one param group: one fused :func:`~fedopt_kernels.ops.server_update_`
+        (one pass over params, ``D`` and the state) on this optimizer's backend.
+
+        The kernels pair a parameter's elements with ``D``'s by memory position, and ``D``
+        is in logical (row-major) order, so a non-contiguous parameter (``channels_last``)
+        is stepped on contiguous copies of itself and its state, written back after.
+        """
+        tensors = [params] + [s for s in (exp_avg, exp_avg_sq) if s is not None]
+        if all(t.is_contiguous() for group in tensors for t in group):
+            server_update_(params, views, rule=rule, skip=skip, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                           backend=self.backend, **hyper)
+            return
+        copies = [[t.contiguous() for t in group] for group in tensors]
+        m_copy = copies[1] if exp_avg is not None else None
+        v_copy = copies[-1] if exp_avg_sq is not None else None
+        server_update_(copies[0], views, rule=rule, skip=skip, exp_avg=m_copy, exp_avg_sq=v_copy,
+                       backend=self.backend, **hyper)
+        for group, group_copies in zip(tensors, copies):
+            for t, c in zip(group, group_copies):
+                if c.data_ptr() != t.data_ptr():
+                    t.copy_(c)
 
     def _server_step(self, d_views: List[List[torch.Tensor]], info: RoundInfo) -> dict:
         """Update params and state from the per-group views of ``D``; return the extra

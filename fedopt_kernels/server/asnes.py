@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, axpy, check_nonneg, commit_
+from ._base import ServerOptimizer, check_nonneg, commit_, state_buffers
 
 SIGMA2_MIN = 1e-6  # AdaScale's floor on the variance estimate
 
@@ -97,15 +97,9 @@ class ASNES(ServerOptimizer):
     def _server_step(self, d_views, info):
         r, sigma2, nu2 = self._gain_ratio(info)
         for group, views in zip(self.param_groups, d_views):
-            beta = group["momentum"]
-            scale = group["lr"] * r
-            for p, d in zip(group["params"], views):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                u = state["momentum_buffer"]
-                u_new = axpy(d, beta, u.to(d.dtype))  # eq. 4a: beta u + D
-                v = axpy(d, beta, u_new)  # eq. 4b: beta u + D
-                commit_(u, u_new, info.skip)
-                commit_(p, axpy(p.to(d.dtype), -scale, v), info.skip)  # eq. 4c
+            bufs = state_buffers(self, group["params"], "momentum_buffer",
+                                 lambda p: torch.zeros_like(p, memory_format=torch.preserve_format))
+            # eq. 4a-4c are heavy-ball momentum in Nesterov's form with lr * r.
+            self._update(group["params"], views, "momentum", info.skip, exp_avg=bufs, lr=group["lr"] * r,
+                         beta1=group["momentum"], nesterov=True)
         return dict(lr_scale=r, gain_ratio=r, sigma2=sigma2, nu2=nu2)

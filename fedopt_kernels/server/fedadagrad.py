@@ -27,6 +27,8 @@ class FedAdagrad(AdaptiveServerOptimizer):
         nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
     """
 
+    rule = "adagrad"
+
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.0, tau: float = 1e-3, *,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None):
@@ -36,8 +38,5 @@ class FedAdagrad(AdaptiveServerOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, tau=tau), nonfinite=nonfinite,
                          max_client_norm=max_client_norm, backend=backend)
 
-    def _beta1(self, group) -> float:
-        return group["momentum"]
-
-    def _second_moment(self, group, v, d2):
-        return v + d2
+    def _betas(self, group):
+        return group["momentum"], 0.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ._adaptive import BetasServerOptimizer
-from ._base import axpy
 
 
 class FedAdam(BetasServerOptimizer):
@@ -25,6 +24,4 @@ class FedAdam(BetasServerOptimizer):
         nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
     """
 
-    def _second_moment(self, group, v, d2):
-        b2 = group["betas"][1]
-        return axpy(v * b2, 1 - b2, d2)
+    rule = "adam"

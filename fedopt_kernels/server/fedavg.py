@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, axpy, check_nonneg, commit_
+from ._base import ServerOptimizer, check_nonneg
 
 
 class FedAvg(ServerOptimizer):
@@ -38,11 +38,5 @@ class FedAvg(ServerOptimizer):
 
     def _server_step(self, d_views, info):
         for group, views in zip(self.param_groups, d_views):
-            lr, gamma = group["lr"], group["gamma"]
-            shrink = isinstance(gamma, torch.Tensor) or gamma != 1.0
-            for p, d in zip(group["params"], views):
-                new = axpy(p.to(d.dtype), -lr, d)  # x - lr D
-                if shrink:
-                    new.mul_(gamma)
-                commit_(p, new, info.skip)
+            self._update(group["params"], views, "sgd", info.skip, lr=group["lr"], gamma=group["gamma"])
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, axpy, check_nonneg, commit_
+from ._base import ServerOptimizer, check_nonneg, state_buffers
 
 
 class FedAvgM(ServerOptimizer):
@@ -35,14 +35,8 @@ class FedAvgM(ServerOptimizer):
 
     def _server_step(self, d_views, info):
         for group, views in zip(self.param_groups, d_views):
-            lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
-            for p, d in zip(group["params"], views):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                b_new = axpy(d, beta, buf.to(d.dtype))  # beta b + D
-                step = axpy(d, beta, b_new) if nesterov else b_new
-                commit_(buf, b_new, info.skip)
-                commit_(p, axpy(p.to(d.dtype), -lr, step), info.skip)
+            bufs = state_buffers(self, group["params"], "momentum_buffer",
+                                 lambda p: torch.zeros_like(p, memory_format=torch.preserve_format))
+            self._update(group["params"], views, "momentum", info.skip, exp_avg=bufs, lr=group["lr"],
+                         beta1=group["momentum"], nesterov=group["nesterov"])
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))

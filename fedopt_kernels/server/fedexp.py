@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ._base import ServerOptimizer, axpy, check_nonneg, commit_
+from ._base import ServerOptimizer, check_nonneg
 
 
 class FedExP(ServerOptimizer):
@@ -60,7 +60,5 @@ class FedExP(ServerOptimizer):
         for group, views in zip(self.param_groups, d_views):
             eta_g = self.step_size(info, group["eps"], group["scale_eps_by_clients"])
             first = eta_g if first is None else first
-            scale = group["lr"] * eta_g
-            for p, d in zip(group["params"], views):
-                commit_(p, axpy(p.to(d.dtype), -scale, d), info.skip)
+            self._update(group["params"], views, "sgd", info.skip, lr=group["lr"] * eta_g)
         return dict(lr_scale=first)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
 from ._adaptive import BetasServerOptimizer
-from ._base import axpy
 
 
 class FedYogi(BetasServerOptimizer):
@@ -25,6 +22,4 @@ class FedYogi(BetasServerOptimizer):
         nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
     """
 
-    def _second_moment(self, group, v, d2):
-        b2 = group["betas"][1]
-        return axpy(v, -(1 - b2), torch.sign(v - d2).mul_(d2))  # v - (1 - b2) D^2 sign(v - D^2)
+    rule = "yogi"

@@ -16,9 +16,10 @@ import torch
 
 from .aggregate import bench_aggregate
 from .nar_step import bench_nar_step
+from .server_update import bench_server_update
 from .shapes import numel, resnet18_shapes, small_cnn_shapes
 
-SUITES = ("nar_step", "aggregate", "simulation")
+SUITES = ("nar_step", "aggregate", "server", "simulation")
 SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                ("vs hand loop", "x faster than hand loop"), ("time / batched", "time / batched"))
 KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
@@ -42,6 +43,11 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
                                 device=device, repeats=max(3, repeats // 2))
         rows += bench_aggregate(100, numel(small_cnn_shapes()), label="100 x small CNN (91K)", backend=backend,
                                 device=device, repeats=repeats * 2)
+    if "server" in only:
+        rows += bench_server_update(resnet18_shapes(), label="ResNet-18 (62 tensors, 11.2M)", backend=backend,
+                                    device=device, repeats=max(3, repeats // 2))
+        rows += bench_server_update(small_cnn_shapes(), label="small CNN (10 tensors, 91K)", backend=backend,
+                                    device=device, repeats=repeats * 4)
     if "simulation" in only:
         from . import simulation
 

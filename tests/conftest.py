@@ -47,3 +47,24 @@ def require_backend(name: str) -> torch.device:
 def backend(request):
     """Every backend, with the device its tests run on: ``(name, device)``."""
     return request.param, require_backend(request.param)
+
+
+@pytest.fixture(scope="module")
+def cpu_extension():
+    """The C++ CPU extension, loaded: its absence fails (CI always builds it)."""
+    require_backend("cpu")
+
+
+@pytest.fixture(scope="module")
+def triton_device() -> torch.device:
+    """Where the triton backend's tests run: CUDA when compiled kernels can run, else CPU
+    tensors in the interpreter (skips without either; fails if triton should run)."""
+    return require_backend("triton")
+
+
+@pytest.fixture
+def threads():
+    """Set torch's intra-op thread count inside a test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

@@ -20,26 +20,13 @@ import torch
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
 from _cpu_isa import results_per_isa, x86_only
-from fedopt_kernels import backends, ops
+from fedopt_kernels import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 MODES = ["co", "grad", "none"]
 ODD = [(1,), (5,), (1025,), (278011,)]  # 278011 > 4 chunks of 64Ki: several threads
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _cpu_backend():
-    reason = backends.why_unavailable("cpu", torch.device("cpu"))
-    if reason is not None:
-        pytest.fail(f"the C++ CPU extension must be built for these tests: {reason}")
-
-
-@pytest.fixture
-def threads():
-    """Set torch's intra-op thread count inside a test; restored afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("cpu_extension")
 
 
 # --------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import torch
 
 from _cpu_isa import results_per_isa, x86_only
 from _server_update_oracle import server_update_exact
-from fedopt_kernels.backends import _extensions
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (rule, nesterov): 0 sgd, 1 momentum (heavy ball / nesterov), 2 adagrad, 3 adam, 4 yogi
@@ -26,19 +25,7 @@ LIST = [(300007,), (0,), (5,), (64, 32, 3, 3), (1025,), (1,), (278011,)]
 SHAPES = {"0": [(0,)], "1": [(1,)], "5": [(5,)], "1025": [(1025,)], "70001": [(70001,)], "list": LIST}
 HYPER = dict(lr=0.03, gamma=0.9, beta1=0.9, beta2=0.99, tau=1e-3)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _extension():
-    reason = _extensions.load("_C")
-    if reason is not None:
-        pytest.fail(f"the C++ CPU extension must be built for these tests: {reason}")
-
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("cpu_extension")
 
 
 def acc_of(dtype):

@@ -19,7 +19,7 @@ import torch
 
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
-from fedopt_kernels import backends, ops
+from fedopt_kernels import ops
 
 TB = pytest.importorskip("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
@@ -32,15 +32,8 @@ ODD_SHAPES = [(1,), (5,), (0,), (1025,), (7, 13), (278011,)]
 
 
 @pytest.fixture(scope="module")
-def dev():
-    """CUDA when compiled kernels can run, else CPU tensors in the interpreter."""
-    device = torch.device("cpu" if backends.triton_interpret_mode() else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not set")
-    reason = backends.why_unavailable("triton", device)
-    if reason is not None:
-        pytest.fail(f"the triton backend should run here: {reason}")
-    return device
+def dev(triton_device):
+    return triton_device
 
 
 @pytest.fixture(autouse=True)

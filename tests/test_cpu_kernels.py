@@ -341,8 +341,13 @@ def agg_ours(clients, w, gamma=1.0, out=None):
     return ops.aggregate(clients, w, gamma=gamma, out=out, nonfinite="propagate", backend="cpu")
 
 
+# A stripe (kernels.h) is 16 chunks of 4096 columns: one exactly, one and a column, and
+# 278011 = 4 stripes and a ragged chunk.
+AGG_SIZES = [1, 5, 1025, 65536, 65537, 278011]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("N", [1, 5, 1025, 278011])
+@pytest.mark.parametrize("N", AGG_SIZES)
 def test_aggregate_list_and_2d_vs_python_ref(dtype, N):
     C = 7
     gen = torch.Generator().manual_seed(12)
@@ -377,17 +382,19 @@ def test_aggregate_out_in_acc_dtype_and_gamma_tensor(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_aggregate_weight_zero_client_with_nan(dtype):
-    C, N = 4, 3000
+@pytest.mark.parametrize("N", [3000, 140001])
+def test_aggregate_weight_zero_client_with_nan(dtype, N):
+    # Clients 0-3 hold a zero weight (one client at a time, not four), 4-7 do not.
+    C = 9
     gen = torch.Generator().manual_seed(14)
     X = torch.randn(C, N, generator=gen).to(dtype)
     X[2, ::7] = float("nan")
     X[2, 5] = float("inf")
-    w = torch.tensor([0.3, 0.3, 0.0, 0.4])
+    w = torch.tensor([0.3, 0.3, 0.0, 0.4, 0.1, 0.2, 0.3, 0.4, 0.5])
     out, st = agg_ours(X, w)
     assert torch.isfinite(out).all()
     q = st.client_sq_norms
-    assert math.isnan(float(q[2])) and torch.isfinite(q[[0, 1, 3]]).all()
+    assert math.isnan(float(q[2])) and torch.isfinite(q[[0, 1] + list(range(3, C))]).all()
     out_r, q_r, Q_r = ref_agg.aggregate(X, w)
     assert_bitwise([out], [out_r.to(dtype)])
     torch.testing.assert_close(q, q_r, rtol=1e-5, atol=0, equal_nan=True)

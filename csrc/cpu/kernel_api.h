@@ -20,10 +20,11 @@ namespace fedopt::cpu {
 // thread count: changing one changes the rounding of the sums (still deterministic).
 // 64 Ki elements (256 KiB of fp32 per stream) keep the per-chunk overhead (a table
 // entry, one partial, one horizontal sum) below 0.1% while a ResNet-18 still has ~200
-// chunks to balance over the threads.  The aggregation cuts [C, N] by columns; 16 Ki
-// columns leave enough chunks to split a few-100k-parameter model over threads.
+// chunks to balance over the threads.  The aggregation cuts [C, N] by columns into 4 Ki
+// column chunks: fine enough to split a 100K-parameter model evenly over the threads
+// (aggregate.cpp), while the per-chunk cost (one partial per client) stays below 1%.
 constexpr int64_t kNarChunk = int64_t(1) << 16;
-constexpr int64_t kAggChunk = int64_t(1) << 14;
+constexpr int64_t kAggChunk = int64_t(1) << 12;
 // Fewest elements a thread is given.  Waking a second thread costs microseconds on an
 // idle machine and up to milliseconds on a busy VM, while a thread streams ~1M
 // elements per millisecond: below this the ops run on the calling thread.  (Measured:

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -469,8 +470,12 @@ void aggregate_chunks(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
   struct alignas(64) Line {
     acc_t v[64 / sizeof(acc_t)];
   };
-  std::vector<Line> lines(kAggStripe * kAggChunk * sizeof(acc_t) / sizeof(Line));
-  acc_t* const stripe_total = lines.front().v;
+  if (c1 <= c0) return;  // the column split may leave a thread no chunk
+  // Sized for this range's widest stripe and not value-initialised (a small model's
+  // call would otherwise zero 256 KiB it never uses); each chunk zeroes its own slot.
+  const int64_t slots = std::min(kAggStripe, c1 - c0);
+  std::unique_ptr<Line[]> lines(new Line[slots * kAggChunk * sizeof(acc_t) / sizeof(Line)]);
+  acc_t* const stripe_total = lines[0].v;
   alignas(64) acc_t q[4 * kN];  // lanes of ||X_i||^2 over one chunk, for up to 4 clients
   const Vec gamma(a.gamma);
   out_t* out = static_cast<out_t*>(a.out);

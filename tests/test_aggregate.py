@@ -1,0 +1,122 @@
+"""Every backend of ``ops.aggregate`` against python_ref: the client counts of a real
+round (1, 2, 20, 100), odd and large N, every dtype, the clients as ``[C, N]`` or as a
+list, and the robustness contract (non-finite clients, norm bounding).
+
+Backend-specific cases (chunk tails, bitwise results, thread and ISA independence)
+live in test_cpu_kernels.py, test_triton_kernels.py and test_cuda_extension.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import python_ref.aggregation as ref_agg
+from fedopt_kernels import backends, ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+CLIENTS = [1, 2, 20, 100]
+
+
+def acc_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def size_for(C, name):
+    """An odd N that spans several of every backend's blocks and, on CPU, several
+    stripes of column chunks; smaller where Triton runs in its (slow) interpreter."""
+    interpreted = name == "triton" and backends.triton_interpret_mode()
+    if C == 100:
+        return 4099 if interpreted else 70001
+    return 10007 if interpreted else 140001
+
+
+def make_clients(C, N, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(C, N, generator=gen, dtype=torch.float64)
+    X = X * torch.logspace(-1, 1, C, dtype=torch.float64).unsqueeze(1)  # clients of different scales
+    w = torch.rand(C, generator=gen, dtype=torch.float64) + 0.05  # not normalised
+    return X.to(dtype).to(device), w.to(acc_of(dtype)).to(device)
+
+
+def assert_out_close(out, out_r, dtype):
+    # python_ref accumulates in the same order without FMA; the backends may contract
+    # (CUDA/Triton on a GPU) or round the stored value differently: one ulp of dtype.
+    tol = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6),
+           torch.float16: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}[dtype]
+    torch.testing.assert_close(out.cpu().double(), out_r.to(dtype).cpu().double(), **tol)
+
+
+def assert_norms_close(a, b, dtype):
+    rtol = 1e-11 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("C", CLIENTS)
+@pytest.mark.parametrize("as_list", [False, True], ids=["2d", "list"])
+def test_matches_reference(backend, C, dtype, as_list):
+    name, device = backend
+    N = size_for(C, name)
+    X, w = make_clients(C, N, dtype, device, seed=C)
+    clients = [r.clone() for r in X] if as_list else X
+    gamma = torch.tensor(0.9, dtype=acc_of(dtype), device=device) if C % 2 else 0.9
+
+    out, st = ops.aggregate(clients, w, gamma=gamma, backend=name)
+
+    out_r, q_r, Q_r = ref_agg.aggregate(X, w, 0.9)
+    assert out.dtype == dtype and out.shape == (N,) and out.device.type == device.type
+    assert st.client_sq_norms.dtype == acc_of(dtype) and st.client_sq_norms.shape == (C,)
+    assert_out_close(out, out_r, dtype)
+    assert_norms_close(st.client_sq_norms, q_r, dtype)
+    assert_norms_close(st.sq_norm, Q_r, dtype)
+    assert not st.excluded.any() and not bool(st.all_excluded)
+    torch.testing.assert_close(st.weights, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nonfinite_clients_are_excluded(backend, dtype):
+    name, device = backend
+    C, N = 20, 1025
+    X, w = make_clients(C, N, dtype, device, seed=5)
+    X[3, 17] = float("nan")
+    X[7, N - 1] = float("inf")
+    X[12, 0] = -float("inf")
+    out, st = ops.aggregate(X, w, backend=name)
+
+    bad = torch.zeros(C, dtype=torch.bool)
+    bad[[3, 7, 12]] = True
+    assert torch.equal(st.excluded.cpu(), bad)
+    kept = torch.where(bad.to(device), torch.zeros_like(w), w)
+    eff = kept * (w.sum() / kept.sum())  # the excluded weight is spread over the rest
+    torch.testing.assert_close(st.weights, eff, rtol=1e-6, atol=0)
+    X_clean = torch.where(bad.to(device).unsqueeze(1), torch.zeros_like(X), X)
+    out_r, _, Q_r = ref_agg.aggregate(X_clean, eff)
+    assert torch.isfinite(out).all()
+    assert_out_close(out, out_r, dtype)
+    assert_norms_close(st.sq_norm, Q_r, dtype)
+
+
+def test_all_clients_nonfinite_give_zeros(backend):
+    name, device = backend
+    X, w = make_clients(4, 333, torch.float32, device, seed=6)
+    X[:, 5] = float("nan")
+    out, st = ops.aggregate(X, w, backend=name)
+    assert bool(st.all_excluded) and st.excluded.all()
+    assert torch.equal(out.cpu(), torch.zeros(333))
+    assert float(st.sq_norm) == 0.0
+
+
+def test_norm_bounding_hand_computed(backend):
+    """Client i is the constant vector c_i * 1 (norm |c_i| sqrt(N)); with M = 6 and
+    N = 9 the clients of norm 3, 9 and 15 are scaled by 1, 6/9 and 6/15."""
+    name, device = backend
+    N = 9
+    X = torch.tensor([[1.0] * N, [-3.0] * N, [5.0] * N], device=device)
+    w = torch.tensor([0.5, 0.25, 0.25], device=device)
+    out, st = ops.aggregate(X, w, max_client_norm=6.0, backend=name)
+    scale = torch.tensor([1.0, 6.0 / (9.0 + 1e-6), 6.0 / (15.0 + 1e-6)])
+    expected = (0.5 * 1.0 * scale[0] + 0.25 * -3.0 * scale[1] + 0.25 * 5.0 * scale[2]).item()
+    torch.testing.assert_close(out.cpu(), torch.full((N,), expected), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(st.weights.cpu(), w.cpu() * scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(st.client_sq_norms.cpu(), torch.tensor([9.0, 81.0, 225.0]))

@@ -24,7 +24,11 @@ from .timing import interleaved
 
 
 def bench_aggregate(C: int, N: int, *, label: str, backend: Optional[str] = None, device="cpu",
-                    repeats: int = 11) -> list:
+                    repeats: int = 11, cache: str = "cold") -> list:
+    """``cache``: "cold" (every timed call starts from memory) or "warm" (each is preceded
+    by an untimed call of itself, for data that fits in the caches); see ``interleaved``."""
+    if cache not in ("cold", "warm"):
+        raise ValueError(f"cache must be 'cold' or 'warm', got {cache!r}")
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     X = torch.randn(C, N, generator=g).to(device)
@@ -60,7 +64,8 @@ def bench_aggregate(C: int, N: int, *, label: str, backend: Optional[str] = None
         "loop add_ + norms": loop,
         "floor (torch.sum dim 0)": lambda: torch.sum(X, dim=0),
     }
-    times = interleaved(candidates, repeats=repeats, device=device)
+    times = interleaved(candidates, repeats=repeats, device=device, warm_cache=cache == "warm",
+                        cold_cache=cache == "cold")
     floor = times["floor (torch.sum dim 0)"]
     return [{
         "benchmark": f"aggregate {label}",

@@ -19,15 +19,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# Written before every timed call of a cold-cache run: larger than the last-level cache
+# of the machines this runs on (a Zen 5 CCD has 32 MiB of L3, an H100 50 MiB of L2).
+FLUSH_BYTES = 256 << 20
+
+
 def interleaved(candidates: Dict[str, Callable[[], object]], *, repeats: int = 15, warmup: int = 2,
-                device: torch.device = torch.device("cpu"), warm_cache: bool = False) -> Dict[str, float]:
+                device: torch.device = torch.device("cpu"), warm_cache: bool = False,
+                cold_cache: bool = False) -> Dict[str, float]:
     """Median seconds per call of each candidate, timed round-robin.
 
     ``warm_cache``: precede every timed call by one untimed call of the same candidate,
     so data that fits in cache is resident when timing starts -- as a small model's
-    params and grads are right after the backward pass of a training step.  Without it
-    each call starts with the caches full of the previous candidate's data.
+    params and grads are right after the backward pass of a training step.
+    ``cold_cache``: write a buffer larger than the caches before every timed call, so
+    every candidate starts from memory whatever ran before it.  With neither, each call
+    starts with the caches holding the previous candidate's data, which favours some
+    candidates over others when the data fits in the last-level cache.
     """
+    if warm_cache and cold_cache:
+        raise ValueError("warm_cache and cold_cache are exclusive")
+    flush = torch.empty(FLUSH_BYTES // 4, device=device) if cold_cache else None
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
@@ -37,6 +49,8 @@ def interleaved(candidates: Dict[str, Callable[[], object]], *, repeats: int = 1
         for name, fn in candidates.items():
             if warm_cache:
                 fn()
+            if flush is not None:
+                flush.fill_(1.0)
             _sync(device)
             start = time.perf_counter()
             fn()

@@ -120,3 +120,38 @@ def test_norm_bounding_hand_computed(backend):
     torch.testing.assert_close(out.cpu(), torch.full((N,), expected), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(st.weights.cpu(), w.cpu() * scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(st.client_sq_norms.cpu(), torch.tensor([9.0, 81.0, 225.0]))
+
+
+def _bad_calls():
+    X, w = torch.randn(3, 10), torch.ones(3)
+    return [
+        (lambda o: ops.aggregate(X, w[:2], out=o), r"weights must have shape \[3\]"),
+        (lambda o: ops.aggregate(X, torch.tensor([1.0, -1.0, 1.0]), out=o),
+         r"weights must be >= 0, got -1.0 at index 1"),
+        (lambda o: ops.aggregate(X, torch.tensor([1.0, float("nan"), 1.0]), out=o), r"weights must be finite"),
+        (lambda o: ops.aggregate(X, torch.zeros(3), out=o), r"weights must not all be zero"),
+        (lambda o: ops.aggregate([X[0], X[1, :9]], w[:2], out=o), r"clients\[1\] has shape \(9,\)"),
+        (lambda o: ops.aggregate([X[0], X[1].double()], w[:2], out=o), r"clients\[1\] has dtype torch.float64"),
+        (lambda o: ops.aggregate(X, w, gamma=0.0, out=o), r"gamma must satisfy gamma > 0"),
+        (lambda o: ops.aggregate(X, w, gamma=torch.tensor(-1.0), out=o), r"gamma must be finite and > 0, got -1.0"),
+        (lambda o: ops.aggregate(X, w, gamma=torch.tensor(float("inf")), out=o), r"gamma must be finite"),
+        (lambda o: ops.aggregate(X, w, gamma=torch.ones(2), out=o), r"gamma as a tensor must have one element"),
+        (lambda o: ops.aggregate(X, w, out=torch.empty(9)), r"out must be a contiguous \[10\] tensor"),
+        (lambda o: ops.aggregate(X, w, out=torch.empty(10, dtype=torch.float16)),
+         r"dtype torch.float32, got \(10,\) torch.float16"),
+        (lambda o: ops.aggregate(X, w, nonfinite="drop", out=o), r"nonfinite must be one of"),
+        (lambda o: ops.aggregate(X, w, max_client_norm=-1.0, out=o), r"max_client_norm must satisfy"),
+        (lambda o: ops.aggregate(X, w, backend="tpu", out=o), r"backend must be one of"),
+        (lambda o: ops.aggregate([], torch.ones(0), out=o), r"at least one client"),
+        (lambda o: ops.aggregate(X.view(3, 2, 5), w, out=o), r"clients must be 2-D"),
+        (lambda o: ops.aggregate(X.int(), w, out=o), r"clients must have a floating dtype"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_input_names_the_argument_and_writes_nothing(index):
+    call, match = _bad_calls()[index]
+    out = torch.full((10,), 7.0)
+    with pytest.raises(ValueError, match=match):
+        call(out)
+    assert torch.equal(out, torch.full((10,), 7.0))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -95,6 +97,10 @@ def check_gamma(gamma, device, dtype):
             raise ValueError(f"gamma as a tensor must have one element, got shape {tuple(gamma.shape)}")
         if gamma.device != device:
             raise ValueError(f"gamma is on {gamma.device} but the clients are on {device}")
+        if device.type == "cpu":  # read by value like CPU weights; on a device that would sync
+            value = float(gamma.detach())
+            if not value > 0.0 or math.isinf(value):
+                raise ValueError(f"gamma must be finite and > 0, got {value}")
         return gamma.reshape(()).to(dtype)
     return V.check_real(gamma, "gamma", low=0.0, low_open=True)
 
@@ -132,7 +138,8 @@ def aggregate(
     ``clients`` is a ``[C, N]`` tensor or a sequence of ``C`` 1-D tensors of length
     ``N`` (no stacking copy is made); ``weights`` a ``[C]`` tensor (not required to sum
     to 1); ``gamma`` (FedLAW's global weight shrinking, fedlaw.txt eq. 8) a number
-    ``> 0`` or a one-element tensor.  In the same pass over the data it computes every
+    ``> 0`` or a one-element tensor (checked by value on the CPU; on an accelerator
+    that would synchronise, so its value is the caller's contract).  In the same pass over the data it computes every
     ``||X_i||^2`` and ``||sum_i w_i X_i||^2``: each client is read once and ``out``
     written once, ``(C + 1)`` words per parameter, with fp32 accumulation for
     fp16/bf16 data and a deterministic reduction.
@@ -164,8 +171,9 @@ def aggregate(
     else:
         V.check_tensor(out, "out", dims=1)
         if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
+            dtypes = str(dtype) if dtype == acc else f"{dtype} or {acc}"
             raise ValueError(
-                f"out must be a contiguous [{N}] tensor on {device} with dtype {dtype} or {acc}, got "
+                f"out must be a contiguous [{N}] tensor on {device} with dtype {dtypes}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if backend is not None and backend not in backends.BACKENDS:
         raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")

@@ -428,7 +428,7 @@ def test_aggregate_n_zero():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("g_acc", [False, True], ids=["g_data_dtype", "g_acc_dtype"])
-@pytest.mark.parametrize("N", [5, 1025, 70001])
+@pytest.mark.parametrize("N", [5, 1025, 65536, 70001])  # 65536: one stripe of whole blocks (g read in place)
 def test_client_dots_vs_python_ref(dtype, g_acc, N):
     C = 6
     gen = torch.Generator().manual_seed(15)

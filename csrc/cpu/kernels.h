@@ -75,22 +75,6 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Columns per sub-block of client_dots: g's sub-block (4 KiB in fp32) stays in L1 while
-// the C clients stream through it, 4 KiB each.  (The aggregation streams rows instead;
-// see kAggStripe.)
-//
-// Memory access (measured on 20 x 11.2M fp32, one thread of a Zen 5 EPYC VM, where a
-// plain X.sum() takes 24 ms and MKL's X @ g 32 ms).  Reading C rows a few KiB at a
-// time defeats the hardware prefetchers (every switch of row restarts a stream): a
-// client-by-client loop took 70-90 ms.  So while a sub-block of row i is read, the
-// same columns of the NEXT sub-block of row i are prefetched, one round of C rows
-// ahead (80 KiB for 20 clients, L2-resident when used): 41-48 ms.  Taking the clients
-// four at a time (one load/store of the accumulator per four rows, four streams in
-// flight) then gives ~39 ms for the aggregation and 32 ms for client_dots.  Sub-blocks
-// of 512 to 4096 columns and a two-round distance measured the same within noise;
-// prefetching within a row, or not at all, measured worse.
-constexpr int64_t kSub = 1024;
-
 // Prefetch the cache lines of [a, a + kBytes) (a hint: never faults, so it may point
 // past the end of the data; the address is an integer, formed without pointer
 // arithmetic).
@@ -351,26 +335,86 @@ void nar_update_pass(const NarArgs<acc_t>& a, int64_t c0, int64_t c1) {
 }
 
 // ---------------------------------------------------------------------------------
-// Aggregation: row streaming over stripes of kAggStripe column chunks.  A stripe's
-// accumulator `total` (acc_t, L2-resident) is zeroed, then the clients, four at a time
-// and in client order, stream their rows of the stripe through it: total += w_i * x_i
-// (exactly python_ref's `total = total + w_i * x_i`; a client with w_i == 0 is never
-// multiplied) while their squares go to per-chunk lanes.  Last, per chunk, out = gamma *
-// total and ||total||^2.
+// Passes over C client rows (aggregate, client_dots): row streaming over stripes of
+// kStripe column chunks.  Per stripe, the clients, four at a time and in client order,
+// stream their rows of the stripe through an L2-resident acc_t buffer (the aggregate's
+// running total, or g converted), each chunk's per-client lanes summed into its
+// partials as soon as the clients have passed it.
 //
 // Why rows and not column blocks (measured on 100 x 90.5K fp32, the case where the data,
 // 36 MB, is about the size of an L3; 2 threads of a Zen 5 EPYC VM; caches flushed
 // before every call; speed relative to the floor torch.sum(X, dim=0)).  Visiting all C
-// rows per 1024-column block, with the accumulator in L1 (the design before), ran at
-// 0.69-0.77 of the floor: every switch of row restarts a hardware prefetch stream.  This
-// design runs at 0.89-0.94 (and 2.1-2.2x a loop of add_ + dot, against 1.8-1.9x).  Its
-// parameters, swept with a 64 MiB flush: a stripe of one 16 Ki-column chunk 0.74 of the
-// floor, stripes of 32 Ki to 96 Ki columns the same within noise (0.78-0.81); the even
-// split by columns over the threads (aggregate.cpp) +4%; the software prefetch 2 to 8
-// KiB ahead in each row the same, 512 B ahead 0.75, none 0.64.  On 20 x 11.2M (rows far
-// larger than any cache) both designs run at 1.25-1.33x the floor.
-constexpr int64_t kAggStripe = 16;
-constexpr int64_t kAggAheadBytes = 4096;
+// rows per 1024-column block, the buffer in L1 (the design before), ran the aggregation
+// at 0.69-0.77 of the floor: every switch of row restarts a hardware prefetch stream.
+// (On 20 x 11.2M that design needed a software prefetch of each row's NEXT block, one
+// round of C rows ahead, to get from 70-90 ms to ~40 ms.)  Row streaming runs at
+// 0.89-0.94 (2.1-2.2x a loop of add_ + dot, against 1.8-1.9x).  Its parameters, swept
+// with a 64 MiB flush: a stripe of one 16 Ki-column chunk 0.74 of the floor, stripes of
+// 32 Ki to 96 Ki columns the same within noise (0.78-0.81); the even split by columns
+// over the threads (aggregate.cpp) +4%; a software prefetch 2 to 8 KiB ahead in each
+// row the same, 512 B ahead 0.75, none 0.64.  On 20 x 11.2M (rows far larger than any
+// cache) both designs run at 1.25-1.33x the floor.
+constexpr int64_t kStripe = 16;
+constexpr int64_t kAheadBytes = 4096;
+
+// An uninitialised acc_t buffer of one slot of kAggChunk elements per chunk of a stripe
+// (a whole number of blocks, so a ragged chunk's zero padding stays in its own slot),
+// sized for the widest stripe of the chunks [c0, c1): a small model's call does not
+// allocate or zero 256 KiB it never uses.
+template <typename acc_t>
+class StripeBuffer {
+  static_assert(kAggChunk % Block<acc_t>::kN == 0, "a chunk slot must hold whole blocks");
+  struct alignas(64) Line {
+    acc_t v[64 / sizeof(acc_t)];
+  };
+  std::unique_ptr<Line[]> lines_;
+
+ public:
+  StripeBuffer(int64_t c0, int64_t c1)
+      : lines_(new Line[std::max<int64_t>(1, std::min(kStripe, c1 - c0)) * kAggChunk * sizeof(acc_t) /
+                        sizeof(Line)]) {}
+  acc_t* slot(int64_t k) { return lines_[0].v + k * kAggChunk; }
+};
+
+// m rounded up to whole blocks.
+template <typename acc_t>
+constexpr int64_t padded(int64_t m) {
+  constexpr int64_t kN = Block<acc_t>::kN;
+  return (m + kN - 1) / kN * kN;
+}
+
+// The C clients over the stripe of chunks [c, c + nk): in groups of four where
+// `four(i)` (clients i .. i + 3) allows, else one at a time.  run(i, r, chunk, k, lanes)
+// adds clients [i, i + r)'s kN lanes each over chunk k of the stripe, and the lanes
+// of chunk k go to partials[(c + k) * C + i + j].
+template <typename acc_t, typename Four, typename Run>
+C10_ALWAYS_INLINE void stream_clients(const Chunk* chunks, int64_t c, int64_t nk, int64_t C, acc_t* partials,
+                                      const Four& four, const Run& run) {
+  using B = Block<acc_t>;
+  alignas(64) acc_t lanes[4 * B::kN];
+  auto group = [&](int64_t i, int r) {
+    for (int64_t k = 0; k < nk; ++k) {
+      std::fill(lanes, lanes + r * B::kN, acc_t(0));
+      run(i, r, chunks[c + k], k, lanes);
+      for (int j = 0; j < r; ++j) partials[(c + k) * C + i + j] = B::reduce_lanes(lanes + j * B::kN);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 4 <= C; i += 4) {
+    if (four(i)) {
+      group(i, 4);
+    } else {
+      for (int r = 0; r < 4; ++r) group(i + r, 1);
+    }
+  }
+  for (; i < C; ++i) group(i, 1);
+}
+
+// ---------------------------------------------------------------------------------
+// Aggregation: per stripe, `total` is zeroed, the clients stream through it: total +=
+// w_i * x_i (exactly python_ref's `total = total + w_i * x_i`; a client with w_i == 0 is
+// never multiplied, and four clients go together only if none has w_i == 0) while their
+// squares go to their lanes.  Last, per chunk, out = gamma * total and ||total||^2.
 
 // One client over one chunk of m columns: its squares are added to its lanes `q`, and
 // (kWeighted) w * x to `total`, which is rounded up to whole blocks.
@@ -386,7 +430,7 @@ C10_ALWAYS_INLINE void aggregate_client(const scalar_t* x, int64_t m, const Vect
   B::zero(sq);
   int64_t j = 0;
   for (; j + kN <= m; j += kN) {
-    prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x + j) + kAggAheadBytes);
+    prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x + j) + kAheadBytes);
     B::load(x + j, xv);
     for (int64_t k = 0; k < kK; ++k) {
       sq[k] = sq[k] + xv[k] * xv[k];
@@ -435,7 +479,7 @@ C10_ALWAYS_INLINE void aggregate_4_clients(const scalar_t* const* x, int64_t m, 
   int64_t j = 0;
   for (; j + kN <= m; j += kN) {
     for (int r = 0; r < 4; ++r) {
-      prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x[r] + j) + kAggAheadBytes);
+      prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x[r] + j) + kAheadBytes);
     }
     B::load(x[0] + j, x0);
     B::load(x[1] + j, x1);
@@ -464,77 +508,41 @@ void aggregate_chunks(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
   using Vec = typename B::Vec;
   constexpr int64_t kN = B::kN, kW = B::kW, kK = B::kK;
   const int64_t C = a.num_clients;
-  // Chunk k of a stripe accumulates at total + k * kAggChunk: a whole number of blocks,
-  // so the zero padding of a ragged (last) chunk stays inside its own slot.
-  static_assert(kAggChunk % kN == 0, "a chunk slot must hold whole blocks");
-  struct alignas(64) Line {
-    acc_t v[64 / sizeof(acc_t)];
-  };
-  if (c1 <= c0) return;  // the column split may leave a thread no chunk
-  // Sized for this range's widest stripe and not value-initialised (a small model's
-  // call would otherwise zero 256 KiB it never uses); each chunk zeroes its own slot.
-  const int64_t slots = std::min(kAggStripe, c1 - c0);
-  std::unique_ptr<Line[]> lines(new Line[slots * kAggChunk * sizeof(acc_t) / sizeof(Line)]);
-  acc_t* const stripe_total = lines[0].v;
-  alignas(64) acc_t q[4 * kN];  // lanes of ||X_i||^2 over one chunk, for up to 4 clients
+  StripeBuffer<acc_t> buffer(c0, c1);
   const Vec gamma(a.gamma);
   out_t* out = static_cast<out_t*>(a.out);
-  auto padded = [](int64_t m) { return (m + kN - 1) / kN * kN; };
+  auto row = [&](int64_t i, const Chunk& ch) { return static_cast<const scalar_t*>(a.clients[i]) + ch.start; };
+  auto nonzero_four = [&](int64_t i) {
+    const acc_t* w = a.weights + i;
+    return w[0] != acc_t(0) && w[1] != acc_t(0) && w[2] != acc_t(0) && w[3] != acc_t(0);
+  };
 
-  for (int64_t c = c0; c < c1; c += kAggStripe) {
-    const int64_t nk = std::min(kAggStripe, c1 - c);
+  for (int64_t c = c0; c < c1; c += kStripe) {
+    const int64_t nk = std::min(kStripe, c1 - c);
     for (int64_t k = 0; k < nk; ++k) {
-      acc_t* total = stripe_total + k * kAggChunk;
-      std::fill(total, total + padded(a.chunks[c + k].len), acc_t(0));
+      std::fill(buffer.slot(k), buffer.slot(k) + padded<acc_t>(a.chunks[c + k].len), acc_t(0));
     }
-    // Clients [i, i + r) over the stripe, chunk by chunk; each chunk's lanes are summed
-    // into its partials as soon as the clients have passed it.
-    auto clients_over_stripe = [&](int64_t i, int r, auto&& one_chunk) {
-      for (int64_t k = 0; k < nk; ++k) {
-        const Chunk& ch = a.chunks[c + k];
-        std::fill(q, q + r * kN, acc_t(0));
-        one_chunk(ch, stripe_total + k * kAggChunk);
-        for (int j = 0; j < r; ++j) a.client_partials[(c + k) * C + i + j] = B::reduce_lanes(q + j * kN);
-      }
-    };
-    auto one_client = [&](int64_t i) {
-      const acc_t w = a.weights[i];
-      clients_over_stripe(i, 1, [&](const Chunk& ch, acc_t* total) {
-        const scalar_t* x = static_cast<const scalar_t*>(a.clients[i]) + ch.start;
-        if (w != acc_t(0)) {
-          aggregate_client<true>(x, ch.len, Vec(w), total, q);
-        } else {
-          aggregate_client<false>(x, ch.len, Vec(w), total, q);
-        }
-      });
-    };
-    int64_t i = 0;
-    for (; i + 4 <= C; i += 4) {
-      const acc_t* w = a.weights + i;
-      if (w[0] != acc_t(0) && w[1] != acc_t(0) && w[2] != acc_t(0) && w[3] != acc_t(0)) {
-        clients_over_stripe(i, 4, [&](const Chunk& ch, acc_t* total) {
-          const scalar_t* x[4];
-          acc_t* qr[4];
-          for (int r = 0; r < 4; ++r) {
-            x[r] = static_cast<const scalar_t*>(a.clients[i + r]) + ch.start;
-            qr[r] = q + r * kN;
-          }
-          aggregate_4_clients(x, ch.len, w, total, qr);
-        });
+    stream_clients(a.chunks, c, nk, C, a.client_partials, nonzero_four,
+                   [&](int64_t i, int r, const Chunk& ch, int64_t k, acc_t* lanes) {
+      if (r == 4) {
+        const scalar_t* x[4] = {row(i, ch), row(i + 1, ch), row(i + 2, ch), row(i + 3, ch)};
+        acc_t* q[4] = {lanes, lanes + kN, lanes + 2 * kN, lanes + 3 * kN};
+        aggregate_4_clients(x, ch.len, a.weights + i, buffer.slot(k), q);
+      } else if (a.weights[i] != acc_t(0)) {
+        aggregate_client<true>(row(i, ch), ch.len, Vec(a.weights[i]), buffer.slot(k), lanes);
       } else {
-        for (int r = 0; r < 4; ++r) one_client(i + r);
+        aggregate_client<false>(row(i, ch), ch.len, Vec(acc_t(0)), buffer.slot(k), lanes);
       }
-    }
-    for (; i < C; ++i) one_client(i);
+    });
 
     for (int64_t k = 0; k < nk; ++k) {
       const Chunk& ch = a.chunks[c + k];
-      acc_t* total = stripe_total + k * kAggChunk;
+      acc_t* total = buffer.slot(k);
       const int64_t m = ch.len;
-      std::fill(total + m, total + padded(m), acc_t(0));  // w * 0 may be NaN for w = inf
+      std::fill(total + m, total + padded<acc_t>(m), acc_t(0));  // w * 0 may be NaN for w = inf
       Vec tv[kK], sq[kK];
       B::zero(sq);
-      for (int64_t j = 0; j < padded(m); j += kN) {
+      for (int64_t j = 0; j < padded<acc_t>(m); j += kN) {
         for (int64_t kk = 0; kk < kK; ++kk) {
           tv[kk] = Vec::loadu(total + j + kk * kW);
           sq[kk] = sq[kk] + tv[kk] * tv[kk];
@@ -564,11 +572,13 @@ void aggregate_pass(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
 }
 
 // ---------------------------------------------------------------------------------
-// client_dots: per sub-block, g is converted once into an L1 buffer, then every
-// client streams through it into its own lanes.
+// client_dots: per stripe, the clients stream past g into their lanes.  g is read in
+// place where it already holds acc_t in whole blocks; otherwise (reduced precision, or
+// a ragged last chunk) it is first converted, zero-padded, into the stripe buffer: a
+// write and a read of g more, which only a pass over few clients would notice.
 
-// One client over one sub-block of m <= kSub columns: x . g (g converted, zero-padded
-// to whole blocks) added to its lanes `d`.
+// One client over one chunk of m columns: x . g (g converted, zero-padded to whole
+// blocks) added to its lanes `d`.
 template <typename scalar_t, typename acc_t>
 C10_ALWAYS_INLINE void dots_client(const scalar_t* x, int64_t m, const acc_t* g, acc_t* d) {
   using B = Block<acc_t>;
@@ -578,7 +588,7 @@ C10_ALWAYS_INLINE void dots_client(const scalar_t* x, int64_t m, const acc_t* g,
   B::zero(dot);
   int64_t j = 0;
   for (; j + kN <= m; j += kN) {
-    prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x + j) + kSub * sizeof(scalar_t));
+    prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x + j) + kAheadBytes);
     B::load(x + j, xv);
     for (int64_t k = 0; k < kK; ++k) dot[k] = dot[k] + xv[k] * Vec::loadu(g + j + k * kW);
   }
@@ -612,7 +622,7 @@ C10_ALWAYS_INLINE void dots_4_clients(const scalar_t* const* x, int64_t m, const
   int64_t j = 0;
   for (; j + kN <= m; j += kN) {
     for (int r = 0; r < 4; ++r) {
-      prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x[r] + j) + kSub * sizeof(scalar_t));
+      prefetch<kN * sizeof(scalar_t)>(reinterpret_cast<uintptr_t>(x[r] + j) + kAheadBytes);
     }
     B::load(x[0] + j, x0);
     B::load(x[1] + j, x1);
@@ -641,41 +651,44 @@ void client_dots_chunks(const DotsArgs<acc_t>& a, int64_t c0, int64_t c1) {
   using Vec = typename B::Vec;
   constexpr int64_t kN = B::kN, kW = B::kW, kK = B::kK;
   const int64_t C = a.num_clients;
-  std::vector<acc_t> d(C * kN);
-  alignas(64) acc_t gbuf[kSub];
+  StripeBuffer<acc_t> buffer(c0, c1);
   const g_t* g = static_cast<const g_t*>(a.g);
+  auto row = [&](int64_t i, const Chunk& ch) { return static_cast<const scalar_t*>(a.clients[i]) + ch.start; };
 
-  for (int64_t c = c0; c < c1; ++c) {
-    const Chunk& ch = a.chunks[c];
-    std::fill(d.begin(), d.end(), acc_t(0));
-    for (int64_t s = 0; s < ch.len; s += kSub) {
-      const int64_t col = ch.start + s;
-      const int64_t m = std::min(kSub, ch.len - s);
-      const int64_t full = m / kN * kN;
+  for (int64_t c = c0; c < c1; c += kStripe) {
+    const int64_t nk = std::min(kStripe, c1 - c);
+    const acc_t* gs[kStripe];
+    for (int64_t k = 0; k < nk; ++k) {
+      const Chunk& ch = a.chunks[c + k];
+      if constexpr (std::is_same_v<g_t, acc_t>) {
+        if (ch.len % kN == 0) {
+          gs[k] = g + ch.start;
+          continue;
+        }
+      }
+      acc_t* gk = buffer.slot(k);
+      gs[k] = gk;
       Vec v[kK];
       int64_t j = 0;
-      for (; j < full; j += kN) {
-        prefetch<kN * sizeof(g_t)>(reinterpret_cast<uintptr_t>(g + col + j) + kSub * sizeof(g_t));
-        B::load(g + col + j, v);
-        for (int64_t k = 0; k < kK; ++k) v[k].store(gbuf + j + k * kW);
+      for (; j + kN <= ch.len; j += kN) {
+        B::load(g + ch.start + j, v);
+        for (int64_t kk = 0; kk < kK; ++kk) v[kk].store(gk + j + kk * kW);
       }
-      if (j < m) {  // zero-padded
-        B::load_tail(g + col + j, m - j, v);
-        for (int64_t k = 0; k < kK; ++k) v[k].store(gbuf + j + k * kW);
+      if (j < ch.len) {  // zero-padded
+        B::load_tail(g + ch.start + j, ch.len - j, v);
+        for (int64_t kk = 0; kk < kK; ++kk) v[kk].store(gk + j + kk * kW);
       }
-      int64_t i = 0;
-      for (; i + 4 <= C; i += 4) {
-        const scalar_t* x[4];
-        acc_t* dr[4];
-        for (int r = 0; r < 4; ++r) {
-          x[r] = static_cast<const scalar_t*>(a.clients[i + r]) + col;
-          dr[r] = d.data() + (i + r) * kN;
-        }
-        dots_4_clients(x, m, gbuf, dr);
-      }
-      for (; i < C; ++i) dots_client(static_cast<const scalar_t*>(a.clients[i]) + col, m, gbuf, d.data() + i * kN);
     }
-    for (int64_t i = 0; i < C; ++i) a.partials[c * C + i] = B::reduce_lanes(d.data() + i * kN);
+    stream_clients(a.chunks, c, nk, C, a.partials, [](int64_t) { return true; },
+                   [&](int64_t i, int r, const Chunk& ch, int64_t k, acc_t* lanes) {
+      if (r == 4) {
+        const scalar_t* x[4] = {row(i, ch), row(i + 1, ch), row(i + 2, ch), row(i + 3, ch)};
+        acc_t* d[4] = {lanes, lanes + kN, lanes + 2 * kN, lanes + 3 * kN};
+        dots_4_clients(x, ch.len, gs[k], d);
+      } else {
+        dots_client(row(i, ch), ch.len, gs[k], lanes);
+      }
+    });
   }
 }
 

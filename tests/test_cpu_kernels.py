@@ -384,7 +384,7 @@ def test_aggregate_out_in_acc_dtype_and_gamma_tensor(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("N", [3000, 140001])
 def test_aggregate_weight_zero_client_with_nan(dtype, N):
-    # Clients 0-3 hold a zero weight (one client at a time, not four), 4-7 do not.
+    # Clients 0-3 include a zero weight, so they run one at a time; 4-7 run as four; 8 alone.
     C = 9
     gen = torch.Generator().manual_seed(14)
     X = torch.randn(C, N, generator=gen).to(dtype)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -139,10 +138,10 @@ def aggregate(
     ``N`` (no stacking copy is made); ``weights`` a ``[C]`` tensor (not required to sum
     to 1); ``gamma`` (FedLAW's global weight shrinking, fedlaw.txt eq. 8) a number
     ``> 0`` or a one-element tensor (checked by value on the CPU; on an accelerator
-    that would synchronise, so its value is the caller's contract).  In the same pass over the data it computes every
-    ``||X_i||^2`` and ``||sum_i w_i X_i||^2``: each client is read once and ``out``
-    written once, ``(C + 1)`` words per parameter, with fp32 accumulation for
-    fp16/bf16 data and a deterministic reduction.
+    that would synchronise, so its value is the caller's contract).  In the same pass
+    over the data it computes every ``||X_i||^2`` and ``||sum_i w_i X_i||^2``: each
+    client is read once and ``out`` written once, ``(C + 1)`` words per parameter, with
+    fp32 accumulation for fp16/bf16 data and a deterministic reduction.
 
     Robustness (fedopt_kernels' contract, not the paper's):
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -97,9 +96,7 @@ def check_gamma(gamma, device, dtype):
         if gamma.device != device:
             raise ValueError(f"gamma is on {gamma.device} but the clients are on {device}")
         if device.type == "cpu":  # read by value like CPU weights; on a device that would sync
-            value = float(gamma.detach())
-            if not value > 0.0 or math.isinf(value):
-                raise ValueError(f"gamma must be finite and > 0, got {value}")
+            V.check_real(float(gamma.detach()), "gamma", low=0.0, low_open=True)
         return gamma.reshape(()).to(dtype)
     return V.check_real(gamma, "gamma", low=0.0, low_open=True)
 

@@ -12,14 +12,11 @@ import pytest
 import torch
 
 import python_ref.aggregation as ref_agg
+from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 from fedopt_kernels import backends, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 CLIENTS = [1, 2, 20, 100]
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def size_for(C, name):

@@ -19,6 +19,7 @@ import torch
 
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
+from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 from _cpu_isa import results_per_isa, x86_only
 from fedopt_kernels import ops
 
@@ -104,10 +105,6 @@ def step_both(params, grads, bufs, **kw):
     st1 = ops.nar_step_(p1, grads, momentum_buffers=b1 if momentum else None, backend="cpu", **kw)
     st2 = ref_nar.nar_step_(p2, grads, momentum_buffers=b2 if momentum else None, **kw)
     return (p1, b1, st1), (p2, b2, st2)
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def assert_stats_close(st, st_ref, dtype, rtol=1e-5):

@@ -34,6 +34,7 @@ import torch
 
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
+from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 from _server_update_oracle import server_update_exact
 
 OPS = ("nar_step_", "nar_step_batched_", "aggregate", "client_dots", "server_update_")
@@ -87,10 +88,6 @@ def bits(t):
 
 def same_bits(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def randn(shape, dtype, gen, scale=1.0):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import python_ref.server_optimizers as R
+from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 from fedopt_kernels import backends, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -18,10 +19,6 @@ RULES = [("sgd", False), ("momentum", False), ("momentum", True), ("adagrad", Fa
 HYPER = dict(beta1=0.8, beta2=0.95, tau=1e-2)
 # Sizes straddle the kernels' chunks (64Ki on CPU) and vector widths; one tensor is empty.
 SIZES = [(1,), (5,), (0,), (33, 31), (1025,), (70001,)]
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def bits(t):

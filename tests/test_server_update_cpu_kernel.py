@@ -14,6 +14,7 @@ import torch
 
 from _cpu_isa import results_per_isa, x86_only
 from _server_update_oracle import server_update_exact
+from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (rule, nesterov): 0 sgd, 1 momentum (heavy ball / nesterov), 2 adagrad, 3 adam, 4 yogi
@@ -26,10 +27,6 @@ SHAPES = {"0": [(0,)], "1": [(1,)], "5": [(5,)], "1025": [(1025,)], "70001": [(7
 HYPER = dict(lr=0.03, gamma=0.9, beta1=0.9, beta2=0.99, tau=1e-3)
 
 pytestmark = pytest.mark.usefixtures("cpu_extension")
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Every backend of ``ops.nar_step_`` against python_ref (the one test matrix)."""
+"""Every backend of ``ops.nar_step_``, the reference one included, against the fp64
+oracle of tests/_fp64_oracle.py (the one test matrix; python_ref is the reference
+backend, so it is checked here, never used as its own oracle)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import math
 import pytest
 import torch
 
-import python_ref.fednar as ref
-from fedopt_kernels import ops
+from types import SimpleNamespace
+
+import _fp64_oracle as fp64
+from fedopt_kernels import backends, ops
 from fedopt_kernels.benchmarks.shapes import resnet18_shapes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -32,20 +36,28 @@ def clone(ts):
     return [t.clone() for t in ts]
 
 
+def oracle(params, grads, bufs, **kw):
+    """The fp64 oracle's step, shaped like the op's result: ``(params, bufs, stats)``."""
+    kw = dict(kw)
+    kw.pop("backend", None)
+    new_x, new_b, n, s, skipped = fp64.nar_step(params, grads, bufs if kw.get("momentum") else None, **kw)
+    stats = SimpleNamespace(norm=torch.tensor(n, dtype=torch.float64), scale=torch.tensor(s, dtype=torch.float64),
+                            skipped=torch.tensor(skipped))
+    return new_x, new_b if kw.get("momentum") else clone(bufs), stats
+
+
 def run_both(name, params, grads, bufs, **kw):
-    """Run the backend and python_ref on copies; return both results."""
+    """Run the backend on copies, and the fp64 oracle; return both results."""
     momentum = kw.get("momentum", 0.0)
     p_fused, b_fused = clone(params), clone(bufs)
-    p_ref, b_ref = clone(params), clone(bufs)
     st_fused = ops.nar_step_(p_fused, grads, momentum_buffers=b_fused if momentum else None, backend=name, **kw)
-    st_ref = ref.nar_step_(p_ref, grads, momentum_buffers=b_ref if momentum else None, **kw)
-    return (p_fused, b_fused, st_fused), (p_ref, b_ref, st_ref)
+    return (p_fused, b_fused, st_fused), oracle(params, grads, bufs, **kw)
 
 
 def assert_matches(fused, reference, dtype):
     (p_f, b_f, st_f), (p_r, b_r, st_r) = fused, reference
-    torch.testing.assert_close(st_f.norm.cpu(), st_r.norm.cpu(), rtol=2e-5, atol=1e-6)
-    torch.testing.assert_close(st_f.scale.cpu(), st_r.scale.cpu(), rtol=2e-5, atol=1e-7)
+    torch.testing.assert_close(st_f.norm.cpu().double(), st_r.norm, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(st_f.scale.cpu().double(), st_r.scale, rtol=2e-5, atol=1e-7)
     assert bool(st_f.skipped) == bool(st_r.skipped)
     assert st_f.norm.dim() == 0 and st_f.skipped.dtype == torch.bool
     for a, b in zip(p_f, p_r):
@@ -91,15 +103,47 @@ def test_single_tensor_below_and_above_max_norm(backend, mode, clipped):
     torch.testing.assert_close(fused[0][0].cpu().double(), x - 0.1 * d, rtol=1e-5, atol=1e-6)
 
 
+def differs(reference, other) -> bool:
+    """Whether two oracle results differ beyond the matrix's tolerance (so a backend that
+    dropped the term in which they differ would fail ``assert_matches``)."""
+    try:
+        for a, b in zip(reference[0] + reference[1], other[0] + other[1]):
+            torch.testing.assert_close(a, b)
+    except AssertionError:
+        return True
+    return False
+
+
+def resnet18_case_shapes(name):
+    """ResNet-18's 62 tensors; where Triton runs in its (slow) interpreter, the same 62
+    tensors with the channel dimensions divided by 8 (still every kind of shape, odd
+    sizes, several blocks per tensor)."""
+    shapes = resnet18_shapes()
+    if name == "triton" and backends.triton_interpret_mode():
+        shapes = [tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s)) for s in shapes]
+    return shapes
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_resnet18_list(backend, mode):
+    """The 62 tensors of ResNet-18, clipped: ||g|| ~ 3.3 and ||wd x|| ~ 8 against
+    max_norm 0.1 (~1.1 and ~0.4 on the interpreter's smaller shapes), and a weight decay large enough that dropping it, or applying it on the
+    wrong side of the clip, moves the result outside the tolerance (checked below)."""
     name, device = backend
-    shapes = resnet18_shapes()
+    shapes = resnet18_case_shapes(name)
     assert len(shapes) == 62
     params, grads, bufs = make_case(shapes, torch.float32, device, seed=3, grad_scale=1e-3, param_scale=0.05)
-    kw = dict(lr=0.01, weight_decay=5e-4, max_norm=10.0, mode=mode, momentum=0.9 if mode == "co" else 0.0)
+    kw = dict(lr=0.1, weight_decay=0.05, max_norm=0.1, mode=mode, momentum=0.9 if mode == "co" else 0.0)
     fused, reference = run_both(name, params, grads, bufs, **kw)
     assert_matches(fused, reference, torch.float32)
+    if mode != "none":
+        assert float(fused[2].scale) < 0.5  # really clipped
+    # The case sees each term: without weight decay, or with the other mode's placement
+    # of it, the oracle's result is outside the tolerance of assert_matches.
+    assert differs(reference, oracle(params, grads, bufs, **{**kw, "weight_decay": 0.0}))
+    if mode != "none":
+        other = "grad" if mode == "co" else "co"
+        assert differs(reference, oracle(params, grads, bufs, **{**kw, "mode": other}))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -228,11 +272,66 @@ def test_batched_rows_match_single_op(backend):
                                backend=name)
     assert st.norm.shape == (C,) and st.skipped.tolist() == [False, False, True]
     for i in range(C):
-        x, b = [X[i].clone()], [B[i].clone()]
-        s = ref.nar_step_(x, [G[i]], lr=float(lr[i]), weight_decay=0.01, max_norm=1.0, momentum=0.9,
-                          momentum_buffers=b)
-        torch.testing.assert_close(Xb[i], x[0])
-        torch.testing.assert_close(Bb[i], b[0])
+        x, b, n, _, skipped = fp64.nar_step([X[i]], [G[i]], [B[i]], lr=float(lr[i]), weight_decay=0.01,
+                                            max_norm=1.0, momentum=0.9)
+        torch.testing.assert_close(Xb[i].cpu(), x[0])
+        torch.testing.assert_close(Bb[i].cpu(), b[0])
+        assert bool(st.skipped[i]) == skipped
         if i < 2:
-            torch.testing.assert_close(st.norm[i], s.norm, rtol=2e-5, atol=0)
+            torch.testing.assert_close(float(st.norm[i]), n, rtol=2e-5, atol=0)
     assert torch.equal(Xb[2], X[2]) and torch.equal(Bb[2], B[2])  # the NaN row did not move
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["co", "grad"])
+def test_low_precision_sees_every_term(backend, dtype, mode):
+    """fp16/bf16 with magnitudes at which each term of the step -- weight decay, its
+    side of the clip, momentum, lr, the clip itself -- moves the result by more than the
+    dtype's tolerance: a backend that dropped any of them fails (the self-checks below
+    show that each variant's result is outside the tolerance)."""
+    name, device = backend
+    params, grads, bufs = make_case([(5,), (1025,), (3, 7)], dtype, device, seed=11)
+    kw = dict(lr=0.5, weight_decay=0.5, max_norm=10.0, mode=mode, momentum=0.9)
+    fused, reference = run_both(name, params, grads, bufs, **kw)
+    assert_matches(fused, reference, dtype)
+    assert float(fused[2].scale) < 0.5
+    for change in (dict(weight_decay=0.0), dict(momentum=0.0), dict(lr=0.55), dict(max_norm=1e9),
+                   dict(mode="grad" if mode == "co" else "co")):
+        assert differs(reference, oracle(params, grads, bufs, **{**kw, **change})), change
+
+
+@pytest.mark.parametrize("mode", ["co", "grad"])
+@pytest.mark.parametrize("side", [-1, 1], ids=["just_below", "just_above"])
+def test_norm_within_a_thousandth_of_max_norm(backend, mode, side):
+    """n = A (1 +- 1e-3): below, s is exactly 1; above, s = A / (n + eps) ~ 0.999, and
+    the 0.1% shrink of the step is far outside the tolerance."""
+    name, device = backend
+    N, A = 1000, 10.0
+    n = A * (1 + side * 1e-3)
+    x = torch.linspace(-1, 1, N, dtype=torch.float64)
+    g = torch.full((N,), n / math.sqrt(N), dtype=torch.float64)
+    wd = 0.0 if mode == "co" else 0.1  # co clips g + wd x: keep n exact with wd 0
+    params, grads = [x.float().to(device)], [g.float().to(device)]
+    fused, reference = run_both(name, params, grads, [], lr=1.0, weight_decay=wd, max_norm=A, mode=mode)
+    assert_matches(fused, reference, torch.float32)
+    s = float(fused[2].scale)
+    if side < 0:
+        assert s == 1.0
+    else:
+        assert s == pytest.approx(A / (n + 1e-6), rel=1e-6) and s < 0.9995
+        assert differs(reference, oracle(params, grads, [], lr=1.0, weight_decay=wd, max_norm=1e9, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["co", "grad"])
+def test_clip_epsilon_is_observable(backend, mode):
+    """n = A = 1e-6: s = A / (n + eps) = 1/2 exactly as DESIGN.md states the clip
+    (without eps it would be 1; with eps outside the division, ~1). Compared with a
+    relative tolerance only, so the tiny values still count."""
+    name, device = backend
+    N, A = 64, 1e-6
+    g = torch.full((N,), A / math.sqrt(N), dtype=torch.float64)
+    params, grads = [torch.zeros(N, device=device)], [g.float().to(device)]
+    st = ops.nar_step_(params, grads, lr=1.0, weight_decay=0.0, max_norm=A, mode=mode, backend=name)
+    assert float(st.norm) == pytest.approx(A, rel=1e-5)
+    assert float(st.scale) == pytest.approx(0.5, rel=1e-5)
+    torch.testing.assert_close(params[0].cpu().double(), -0.5 * g, rtol=1e-5, atol=0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import python_ref.server_optimizers as R
-from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
+from _fp64_oracle import acc_dtype as acc_of  # the accumulation dtype the op promises
+from _server_update_oracle import server_update_exact
 from fedopt_kernels import backends, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -68,17 +69,29 @@ def test_matches_reference(backend, rule, nesterov, dtype):
     name, device = backend
     params, updates, state = make_case(rule, dtype, device)
     p_f, s_f = clone_case(params, state)
-    p_r, s_r = clone_case(params, state)
     kw = dict(rule=rule, lr=0.3, gamma=0.9, nesterov=nesterov, **HYPER)
+    # The oracle: the contract's arithmetic written out in tests/_server_update_oracle.py
+    # (not python_ref, which IS the reference backend), state stored in the param dtype.
+    p_r = [p.cpu().clone() for p in params]
+    s_r = {k: [t.cpu().clone() for t in ts] for k, ts in state.items()}
+    code = dict(sgd=0, momentum=1, adagrad=2, adam=3, yogi=4)[rule]
     for _ in range(2):  # the second round reads the state the first one wrote
         ops.server_update_(p_f, updates, backend=name, **s_f, **kw)
-        ops.server_update_(p_r, updates, backend="reference", **s_r, **kw)
+        for k, d in enumerate(updates):
+            m = s_r["exp_avg"][k] if "exp_avg" in s_r else None
+            v = s_r["exp_avg_sq"][k] if "exp_avg_sq" in s_r else None
+            x, m, v = server_update_exact(code, nesterov, p_r[k], d.cpu(), m, v, lr=0.3, gamma=0.9, **HYPER)
+            p_r[k] = x.to(dtype)
+            if m is not None:
+                s_r["exp_avg"][k] = m.to(dtype)
+            if v is not None:
+                s_r["exp_avg_sq"][k] = v.to(dtype)
     for a, b, p in zip(p_f, p_r, params):
         assert a.dtype == dtype and a.shape == p.shape
-        torch.testing.assert_close(a.cpu(), b.cpu(), **tolerances(dtype, name))
+        torch.testing.assert_close(a.cpu(), b, **tolerances(dtype, name))
     for key in s_f:
         for a, b in zip(s_f[key], s_r[key]):
-            torch.testing.assert_close(a.cpu(), b.cpu(), **tolerances(dtype, name))
+            torch.testing.assert_close(a.cpu(), b, **tolerances(dtype, name))
     changed = [not torch.equal(a, p) for a, p in zip(p_f, params) if p.numel()]
     assert all(changed)
 

@@ -12,6 +12,7 @@ change what the suite tests:
   backend.  Tests of the variable set it themselves (monkeypatch).
 """
 
+import importlib
 import os
 
 import pytest
@@ -48,6 +49,20 @@ def require_backend(name: str) -> torch.device:
             pytest.skip(f"backend 'triton': {reason} (CPU-only torch)")
         pytest.fail(f"backend {name!r} should be available here but is not: {reason}")
     return device
+
+
+def import_triton_module(name: str):
+    """Import ``name`` (triton itself or a module built on it) for a test module.
+
+    Triton ships with every CUDA build of torch, so there its absence is a broken setup
+    and the import error fails the module; only with a CPU-only torch (no triton to be
+    had) is the module skipped, saying why."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if torch.version.cuda is None:
+            pytest.skip(f"{name} needs triton, which CPU-only torch does not ship: {e}", allow_module_level=True)
+        raise
 
 
 @pytest.fixture(params=list(backends.BACKENDS))

@@ -48,8 +48,18 @@ def _oracle_grad_fn(reference, data, batches):
 
 
 def _batches(trainer, indices, seed, n):
-    it = trainer._batches(indices, torch.Generator().manual_seed(seed))
-    return [next(it) for _ in range(n)]
+    """The first ``n`` mini-batches the client draws, from the documented rule alone (not
+    the trainer's own generator): a CPU generator seeded with ``seed``, a fresh
+    ``randperm`` of the client's indices per local epoch, consecutive batches of
+    ``batch_size`` (at most the client's size), the ragged tail of each epoch dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    size = indices.numel()
+    bs = min(trainer.config.batch_size, size)
+    out = []
+    while len(out) < n:
+        order = indices[torch.randperm(size, generator=gen)]
+        out += [order[i * bs:(i + 1) * bs] for i in range(size // bs)]
+    return out[:n]
 
 
 def _run(trainer, x0, indices, seed, round_index=0, **kw):

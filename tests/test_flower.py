@@ -11,7 +11,8 @@
   round by round: bitwise, except FedLAW (see ``test_strategy_matches_simulator``).
 * ArrayRecord <-> flat tensor conversions, reply ordering, NaN clients, bad replies.
 
-Skipped (with the reason) only when flwr is not installed.
+Skipped (with the reason) only on Python 3.10, where flwr 1.41 cannot be installed;
+elsewhere a missing flwr fails them (it is part of the [test] extra).
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ try:
 except ImportError:
     HAVE_FLWR = False
 
+# flwr is part of the [test] extra wherever it can be installed (Python >= 3.11): there
+# its absence fails these tests (they run and their imports fail); only on Python 3.10,
+# where flwr 1.41 cannot be installed, are they skipped.
 needs_flwr = pytest.mark.skipif(
-    not HAVE_FLWR, reason="flwr is not installed: pip install fedopt_kernels[flower] (Flower integration tests"
-    + ("; flwr 1.41 needs Python >= 3.11)" if sys.version_info < (3, 11) else ")"))
+    not HAVE_FLWR and sys.version_info < (3, 11),
+    reason="flwr 1.41 needs Python >= 3.11 (the Flower integration tests cannot run on this Python)")
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "examples" / "flower_app"
@@ -398,31 +402,90 @@ def test_records_roundtrip_and_checks():
 
 # --------------------------------------------------------------------------- a real Flower simulation
 def _free_port() -> int:
+    """A port the OS had free a moment ago.  Another process may take it before the
+    SuperLink binds it: the fixture below retries with a fresh port when that happens."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _loopback_env(env: dict) -> dict:
+    """``env`` with loopback exempt from any proxy: gRPC and urllib honour
+    ``http_proxy``/``https_proxy``/``all_proxy``, and a developer's proxy cannot reach
+    this machine's 127.0.0.1."""
+    env = dict(env)
+    for key in ("no_proxy", "NO_PROXY"):
+        have = [h for h in env.get(key, "").split(",") if h]
+        env[key] = ",".join(have + [h for h in LOOPBACK if h not in have])
+    return env
+
+
+# urllib without proxies, whatever the environment says (the health check is loopback only).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with _DIRECT.open(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    """True once the SuperLink answers on ``port``; False if it exited first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"flower-superlink exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    pytest.fail(f"flower-superlink did not become healthy in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+            return False
+        if _healthy(port):
+            return True
+        time.sleep(0.3)
+    raise TimeoutError(f"flower-superlink did not become healthy in {timeout:.0f} s")
+
+
+def test_health_check_reaches_loopback_through_a_proxy_setting(monkeypatch):
+    """With every proxy variable pointing at a dead proxy, the health check still reaches
+    a server on 127.0.0.1 and the subprocess environment exempts loopback."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # the discard port: nothing answers there
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert _healthy(server.server_address[1])
+        with pytest.raises(OSError):  # the plain opener would have gone through the dead proxy
+            urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/health", timeout=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    env = _loopback_env({"no_proxy": "example.org"})
+    assert env["no_proxy"].split(",") == ["example.org", *LOOPBACK] and env["NO_PROXY"].split(",") == list(LOOPBACK)
 
 
 @pytest.fixture
 def superlink(tmp_path):
     """Our own local SuperLink in simulation mode (Ray runtime), offline: a temporary
     FLWR_HOME with a connection named "test", no telemetry, no runtime dependency
-    installation.  Yields ``(env, flwr_executable)``; the SuperLink (and the SuperExec
-    it spawned) is stopped afterwards."""
+    installation, loopback exempt from proxies.  Yields ``(env, flwr_executable)``; the
+    SuperLink (and the SuperExec it spawned) is stopped afterwards.  If its port was
+    taken between choosing and binding it, it starts again on another (3 tries)."""
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
@@ -434,30 +497,44 @@ def superlink(tmp_path):
     assert flwr_exe and superlink_exe, "flwr's console scripts (flwr, flower-superlink) are not on PATH"
     home = tmp_path / "flwr_home"
     home.mkdir()
-    port = _free_port()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-    env = dict(os.environ)
+    env = _loopback_env(os.environ)
     env.update(FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                FLWR_DISABLE_UPDATE_CHECK="1", PYTHONPATH=os.pathsep.join(
                    p for p in [str(REPO), env.get("PYTHONPATH", "")] if p),
                PATH=os.pathsep.join([str(bindir), env.get("PATH", "")]))
     log = tmp_path / "superlink.log"
-    with open(log, "w") as fh:
-        cmd = [superlink_exe, "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-               "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                start_new_session=True)
+    for attempt in range(3):
+        port = _free_port()
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+        with open(log, "w") as fh:
+            cmd = [superlink_exe, "--insecure", "--simulation", "--disable-runtime-dependency-installation",
+                   "--host", "127.0.0.1", "--port", str(port)]
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                    start_new_session=True)
+        try:
+            up = _wait_healthy(port, proc)
+        except TimeoutError as e:
+            _stop(proc)
+            pytest.fail(f"{e}:\n{log.read_text()[-3000:]}")
+        if up:
+            break
+        text = log.read_text()
+        if "in use" not in text.lower() or attempt == 2:
+            pytest.fail(f"flower-superlink exited with {proc.returncode}:\n{text[-3000:]}")
     try:
-        _wait_healthy(port, proc, log)
         yield env, flwr_exe
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 @needs_flwr

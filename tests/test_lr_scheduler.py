@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from fedopt_kernels.lr_scheduler import FedDecay, RoundAnnealing, within_round_factor
+from fedopt_kernels.lr_scheduler import FedDecay, RoundAnnealing
 from fedopt_kernels.optim import FedNAR
 
 
@@ -51,7 +51,8 @@ def test_feddecay_per_epoch(kind):
     opt = _opt(lr0)
     sched = FedDecay(opt, local_steps=K, beta=beta, kind=kind, per="epoch", steps_per_epoch=spe)
     got = _lrs(sched, opt, 2 * K)
-    f = [within_round_factor(e, beta, kind) for e in range(3)]
+    # feddecay.txt eq. 7: beta ** e; appendix B.2: max(1 - e (1 - beta), 0)
+    f = [beta ** e if kind == "exponential" else max(1 - e * (1 - beta), 0.0) for e in range(3)]
     want = [lr0 * f[(t % K) // spe] for t in range(2 * K)]
     assert got == pytest.approx(want, rel=1e-12)
     if kind == "exponential":

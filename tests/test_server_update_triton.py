@@ -27,11 +27,17 @@ import pytest
 import torch
 
 from _server_update_oracle import server_update_exact, sqrt_rn
+from conftest import import_triton_module
 from fedopt_kernels import backends
 
-TB = pytest.importorskip("fedopt_kernels.backends.triton")
+TB = import_triton_module("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
 _kernels = importlib.import_module("fedopt_kernels.backends.triton.server_update")
+
+def acc_of(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype the kernels promise: fp64 for fp64 data, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (id, rule, nesterov): math.h ServerRule
@@ -91,7 +97,7 @@ class Case:
     """Data of one call: params, updates as views of one flat acc vector, state lists."""
 
     def __init__(self, sizes, dtype, rule, dev, aligned_updates=False, seed=0):
-        acc = TB.acc_dtype(dtype)
+        acc = acc_of(dtype)
         g = torch.Generator().manual_seed(seed)
         numels = [math.prod(s) for s in sizes]
         step = 16 // torch.empty((), dtype=acc).element_size()  # elements per 16 bytes
@@ -155,7 +161,7 @@ class Case:
 
 
 def _hyper_tensor(value, dtype, dev):
-    return torch.tensor(value, dtype=TB.acc_dtype(dtype), device=dev)
+    return torch.tensor(value, dtype=acc_of(dtype), device=dev)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -222,7 +228,7 @@ def test_empty_calls_launch_nothing(dev, monkeypatch):
 
     monkeypatch.setattr(TB, "server_update_kernel", NoLaunch())
     empty = torch.empty(0, device=dev)
-    acc = TB.acc_dtype(torch.float32)
+    acc = acc_of(torch.float32)
     for rule in range(5):
         TB.server_update_([], [], [], [], rule, 0.1, 1.0, 0.9, 0.99, 1e-3, False, None)
         p = [empty.clone(), torch.empty(0, 3, device=dev)]

@@ -19,9 +19,10 @@ import torch
 
 import python_ref.aggregation as ref_agg
 import python_ref.fednar as ref_nar
+from conftest import import_triton_module
 from fedopt_kernels import ops
 
-TB = pytest.importorskip("fedopt_kernels.backends.triton")
+TB = import_triton_module("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
 _nar_kernels = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
 _agg_kernels = importlib.import_module("fedopt_kernels.backends.triton.aggregate")

@@ -1,7 +1,8 @@
 # Two commands on a fresh machine (only Python 3.10+ needed):
 #   make demo   - set up, then run the main job (a federated simulation on digits): FedNAR's
 #                 point, co-clipping vs gradient clipping at a too-large weight decay
-#   make test   - set up, then run the whole test suite
+#   make test   - set up, then run the whole test suite (what CI runs)
+#   make test-fast - the development tier: the suite without the tests marked slow
 # Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
 # extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
 # fedopt_kernels in place.  --no-build-isolation: an isolated build would fetch a second
@@ -15,7 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedopt-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
 	$(VENV)/bin/fedopt bench

@@ -61,7 +61,7 @@ def test_feddecay_per_epoch(kind):
 
 def test_feddecay_per_epoch_stepped_once_per_epoch():
     opt = _opt(1.0)
-    sched = FedDecay(opt, local_steps=3, beta=0.5, per="epoch")  # 3 local epochs per round
+    sched = FedDecay(opt, local_steps=3, beta=0.5, per="epoch", steps_per_epoch=1)  # 3 local epochs per round
     assert _lrs(sched, opt, 6) == pytest.approx([1, 0.5, 0.25, 1, 0.5, 0.25])
 
 

@@ -83,9 +83,11 @@ class FedDecay(LRScheduler):
 
     ``beta = 1`` is FedAvg (constant lr within a round), ``beta = 0`` is FedSGD (only the
     first local step of a round has a non-zero lr).  ``per="epoch"`` decays once per
-    local epoch as the authors' released code does: either step the scheduler once per
-    batch and give ``steps_per_epoch``, or step it once per epoch (``steps_per_epoch=1``,
-    the default) with ``local_steps`` the number of local epochs.
+    local epoch as the authors' released code does, and needs ``steps_per_epoch``: the
+    number of batches per epoch when the scheduler is stepped once per batch, or ``1``
+    when it is stepped once per epoch (``local_steps`` then counts local epochs).  There
+    is no default: a scheduler stepped per batch with an assumed 1 would silently decay
+    every step.
 
     The schedule is a closed form of ``last_epoch`` (the scheduler's step counter), so
     ``state_dict()``/``load_state_dict()`` restore it exactly.  It chains with
@@ -106,7 +108,8 @@ class FedDecay(LRScheduler):
         kind: ``"exponential"`` (default) or ``"linear"``.
         round_decay: ``alpha_j = round_decay ** j``, in ``(0, 1]`` (default 1).
         per: ``"step"`` (default) or ``"epoch"``.
-        steps_per_epoch: with ``per="epoch"``, scheduler steps per local epoch (default 1).
+        steps_per_epoch: with ``per="epoch"`` (required there), scheduler steps per local
+            epoch.
         last_epoch: index of the last scheduler step (``-1`` to start).
     """
 
@@ -128,9 +131,11 @@ class FedDecay(LRScheduler):
             if steps_per_epoch not in (None, 1):
                 raise ValueError("steps_per_epoch only applies with per='epoch'")
             self.steps_per_epoch = 1
+        elif steps_per_epoch is None:
+            raise ValueError("per='epoch' needs steps_per_epoch: the batches per local epoch if the scheduler is "
+                             "stepped once per batch, or 1 if it is stepped once per epoch")
         else:
-            self.steps_per_epoch = _check_positive_int(1 if steps_per_epoch is None else steps_per_epoch,
-                                                       "steps_per_epoch")
+            self.steps_per_epoch = _check_positive_int(steps_per_epoch, "steps_per_epoch")
         super().__init__(optimizer, last_epoch)
 
     # ------------------------------------------------------------------ schedule

@@ -33,6 +33,29 @@ def is_dense_non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
+def check_untracked(tensors, name: str, *, written: bool) -> None:
+    """Refuse tensors autograd would have to record, as torch's in-place ops do: the fused
+    ops are not differentiable and update ``written`` tensors in place.  Free under
+    ``torch.no_grad()`` (where optimizers call them): nothing is looked at then."""
+    if tensors is None or not torch.is_grad_enabled():
+        return
+    if isinstance(tensors, torch.Tensor):
+        tensors, index = [tensors], False
+    else:
+        index = True
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            at = f"{name}[{i}]" if index else name
+            if written:
+                raise RuntimeError(
+                    f"{at} requires grad and would be updated in place outside torch.no_grad() (a leaf Variable "
+                    f"that requires grad cannot be used in an in-place operation): call the op under "
+                    f"torch.no_grad(), as torch.optim optimizers do")
+            raise RuntimeError(
+                f"{at} requires grad, but the fused op is not differentiable: call it under torch.no_grad() "
+                f"or pass {at}.detach()")
+
+
 def check_tensor(t, name: str, *, dims: Optional[int] = None) -> torch.Tensor:
     """A dense real floating tensor whose memory is one flat block."""
     if not isinstance(t, torch.Tensor):
@@ -125,15 +148,30 @@ def check_real(value, name: str, *, low=None, high=None, low_open=False, high_op
     """A Python number within the given bounds."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    lo = "" if low is None else (f"{name} > {low}" if low_open else f"{name} >= {low}")
+    hi = "" if high is None else (f"{name} < {high}" if high_open else f"{name} <= {high}")
+    bounds = " and ".join(b for b in (lo, hi) if b)
+    if torch.compiler.is_compiling():
+        # torch.compile traces a Python number that changed between calls as a symbol:
+        # the bounds become a check of the compiled graph (math.isnan cannot be traced;
+        # NaN fails every comparison, so it is refused all the same).  A number that
+        # should change every step is better held in a 0-d tensor: no recompilation.
+        ok = value == value
+        if low is not None:
+            ok = ok & ((value > low) if low_open else (value >= low))
+        if high is not None:
+            ok = ok & ((value < high) if high_open else (value <= high))
+        if not allow_inf:
+            ok = ok & (value < math.inf) & (value > -math.inf)
+        torch._check(ok, lambda: f"{name} must be finite{' and satisfy ' + bounds if bounds else ''}")
+        return value
     value = float(value)
     if math.isnan(value) or (math.isinf(value) and not allow_inf):
         raise ValueError(f"{name} must be finite, got {value}")
     bad_low = low is not None and (value <= low if low_open else value < low)
     bad_high = high is not None and (value >= high if high_open else value > high)
     if bad_low or bad_high:
-        lo = "" if low is None else (f"{name} > {low}" if low_open else f"{name} >= {low}")
-        hi = "" if high is None else (f"{name} < {high}" if high_open else f"{name} <= {high}")
-        raise ValueError(f"{name} must satisfy {' and '.join(s for s in (lo, hi) if s)}, got {value}")
+        raise ValueError(f"{name} must satisfy {bounds}, got {value}")
     return value
 
 

@@ -121,6 +121,9 @@ def nar_step_(
         float64 params).  Runs two passes over the data (norm, then update) whatever the
         number of tensors, and never synchronises with the device.
     """
+    V.check_untracked(params, "params", written=True)
+    V.check_untracked(momentum_buffers or [], "momentum_buffers", written=True)
+    V.check_untracked(grads, "grads", written=False)
     # The common case is checked in one tight pass; anything unusual takes the detailed
     # checks, which raise the message naming the argument.
     fast = V.lists_match_fast(params, grads, momentum_buffers if momentum != 0.0 else None)
@@ -175,6 +178,9 @@ def nar_step_batched_(
     numbers, 0-d tensors or ``[C]`` tensors (clients at different points of a
     schedule).  One norm pass and one update pass over all rows.
     """
+    V.check_untracked(X, "X", written=True)
+    V.check_untracked(momentum_buffers, "momentum_buffers", written=True)
+    V.check_untracked(G, "G", written=False)
     X = V.check_tensor(X, "X", dims=2)
     G = V.check_tensor(G, "G", dims=2)
     if not X.is_contiguous():

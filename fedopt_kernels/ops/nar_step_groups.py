@@ -122,6 +122,9 @@ def _parts(groups: Sequence, plain_names: bool = False) -> List[_Part]:
             continue
         params = V.check_tensor_list(g.params, f"{name}params")
         grads = V.check_tensor_list(g.grads, f"{name}grads")
+        V.check_untracked(params, f"{name}params", written=True)
+        V.check_untracked(grads, f"{name}grads", written=False)
+        V.check_untracked(g.momentum_buffers or [], f"{name}momentum_buffers", written=True)
         if len(grads) != len(params):
             raise ValueError(f"{name}grads has {len(grads)} tensors but {name}params has {len(params)}")
         for i, p in enumerate(params):

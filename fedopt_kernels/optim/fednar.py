@@ -107,11 +107,38 @@ class FedNAR(Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
+        """Load a state saved by :meth:`state_dict`, also from an older version or from
+        ``torch.optim.SGD``: a hyperparameter the saved groups lack (``max_norm``,
+        ``mode``, ``backend``, ``momentum``, ...) keeps this optimizer's value for that
+        group, as ``torch.optim`` fills keys newer than a checkpoint.  Refused, with
+        nothing changed: another ``clip_scope``, a group count that differs, invalid
+        values, and SGD settings FedNAR has no equivalent for (``nesterov=True``,
+        ``dampening != 0``, ``maximize=True``)."""
         scope = state_dict.get("clip_scope", self.clip_scope)
         if scope != self.clip_scope:
             raise ValueError(f"the state_dict was saved with clip_scope={scope!r} but this optimizer has "
                              f"clip_scope={self.clip_scope!r}; build it with the same clip_scope")
+        saved = state_dict.get("param_groups")
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.param_groups):
+            raise ValueError(f"the state_dict has {len(saved) if isinstance(saved, (list, tuple)) else 'no'} param "
+                             f"groups but this optimizer has {len(self.param_groups)}")
+        groups = []
+        for k, (mine, theirs) in enumerate(zip(self.param_groups, saved)):
+            for key, neutral in (("nesterov", False), ("dampening", 0), ("maximize", False)):
+                if theirs.get(key, neutral) != neutral:
+                    raise ValueError(f"param group {k} of the state_dict has {key}={theirs[key]!r}, which FedNAR "
+                                     f"has no equivalent for (it comes from another optimizer)")
+            group = {key: value for key, value in mine.items() if key != "params"}
+            group.update(theirs)
+            try:
+                _check_hyperparameters(group)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"param group {k} of the state_dict: {e}") from None
+            groups.append(group)
+        if self.clip_scope == "optimizer":
+            _check_shared(groups)
         state_dict = {k: v for k, v in state_dict.items() if k != "clip_scope"}
+        state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
 
     def __setstate__(self, state):
@@ -138,7 +165,7 @@ class FedNAR(Optimizer):
             for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError("FedNAR does not support sparse gradients")
-                grads.append(p.grad)
+                grads.append(_in_layout_of(p.grad, p))
             bufs = None
             if group["momentum"] != 0.0:
                 bufs = []
@@ -171,6 +198,16 @@ class FedNAR(Optimizer):
         """The last step's :class:`~fedopt_kernels.ops.NarStats` per group (None if the
         group had no gradients)."""
         return list(self.last_stats)
+
+
+def _in_layout_of(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``p``'s memory layout (the fused kernels walk both as one flat
+    array).  A gradient laid out otherwise -- a channels_last weight whose gradient came
+    back contiguous, as torch.optim.SGD accepts -- is copied into ``p``'s layout: one
+    extra pass over that tensor, none for the usual matching layouts."""
+    if grad.stride() == p.stride() or p.numel() <= 1:
+        return grad
+    return torch.empty_like(p, dtype=grad.dtype).copy_(grad)
 
 
 def _check_shared(groups: list) -> None:

@@ -8,7 +8,7 @@ from torch import nn
 
 import python_ref.asnes as R
 from fedopt_kernels.server import ASNES
-from fedopt_kernels.utils import parameters_to_vector, vector_to_parameters
+from fedopt_kernels.utils import module_to_vector, vector_to_module
 
 SIGMA2_MIN = 1e-6
 
@@ -21,7 +21,7 @@ def linear(N=4, dtype=torch.float64, value=0.0):
 
 
 def x_of(m):
-    return parameters_to_vector(m)
+    return module_to_vector(m)
 
 
 def test_single_client_gives_r_one():
@@ -179,7 +179,7 @@ def test_state_dict_round_trip_keeps_the_smoothed_estimates():
     buf.seek(0)
     sd, x = torch.load(buf)
     m2 = linear(N, value=1.0)
-    vector_to_parameters(x, m2)
+    vector_to_module(x, m2)
     opt2 = ASNES(m2.parameters())
     opt2.load_state_dict(sd)
     for D in rounds[3:]:

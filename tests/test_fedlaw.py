@@ -8,7 +8,7 @@ from torch import nn
 import python_ref.fedlaw as R
 import sklearn.datasets as sklearn_datasets  # a hard dependency (pyproject): its absence fails
 from fedopt_kernels.server import FedLAW
-from fedopt_kernels.utils import parameters_to_vector, vector_to_parameters
+from fedopt_kernels.utils import module_to_vector, vector_to_module
 
 N_CLIENTS = 4
 CORRUPTED = N_CLIENTS - 1
@@ -49,17 +49,17 @@ def digits():
     order = torch.randperm(100, generator=g)
     proxy = [(Xp[order[i:i + 50]], yp[order[i:i + 50]]) for i in (0, 50)]
 
-    start = parameters_to_vector(mlp())
+    start = module_to_vector(mlp())
     clients, sizes = [], []
     for i, idx in enumerate(torch.tensor_split(torch.arange(len(yr)), N_CLIENTS)):
         m = mlp()
-        vector_to_parameters(start, m)
+        vector_to_module(start, m)
         xi, yi = Xr[idx], yr[idx]
         if i == CORRUPTED:
             yi = torch.randint(0, 10, yi.shape, generator=g)
         torch.manual_seed(100 + i)
         train(m, xi, yi, epochs=10)
-        clients.append(parameters_to_vector(m))
+        clients.append(module_to_vector(m))
         sizes.append(len(idx))
     return dict(start=start, clients=clients, sizes=sizes, proxy=proxy)
 
@@ -67,7 +67,7 @@ def digits():
 def fresh_model(d, bn=False):
     m = mlp(bn=bn)
     if not bn:
-        vector_to_parameters(d["start"], m)
+        vector_to_module(d["start"], m)
     return m
 
 
@@ -90,7 +90,7 @@ def test_learned_weights_beat_the_data_size_average_and_spot_the_corrupted_clien
     torch.testing.assert_close(lam.sum(), torch.tensor(1.0))
     # The model now holds gamma * sum_i lambda_i w_i.
     expected = gamma * sum(l * w for l, w in zip(lam, clients))
-    torch.testing.assert_close(parameters_to_vector(model), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(module_to_vector(model), expected, rtol=1e-5, atol=1e-6)
     # The loss of the model itself (not re-aggregated) agrees.
     with torch.no_grad():
         direct = torch.stack([F.cross_entropy(model(x), y) for x, y in proxy]).mean()
@@ -139,7 +139,7 @@ def test_client_models_as_modules_tensor_or_list(digits):
             arg = []
             for c in clients:
                 m = mlp()
-                vector_to_parameters(c, m)
+                vector_to_module(c, m)
                 arg.append(m)
         else:
             arg = clients
@@ -159,7 +159,7 @@ def test_nonfinite_and_empty_clients_are_left_out(digits):
     gamma, lam = fedlaw.step(clients, sizes)
     assert lam[1] == 0 and lam[2] == 0 and lam.sum().item() == pytest.approx(1.0)
     assert fedlaw.last_round.excluded.tolist() == [False, True, False, False]
-    assert torch.isfinite(parameters_to_vector(model)).all()
+    assert torch.isfinite(module_to_vector(model)).all()
     # Same as running on the usable clients alone.
     keep = [0, 3]
     model2 = fresh_model(digits)
@@ -167,17 +167,17 @@ def test_nonfinite_and_empty_clients_are_left_out(digits):
         [clients[i] for i in keep], [sizes[i] for i in keep])
     torch.testing.assert_close(gamma, g2)
     torch.testing.assert_close(lam[keep], lam2)
-    torch.testing.assert_close(parameters_to_vector(model), parameters_to_vector(model2))
+    torch.testing.assert_close(module_to_vector(model), module_to_vector(model2))
 
 
 def test_all_clients_unusable_leaves_the_model_unchanged(digits):
     model = fresh_model(digits)
-    before = parameters_to_vector(model)
+    before = module_to_vector(model)
     bad = [torch.full_like(c, float("nan")) for c in digits["clients"]]
     fedlaw = FedLAW(model, digits["proxy"], F.cross_entropy, server_epochs=2)
     gamma, lam = fedlaw.step(bad, digits["sizes"])
     assert fedlaw.last_round.skipped and gamma.item() == 1.0 and torch.all(lam == 0)
-    assert torch.equal(parameters_to_vector(model), before)
+    assert torch.equal(module_to_vector(model), before)
 
 
 @pytest.mark.parametrize("train_mode", [True, False])
@@ -185,15 +185,15 @@ def test_batchnorm_buffers_are_not_aggregated_and_stay_sane(digits, train_mode):
     proxy = digits["proxy"]
     X = torch.cat([x for x, _ in proxy])
     model = mlp(bn=True)
-    start = parameters_to_vector(model)
+    start = module_to_vector(model)
     clients = []
     for i in range(3):
         m = mlp(bn=True)
-        vector_to_parameters(start, m)
+        vector_to_module(start, m)
         torch.manual_seed(i)
         noisy = X + 0.1 * torch.randn_like(X)
         train(m, noisy, torch.cat([y for _, y in proxy]), epochs=3)
-        clients.append(parameters_to_vector(m))
+        clients.append(module_to_vector(m))
     model.eval()  # the caller's mode must be restored
     bn = model[1]
     buffers_before = {n: b.clone() for n, b in model.named_buffers()}
@@ -239,7 +239,7 @@ def test_bad_arguments(digits):
     with pytest.raises(TypeError, match="loss_fn"):
         FedLAW(model, proxy, None)
     fedlaw = FedLAW(model, proxy, F.cross_entropy, server_epochs=1)
-    before = parameters_to_vector(model)
+    before = module_to_vector(model)
     clients, sizes = digits["clients"], digits["sizes"]
     with pytest.raises(ValueError, match="data_sizes has 3 entries but there are 4 clients"):
         fedlaw.step(clients, sizes[:3])
@@ -255,4 +255,4 @@ def test_bad_arguments(digits):
         fedlaw.step([mlp(), nn.Linear(64, 10)], [1, 1])
     with pytest.raises(ValueError, match="at least one client"):
         fedlaw.step([], [])
-    assert torch.equal(parameters_to_vector(model), before)
+    assert torch.equal(module_to_vector(model), before)

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from fedopt_kernels.utils import (FlatLayout, buffers_layout, buffers_to_vector, flatten_parameters_,
-                                  parameters_layout, parameters_to_vector, vector_to_buffers,
-                                  vector_to_parameters)
+                                  parameters_layout, module_to_vector, vector_to_buffers,
+                                  vector_to_module)
 
 
 class Net(nn.Module):
@@ -23,7 +23,7 @@ class Net(nn.Module):
 def test_parameter_order_and_round_trip():
     torch.manual_seed(0)
     m = Net()
-    vec = parameters_to_vector(m)
+    vec = module_to_vector(m)
     expected = torch.cat([p.detach().reshape(-1) for _, p in m.named_parameters()])
     assert torch.equal(vec, expected)
     layout = parameters_layout(m)
@@ -33,18 +33,18 @@ def test_parameter_order_and_round_trip():
     assert layout.numel == 123
 
     other = Net()
-    vector_to_parameters(vec, other)
+    vector_to_module(vec, other)
     for (n1, p1), (n2, p2) in zip(m.named_parameters(), other.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
     # The vector is a copy, not a view of the parameters.
     vec.zero_()
-    assert not torch.equal(parameters_to_vector(m), vec)
+    assert not torch.equal(module_to_vector(m), vec)
 
 
 def test_unflatten_gives_views_that_keep_autograd():
     m = Net()
     layout = parameters_layout(m)
-    vec = parameters_to_vector(m).requires_grad_(True)
+    vec = module_to_vector(m).requires_grad_(True)
     views = layout.unflatten(vec * 2)
     assert list(views) == layout.names
     for (name, p) in m.named_parameters():
@@ -62,9 +62,9 @@ def test_unflatten_gives_views_that_keep_autograd():
 def test_tied_parameters_appear_once():
     m = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
     m[1].weight = m[0].weight
-    vec = parameters_to_vector(m)
+    vec = module_to_vector(m)
     assert vec.numel() == 9
-    vector_to_parameters(torch.arange(9.0), m)
+    vector_to_module(torch.arange(9.0), m)
     assert torch.equal(m[1].weight, torch.arange(9.0).view(3, 3))
 
 
@@ -110,12 +110,12 @@ def test_integer_buffers_are_never_cast_silently():
 
 def test_length_mismatch_is_an_error_and_writes_nothing():
     m = Net()
-    before = parameters_to_vector(m)
+    before = module_to_vector(m)
     with pytest.raises(ValueError, match=r"has 10 elements but the model has 123"):
-        vector_to_parameters(torch.zeros(10), m)
+        vector_to_module(torch.zeros(10), m)
     with pytest.raises(ValueError, match="1-D"):
-        vector_to_parameters(torch.zeros(3, 41), m)
-    assert torch.equal(parameters_to_vector(m), before)
+        vector_to_module(torch.zeros(3, 41), m)
+    assert torch.equal(module_to_vector(m), before)
     layout = parameters_layout(m)
     with pytest.raises(ValueError, match="dtype"):
         layout.check_vector(torch.zeros(123, dtype=torch.float64))
@@ -128,10 +128,10 @@ def test_mixed_precision_round_trip_is_exact():
     m[0].half()
     layout = parameters_layout(m)
     assert layout.dtype == torch.float32  # promotion: nothing lost
-    vec = parameters_to_vector(m)
+    vec = module_to_vector(m)
     other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     other[0].half()
-    vector_to_parameters(vec, other)
+    vector_to_module(vec, other)
     for p, q in zip(m.parameters(), other.parameters()):
         assert p.dtype == q.dtype and torch.equal(p, q)
     views = layout.unflatten(vec, cast=True)
@@ -141,18 +141,18 @@ def test_mixed_precision_round_trip_is_exact():
 def test_flatten_parameters_makes_views_of_one_storage():
     torch.manual_seed(0)
     m = Net()
-    before = parameters_to_vector(m)
+    before = module_to_vector(m)
     params = list(m.parameters())
     vec = flatten_parameters_(m)
     assert torch.equal(vec, before)
     assert all(p is q for p, q in zip(params, m.parameters()))  # same Parameter objects
     vec.mul_(0.5)
-    assert torch.equal(parameters_to_vector(m), before * 0.5)
+    assert torch.equal(module_to_vector(m), before * 0.5)
     # Training through the views still works and updates the flat vector.
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     m.head(torch.ones(1, 4)).sum().backward()
     opt.step()
-    assert torch.equal(parameters_to_vector(m), vec)
+    assert torch.equal(module_to_vector(m), vec)
     with pytest.raises(TypeError, match="one parameter dtype"):
         mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
         mixed[0].double()

@@ -357,7 +357,7 @@ def test_records_roundtrip_and_checks():
     from flwr.app import Array, ArrayRecord
 
     from fedopt_kernels.integrations.flower import records as R
-    from fedopt_kernels.utils import parameters_layout, parameters_to_vector
+    from fedopt_kernels.utils import parameters_layout, module_to_vector
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
     ours, theirs = R.model_to_arrayrecord(model), ArrayRecord(model.state_dict())
@@ -366,7 +366,7 @@ def test_records_roundtrip_and_checks():
         assert ours[k].data == theirs[k].data and ours[k].dtype == theirs[k].dtype
         assert tuple(ours[k].shape) == tuple(theirs[k].shape)
     L = parameters_layout(model)
-    x = parameters_to_vector(model)
+    x = module_to_vector(model)
     assert torch.equal(R.arrayrecord_to_vector(theirs, L), x)
     # key order does not matter; float64 and Fortran-ordered arrays are read correctly
     shuffled = ArrayRecord({k: Array(np.asfortranarray(v.numpy()).astype(np.float64)) if v.numpy().ndim > 1

@@ -12,7 +12,7 @@ import python_ref.fedexp as R_fedexp
 import python_ref.server_optimizers as R
 from fedopt_kernels import backends
 from fedopt_kernels.server import ASNES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedYogi
-from fedopt_kernels.utils import parameters_to_vector, vector_to_parameters
+from fedopt_kernels.utils import module_to_vector, vector_to_module
 
 BACKENDS = [b for b in ("reference", "cpu", "triton") if backends.why_unavailable(b, torch.device("cpu")) is None]
 
@@ -98,7 +98,7 @@ def norm_p(weights, C, dtype):
 
 
 def snapshot(model, opt):
-    return parameters_to_vector(model).clone(), copy.deepcopy(opt.state_dict()["state"])
+    return module_to_vector(model).clone(), copy.deepcopy(opt.state_dict()["state"])
 
 
 def assert_same(a, b):
@@ -119,12 +119,12 @@ def test_matches_oracle_over_rounds_float64(name, backend):
     cls, kw = CASES[name]
     model = make_model()
     opt = cls(model.parameters(), backend=backend, **kw)
-    oracle = Oracle(name, kw, parameters_to_vector(model))
+    oracle = Oracle(name, kw, module_to_vector(model))
     for updates, weights in make_rounds(opt.numel):
         rows = rows_of(updates)
         stats = opt.step(updates, weights)
         expected = oracle.step(rows, norm_p(weights, len(rows), torch.float64))
-        torch.testing.assert_close(parameters_to_vector(model), expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(module_to_vector(model), expected, rtol=1e-10, atol=1e-12)
         assert not stats.skipped
         assert stats.num_clients.item() == len(rows)
 
@@ -134,12 +134,12 @@ def test_matches_oracle_float32(name):
     cls, kw = CASES[name]
     model = make_model(torch.float32)
     opt = cls(model.parameters(), **kw)
-    oracle = Oracle(name, kw, parameters_to_vector(model))
+    oracle = Oracle(name, kw, module_to_vector(model))
     for updates, weights in make_rounds(opt.numel, dtype=torch.float32):
         rows = rows_of(updates)
         opt.step(updates, weights)
         expected = oracle.step(rows, norm_p(weights, len(rows), torch.float32))
-        torch.testing.assert_close(parameters_to_vector(model), expected, rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(module_to_vector(model), expected, rtol=2e-5, atol=2e-6)
 
 
 def test_param_groups_have_their_own_hyperparameters():
@@ -147,7 +147,7 @@ def test_param_groups_have_their_own_hyperparameters():
     first, second = list(model[0].parameters()), list(model[2].parameters())
     opt = FedAdam([{"params": first, "lr": 0.1}, {"params": second, "tau": 0.05}], lr=0.02, betas=(0.8, 0.9))
     n1 = sum(p.numel() for p in first)
-    x = parameters_to_vector(model)
+    x = module_to_vector(model)
     o1 = Oracle("FedAdam", dict(lr=0.1, betas=(0.8, 0.9), tau=1e-3), x[:n1])
     o2 = Oracle("FedAdam", dict(lr=0.02, betas=(0.8, 0.9), tau=0.05), x[n1:])
     for updates, weights in make_rounds(opt.numel, rounds=4):
@@ -156,19 +156,19 @@ def test_param_groups_have_their_own_hyperparameters():
         opt.step(updates, weights)
         e1 = o1.step([r[:n1] for r in rows], p)
         e2 = o2.step([r[n1:] for r in rows], p)
-        torch.testing.assert_close(parameters_to_vector(model), torch.cat([e1, e2]), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(module_to_vector(model), torch.cat([e1, e2]), rtol=1e-10, atol=1e-12)
 
 
 def test_lr_scheduler_drives_the_server_lr():
     model = make_model()
     opt = FedAvg(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    x = parameters_to_vector(model)
+    x = module_to_vector(model)
     U = torch.ones(2, opt.numel, dtype=torch.float64)
     opt.step(U)
     sched.step()
     opt.step(U)
-    torch.testing.assert_close(parameters_to_vector(model), x - 1.5)
+    torch.testing.assert_close(module_to_vector(model), x - 1.5)
 
 
 def test_stats_are_the_round_statistics():
@@ -220,12 +220,12 @@ def test_state_dict_restore_continues_bitwise(name):
     for updates, weights in rounds[:3]:
         opt.step(updates, weights)
     buf = io.BytesIO()
-    torch.save({"opt": opt.state_dict(), "x": parameters_to_vector(model)}, buf)
+    torch.save({"opt": opt.state_dict(), "x": module_to_vector(model)}, buf)
     buf.seek(0)
     saved = torch.load(buf)
 
     restored_model = make_model(seed=123)  # other initial values: all must come from the checkpoint
-    vector_to_parameters(saved["x"], restored_model)
+    vector_to_module(saved["x"], restored_model)
     restored = cls(restored_model.parameters(), lr=0.123)  # other hyperparameters too
     restored.load_state_dict(saved["opt"])
     assert restored.param_groups[0]["lr"] == kw.get("lr", restored.param_groups[0]["lr"])
@@ -258,9 +258,9 @@ def test_nonfinite_client_is_excluded(name, backend):
         assert not stats.skipped and stats.num_clients.item() == len(good)
         assert stats.weights[bad].eq(0).all()
         torch.testing.assert_close(stats.weights.sum(), torch.tensor(1.0, dtype=torch.float64))
-        x = parameters_to_vector(model)
+        x = module_to_vector(model)
         assert torch.isfinite(x).all()
-        torch.testing.assert_close(x, parameters_to_vector(ref_model), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(x, module_to_vector(ref_model), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -296,7 +296,7 @@ def test_propagate_lets_nan_through():
     U[1, 3] = float("nan")
     stats = opt.step(U)
     assert not stats.excluded.any() and not stats.skipped
-    assert torch.isnan(parameters_to_vector(model)[3])
+    assert torch.isnan(module_to_vector(model)[3])
 
 
 def test_norm_bounding_hand_computed():
@@ -421,9 +421,9 @@ def test_weight_forms_are_equivalent():
               [1e308, 5e307, 5e307]):
         model = make_model()
         FedAvg(model.parameters()).step(U, w)
-        results.append(parameters_to_vector(model))
+        results.append(module_to_vector(model))
     for r in results[1:]:
         torch.testing.assert_close(r, results[0], rtol=1e-15, atol=0)
     model = make_model()
     FedAvg(model.parameters()).step(U)  # None: uniform
-    torch.testing.assert_close(parameters_to_vector(model), parameters_to_vector(make_model()) - U.mean(0))
+    torch.testing.assert_close(module_to_vector(model), module_to_vector(make_model()) - U.mean(0))

@@ -58,7 +58,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..ops import _validation as V
-from ..ops.aggregate import NONFINITE, AggregateStats, _runner, check_clients, check_gamma, robust_weights
+from ..ops.aggregate import (NONFINITE, AggregateStats, _runner, as_weight_tensor, check_clients, check_gamma,
+                             robust_weights)
 from ..ops._validation import acc_dtype
 from . import _comm
 from ._comm import Plan
@@ -85,27 +86,26 @@ def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
     return (list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else rows), C, N, dtype, device
 
 
-def _local_weights(weights, C: int, device, acc) -> torch.Tensor:
-    """Shape/dtype/device checks, plus (CPU) finite and ``>= 0``; "not all zero" is a
-    property of the union, checked after the exchange."""
-    if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"local_weights must be a torch.Tensor of shape [{C}], got {type(weights).__name__}")
-    if weights.dim() != 1 or weights.shape[0] != C:
-        raise ValueError(f"local_weights must have shape [{C}] (one weight per local client), got "
-                         f"{tuple(weights.shape)}")
-    if not weights.is_floating_point():
-        raise ValueError(f"local_weights must be floating point, got {weights.dtype}")
-    if weights.device != device:
-        raise ValueError(f"local_weights is on {weights.device} but the clients are on {device}")
-    if weights.device.type == "cpu" and C:
-        w = weights.detach().double()
+def _local_weights(weights, C: int, device, acc):
+    """``(weights on device in acc, positive)``: any form ``ops.aggregate`` takes (a
+    tensor, integer tensors and lists of numbers included); host weights are checked by
+    value (finite, ``>= 0``) and ``positive`` says whether any is ``> 0`` ("not all zero"
+    is a property of the union, checked after the exchange); device weights are not
+    read (``positive`` None)."""
+    weights = as_weight_tensor(weights, C, "local_weights")
+    if weights.device.type != "cpu":
+        if weights.device != device:
+            raise ValueError(f"local_weights is on {weights.device} but the clients are on {device}")
+        return weights.detach().to(acc).contiguous(), None
+    w = weights.detach().double()
+    if C:
         bad = ~torch.isfinite(w)
         if bad.any():
             raise ValueError(f"local_weights must be finite, got {w[bad][0].item()} at index {int(bad.nonzero()[0])}")
         neg = w < 0
         if neg.any():
             raise ValueError(f"local_weights must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
-    return weights.detach().to(acc).contiguous()
+    return weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any())
 
 
 def _check_out(out, N, dtype, acc, device):
@@ -150,7 +150,7 @@ def all_aggregate(
     :class:`RankInputError` (nobody hangs).
     """
     error = None
-    rows, C_r, N, dtype, device, acc = [], 0, None, None, None, None
+    rows, C_r, N, dtype, device, acc, positive = [], 0, None, None, None, None, None
     try:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -160,15 +160,16 @@ def all_aggregate(
             max_client_norm = V.check_real(max_client_norm, "max_client_norm", low=0.0, low_open=True)
         rows, C_r, N, dtype, device = _local_clients(local_clients, out)
         acc = acc_dtype(dtype)
-        w_local = _local_weights(local_weights, C_r, device, acc)
+        w_local, positive = _local_weights(local_weights, C_r, device, acc)
         gamma = check_gamma(gamma, device, acc)
         out = _check_out(out, N, dtype, acc, device)
         run = _runner(backend, device)  # raises here if the backend cannot run
     except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
         error = exc
-    # CPU weights: whether any is positive ("not all zero" holds for the union, or fails
+    # Host weights: whether any is positive ("not all zero" holds for the union, or fails
     # on every rank before any data moves); device weights are not read (no sync).
-    positive = bool((w_local > 0).any()) if error is None and device.type == "cpu" else None
+    if error is not None:
+        positive = None
     plan = _comm.exchange(group, what="all_aggregate", count=C_r, N=N, dtype=dtype,
                           device_type=None if device is None else device.type, error=error, extra=positive)
     if positive is not None and not any(plan.extras):

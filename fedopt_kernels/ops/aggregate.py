@@ -56,23 +56,41 @@ def check_clients(clients: Clients, name: str = "clients"):
     return rows, len(rows), first.numel(), first.dtype, first.device
 
 
-def check_weights(weights, C: int, device, dtype, name: str = "weights") -> torch.Tensor:
-    """A ``[C]`` floating tensor on the device, returned in ``dtype``.
-
-    Weights that live on the CPU are also checked by value (no negative or non-finite
-    weight, not all zero).  Weights already on an accelerator are not: reading them
-    would synchronise the host with the device, which a step never does.
-    """
+def as_weight_tensor(weights, C: int, name: str = "weights") -> torch.Tensor:
+    """Client weights in any of the forms every entry point accepts -- a tensor
+    (floating or integer), a list or tuple of numbers, a NumPy array -- as a ``[C]``
+    real tensor: sequences become CPU float64, integer tensors float64 on their
+    device, floating tensors stay as they are (autograd included)."""
     if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape [{C}], got {type(weights).__name__}")
+        if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
+            raise TypeError(f"{name} must be a tensor or a sequence of {C} numbers, got {type(weights).__name__}")
+        try:
+            weights = torch.as_tensor([float(v) for v in weights], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must be a tensor or a sequence of {C} numbers, got {weights!r}") from None
+    if weights.dtype == torch.bool or weights.is_complex():
+        raise TypeError(f"{name} must hold real numbers, got dtype {weights.dtype}")
     if weights.dim() != 1 or weights.shape[0] != C:
         raise ValueError(f"{name} must have shape [{C}] (one weight per client), got {tuple(weights.shape)}")
     if not weights.is_floating_point():
-        raise ValueError(f"{name} must be floating point, got {weights.dtype}")
-    if weights.device != device:
-        raise ValueError(f"{name} is on {weights.device} but the clients are on {device}")
+        weights = weights.to(torch.float64)
+    return weights
+
+
+def check_weights(weights, C: int, device, dtype, name: str = "weights") -> torch.Tensor:
+    """``[C]`` weights (any form :func:`as_weight_tensor` takes) on ``device`` in ``dtype``.
+
+    Weights that live on the CPU are also checked by value (no negative or non-finite
+    weight, not all zero) and then copied to the clients' device without waiting for
+    it.  Weights already on an accelerator are not read: that would synchronise the
+    host with the device, which a step never does.
+    """
+    weights = as_weight_tensor(weights, C, name)
     if weights.device.type == "cpu":
         check_weight_values(weights, name)
+        return weights.to(dtype).contiguous().to(device, non_blocking=True)
+    if weights.device != device:
+        raise ValueError(f"{name} is on {weights.device} but the clients are on {device}")
     return weights.to(dtype).contiguous()
 
 

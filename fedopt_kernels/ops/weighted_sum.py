@@ -8,7 +8,7 @@ import torch
 
 from .. import backends
 from . import _validation as V
-from .aggregate import Clients, check_clients
+from .aggregate import Clients, as_weight_tensor, check_clients
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -52,11 +52,11 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
     """
     rows, C, N, dtype, device = check_clients(clients)
     acc = V.acc_dtype(dtype)
-    if not isinstance(weights, torch.Tensor) or weights.shape != (C,):
-        raise ValueError(f"weights must be a [{C}] tensor (one weight per client), got "
-                         f"{tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__}")
-    if weights.device != device or not weights.is_floating_point():
-        raise ValueError(f"weights must be a floating tensor on {device}, got {weights.dtype} on {weights.device}")
+    weights = as_weight_tensor(weights, C)  # lists and integer tensors as elsewhere; autograd kept
+    if weights.device != device:
+        if weights.device.type != "cpu" or weights.requires_grad:
+            raise ValueError(f"weights must be on {device} (the clients' device), got {weights.device}")
+        weights = weights.to(device, non_blocking=True)
     if isinstance(gamma, torch.Tensor):
         if gamma.numel() != 1 or gamma.device != device:
             raise ValueError(f"gamma as a tensor must have one element and live on {device}")

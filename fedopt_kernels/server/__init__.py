@@ -3,7 +3,7 @@
 Every optimizer here is a ``torch.optim.Optimizer`` over the GLOBAL model's parameters
 whose ``step(updates, weights=None)`` takes the clients' updates
 ``D_i = x_start - x_end_i`` (a ``[C, N]`` tensor or ``C`` flat vectors in
-:func:`fedopt_kernels.utils.parameters_to_vector` order), averages them with ONE fused
+:func:`fedopt_kernels.utils.module_to_vector` order), averages them with ONE fused
 aggregation (which also yields every norm the adaptive methods need, excludes NaN/Inf
 clients and optionally bounds client norms), applies its formula and returns a
 :class:`ServerStats` of tensors.  :class:`FedLAW` instead learns the aggregation

@@ -8,7 +8,7 @@ clients' updates ``D_i = x_start - x_end_i``:
   made), ``N`` the number of elements of all parameters of all groups, in the
   optimizer's order: groups in order, parameters in order within a group.  An
   optimizer built from ``model.parameters()`` has the order of
-  :func:`fedopt_kernels.utils.parameters_to_vector` (``named_parameters()``);
+  :func:`fedopt_kernels.utils.module_to_vector` (``named_parameters()``);
 * with client weights ``w_i`` (data sizes, say; uniform by default), normalised to
   ``p_i = w_i / sum_j w_j``.
 
@@ -42,8 +42,9 @@ bit for bit.  ``step`` returns a :class:`ServerStats` of tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch.optim import Optimizer
@@ -184,6 +185,34 @@ class ServerOptimizer(Optimizer):
             self.param_groups.pop()  # a rejected group leaves the optimizer as it was
             raise
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim``'s, checked first so that a rejected state changes nothing: the
+        same number of groups and parameters, and each hyperparameter a finite number
+        ``>= 0`` (or a tuple of them, or a tensor) where this optimizer has one.  A key
+        the saved groups lack (a checkpoint of an older version) keeps this optimizer's
+        value."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.param_groups):
+            raise ValueError(f"the state_dict has {len(saved) if isinstance(saved, (list, tuple)) else 'no'} param "
+                             f"groups but this optimizer has {len(self.param_groups)}")
+        groups = []
+        for k, (mine, theirs) in enumerate(zip(self.param_groups, saved)):
+            if len(theirs.get("params", ())) != len(mine["params"]):
+                raise ValueError(f"param group {k} of the state_dict has {len(theirs.get('params', ()))} "
+                                 f"parameters but this optimizer's has {len(mine['params'])}")
+            group = {key: value for key, value in mine.items() if key != "params"}
+            group.update(theirs)
+            for key, value in group.items():
+                if key in ("params", "param_names") or key not in mine or isinstance(value, (str, bool)) or \
+                        value is None or isinstance(value, torch.Tensor):
+                    continue
+                for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                        raise ValueError(f"param group {k} of the state_dict has {key}={value!r}: expected "
+                                         f"finite numbers >= 0")
+            groups.append(group)
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
     def _params(self) -> List[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
@@ -191,6 +220,59 @@ class ServerOptimizer(Optimizer):
     def numel(self) -> int:
         """``N``: the length every client update must have."""
         return sum(p.numel() for p in self._params())
+
+    def param_names(self) -> Optional[List[str]]:
+        """The names of the parameters in this optimizer's order (the order of a flat
+        update), when it was built from ``model.named_parameters()``; else None."""
+        names = [n for g in self.param_groups for n in g.get("param_names", [])]
+        return names if len(names) == len(self._params()) else None
+
+    def flatten_update(self, update: Mapping, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One client's update as the flat ``[N]`` vector :meth:`step` takes, in THIS
+        optimizer's parameter order (param groups in order, parameters in group order,
+        which need not be the model's order).
+
+        ``update`` maps every parameter to its update tensor, keyed by the parameter
+        itself, or by its name when the optimizer was built from
+        ``model.named_parameters()`` (a ``{name: x_global - x_client}`` dict, e.g. from
+        two ``state_dict()`` s).  A missing, unknown or misshapen entry raises, naming
+        it.  :meth:`step` also takes a list of such mappings directly.
+        """
+        params = self._params()
+        if not isinstance(update, Mapping):
+            raise TypeError(f"update must be a mapping from parameters (or their names) to tensors, "
+                            f"got {type(update).__name__}")
+        names = self.param_names()
+        by_name = bool(update) and all(isinstance(k, str) for k in update)
+        if by_name and names is None:
+            raise ValueError("update is keyed by name but this optimizer has no parameter names: build it from "
+                             "model.named_parameters(), or key the update by the parameter tensors")
+        keys = names if by_name else params
+        label = (lambda i: repr(names[i])) if by_name else (lambda i: f"parameter {i} of the optimizer")
+        known = set(keys) if by_name else {id(p) for p in params}
+        for k in update:
+            if (k not in known) if by_name else (id(k) not in known):
+                raise ValueError(f"update has an entry {k!r} that is not a parameter of this optimizer"
+                                 if by_name else "update has an entry for a tensor that is not a parameter of "
+                                 "this optimizer")
+        lookup = update if by_name else {id(k): v for k, v in update.items()}
+        tensors = []
+        for i, (key, p) in enumerate(zip(keys, params)):
+            t = lookup.get(key if by_name else id(key))
+            if t is None:
+                raise ValueError(f"update has no entry for {label(i)}")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"update for {label(i)} must be a tensor of shape {tuple(p.shape)}, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            tensors.append(t)
+        first = params[0]
+        if out is None:
+            out = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        offset = 0
+        for t in tensors:
+            out[offset:offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
+        return out
 
     # ------------------------------------------------------------------ validation
     def _check_updates(self, updates: Updates, N: int, dtype: torch.dtype, device: torch.device, *,
@@ -213,6 +295,8 @@ class ServerOptimizer(Optimizer):
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous: call .contiguous() first")
 
+        if isinstance(updates, (list, tuple)) and updates and all(isinstance(u, Mapping) for u in updates):
+            updates = [self.flatten_update(u) for u in updates]  # named updates, in this optimizer's order
         if isinstance(updates, torch.Tensor):
             if updates.dim() == 1:
                 raise ValueError(f"updates as a tensor must be 2-D [C, N], got shape {tuple(updates.shape)}; "
@@ -273,6 +357,11 @@ class ServerOptimizer(Optimizer):
     def step(self, updates: Updates, weights=None) -> ServerStats:
         """Apply one round of client ``updates`` (``[C, N]`` or ``C`` flat vectors),
         weighted by ``weights`` (``[C]``; uniform if None).  Returns :class:`ServerStats`.
+
+        A flat update follows THIS optimizer's parameter order (param groups in order),
+        which is not the model's when the groups reorder it: build it with
+        :meth:`flatten_update`, or pass ``C`` mappings ``{name or parameter: tensor}``
+        and the optimizer flattens them in its own order, checking every entry.
 
         All arguments are checked before anything is written: a rejected call changes
         neither the parameters nor the state.  Weights given as Python numbers or CPU

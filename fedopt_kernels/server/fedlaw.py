@@ -35,6 +35,26 @@ class FedLAWRound(NamedTuple):
     losses: torch.Tensor
 
 
+def _check_models_not_updates(client_sq: torch.Tensor, global_sq: float) -> None:
+    """Refuse client "models" that are in fact updates (``x_global - x_i``).
+
+    FedLAW aggregates the clients' parameters themselves; given updates it would write
+    ``gamma sum_i lambda_i D_i`` -- a vector of roughly an update's size -- into the
+    model, silently shrinking it.  A client model starts the round at the global model
+    and moves by one round of local steps, so its norm stays close to the global
+    model's; an update's norm is a small fraction of it.  If EVERY usable client's norm
+    is below half the global model's (and the global model is not zero), the inputs are
+    refused.  (A round that really halves every client's norm -- local weight decay of
+    ``lr * wd * K ~ 0.7`` -- is not a setting FedLAW is used in.)
+    """
+    if global_sq > 0 and client_sq.numel() and bool((client_sq < 0.25 * global_sq).all()):
+        ratio = math.sqrt(float(client_sq.max()) / global_sq)
+        raise ValueError(
+            f"client_models look like updates, not models: every client's norm is at most {ratio:.3g} x the "
+            f"global model's. FedLAW.step needs the clients' parameters w_i (e.g. x_global - update_i), "
+            f"not their updates")
+
+
 class FedLAW:
     r"""FedLAW's server step (Li et al., ICML 2023; ``shared/papers/fedlaw.txt``).
 
@@ -268,8 +288,15 @@ class FedLAW:
         lam_sizes = (sizes / sizes.sum()).to(device=device, dtype=acc)
         _, st = aggregate(rows, lam_sizes, out=probe, nonfinite="exclude", backend=self.backend)
         excluded = st.excluded
-        usable = (~excluded.cpu()) & (sizes > 0)  # the round's one host sync
+        # The round's one host sync: which clients are usable, and whether the "models"
+        # are really models (see _check_models_not_updates).
+        global_sq = sum((p.detach().to(acc).square().sum() for p in params), torch.zeros((), dtype=acc,
+                                                                                           device=device))
+        host = torch.cat([excluded.to(acc), st.client_sq_norms.to(acc), global_sq.view(1)]).cpu()
+        excluded_host, client_sq, global_sq = host[:C].bool(), host[C:2 * C], float(host[2 * C])
+        usable = (~excluded_host) & (sizes > 0)
         keep = usable.nonzero().flatten().tolist()
+        _check_models_not_updates(client_sq[keep], global_sq)
         lam_full = torch.zeros(C, dtype=acc, device=device)
         if not keep:
             gamma = torch.ones((), dtype=acc, device=device)

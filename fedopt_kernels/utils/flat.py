@@ -21,6 +21,7 @@ checked to share one layout.  Writing back casts each slice to its tensor's dtyp
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -209,19 +210,44 @@ def buffers_layout(module: nn.Module, *, kind: str = "floating", dtype=None) -> 
     return FlatLayout.from_named_tensors(_named_buffers(module, kind), dtype=dtype)
 
 
-def parameters_to_vector(module: nn.Module, *, trainable_only: bool = False, dtype=None,
-                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A new flat vector (or ``out``) holding ``module``'s parameters (detached)."""
+def module_to_vector(module: nn.Module, *, trainable_only: bool = False, dtype=None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A new flat vector (or ``out``) holding ``module``'s parameters (detached), in
+    ``named_parameters()`` order.  Takes the module itself, unlike
+    ``torch.nn.utils.parameters_to_vector``, which takes an iterable of tensors."""
+    _check_module(module, "module_to_vector")
     named = _named_params(module, trainable_only)
     layout = FlatLayout.from_named_tensors(named, dtype=dtype)
     return layout.flatten([p for _, p in named], out=out)
 
 
-def vector_to_parameters(vec: torch.Tensor, module: nn.Module, *, trainable_only: bool = False) -> None:
+def vector_to_module(vec: torch.Tensor, module: nn.Module, *, trainable_only: bool = False) -> None:
     """Write ``vec`` into ``module``'s parameters (checked first; no autograd record)."""
+    _check_module(module, "vector_to_module")
     named = _named_params(module, trainable_only)
     layout = FlatLayout.from_named_tensors(named, dtype=vec.dtype if vec.is_floating_point() else None)
     layout.copy_to(vec, [p for _, p in named])
+
+
+def _check_module(module, fn: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{fn} takes an nn.Module, got {type(module).__name__}; for an iterable of tensors use "
+                        f"torch.nn.utils.{'parameters_to_vector' if fn == 'module_to_vector' else 'vector_to_parameters'}")
+
+
+def parameters_to_vector(module: nn.Module, **kw) -> torch.Tensor:
+    """Deprecated name of :func:`module_to_vector` (it shadowed torch's
+    ``parameters_to_vector``, which takes tensors, not a module)."""
+    warnings.warn("fedopt_kernels.utils.parameters_to_vector is renamed module_to_vector (it takes a module, "
+                  "unlike torch.nn.utils.parameters_to_vector)", DeprecationWarning, stacklevel=2)
+    return module_to_vector(module, **kw)
+
+
+def vector_to_parameters(vec: torch.Tensor, module: nn.Module, **kw) -> None:
+    """Deprecated name of :func:`vector_to_module`."""
+    warnings.warn("fedopt_kernels.utils.vector_to_parameters is renamed vector_to_module (it takes a module, "
+                  "unlike torch.nn.utils.vector_to_parameters)", DeprecationWarning, stacklevel=2)
+    vector_to_module(vec, module, **kw)
 
 
 def buffers_to_vector(module: nn.Module, *, kind: str = "floating", dtype=None,

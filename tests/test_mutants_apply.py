@@ -6,6 +6,7 @@ README's Development section.)"""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "mutants.py"
 spec = importlib.util.spec_from_file_location("fedopt_mutants", TOOL)
 mutants = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mutants  # dataclasses look their module up there
 spec.loader.exec_module(mutants)
 
 

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import _fp64_oracle as fp64
+
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available in this torch build")
 
@@ -183,6 +185,19 @@ def _scenario_aggregate(rank, world):
     return got
 
 
+def _scenario_aggregate_device_decisions(rank, world):
+    """The aggregation as it runs on CUDA, where the exclusion and skip decisions stay on
+    the device (the second pass always runs, enabled by a device flag): forced on the
+    CPU so that this path, the GPU's, is tested here."""
+    from fedopt_kernels.distributed import aggregate as dist_agg
+
+    dist_agg._DEVICE_DECISIONS_ON_CPU = True
+    try:
+        return _scenario_aggregate(rank, world)
+    finally:
+        dist_agg._DEVICE_DECISIONS_ON_CPU = False
+
+
 def _scenario_errors(rank, world):
     """A rank with bad input raises its error, the other a RankInputError; nobody hangs,
     and the group still works afterwards."""
@@ -244,8 +259,8 @@ def _scenario_simulation(rank, world):
     return got
 
 
-SCENARIOS = {"aggregate": _scenario_aggregate, "errors": _scenario_errors, "server": _scenario_server,
-             "simulation": _scenario_simulation}
+SCENARIOS = {"aggregate": _scenario_aggregate, "aggregate_device_decisions": _scenario_aggregate_device_decisions,
+             "errors": _scenario_errors, "server": _scenario_server, "simulation": _scenario_simulation}
 
 
 def _worker(rank, world, init_file, out_dir, scenarios):
@@ -339,10 +354,10 @@ def single_aggregate(case):
     return out, st
 
 
-def check_ordered(results, case):
+def check_ordered(results, case, scenario="aggregate"):
     ref_out, ref = single_aggregate(case)
     for r, res in enumerate(results):
-        out, st = res["aggregate"][("ordered", case)]
+        out, st = res[scenario][("ordered", case)]
         assert_bitwise(out, ref_out, f"rank {r} out")
         for field in ref._fields:
             assert_bitwise(getattr(st, field), getattr(ref, field), f"rank {r} stats.{field}")
@@ -356,6 +371,43 @@ def test_all_aggregate_ordered_is_bitwise_the_single_process_aggregate(ranks, ca
 @pytest.mark.parametrize("case", list(COUNTS3))
 def test_all_aggregate_ordered_on_three_ranks(ranks3, case):
     check_ordered(ranks3, case)
+
+
+@pytest.mark.parametrize("case", list(AGG_CASES))
+def test_device_side_decisions_equal_the_host_path_bitwise(ranks, case):
+    """The path CUDA takes (exclusion and skip decided on the device, the second pass
+    always run and enabled by a device flag), taken here on the CPU: ordered is bitwise
+    the single-process aggregate, and both modes are bitwise the host-decided results."""
+    check_ordered(ranks, case, "aggregate_device_decisions")
+    for res in ranks:
+        for mode in ("ordered", "all_reduce"):
+            if (mode, case) not in res["aggregate"]:
+                continue
+            (out_h, st_h), (out_d, st_d) = res["aggregate"][(mode, case)], res["aggregate_device_decisions"][(mode, case)]
+            assert_bitwise(out_d, out_h, f"{mode} out")
+            for field in st_h._fields:
+                assert_bitwise(getattr(st_d, field), getattr(st_h, field), f"{mode} stats.{field}")
+
+
+@pytest.mark.parametrize("case", ["nan_on_rank1_uneven", "all_excluded", "fp64_bounded", "zero_weights",
+                                  "rank0_empty_bounded_gamma_tensor"])
+def test_device_side_decisions_against_the_fp64_oracle(ranks, case):
+    """The weighted sum the device-decided path returns, against the fp64 oracle: NaN
+    clients left out with their weight spread over the rest, norm bounding, gamma."""
+    X, w, _, kw = agg_data(case)
+    q = torch.tensor([fp64.sq_norm([x]) for x in X], dtype=F64)
+    eff, bad = fp64.robust_weights(w, q, max_client_norm=kw.get("max_client_norm"))
+    clean = torch.where(bad[:, None], torch.zeros((), dtype=X.dtype), X)
+    want, _, _ = fp64.aggregate(clean, eff, float(kw.get("gamma", 1.0)))
+    for res in ranks:
+        for mode in ("ordered", "all_reduce"):
+            if (mode, case) not in res["aggregate_device_decisions"]:
+                continue
+            out, st = res["aggregate_device_decisions"][(mode, case)]
+            assert st.excluded.tolist() == bad.tolist()
+            assert bool(st.all_excluded) == bool(bad.all())
+            rtol = 1e-12 if X.dtype == F64 else 2e-5
+            torch.testing.assert_close(out.double(), want, rtol=rtol, atol=rtol * float(want.abs().max() + 1))
 
 
 def test_the_cases_exercise_what_they_claim():

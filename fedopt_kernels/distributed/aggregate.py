@@ -86,6 +86,10 @@ def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
     return (list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else rows), C, N, dtype, device
 
 
+# Tests only: make CPU runs take the path CUDA takes (decisions read on the device).
+_DEVICE_DECISIONS_ON_CPU = False
+
+
 def _local_weights(weights, C: int, device, acc):
     """``(weights on device in acc, positive)``: any form ``ops.aggregate`` takes (a
     tensor, integer tensors and lists of numbers included); host weights are checked by
@@ -183,7 +187,9 @@ def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, non
     """The aggregation once every rank has agreed on ``plan`` (inputs already checked)."""
     acc = acc_dtype(dtype)
     robust = nonfinite == "exclude" or max_client_norm is not None
-    host_decides = device.type == "cpu"  # reading a CPU flag is free; on CUDA it would sync
+    # Reading a CPU flag is free; on CUDA it would sync, so there the second pass always
+    # runs and decides on the device.  The tests take the device path on the CPU too.
+    host_decides = device.type == "cpu" and not _DEVICE_DECISIONS_ON_CPU
     if mode == "ordered":
         result = _Ordered(rows, plan, group, run, acc, dtype, device, gamma, out)
     else:

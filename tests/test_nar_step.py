@@ -70,17 +70,25 @@ def assert_matches(fused, reference, dtype):
 ODD = [(1,), (5,), (1025,), (278011,)]
 
 
+def interpreted(name) -> bool:
+    """Triton on CPU tensors in its interpreter: correct but ~1000x slower."""
+    return name == "triton" and backends.triton_interpret_mode()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_odd_sizes_and_empty_tensors(backend, dtype, mode, momentum):
     name, device = backend
-    shapes = [(1,), (0,), (5,), (1025,), (3, 0, 2), (278011,)]
+    # 278011: many blocks and chunks with a ragged tail; under the (slow) Triton
+    # interpreter 70001, still many blocks with a tail.
+    big = 70001 if interpreted(name) else 278011
+    shapes = [(1,), (0,), (5,), (1025,), (3, 0, 2), (big,)]
     params, grads, bufs = make_case(shapes, dtype, device, seed=1)
     kw = dict(lr=0.05, weight_decay=0.01, max_norm=10.0, mode=mode, momentum=momentum)
     fused, reference = run_both(name, params, grads, bufs, **kw)
     assert_matches(fused, reference, dtype)
-    # ||g|| ~ sqrt(279042) ~ 528 > 10: the co and grad modes really clip here.
+    # ||g|| >= sqrt(70001) ~ 265 > 10: the co and grad modes really clip here.
     if mode != "none":
         assert float(fused[2].scale) < 0.05
 
@@ -119,7 +127,7 @@ def resnet18_case_shapes(name):
     tensors with the channel dimensions divided by 8 (still every kind of shape, odd
     sizes, several blocks per tensor)."""
     shapes = resnet18_shapes()
-    if name == "triton" and backends.triton_interpret_mode():
+    if interpreted(name):
         shapes = [tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s)) for s in shapes]
     return shapes
 

@@ -71,6 +71,8 @@ def oracle_rows(X, G, B, lrs, wds, **kw):
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_rows_match_single_op(backend, C, N, mode, momentum):
     name, device = backend
+    if C == 64 and name == "triton" and backends.triton_interpret_mode():
+        N = min(N, 257)  # 64 long rows are slow to interpret; C = 3 keeps N = 1027
     X, G, B = make_rows(C, N, device, seed=C * 1000 + N)
     if C > 1:
         G[C // 2, N // 2] = float("nan")  # one NaN row among finite ones

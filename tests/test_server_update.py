@@ -67,7 +67,9 @@ def tolerances(dtype, backend_name):
 @pytest.mark.parametrize("rule,nesterov", RULES, ids=[f"{r}{'-nesterov' if n else ''}" for r, n in RULES])
 def test_matches_reference(backend, rule, nesterov, dtype):
     name, device = backend
-    params, updates, state = make_case(rule, dtype, device)
+    interpreted = name == "triton" and backends.triton_interpret_mode()
+    # Under the Triton interpreter 4099 instead of 70001 elements: still several blocks.
+    params, updates, state = make_case(rule, dtype, device, SIZES[:-1] + [(4099,)] if interpreted else SIZES)
     p_f, s_f = clone_case(params, state)
     kw = dict(rule=rule, lr=0.3, gamma=0.9, nesterov=nesterov, **HYPER)
     # The oracle: the contract's arithmetic written out in tests/_server_update_oracle.py

@@ -195,3 +195,25 @@ def test_module_to_vector_takes_a_module_and_the_old_names_warn():
         assert torch.equal(utils.parameters_to_vector(model), want)
     with pytest.raises(TypeError, match=r"vector_to_parameters"):
         utils.vector_to_module(want, list(model.parameters()))
+
+
+def test_state_dict_with_a_scheduler_attached_round_trips():
+    """Schedulers add entries (initial_lr, FedDecay's lr_factors dict) to the groups:
+    the checks of load_state_dict accept them, and a string where a number belongs is
+    refused."""
+    from fedopt_kernels.lr_scheduler import RoundAnnealing
+
+    model = net()
+    opt = FedAdam(model.parameters(), lr=0.1)
+    sched = RoundAnnealing(opt, lr_decay=0.9)
+    opt.step(torch.randn(2, opt.numel))
+    sched.step()
+    sd = copy.deepcopy(opt.state_dict())
+    other = FedAdam(net().parameters(), lr=0.1)
+    RoundAnnealing(other, lr_decay=0.9)
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["lr"] == pytest.approx(0.09)
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][0]["lr"] = "0.1"
+    with pytest.raises(ValueError, match="lr='0.1'"):
+        other.load_state_dict(bad)

@@ -124,6 +124,20 @@ def state_buffers(optimizer: Optimizer, params, key: str, init) -> List[torch.Te
     return bufs
 
 
+def _is_numbers(value) -> bool:
+    """A hyperparameter that is a number or a tuple/list of numbers (not a bool)."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return bool(items) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items)
+
+
+def _is_valid_numbers(value) -> bool:
+    """A tensor, or numbers that are all finite and >= 0."""
+    if isinstance(value, torch.Tensor):
+        return True
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return _is_numbers(value) and all(math.isfinite(v) and v >= 0 for v in items)
+
+
 def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[float] = None,
                  high_open: bool = False) -> None:
     """Constructor check of a hyperparameter (tensors are accepted unchecked)."""
@@ -203,13 +217,10 @@ class ServerOptimizer(Optimizer):
             group = {key: value for key, value in mine.items() if key != "params"}
             group.update(theirs)
             for key, value in group.items():
-                if key in ("params", "param_names") or key not in mine or isinstance(value, (str, bool)) or \
-                        value is None or isinstance(value, torch.Tensor):
-                    continue
-                for v in (value if isinstance(value, (tuple, list)) else (value,)):
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                        raise ValueError(f"param group {k} of the state_dict has {key}={value!r}: expected "
-                                         f"finite numbers >= 0")
+                if key in mine and key != "params" and _is_numbers(mine[key]) and not _is_valid_numbers(value):
+                    raise ValueError(f"param group {k} of the state_dict has {key}={value!r}: expected "
+                                     f"{'numbers' if isinstance(mine[key], (tuple, list)) else 'a number'} "
+                                     f"finite and >= 0 (or a tensor), as this optimizer's {mine[key]!r}")
             groups.append(group)
         super().load_state_dict({**state_dict, "param_groups": groups})
 

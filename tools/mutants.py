@@ -12,7 +12,7 @@ the fast test tier (``pytest -m "not slow" -x``), the mutant's most relevant tes
 first.  A mutant is KILLED when a test fails (pytest exit 1); a build failure or any
 other pytest exit (collection error, no tests) is an ERROR, never counted as killed.
 
-    .venv/bin/python tools/mutants.py                  # every mutant (~15-30 min on 2 cores)
+    .venv/bin/python tools/mutants.py                  # every mutant (~13 min on 2 cores)
     .venv/bin/python tools/mutants.py --list
     .venv/bin/python tools/mutants.py --only eps-dropped-ref,yogi-sign-cpp --keep
 

@@ -87,3 +87,49 @@ def test_overflow_skips_without_touching_params_and_the_scale_backs_off(backend)
         assert torch.equal(p, p0) and torch.equal(b, b0)
     assert scaler.get_scale() == 2.0 ** 9  # backoff_factor 0.5
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")  # the scaler cleaned up
+
+
+@pytest.mark.parametrize("mode", ["co", "grad"])
+def test_gradscaler_run_with_an_overflow_step_follows_the_oracle(backend, mode):
+    """Five GradScaler steps with momentum, the third with an inf gradient (as an fp16
+    overflow gives).  On CUDA this is ``GradScaler("cuda")`` over fp16 autocast driving
+    the fused kernels; here bf16 on the CPU backends (the CUDA cases skip, saying so).
+
+    Every finite step equals the fp64 oracle stepped on the gradients unscaled by hand
+    (params AND momentum buffers); the overflow step leaves both bit-identical, reports
+    ``skipped``, and the scaler halves its scale, after which the steps are unscaled by
+    the new scale.  The oracle starts each step from the optimizer's actual state, so an
+    error shows at the step that makes it instead of compounding."""
+    name, device = backend
+    model, x, y = model_and_data(device, 2)
+    params = list(model.parameters())
+    opt = FedNAR(params, mode=mode, momentum=0.9, backend=name, **HYPER)
+    scale = 2.0 ** 12
+    scaler = torch.amp.GradScaler(device.type, init_scale=scale)
+    for step in range(5):
+        opt.zero_grad()
+        scaled_backward(model, scaler, x, y)
+        overflow = step == 2
+        if overflow:
+            params[2].grad[1, 3] = float("inf")
+        x0 = [p.detach().clone() for p in params]
+        b0 = [opt.state[p]["momentum_buffer"].clone() if p in opt.state else torch.zeros_like(p) for p in params]
+        unscaled = [p.grad.double() / scale for p in params]
+        scaler.step(opt)
+        scaler.update()
+        stats = opt.last_stats[0]
+        b1 = [opt.state[p]["momentum_buffer"] for p in params]
+        if overflow:
+            assert bool(stats.skipped)
+            for p, b, p0, bb0 in zip(params, b1, x0, b0):
+                assert torch.equal(p, p0) and torch.equal(b, bb0)
+            scale /= 2  # backoff_factor 0.5
+        else:
+            want_x, want_b, n, _, skipped = fp64.nar_step(x0, unscaled, b0, mode=mode, momentum=0.9, **HYPER)
+            assert not skipped and not bool(stats.skipped)
+            torch.testing.assert_close(float(stats.norm), n, rtol=1e-5, atol=1e-7)
+            for p, b, wx, wb in zip(params, b1, want_x, want_b):
+                torch.testing.assert_close(p.detach().cpu(), wx, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(b.cpu(), wb, rtol=1e-5, atol=1e-6)
+        assert scaler.get_scale() == scale
+    assert scale == 2.0 ** 11  # the run saw exactly one backoff

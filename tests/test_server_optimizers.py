@@ -14,7 +14,6 @@ from fedopt_kernels.server import ASNES, FedAdagrad, FedAdam, FedAvg, FedAvgM, F
 from fedopt_kernels.utils import module_to_vector, vector_to_module
 
 
-
 def on(device, updates):
     """A round's updates on ``device`` (a [C, N] tensor or a list of vectors)."""
     if isinstance(updates, torch.Tensor):
@@ -137,16 +136,22 @@ def test_matches_oracle_over_rounds_float64(name, backend):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_oracle_float32(name):
+def test_matches_oracle_float32(name, backend):
+    """fp32, the dtype a GPU server runs in: every backend (CUDA and compiled Triton on a
+    GPU machine) against the oracle in fp32.  Tensor weights go to the model's device
+    (read there without a sync), list weights stay on the host."""
+    backend, device = backend
     cls, kw = CASES[name]
     model = make_model(torch.float32)
-    opt = cls(model.parameters(), **kw)
     oracle = Oracle(name, kw, module_to_vector(model))
+    model.to(device)
+    opt = cls(model.parameters(), backend=backend, **kw)
     for updates, weights in make_rounds(opt.numel, dtype=torch.float32):
         rows = rows_of(updates)
-        opt.step(updates, weights)
+        w = weights.to(device) if isinstance(weights, torch.Tensor) else weights
+        opt.step(on(device, updates), w)
         expected = oracle.step(rows, norm_p(weights, len(rows), torch.float32))
-        torch.testing.assert_close(module_to_vector(model), expected, rtol=2e-5, atol=2e-6)
+        torch.testing.assert_close(module_to_vector(model).cpu(), expected, rtol=2e-5, atol=2e-6)
 
 
 def test_param_groups_have_their_own_hyperparameters():

@@ -8,6 +8,11 @@ then compare it with the library's public single-process path computed here:
   (NaN/Inf clients on either rank, uneven and empty ranks, norm bounding, gamma,
   fp32/fp64/bf16/fp16, the cpu and reference backends); ``mode="all_reduce"``: the
   statistics bitwise, the sum within the documented bound;
+* the device-decided path (what CUDA runs: exclusion and skip decided on the device,
+  the second pass always run under a device flag), forced on the CPU here -- bitwise
+  the host-decided results for ``all_aggregate`` and ``DistributedServerOptimizer``
+  (a NaN client excluded, every client NaN: the round skipped), against the fp64
+  oracle, and with a record of the passes that shows which path ran;
 * ``DistributedServerOptimizer`` vs ``ServerOptimizer.step`` -- parameters, state and
   statistics bitwise over several rounds (a NaN client, an empty rank, a skipped round);
 * ``DistributedSimulation`` vs ``Simulation`` -- global model, server state and the
@@ -64,7 +69,7 @@ AGG_CASES = {
     "reference_backend": dict(seed=8, C=5, N=777, counts=(2, 3), nan=(0,), kw=dict(backend="reference")),
 }
 ALL_REDUCE_CASES = ("nan_on_rank1_uneven", "rank0_empty_bounded_gamma_tensor", "bf16", "fp64_bounded",
-                    "zero_weights")
+                    "zero_weights", "all_excluded")
 # 3 ranks: the middle rank both receives and sends the running sum (here also empty, or alone with a NaN client)
 COUNTS3 = {"nan_on_rank1_uneven": (2, 0, 5), "nan_on_rank0": (1, 1, 4), "bf16": (1, 3, 2),
            "fp64_bounded": (2, 2, 1), "rank0_empty_bounded_gamma_tensor": (0, 2, 3), "all_excluded": (1, 1, 1)}
@@ -167,7 +172,9 @@ def sim_args(case):
 
 
 # ============================================================================ workers
-def _scenario_aggregate(rank, world):
+def _scenario_aggregate(rank, world, passes=None):
+    """``got[(mode, case)] = (out, stats)``; with ``passes`` (see _with_second_passes)
+    also ``got[("passes", mode, case)]``, how that call's second pass ran."""
     from fedopt_kernels.distributed import all_aggregate
 
     got = {}
@@ -180,22 +187,45 @@ def _scenario_aggregate(rank, world):
             local = X[a:b].contiguous()
             if mode == "ordered" and case == "nan_on_rank0":
                 local = list(local.unbind(0))  # a list of vectors works as a [C_r, N] tensor does
+            if passes is not None:
+                passes.clear()
             out, st = all_aggregate(local, w[a:b], mode=mode, **kw)
             got[(mode, case)] = (out.clone(), st)
+            if passes is not None:
+                got[("passes", mode, case)] = list(passes)
     return got
 
 
-def _scenario_aggregate_device_decisions(rank, world):
-    """The aggregation as it runs on CUDA, where the exclusion and skip decisions stay on
-    the device (the second pass always runs, enabled by a device flag): forced on the
-    CPU so that this path, the GPU's, is tested here."""
+def _with_second_passes(scenario, device_decisions):
+    """Run ``scenario`` recording, per call, how the robust second pass ran: ``"host"``
+    (decided on the host: enabled None) or ``"device"`` (run with a device flag), one
+    entry per pass.  ``device_decisions`` forces the path CUDA takes (exclusion and skip
+    decided on the device, the second pass always run and enabled by a device flag) on
+    the CPU, so that the GPU's path is tested here; the record shows it was taken."""
     from fedopt_kernels.distributed import aggregate as dist_agg
 
-    dist_agg._DEVICE_DECISIONS_ON_CPU = True
-    try:
-        return _scenario_aggregate(rank, world)
-    finally:
-        dist_agg._DEVICE_DECISIONS_ON_CPU = False
+    def run(rank, world):
+        passes, originals = [], {}
+
+        def spy(cls):
+            original = originals[cls] = cls.second_pass
+
+            def second_pass(self, eff_local, enabled):
+                passes.append("host" if enabled is None else "device")
+                return original(self, eff_local, enabled)
+            cls.second_pass = second_pass
+
+        spy(dist_agg._Ordered)
+        spy(dist_agg._AllReduce)
+        dist_agg._DEVICE_DECISIONS_ON_CPU = device_decisions
+        try:
+            got = scenario(rank, world, passes)
+        finally:
+            dist_agg._DEVICE_DECISIONS_ON_CPU = False
+            for cls, original in originals.items():
+                cls.second_pass = original
+        return got
+    return run
 
 
 def _scenario_errors(rank, world):
@@ -228,21 +258,28 @@ def _scenario_errors(rank, world):
     return got
 
 
-def _scenario_server(rank, world):
+def _scenario_server(rank, world, passes=None):
+    """``got[case] = (rounds, state_dict)``; with ``passes``, ``got[("passes", case)]``
+    holds how each round's second pass ran."""
     from fedopt_kernels.distributed import DistributedServerOptimizer
 
     got = {}
     for case in SERVER_CASES:
         params = server_params()
         opt = DistributedServerOptimizer(make_server_opt(case, params))
-        rounds = []
+        rounds, round_passes = [], []
         for r in range(len(SERVER_ROUNDS)):
             U, weights, counts = server_round(case, r)
             a, b = bounds(counts, rank)
             local_w = None if weights is None else weights[a:b]
+            if passes is not None:
+                passes.clear()
             st = opt.step(U[a:b].contiguous(), local_w)
             rounds.append(({k: v for k, v in vars(st).items()}, [p.clone() for p in params]))
+            round_passes.append(None if passes is None else list(passes))
         got[case] = (rounds, opt.state_dict())
+        if passes is not None:
+            got[("passes", case)] = round_passes
     return got
 
 
@@ -259,8 +296,11 @@ def _scenario_simulation(rank, world):
     return got
 
 
-SCENARIOS = {"aggregate": _scenario_aggregate, "aggregate_device_decisions": _scenario_aggregate_device_decisions,
-             "errors": _scenario_errors, "server": _scenario_server, "simulation": _scenario_simulation}
+SCENARIOS = {"aggregate": _with_second_passes(_scenario_aggregate, False),
+             "aggregate_device_decisions": _with_second_passes(_scenario_aggregate, True),
+             "errors": _scenario_errors, "server": _with_second_passes(_scenario_server, False),
+             "server_device_decisions": _with_second_passes(_scenario_server, True),
+             "simulation": _scenario_simulation}
 
 
 def _worker(rank, world, init_file, out_dir, scenarios):
@@ -373,12 +413,21 @@ def test_all_aggregate_ordered_on_three_ranks(ranks3, case):
     check_ordered(ranks3, case)
 
 
+def robust(case):
+    kw = AGG_CASES[case].get("kw", {})
+    return kw.get("nonfinite", "exclude") == "exclude" or kw.get("max_client_norm") is not None
+
+
 @pytest.mark.parametrize("case", list(AGG_CASES))
 def test_device_side_decisions_equal_the_host_path_bitwise(ranks, case):
     """The path CUDA takes (exclusion and skip decided on the device, the second pass
     always run and enabled by a device flag), taken here on the CPU: ordered is bitwise
-    the single-process aggregate, and both modes are bitwise the host-decided results."""
+    the single-process aggregate, and both modes are bitwise the host-decided results.
+    The recorded passes show which path each run took: the host runs a second pass only
+    when a weight changed; the device path runs one in every robust call."""
     check_ordered(ranks, case, "aggregate_device_decisions")
+    ref_out, ref = single_aggregate(case)
+    changed = bool((ref.weights != agg_data(case)[1]).any())
     for res in ranks:
         for mode in ("ordered", "all_reduce"):
             if (mode, case) not in res["aggregate"]:
@@ -387,18 +436,22 @@ def test_device_side_decisions_equal_the_host_path_bitwise(ranks, case):
             assert_bitwise(out_d, out_h, f"{mode} out")
             for field in st_h._fields:
                 assert_bitwise(getattr(st_d, field), getattr(st_h, field), f"{mode} stats.{field}")
+            assert res["aggregate"][("passes", mode, case)] == (["host"] if robust(case) and changed else [])
+            assert res["aggregate_device_decisions"][("passes", mode, case)] == (["device"] if robust(case) else [])
 
 
-@pytest.mark.parametrize("case", ["nan_on_rank1_uneven", "all_excluded", "fp64_bounded", "zero_weights",
-                                  "rank0_empty_bounded_gamma_tensor"])
+@pytest.mark.parametrize("case", ["nan_on_rank1_uneven", "nan_on_rank0", "all_excluded", "fp64_bounded",
+                                  "zero_weights", "rank0_empty_bounded_gamma_tensor"])
 def test_device_side_decisions_against_the_fp64_oracle(ranks, case):
-    """The weighted sum the device-decided path returns, against the fp64 oracle: NaN
-    clients left out with their weight spread over the rest, norm bounding, gamma."""
+    """What the device-decided path returns, against the fp64 oracle: NaN clients left
+    out with their weight spread over the rest, norm bounding, gamma; with every client
+    non-finite, nothing is summed (out exactly 0) and ``all_excluded`` says so."""
     X, w, _, kw = agg_data(case)
     q = torch.tensor([fp64.sq_norm([x]) for x in X], dtype=F64)
     eff, bad = fp64.robust_weights(w, q, max_client_norm=kw.get("max_client_norm"))
     clean = torch.where(bad[:, None], torch.zeros((), dtype=X.dtype), X)
-    want, _, _ = fp64.aggregate(clean, eff, float(kw.get("gamma", 1.0)))
+    want, _, want_Q = fp64.aggregate(clean, eff, float(kw.get("gamma", 1.0)))
+    rtol = 1e-12 if X.dtype == F64 else 2e-5
     for res in ranks:
         for mode in ("ordered", "all_reduce"):
             if (mode, case) not in res["aggregate_device_decisions"]:
@@ -406,8 +459,41 @@ def test_device_side_decisions_against_the_fp64_oracle(ranks, case):
             out, st = res["aggregate_device_decisions"][(mode, case)]
             assert st.excluded.tolist() == bad.tolist()
             assert bool(st.all_excluded) == bool(bad.all())
-            rtol = 1e-12 if X.dtype == F64 else 2e-5
+            torch.testing.assert_close(st.weights.double(), eff, rtol=rtol, atol=0)
+            finite = ~bad
+            torch.testing.assert_close(st.client_sq_norms.double()[finite], q[finite], rtol=rtol, atol=0)
+            if bad.all():
+                assert not out.any() and st.sq_norm.item() == 0.0
+                continue
             torch.testing.assert_close(out.double(), want, rtol=rtol, atol=rtol * float(want.abs().max() + 1))
+            assert math.isclose(st.sq_norm.item(), want_Q, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(SERVER_CASES))
+def test_server_with_device_side_decisions_is_bitwise_the_host_path(ranks, case):
+    """``DistributedServerOptimizer`` over the rounds of SERVER_ROUNDS (a NaN client
+    excluded in round 1, every client NaN in round 3: the round skipped) with the
+    decisions on the device: parameters, state and statistics bitwise those of the
+    host-decided run (itself bitwise the single-process step, tested above)."""
+    for rank in range(WORLD):
+        rounds_h, state_h = ranks[rank]["server"][case]
+        rounds_d, state_d = ranks[rank]["server_device_decisions"][case]
+        for r, ((st_h, ps_h), (st_d, ps_d)) in enumerate(zip(rounds_h, rounds_d)):
+            assert_tree_bitwise(st_d, st_h, f"rank {rank} round {r} stats")
+            assert_tree_bitwise(ps_d, ps_h, f"rank {rank} round {r} params")
+        assert_tree_bitwise(state_d, state_h, f"rank {rank} state_dict")
+        finite = SERVER_CASES[case].get("finite")
+        opts = SERVER_CASES[case]["opts"]
+        robust_case = opts.get("nonfinite", "exclude") == "exclude" or opts.get("max_client_norm") is not None
+        skipped = [bool(st["skipped"]) for st, _ in rounds_h]
+        excluded = [bool(st["excluded"].any()) for st, _ in rounds_h]
+        assert skipped == [False, False, False, not finite, False]
+        assert excluded == [False, not finite, False, not finite, False]
+        # the device path ran (a second pass with a device flag every round it could
+        # matter); the host ran one only where a weight changed
+        assert ranks[rank]["server_device_decisions"][("passes", case)] == [["device"] if robust_case else []] * 5
+        host = ranks[rank]["server"][("passes", case)]
+        assert all(p == ["host"] for p, e in zip(host, excluded) if e)
 
 
 def test_the_cases_exercise_what_they_claim():

@@ -91,19 +91,26 @@ def test_overflow_skips_without_touching_params_and_the_scale_backs_off(backend)
 
 @pytest.mark.parametrize("mode", ["co", "grad"])
 def test_gradscaler_run_with_an_overflow_step_follows_the_oracle(backend, mode):
-    """Five GradScaler steps with momentum, the third with an inf gradient (as an fp16
-    overflow gives).  On CUDA this is ``GradScaler("cuda")`` over fp16 autocast driving
-    the fused kernels; here bf16 on the CPU backends (the CUDA cases skip, saying so).
+    """Five GradScaler steps with momentum over two param groups (``clip_scope="group"``:
+    each clipped on its own norm, in its own fused call, with its own lr), the third step with an inf gradient in the second group (as
+    an fp16 overflow gives).  On CUDA this is ``GradScaler("cuda")`` over fp16 autocast
+    driving the fused kernels; here bf16 on the CPU backends (the CUDA cases skip, saying
+    so).
 
-    Every finite step equals the fp64 oracle stepped on the gradients unscaled by hand
-    (params AND momentum buffers); the overflow step leaves both bit-identical, reports
-    ``skipped``, and the scaler halves its scale, after which the steps are unscaled by
-    the new scale.  The oracle starts each step from the optimizer's actual state, so an
-    error shows at the step that makes it instead of compounding."""
+    Every finite step equals the fp64 oracle stepped per group on the gradients unscaled
+    by hand (params AND momentum buffers).  On the overflow step BOTH groups keep their
+    params and buffers bit-identical and report ``skipped``: the first group's own
+    gradients are finite, so only the scaler's ``found_inf`` can skip it (GradScaler
+    skips the whole optimizer step).  The scaler halves its scale, and the later steps
+    are unscaled by the new one.  The oracle starts each step from the optimizer's
+    actual state, so an error shows at the step that makes it."""
     name, device = backend
     model, x, y = model_and_data(device, 2)
-    params = list(model.parameters())
-    opt = FedNAR(params, mode=mode, momentum=0.9, backend=name, **HYPER)
+    groups = [list(model[0].parameters()), list(model[2].parameters())]
+    lrs = [HYPER["lr"], 0.05]
+    hyper = {k: v for k, v in HYPER.items() if k != "lr"}
+    opt = FedNAR([{"params": groups[0]}, {"params": groups[1], "lr": lrs[1]}], mode=mode, momentum=0.9,
+                 backend=name, clip_scope="group", **HYPER)
     scale = 2.0 ** 12
     scaler = torch.amp.GradScaler(device.type, init_scale=scale)
     for step in range(5):
@@ -111,25 +118,29 @@ def test_gradscaler_run_with_an_overflow_step_follows_the_oracle(backend, mode):
         scaled_backward(model, scaler, x, y)
         overflow = step == 2
         if overflow:
-            params[2].grad[1, 3] = float("inf")
-        x0 = [p.detach().clone() for p in params]
-        b0 = [opt.state[p]["momentum_buffer"].clone() if p in opt.state else torch.zeros_like(p) for p in params]
-        unscaled = [p.grad.double() / scale for p in params]
+            groups[1][0].grad[1, 3] = float("inf")
+        x0 = [[p.detach().clone() for p in g] for g in groups]
+        b0 = [[opt.state[p]["momentum_buffer"].clone() if p in opt.state else torch.zeros_like(p) for p in g]
+              for g in groups]
+        unscaled = [[p.grad.double() / scale for p in g] for g in groups]
         scaler.step(opt)
         scaler.update()
-        stats = opt.last_stats[0]
-        b1 = [opt.state[p]["momentum_buffer"] for p in params]
-        if overflow:
-            assert bool(stats.skipped)
-            for p, b, p0, bb0 in zip(params, b1, x0, b0):
-                assert torch.equal(p, p0) and torch.equal(b, bb0)
-            scale /= 2  # backoff_factor 0.5
-        else:
-            want_x, want_b, n, _, skipped = fp64.nar_step(x0, unscaled, b0, mode=mode, momentum=0.9, **HYPER)
+        for k, g in enumerate(groups):
+            stats = opt.last_stats[k]
+            bufs = [opt.state[p]["momentum_buffer"] for p in g]
+            if overflow:
+                assert bool(stats.skipped), f"group {k} stepped on the overflow step"
+                for p, b, p0, bb0 in zip(g, bufs, x0[k], b0[k]):
+                    assert torch.equal(p, p0) and torch.equal(b, bb0)
+                continue
+            want_x, want_b, n, _, skipped = fp64.nar_step(x0[k], unscaled[k], b0[k], mode=mode, momentum=0.9,
+                                                          lr=lrs[k], **hyper)
             assert not skipped and not bool(stats.skipped)
             torch.testing.assert_close(float(stats.norm), n, rtol=1e-5, atol=1e-7)
-            for p, b, wx, wb in zip(params, b1, want_x, want_b):
+            for p, b, wx, wb in zip(g, bufs, want_x, want_b):
                 torch.testing.assert_close(p.detach().cpu(), wx, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(b.cpu(), wb, rtol=1e-5, atol=1e-6)
+        if overflow:
+            scale /= 2  # backoff_factor 0.5
         assert scaler.get_scale() == scale
     assert scale == 2.0 ** 11  # the run saw exactly one backoff

@@ -12,6 +12,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 MAX_JOBS ?= 2
+# pytest-xdist workers (one test file per worker at a time: module fixtures run once)
+TEST_JOBS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedopt-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
@@ -32,10 +34,10 @@ demo: setup
 	$(VENV)/bin/fedopt compare --dataset digits --algos fedavg:grad,fedavg:co,scaffold:co,fedadam:co,fedexp:co,asnes:co,fedlaw:co --rounds 40 --weight-decay 0.1 --max-norm 0.5 --out results/digits
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
 
 bench: setup
 	$(VENV)/bin/fedopt bench

@@ -14,6 +14,7 @@ change what the suite tests:
 
 import importlib
 import os
+import signal
 
 import pytest
 import torch
@@ -110,3 +111,13 @@ def threads():
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt inside the test, as in a terminal, even when the
+    suite runs where SIGINT is ignored (a background shell, ``nohup``, some CI runners:
+    Python then leaves SIG_IGN installed); the previous handler is restored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

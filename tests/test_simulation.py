@@ -170,7 +170,7 @@ def test_config_errors(change, match):
         SimulationConfig(**{**SMALL, **change}).validate()
 
 
-def test_ctrl_c_during_the_commit_is_deferred_to_the_end_of_the_round(monkeypatch):
+def test_ctrl_c_during_the_commit_is_deferred_to_the_end_of_the_round(monkeypatch, sigint_raises):
     import os
     import signal
 

@@ -84,3 +84,13 @@ def test_bad_input():
         weighted_sum(X, w, 0.0)
     with pytest.raises(ValueError, match=r"clients\[1\]"):
         weighted_sum([X[0], X[1, :5].clone()], w[:2], 1.0)
+
+
+def test_float_gamma_keeps_fp64_precision(backend):
+    """gamma = 0.1 (not exact in fp32) on fp64 clients: the result is gamma in fp64 times
+    the sum, not 0.1 rounded to fp32 (0.10000000149...), which is 1.5e-8 relatively off."""
+    name, device = backend
+    X, w = make(device=device)
+    out = weighted_sum(X, w, 0.1, backend=name)
+    want, _, _ = fp64.aggregate(X, w, 0.1)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-13, atol=1e-15)

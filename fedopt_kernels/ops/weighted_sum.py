@@ -62,7 +62,10 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
             raise ValueError(f"gamma as a tensor must have one element and live on {device}")
         gamma = gamma.reshape(())
     else:
-        gamma = torch.tensor(V.check_real(gamma, "gamma", low=0.0, low_open=True), device=device)
+        # torch.full: a fill kernel on the device -- no blocking host-to-device copy per
+        # forward (and none under CUDA-graph capture) -- in the acc dtype, so an fp64
+        # client set gets gamma in fp64, not rounded through torch.tensor's fp32 default.
+        gamma = torch.full((), V.check_real(gamma, "gamma", low=0.0, low_open=True), dtype=acc, device=device)
     if isinstance(rows, torch.Tensor):
         rows = rows.detach()
     else:

@@ -127,12 +127,16 @@ def variants(quick: bool = False):
                                 ptrs=["tab_ptr", "lr_ptr", "gamma_ptr", "skip_ptr"],
                                 options=dict(enable_fp_fusion=False)))
     # ---- finalize kernels (no data dtype, no table pointers)
+    # group_sum_kernel runs with the update kernel's num_warps (one reduction tree for
+    # both ways of summing a group): one variant per (acc dtype, warps) the launches use.
+    for acc, warps in dict.fromkeys((TB.acc_dtype(dt), TB.launch_config(dt)[1])
+                                    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
+        a = "*" + TY[acc]
+        out.append(dict(kernel=N.group_sum_kernel, cx=dict(ACC=TB.TL_DTYPES[acc], PBLOCK=TB.PBLOCK),
+                        types=dict(groups_ptr="*i64", part_ptr=a, sums_ptr=a), warps=warps,
+                        dtype=acc, aligned=None, ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
     for acc in (torch.float32, torch.float64):
         a = "*" + TY[acc]
-        fn = N.group_sum_kernel
-        out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], PBLOCK=TB.PBLOCK),
-                        types=dict(groups_ptr="*i64", part_ptr=a, sums_ptr=a), warps=TB.SMALL_NUM_WARPS,
-                        dtype=acc, aligned=None, ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
         fn = A.row_sum_kernel
         for en in (False, True):
             out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], HAS_EN=en, PBLOCK=TB.PBLOCK),

@@ -39,7 +39,7 @@ TL_DTYPES = {
 }
 EPS = 1e-6  # clip epsilon (torch.nn.utils.clip_grad_norm_), as in the kernels
 PBLOCK = 256  # width of the fixed-order partial-sum reductions
-SMALL_NUM_WARPS = 4  # the finalize kernels
+SMALL_NUM_WARPS = 4  # the finalize kernels that have no in-kernel twin (aggregate's row sums)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,8 +131,9 @@ def _run_nar(table, dtype, device, lr, weight_decay, max_norm, mode, momentum, g
     finalized = table.max_group_chunks > _tables.MAX_REDUNDANT_PARTIALS
     if finalized:
         sums = torch.empty(G, dtype=acc, device=device)
-        group_sum_kernel[(G,)](table.groups, part, sums, ACC=tl_acc, PBLOCK=PBLOCK,
-                               num_warps=SMALL_NUM_WARPS)
+        # num_warps=warps, as the update kernel's in-kernel sum: tl.sum's tree follows
+        # the warp layout, so this keeps both paths (and nar_sq_norm) bitwise one sum.
+        group_sum_kernel[(G,)](table.groups, part, sums, ACC=tl_acc, PBLOCK=PBLOCK, num_warps=warps)
         part = sums
     nar_update_kernel[grid](
         table.chunks, part, norm, scale, skipped,
@@ -180,8 +181,8 @@ def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
             grad_scale if grad_scale is not None else part, wd_f,
             DTYPE=TL_DTYPES[dtype], ACC=tl_acc, MODE=int(mode), WD_KIND=wd_kind,
             HAS_GS=grad_scale is not None, ALIGNED=table.aligned, BLOCK=block, num_warps=warps)
-        group_sum_kernel[(1,)](table.groups, part, sums, ACC=tl_acc, PBLOCK=PBLOCK,
-                               num_warps=SMALL_NUM_WARPS)
+        # the update kernel's num_warps: the same reduction tree as nar_step_'s own sum
+        group_sum_kernel[(1,)](table.groups, part, sums, ACC=tl_acc, PBLOCK=PBLOCK, num_warps=warps)
     return sums.reshape(())
 
 

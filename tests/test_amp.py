@@ -10,7 +10,6 @@ fp16 autocast; here they are skipped, saying so.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

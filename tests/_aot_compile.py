@@ -12,8 +12,8 @@ their launch passes (``options``: the server kernel launches with
 ``enable_fp_fusion=False``).  Signatures mirror what the launches in
 fedopt_kernels/backends/triton/__init__.py pass: pointer arguments the runtime sees as
 16-byte aligned (torch allocations) carry the ``tt.divisibility = 16`` attribute the JIT
-would specialize them with; pointers read from tables get their alignment only through
-the ALIGNED constexpr.
+would specialize them with; pointers read from tables, or offset by run-time row
+strides, get their alignment only through the per-chunk hint of the 16-byte body.
 """
 
 from __future__ import annotations
@@ -64,68 +64,81 @@ def _attrs(fn, aligned_ptrs) -> dict:
 
 
 def variants(quick: bool = False):
-    """Every kernel, every data dtype x ALIGNED, and the other constexpr flags so that
-    each of their values is compiled at least once per dtype."""
+    """Every kernel, every data dtype x layout (chunk table or table-free rows), and the
+    other constexpr flags so that each of their values is compiled at least once per
+    dtype.  Each variant holds both the 16-byte and the scalar body (chosen per chunk at
+    run time)."""
     out = []
     for dt in DTYPES:
         acc = TB.acc_dtype(dt)
         a = "*" + TY[acc]
+        d = "*" + TY[dt]
         block, warps = TB.launch_config(dt)
         base = dict(DTYPE=TB.TL_DTYPES[dt], ACC=TB.TL_DTYPES[acc], BLOCK=block)
-        for aligned in (False, True):
+        esize = TB.ESIZES[dt]
+        for rows in (False, True):
             # ---- FedNAR norm: (MODE, WD_KIND, HAS_GS); grad and none compile alike.
             fn = N.nar_norm_kernel
-            types = dict(tab_ptr="*i64", part_ptr=a, wd_ptr=a, gs_ptr=a, wd_value="fp64")
+            # rows mode passes the part buffer for the table pointers (never read)
+            types = dict(tab_ptr="*i64" if not rows else a, groups_ptr="*i64" if not rows else a,
+                         part_ptr=a, wd_ptr=a, gs_ptr=a, wd_value="fp64", x_base="i64", g_base="i64",
+                         row_len="i64", row_chunks="i64", chunk="i64", mis="i64")
             flags = [(0, 0, False), (1, 1, True), (0, 2, True), (2, 0, False)]
             for mode, wdk, gs in flags[:2] if quick else flags:
-                cx = dict(base, MODE=mode, WD_KIND=wdk, HAS_GS=gs, ALIGNED=aligned)
-                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
-                                ptrs=["tab_ptr", "part_ptr", "wd_ptr", "gs_ptr"]))
+                cx = dict(base, ESIZE=esize, MODE=mode, WD_KIND=wdk, HAS_GS=gs, ROWS=rows)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
+                                ptrs=[n for n in types if n.endswith("_ptr")]))
             # ---- FedNAR update: (MODE, LR_KIND, WD_KIND, HAS_MOM, HAS_GS, HAS_FI, FINALIZED)
             fn = N.nar_update_kernel
-            types = dict(tab_ptr="*i64", part_ptr=a, norm_ptr=a, scale_ptr=a, skip_ptr="*i1", lr_ptr=a,
-                         wd_ptr=a, gs_ptr=a, fi_ptr="*fp32", lr_value="fp64", wd_value="fp64",
-                         max_norm="fp64", momentum="fp64")
             flags = [(0, 0, 0, False, False, False, False), (0, 1, 1, True, True, True, False),
                      (1, 2, 2, True, False, True, True), (1, 0, 0, False, True, False, False),
                      (2, 1, 0, True, False, False, False), (2, 0, 2, False, True, True, True)]
             for mode, lrk, wdk, mom, gs, fi, fin in flags[:2] if quick else flags:
-                cx = dict(base, MODE=mode, LR_KIND=lrk, WD_KIND=wdk, HAS_MOM=mom, HAS_GS=gs, HAS_FI=fi,
-                          FINALIZED=fin, ALIGNED=aligned, PBLOCK=TB.PBLOCK)
-                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                if rows and fin:
+                    continue  # a row has at most ~1025 partials: never finalized
+                types = dict(tab_ptr="*i64" if not rows else a, groups_ptr="*i64" if not rows else a,
+                             part_ptr=a, norm_ptr=a, scale_ptr=a,
+                             skip_ptr="*i1", lr_ptr=a, wd_ptr=a, gs_ptr=a, fi_ptr="*fp32", lr_value="fp64",
+                             wd_value="fp64", max_norm="fp64", momentum="fp64", x_base="i64", g_base="i64",
+                             b_base="i64", row_len="i64", row_chunks="i64", chunk="i64", mis="i64")
+                cx = dict(base, ESIZE=esize, MODE=mode, LR_KIND=lrk, WD_KIND=wdk, HAS_MOM=mom, HAS_GS=gs,
+                          HAS_FI=fi, FINALIZED=fin, ROWS=rows, PBLOCK=TB.PBLOCK)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
                                 ptrs=[n for n in types if n.endswith("_ptr")]))
-            # ---- aggregate: out in the clients' dtype or in acc; (HAS_EN, GAMMA_KIND)
+            # ---- aggregate: out in the clients' dtype or in acc; (HAS_EN, GAMMA_KIND).
+            # The widest tile (large N); narrower tiles only change BLOCK / num_warps.
             fn = A.aggregate_kernel
             flags = [(dt, False, 0), (acc, True, 1)]
             for out_dt, en, gk in flags[:1] if quick else flags:
-                types = dict(ctab_ptr="*i64", w_ptr=a, out_ptr="*" + TY[out_dt], part_ptr=a, en_ptr="*i1",
-                             gamma_ptr=a, gamma_value="fp64", C="i64", N="i64", nblk="i64")
-                cx = dict(base, HAS_EN=en, GAMMA_KIND=gk, ALIGNED=aligned)
-                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                types = dict(ctab_ptr=a if rows else "*i64", w_ptr=a,
+                             out_ptr="*" + TY[out_dt], part_ptr=a, en_ptr="*i1" if en else a, gamma_ptr=a,
+                             gamma_value="fp64", x_base="i64", C="i64", N="i64", nblk="i64", mis="i64")
+                cx = dict(base, ESIZE=esize, TWO_D=rows, HAS_EN=en, GAMMA_KIND=gk)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
                                 ptrs=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "en_ptr", "gamma_ptr"]))
             # ---- client_dots: g in the clients' dtype or in acc
             fn = A.client_dots_kernel
             for g_dt in ((dt,) if quick else tuple(dict.fromkeys((dt, acc)))):
-                types = dict(ctab_ptr="*i64", g_ptr="*" + TY[g_dt], part_ptr=a, C="i64", N="i64", nblk="i64")
-                cx = dict(base, ALIGNED=aligned)
-                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, aligned=aligned,
+                types = dict(ctab_ptr=a if rows else "*i64", g_ptr="*" + TY[g_dt],
+                             part_ptr=a, x_base="i64", C="i64", N="i64", nblk="i64", mis="i64")
+                cx = dict(base, ESIZE=esize, TWO_D=rows)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
                                 ptrs=["ctab_ptr", "g_ptr", "part_ptr"]))
-            # ---- server update: (RULE, NESTEROV, LR_KIND, GAMMA_KIND, HAS_SKIP); absent
-            # tensors are replaced by the (int64) table at launch, hence their types.
-            fn = S.server_update_kernel
-            flags = [(0, False, 0, 0, False), (4, False, 1, 0, True), (0, False, 1, 1, True),
-                     (1, False, 0, 0, True), (1, True, 1, 0, False), (2, False, 0, 0, False),
-                     (3, False, 1, 0, True)]
-            for rule, nest, lrk, gk, sk in flags[:2] if quick else flags:
-                types = dict(tab_ptr="*i64", lr_ptr=a if lrk else "*i64", gamma_ptr=a if gk else "*i64",
-                             skip_ptr="*i1" if sk else "*i64", lr_value="fp64", gamma_value="fp64",
-                             beta1="fp64", beta2="fp64", tau="fp64")
-                sblock, swarps = TB.server_launch_config(dt, rule)
-                cx = dict(base, BLOCK=sblock, RULE=rule, NESTEROV=nest, LR_KIND=lrk, GAMMA_KIND=gk,
-                          HAS_SKIP=sk, ALIGNED=aligned)
-                out.append(dict(kernel=fn, cx=cx, types=types, warps=swarps, dtype=dt, aligned=aligned,
-                                ptrs=["tab_ptr", "lr_ptr", "gamma_ptr", "skip_ptr"],
-                                options=dict(enable_fp_fusion=False)))
+        # ---- server update: (RULE, NESTEROV, LR_KIND, GAMMA_KIND, HAS_SKIP); absent
+        # tensors are replaced by the (int64) table at launch, hence their types.
+        fn = S.server_update_kernel
+        flags = [(0, False, 0, 0, False), (4, False, 1, 0, True), (0, False, 1, 1, True),
+                 (1, False, 0, 0, True), (1, True, 1, 0, False), (2, False, 0, 0, False),
+                 (3, False, 1, 0, True)]
+        for rule, nest, lrk, gk, sk in flags[:2] if quick else flags:
+            types = dict(tab_ptr="*i64", lr_ptr=a if lrk else "*i64", gamma_ptr=a if gk else "*i64",
+                         skip_ptr="*i1" if sk else "*i64", lr_value="fp64", gamma_value="fp64",
+                         beta1="fp64", beta2="fp64", tau="fp64")
+            sblock, swarps = TB.server_launch_config(dt, rule)
+            cx = dict(base, BLOCK=sblock, RULE=rule, NESTEROV=nest, LR_KIND=lrk, GAMMA_KIND=gk, HAS_SKIP=sk)
+            out.append(dict(kernel=fn, cx=cx, types=types, warps=swarps, dtype=dt, layout="table",
+                            ptrs=["tab_ptr", "lr_ptr", "gamma_ptr", "skip_ptr"],
+                            options=dict(enable_fp_fusion=False)))
     # ---- finalize kernels (no data dtype, no table pointers)
     # group_sum_kernel runs with the update kernel's num_warps (one reduction tree for
     # both ways of summing a group): one variant per (acc dtype, warps) the launches use.
@@ -134,16 +147,21 @@ def variants(quick: bool = False):
         a = "*" + TY[acc]
         out.append(dict(kernel=N.group_sum_kernel, cx=dict(ACC=TB.TL_DTYPES[acc], PBLOCK=TB.PBLOCK),
                         types=dict(groups_ptr="*i64", part_ptr=a, sums_ptr=a), warps=warps,
-                        dtype=acc, aligned=None, ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
+                        dtype=acc, layout=None, ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
     for acc in (torch.float32, torch.float64):
         a = "*" + TY[acc]
         fn = A.row_sum_kernel
         for en in (False, True):
             out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], HAS_EN=en, PBLOCK=TB.PBLOCK),
-                            types=dict(part_ptr=a, res_ptr=a, en_ptr="*i1", nblk="i64"),
-                            warps=TB.SMALL_NUM_WARPS, dtype=acc, aligned=None,
-                            ptrs=["part_ptr", "res_ptr", "en_ptr"]))
+                            types=dict(part_ptr=a, q_ptr=a, total_ptr=a, en_ptr="*i1" if en else a, nblk="i64",
+                                       C="i64"),
+                            warps=TB.SMALL_NUM_WARPS, dtype=acc, layout=None,
+                            ptrs=["part_ptr", "q_ptr", "total_ptr", "en_ptr"]))
     return out
+
+
+def _layout(rows: bool) -> str:
+    return "rows" if rows else "table"
 
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global\.[\w.]+)")
@@ -199,7 +217,7 @@ _QUICK = False
 def run_variant(index: int) -> dict:
     v = variants(_QUICK)[index]
     entry = dict(kernel=v["kernel"].__name__, dtype=str(v["dtype"]).replace("torch.", ""),
-                 aligned=v["aligned"], warps=v["warps"], options=v.get("options", {}),
+                 layout=v["layout"], warps=v["warps"], options=v.get("options", {}),
                  constexprs={k: (str(x) if isinstance(x, tl.dtype) else x) for k, x in v["cx"].items()},
                  archs={})
     for cc in ARCHS:

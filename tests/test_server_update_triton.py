@@ -32,6 +32,7 @@ from fedopt_kernels import backends
 
 TB = import_triton_module("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
+_chunks = importlib.import_module("fedopt_kernels.backends._chunks")
 _kernels = importlib.import_module("fedopt_kernels.backends.triton.server_update")
 
 def acc_of(dtype: torch.dtype) -> torch.dtype:
@@ -129,7 +130,7 @@ class Case:
         self.exp_avg = [t.to(dev) for t in m]
         self.exp_avg_sq = [t.to(dev) for t in v]
         self.rule = rule
-        self.aligned = None  # the ALIGNED of the last run's table
+        self.aligned = None  # the last run's chunk flags: True (all aligned), False (none) or "mixed"
 
     def run(self, nesterov=False, skip=None, **hyper):
         """Run the backend on copies; returns (params, exp_avg, exp_avg_sq) after."""
@@ -138,7 +139,9 @@ class Case:
         TB.server_update_(p, self.updates, m, v, self.rule, h["lr"], h["gamma"], h["beta1"], h["beta2"],
                           h["tau"], nesterov, skip)
         if any(t.numel() for t in p):
-            self.aligned = _tables.server_table(p, self.updates, m, v).aligned  # the call's (cached) table
+            flags = _tables.server_table(p, self.updates, m, v).chunks[:, _chunks.COL_FLAGS]  # the call's table
+            on = flags == _chunks.FLAG_ALIGNED16
+            self.aligned = bool(on.all()) if bool(on.all()) or not bool(on.any()) else "mixed"
         return p, m, v
 
     def check(self, got, nesterov=False, **hyper):
@@ -272,14 +275,15 @@ def test_table_layout_and_cache(dev):
     _tables.clear_cache()
     case = Case([(20000,), (5,), (0,)], torch.float16, 2, dev, aligned_updates=True)
     t1, t2 = case.table(), case.table()
-    assert t1 is t2 and _tables.stats == {"hits": 1, "misses": 1}
+    assert t1 is t2 and _tables.stats["hits"] == 1 and _tables.stats["misses"] == 1
     rows = t1.chunks.cpu().tolist()
-    assert t1.chunk_size == 8192 and t1.n_chunks == 4 and len(rows[0]) == _tables.SERVER_COLS
+    assert t1.chunk_size == 2048 and t1.n_chunks == 11 and len(rows[0]) == _chunks.ROW_COLS
     x0, d0 = case.params[0].data_ptr(), case.updates[0].data_ptr()
     m0, v0 = case.exp_avg[0].data_ptr(), case.exp_avg_sq[0].data_ptr()
-    assert rows[1][:5] == [x0 + 8192 * 2, d0 + 8192 * 4, m0 + 8192 * 2, v0 + 8192 * 2, 8192]
-    assert rows[2][4] == 20000 - 2 * 8192
-    assert rows[3][:5] == [t[1].data_ptr() for t in (case.params, case.updates, case.exp_avg, case.exp_avg_sq)] + [5]
+    assert rows[1][:5] == [x0 + 2048 * 2, d0 + 2048 * 4, m0 + 2048 * 2, v0 + 2048 * 2, 2048]
+    assert rows[9][4] == 20000 - 9 * 2048
+    assert rows[10][:5] == [t[1].data_ptr() for t in (case.params, case.updates, case.exp_avg, case.exp_avg_sq)] + [5]
+    assert all(r[5] == 0 and r[6] == _chunks.FLAG_ALIGNED16 for r in rows)
     sgd = Case([(20000,)], torch.float32, 0, dev)  # no state: zero addresses
     assert all(r[2] == 0 and r[3] == 0 for r in sgd.table().chunks.cpu().tolist())
 

@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of every Triton kernel variant for sm_80 and sm_90 (no GPU
-needed): PTX and cubin are produced, the ALIGNED variants use 16-byte vector accesses,
-the unaligned ones do not, ptxas reports no spills, and kernels launched without FP
-contraction (the server update) have no FMA in their PTX.
+needed): PTX and cubin are produced, every data kernel holds both a 16-byte vector body
+and a scalar body (vector width is chosen per chunk at run time), ptxas reports no
+spills, and kernels launched without FP contraction (the server update) have no FMA in
+their PTX.
 
 The compile runs in a subprocess (tests/_aot_compile.py) with TRITON_INTERPRET unset:
 under the interpreter ``triton.jit`` returns interpreted functions that cannot be
@@ -23,10 +24,10 @@ import_triton_module("triton")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_aot_compile.py")
-# Kernels that reach their data through a pointer table (ALIGNED matters for them).
+# Kernels that stream data through a pointer table or row strides (both bodies).
 TABLE_KERNELS = {"nar_norm_kernel", "nar_update_kernel", "aggregate_kernel", "client_dots_kernel",
                  "server_update_kernel"}
-# Kernels that write their data in place through the table (vector stores when ALIGNED).
+# Kernels that write their data in place through the table (vector stores in the 16-byte body).
 UPDATE_KERNELS = {"nar_update_kernel", "server_update_kernel"}
 # Kernels whose contract rounds every operation separately (launched with
 # enable_fp_fusion=False): no fma.* in their PTX.
@@ -61,20 +62,29 @@ def test_every_variant_compiles_to_ptx_and_cubin(report):
     kernels = {e["kernel"] for e in report["results"]}
     assert kernels == TABLE_KERNELS | {"group_sum_kernel", "row_sum_kernel"}
     for dtype in ("float16", "bfloat16", "float32", "float64"):
-        for k in TABLE_KERNELS:
-            assert {e["aligned"] for e in report["results"] if e["kernel"] == k and e["dtype"] == dtype} == {True, False}
+        for k in TABLE_KERNELS - {"server_update_kernel"}:
+            layouts = {e["layout"] for e in report["results"] if e["kernel"] == k and e["dtype"] == dtype}
+            assert layouts == {"table", "rows"}, (k, dtype, layouts)
     for e, arch, r in _entries(report):
         assert "error" not in r, f"{_name(e, arch)}: {r.get('error')}"
         assert r["ptx_bytes"] > 0 and r["cubin_bytes"] > 0, _name(e, arch)
         assert r["target"] == ("sm_90a" if arch == "sm_90" else "sm_80"), (_name(e, arch), r["target"])
 
 
-def test_aligned_variants_use_16_byte_vector_accesses(report):
+def _scalar_load(dtype: str) -> str:
+    return {"float16": "ld.global.b16", "bfloat16": "ld.global.b16", "float32": "ld.global.b32",
+            "float64": "ld.global.b64"}[dtype]
+
+
+def test_every_data_kernel_has_a_vector_and_a_scalar_body(report):
+    """Per-chunk vector width: the 16-byte body (``ld/st.global.v*``) and the scalar
+    fallback (plain loads of the data dtype) are both in every variant."""
     for e, arch, r in _entries(report):
-        if e["kernel"] not in TABLE_KERNELS or not e["aligned"]:
+        if e["kernel"] not in TABLE_KERNELS:
             continue
-        vec = _vector_load(e["dtype"])
+        vec, scalar = _vector_load(e["dtype"]), _scalar_load(e["dtype"])
         assert r["mem"].get(vec, 0) > 0, f"{_name(e, arch)} has no {vec}: {r['mem']}"
+        assert r["mem"].get(scalar, 0) > 0, f"{_name(e, arch)} has no scalar {scalar}: {r['mem']}"
         if e["kernel"] in UPDATE_KERNELS:
             st = vec.replace("ld.", "st.")
             assert r["mem"].get(st, 0) > 0, f"{_name(e, arch)} has no {st}: {r['mem']}"
@@ -88,16 +98,6 @@ def test_separately_rounded_kernels_have_no_fma(report):
             assert e["options"].get("enable_fp_fusion") is False, _name(e, arch)
             assert r["fma"] == 0, f"{_name(e, arch)} contracts into {r['fma']} fma instructions"
     assert seen == NO_FMA_KERNELS
-
-
-def test_unaligned_variants_use_scalar_table_accesses(report):
-    for e, arch, r in _entries(report):
-        if e["kernel"] not in TABLE_KERNELS or e["aligned"]:
-            continue
-        vector_loads = {k: v for k, v in r["mem"].items() if k.startswith("ld.global.v")}
-        if e["kernel"] == "client_dots_kernel":
-            continue  # g is a kernel argument: the JIT's own alignment specialization vectorizes it
-        assert not vector_loads, f"{_name(e, arch)} vectorizes loads through unchecked pointers: {vector_loads}"
 
 
 def test_ptxas_registers_and_no_spills(report):

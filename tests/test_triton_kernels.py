@@ -24,6 +24,7 @@ from fedopt_kernels import ops
 
 TB = import_triton_module("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
+_chunks = importlib.import_module("fedopt_kernels.backends._chunks")
 _nar_kernels = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
 _agg_kernels = importlib.import_module("fedopt_kernels.backends.triton.aggregate")
 
@@ -205,8 +206,8 @@ def test_nar_step_finalize_path_same_bits(dev, monkeypatch):
     shapes = [(40000,), (5,), (20000,)]
     params, grads, bufs = (make(shapes, torch.float32, dev, s) for s in (23, 24, 25))
     runs = []
-    for limit in (_tables.MAX_REDUNDANT_PARTIALS, 0):
-        monkeypatch.setattr(_tables, "MAX_REDUNDANT_PARTIALS", limit)
+    for limit in (_chunks.MAX_REDUNDANT_PARTIALS, 0):
+        monkeypatch.setattr(_chunks, "MAX_REDUNDANT_PARTIALS", limit)
         p, b = clone(params), clone(bufs)
         st = ops.nar_step_(p, grads, lr=0.01, weight_decay=1e-3, max_norm=1.0, momentum=0.9, momentum_buffers=b,
                            backend="triton")
@@ -215,32 +216,39 @@ def test_nar_step_finalize_path_same_bits(dev, monkeypatch):
     assert all(torch.equal(bits(x), bits(y)) for x, y in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]))
 
 
-def test_nar_step_misaligned_view_uses_unaligned_variant(dev):
+def test_nar_step_misaligned_view_only_costs_its_own_chunks(dev):
+    """Vector width is decided per chunk: a view 4 bytes past a 16-byte boundary gets
+    the scalar body on its chunks only; an aligned tensor of the same call keeps the
+    vector body (flag bit 0 of its rows)."""
     base_x, base_g = torch.randn(10001, device=dev), torch.randn(10001, device=dev)
     x, g = base_x[1:], base_g[1:]  # 4 bytes past a 16-byte boundary
     assert x.data_ptr() % 16 == 4
-    assert not _tables.nar_table([x], [g], []).aligned
-    assert _tables.nar_table([x.clone()], [g.clone()], []).aligned
-    res, ref = run_nar([x], [g], [], lr=0.1, weight_decay=0.01, max_norm=1.0)
+    y, gy = torch.randn(5000, device=dev), torch.randn(5000, device=dev)
+    table = _tables.nar_table([x, y], [g, gy], [])
+    flags = table.chunks[:, _chunks.COL_FLAGS].tolist()
+    assert flags == [0] * 5 + [_chunks.FLAG_ALIGNED16] * 3, flags  # 10000 -> 5 chunks, 5000 -> 3
+    assert _tables.nar_table([x], [g.clone()], []).chunks[:, _chunks.COL_FLAGS].eq(0).all()
+    res, ref = run_nar([x, y], [g, gy], [], lr=0.1, weight_decay=0.01, max_norm=1.0)
     check_nar(res, ref, torch.float32)
     # the view was updated in place; the element before it is untouched
-    xs = [x]
-    ops.nar_step_(xs, [g], lr=0.1, weight_decay=0.01, max_norm=1.0, backend="triton")
-    assert torch.equal(base_x[1:], res[0][0]) and float(base_x[0]) == float(base_x.clone()[0])
+    before = float(base_x[0])
+    ops.nar_step_([x, y], [g, gy], lr=0.1, weight_decay=0.01, max_norm=1.0, backend="triton")
+    assert torch.equal(base_x[1:], res[0][0]) and float(base_x[0]) == before
 
 
 def test_table_cache_hit_and_layout(dev):
     _tables.clear_cache()
-    shapes = [(8192 * 3 + 1,), (0,), (7,)]
+    shapes = [(2048 * 3 + 1,), (0,), (7,)]
     params, grads = make(shapes, torch.float32, dev, 26), make(shapes, torch.float32, dev, 27)
     t1 = _tables.nar_table(params, grads, [])
     t2 = _tables.nar_table(params, grads, [])
-    assert t1 is t2 and _tables.stats == {"hits": 1, "misses": 1}
+    assert t1 is t2 and _tables.stats["hits"] == 1 and _tables.stats["misses"] == 1
     ch = t1.chunks.cpu()
-    assert t1.chunk_size == 8192 and t1.n_chunks == 5 and ch.shape == (5, _tables.NAR_COLS)
-    assert ch[:, 3].tolist() == [8192, 8192, 8192, 1, 7]
-    assert ch[3, 0] == params[0].data_ptr() + 3 * 8192 * 4 and ch[4, 1] == grads[2].data_ptr()
-    assert (ch[:, 5] == 0).all() and (ch[:, 6] == 5).all()
+    assert t1.chunk_size == 2048 and t1.n_chunks == 5 and ch.shape == (5, _chunks.ROW_COLS)
+    assert ch[:, _chunks.COL_LEN].tolist() == [2048, 2048, 2048, 1, 7]
+    assert ch[3, 0] == params[0].data_ptr() + 3 * 2048 * 4 and ch[4, 1] == grads[2].data_ptr()
+    assert (ch[:, 2] == 0).all() and (ch[:, 3] == 0).all()  # no momentum buffer, no 4th array
+    assert (ch[:, _chunks.COL_GROUP] == 0).all() and t1.groups.tolist() == [[0, 5]]
 
 
 def test_float_hyperparameters_are_runtime_fp64_args():
@@ -290,7 +298,10 @@ def test_nar_step_batched_per_row_weight_decay_no_momentum(dev):
     st_r = ref_nar.nar_step_batched_(Xr, G, lr=0.1, weight_decay=wd, max_norm=50.0)
     stats_close(st, st_r)
     torch.testing.assert_close(Xt, Xr)
-    assert _tables.nar_batched_table(X, G, None).n_chunks == 9
+    # table-free: nothing was built or looked up (capturable on any stream)
+    _tables.clear_cache()
+    ops.nar_step_batched_(X.clone(), G, lr=0.1, weight_decay=wd, max_norm=50.0, backend="triton")
+    assert _tables.stats["hits"] == 0 and _tables.stats["misses"] == 0
 
 
 def test_nar_step_batched_empty(dev):
@@ -388,7 +399,8 @@ def test_aggregate_empty_clients(dev):
 def test_aggregate_misaligned_client_view(dev):
     base = torch.randn(3, 5000, device=dev)
     clients = [base[0, 1:], base[1, 1:], base[2, :4999]]  # two start 4 bytes past 16
-    assert not _tables.client_table(clients).aligned
+    flags = _tables.client_table(clients).addrs[:, 1].tolist()
+    assert flags == [0, 0, _chunks.FLAG_ALIGNED16]  # decided per client
     w = torch.tensor([0.2, 0.3, 0.5], device=dev)
     o_t, st, o_r, q_r, Q_r = run_agg(clients, w)
     torch.testing.assert_close(o_t, o_r)

@@ -2,11 +2,13 @@
 (fedopt_kernels/backends/__init__.py; semantics in csrc/registration.cpp).
 
 Kernels: ``nar_step.py`` (FedNAR: one norm launch + one update launch for all tensors
-of a call, over a chunk table of the original tensors), ``aggregate.py`` (aggregation
+of a call, over a chunk table of the original tensors, or table-free over the rows of
+``[C, N]`` tensors), ``aggregate.py`` (aggregation
 and ``client_dots``: one pass over the clients + a tiny fixed-order finalize),
 ``server_update.py`` (the server optimizers' elementwise step: one launch over a chunk
 table, no reduction), math in ``_helpers.py`` (mirrors csrc/include/fedopt/math.h),
-host tables in ``_tables.py``.
+host tables in ``_tables.py``, the chunk rule and row layout shared with the CUDA
+backend in ``backends/_chunks.py``.
 
 Host side rules: tables come from metadata only (addresses, sizes), every branch here
 is on metadata (never on a tensor value: no ``.item()``, no host sync), float
@@ -18,10 +20,13 @@ stream; on CPU tensors they run in Triton's interpreter (``TRITON_INTERPRET=1``)
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton.language as tl
 
+from .. import _chunks
 from . import _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
 from .aggregate import aggregate_kernel, client_dots_kernel, row_sum_kernel
@@ -37,6 +42,7 @@ TL_DTYPES = {
     torch.float32: tl.float32,
     torch.float64: tl.float64,
 }
+ESIZES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
 EPS = 1e-6  # clip epsilon (torch.nn.utils.clip_grad_norm_), as in the kernels
 PBLOCK = 256  # width of the fixed-order partial-sum reductions
 SMALL_NUM_WARPS = 4  # the finalize kernels that have no in-kernel twin (aggregate's row sums)
@@ -60,18 +66,24 @@ def launch_config(dtype: torch.dtype):
 
 def server_launch_config(dtype: torch.dtype, rule: int):
     """``(BLOCK, num_warps)`` of ``server_update_kernel``: ``launch_config`` except for
-    the adaptive rules (2-4) on fp32 / fp64 data, which take 4 elements per thread at 8
-    warps (still one 16-byte access per thread and array for fp32, two for fp64).
+    the adaptive rules (2-4), which keep 4 arrays in flight plus a correctly rounded
+    division and square root per element, in a kernel that holds both the 16-byte and
+    the scalar body (vector width is chosen per chunk).
 
-    Those rules keep 4 arrays in flight plus a correctly rounded division and square
-    root per element.  At 8 elements per thread ptxas used 96-98 registers (fp32,
-    unaligned variant) and 110-128 (fp64); at 4 per thread 48-64 (fp32) and 76-92
-    (fp64), no spills (fp64 at 4 warps x 4 elements spilled 8 bytes on sm_80).  16-bit
-    data keeps 8 per thread: one 16-byte access of 2-byte elements needs them, and it
-    stays at 64-93 registers.
+    ptxas registers (sm_90, no spills), measured with tests/_aot_compile.py:
+
+    * 16-bit: 8 per thread at 8 warps (BLOCK 2048) used 124-127; the same 8 per thread
+      at 4 warps (BLOCK 1024) 94-95 -- one 16-byte access of 2-byte elements needs 8.
+    * fp32: 4 per thread at 8 warps (BLOCK 1024): one 16-byte access per array.
+    * fp64: 4 per thread at 8 warps used 106-118, at 4 warps (BLOCK 512) 92-94 (two
+      16-byte accesses per array); 8 per thread at 4 warps 128.
     """
-    if rule >= 2 and dtype in (torch.float32, torch.float64):
-        return 1024, 8
+    if rule >= 2:
+        if dtype == torch.float64:
+            return 512, 4
+        if dtype == torch.float32:
+            return 1024, 8
+        return 1024, 4
     return launch_config(dtype)
 
 
@@ -106,43 +118,92 @@ def _empty_stats(G, acc, device, max_norm, mode, found_inf, norm=None):
     return norm, scale, skipped
 
 
-def _run_nar(table, dtype, device, lr, weight_decay, max_norm, mode, momentum, grad_scale,
-             found_inf, per_row):
+@dataclass(frozen=True)
+class _NarWork:
+    """Where the chunks of a FedNAR call are: a table (list forms) or the rows of
+    contiguous ``[C, N]`` tensors (``rows``: no table, chunk from ``program_id``)."""
+    n_chunks: int
+    num_groups: int
+    max_group_chunks: int
+    tab: Optional[torch.Tensor] = None
+    groups: Optional[torch.Tensor] = None
+    rows: bool = False
+    x_base: int = 0  # rows: base addresses of X, G, B (0: absent)
+    g_base: int = 0
+    b_base: int = 0
+    row_len: int = 0
+    row_chunks: int = 1
+    chunk: int = 0
+    mis: int = 0
+
+
+def _list_work(params, grads, bufs) -> _NarWork:
+    t = _tables.nar_table(params, grads, bufs)
+    return _NarWork(t.n_chunks, 1, t.max_group_chunks, tab=t.chunks, groups=t.groups, chunk=t.chunk_size)
+
+
+def _rows_work(X, G, B) -> _NarWork:
+    C, N = X.shape
+    chunk = _chunks.chunk_size_for(N)
+    row_chunks = -(-N // chunk)
+    bases = [X.data_ptr(), G.data_ptr(), B.data_ptr() if B is not None else 0]
+    return _NarWork(C * row_chunks, C, row_chunks, rows=True, x_base=bases[0], g_base=bases[1], b_base=bases[2],
+                    row_len=N, row_chunks=max(row_chunks, 1), chunk=chunk, mis=_chunks.rows_misalignment(bases))
+
+
+def _norm_launch(w: _NarWork, part, dtype, wd_t, wd_f, wd_kind, gs, mode, warps, block):
+    dummy = part  # stands for absent optional pointers (never read)
+    nar_norm_kernel[(w.n_chunks,)](
+        w.tab if w.tab is not None else dummy, w.groups if w.groups is not None else dummy, part,
+        wd_t if wd_t is not None else dummy, gs if gs is not None else dummy, wd_f,
+        w.x_base, w.g_base, w.row_len, w.row_chunks, w.chunk, w.mis,
+        DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc_dtype(dtype)], MODE=mode, WD_KIND=wd_kind,
+        HAS_GS=gs is not None, ROWS=w.rows, BLOCK=block, num_warps=warps)
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return ESIZES[dtype]
+
+
+def _run_nar(w: _NarWork, dtype, device, lr, weight_decay, max_norm, mode, momentum, grad_scale,
+             found_inf, per_row, sq_in=None):
+    """The two launches of a FedNAR step (``sq_in``: ``nar_apply_``'s given sum of
+    squares replaces the norm launch and the combine)."""
     acc = acc_dtype(dtype)
-    G = table.num_groups
-    if table.n_chunks == 0:
-        return _empty_stats(G, acc, device, max_norm, mode, found_inf)
+    G = w.num_groups
+    if w.n_chunks == 0:
+        norm = None if sq_in is None else torch.sqrt(sq_in)
+        return _empty_stats(G, acc, device, max_norm, mode, found_inf, norm=norm)
     block, warps = launch_config(dtype)
-    part = torch.empty(table.n_chunks, dtype=acc, device=device)
     norm = torch.empty(G, dtype=acc, device=device)
     scale = torch.empty(G, dtype=acc, device=device)
     skipped = torch.empty(G, dtype=torch.bool, device=device)
     lr_kind, lr_f, lr_t = _hyper(lr, per_row)
     wd_kind, wd_f, wd_t = _hyper(weight_decay, per_row)
+    if sq_in is None:
+        part = torch.empty(w.n_chunks, dtype=acc, device=device)
+        _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, mode, warps, block)
+        finalized = w.max_group_chunks > _chunks.MAX_REDUNDANT_PARTIALS
+        if finalized:
+            sums = torch.empty(G, dtype=acc, device=device)
+            # num_warps=warps, as the update kernel's in-kernel sum: tl.sum's tree follows
+            # the warp layout, so this keeps both paths (and nar_sq_norm) bitwise one sum.
+            group_sum_kernel[(G,)](w.groups, part, sums, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, num_warps=warps)
+            part = sums
+    else:
+        part, finalized = sq_in, True
     dummy = part  # stands for absent optional pointers (never read)
     has_gs, has_fi, has_mom = grad_scale is not None, found_inf is not None, momentum != 0.0
-    tl_dtype, tl_acc = TL_DTYPES[dtype], TL_DTYPES[acc]
-    grid = (table.n_chunks,)
-    nar_norm_kernel[grid](
-        table.chunks, part, wd_t if wd_t is not None else dummy,
-        grad_scale if has_gs else dummy, wd_f,
-        DTYPE=tl_dtype, ACC=tl_acc, MODE=mode, WD_KIND=wd_kind, HAS_GS=has_gs,
-        ALIGNED=table.aligned, BLOCK=block, num_warps=warps)
-    finalized = table.max_group_chunks > _tables.MAX_REDUNDANT_PARTIALS
-    if finalized:
-        sums = torch.empty(G, dtype=acc, device=device)
-        # num_warps=warps, as the update kernel's in-kernel sum: tl.sum's tree follows
-        # the warp layout, so this keeps both paths (and nar_sq_norm) bitwise one sum.
-        group_sum_kernel[(G,)](table.groups, part, sums, ACC=tl_acc, PBLOCK=PBLOCK, num_warps=warps)
-        part = sums
-    nar_update_kernel[grid](
-        table.chunks, part, norm, scale, skipped,
+    nar_update_kernel[(w.n_chunks,)](
+        w.tab if w.tab is not None else dummy, w.groups if w.groups is not None else dummy,
+        part, norm, scale, skipped,
         lr_t if lr_t is not None else dummy, wd_t if wd_t is not None else dummy,
         grad_scale if has_gs else dummy, found_inf if has_fi else dummy,
-        lr_f, wd_f, float(max_norm), float(momentum),
-        DTYPE=tl_dtype, ACC=tl_acc, MODE=mode, LR_KIND=lr_kind, WD_KIND=wd_kind,
-        HAS_MOM=has_mom, HAS_GS=has_gs, HAS_FI=has_fi, FINALIZED=finalized,
-        ALIGNED=table.aligned, BLOCK=block, PBLOCK=PBLOCK, num_warps=warps)
+        lr_f, wd_f, float(max_norm), float(momentum), w.x_base, w.g_base, w.b_base if has_mom else 0,
+        w.row_len, w.row_chunks, w.chunk, w.mis,
+        DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], MODE=mode, LR_KIND=lr_kind,
+        WD_KIND=wd_kind, HAS_MOM=has_mom, HAS_GS=has_gs, HAS_FI=has_fi, FINALIZED=finalized,
+        ROWS=w.rows, BLOCK=block, PBLOCK=PBLOCK, num_warps=warps)
     return norm, scale, skipped
 
 
@@ -153,9 +214,8 @@ def nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode,
     bufs = list(momentum_buffers) if momentum != 0.0 else []
     device = params[0].device
     with _on(device):
-        table = _tables.nar_table(params, grads, bufs)
         norm, scale, skipped = _run_nar(
-            table, params[0].dtype, device, lr, weight_decay, max_norm, int(mode),
+            _list_work(params, grads, bufs), params[0].dtype, device, lr, weight_decay, max_norm, int(mode),
             float(momentum), grad_scale, found_inf, per_row=False)
     return norm.reshape(()), scale.reshape(()), skipped.reshape(())
 
@@ -168,21 +228,16 @@ def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
     dtype, device = params[0].dtype, params[0].device
     acc = acc_dtype(dtype)
     with _on(device):
-        table = _tables.nar_table(params, grads, [])
+        w = _list_work(params, grads, [])
         sums = torch.zeros(1, dtype=acc, device=device)
-        if table.n_chunks == 0:
+        if w.n_chunks == 0:
             return sums.reshape(())
         block, warps = launch_config(dtype)
-        part = torch.empty(table.n_chunks, dtype=acc, device=device)
+        part = torch.empty(w.n_chunks, dtype=acc, device=device)
         wd_kind, wd_f, wd_t = _hyper(weight_decay, per_row=False)
-        tl_acc = TL_DTYPES[acc]
-        nar_norm_kernel[(table.n_chunks,)](
-            table.chunks, part, wd_t if wd_t is not None else part,
-            grad_scale if grad_scale is not None else part, wd_f,
-            DTYPE=TL_DTYPES[dtype], ACC=tl_acc, MODE=int(mode), WD_KIND=wd_kind,
-            HAS_GS=grad_scale is not None, ALIGNED=table.aligned, BLOCK=block, num_warps=warps)
+        _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, int(mode), warps, block)
         # the update kernel's num_warps: the same reduction tree as nar_step_'s own sum
-        group_sum_kernel[(1,)](table.groups, part, sums, ACC=tl_acc, PBLOCK=PBLOCK, num_warps=warps)
+        group_sum_kernel[(1,)](w.groups, part, sums, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, num_warps=warps)
     return sums.reshape(())
 
 
@@ -193,37 +248,18 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, weight_decay, max_n
     params, grads = list(params), list(grads)
     bufs = list(momentum_buffers) if momentum != 0.0 else []
     dtype, device = params[0].dtype, params[0].device
-    acc = acc_dtype(dtype)
-    sq = sq_norm.reshape(1).to(acc)
+    sq = sq_norm.reshape(1).to(acc_dtype(dtype))
     with _on(device):
-        table = _tables.nar_table(params, grads, bufs)
-        if table.n_chunks == 0:
-            stats = _empty_stats(1, acc, device, max_norm, int(mode), found_inf, norm=torch.sqrt(sq))
-            return tuple(t.reshape(()) for t in stats)
-        block, warps = launch_config(dtype)
-        norm = torch.empty(1, dtype=acc, device=device)
-        scale = torch.empty(1, dtype=acc, device=device)
-        skipped = torch.empty(1, dtype=torch.bool, device=device)
-        lr_kind, lr_f, lr_t = _hyper(lr, per_row=False)
-        wd_kind, wd_f, wd_t = _hyper(weight_decay, per_row=False)
-        has_gs, has_fi = grad_scale is not None, found_inf is not None
-        nar_update_kernel[(table.n_chunks,)](
-            table.chunks, sq, norm, scale, skipped,
-            lr_t if lr_t is not None else sq, wd_t if wd_t is not None else sq,
-            grad_scale if has_gs else sq, found_inf if has_fi else sq,
-            lr_f, wd_f, float(max_norm), float(momentum),
-            DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc], MODE=int(mode), LR_KIND=lr_kind, WD_KIND=wd_kind,
-            HAS_MOM=momentum != 0.0, HAS_GS=has_gs, HAS_FI=has_fi, FINALIZED=True,
-            ALIGNED=table.aligned, BLOCK=block, PBLOCK=PBLOCK, num_warps=warps)
-    return norm.reshape(()), scale.reshape(()), skipped.reshape(())
+        stats = _run_nar(_list_work(params, grads, bufs), dtype, device, lr, weight_decay, max_norm, int(mode),
+                         float(momentum), grad_scale, found_inf, per_row=False, sq_in=sq)
+    return tuple(t.reshape(()) for t in stats)
 
 
 def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf):
-    """Row-wise FedNAR on contiguous ``[C, N]`` tensors; ``[C]`` stats (contract)."""
+    """Row-wise FedNAR on contiguous ``[C, N]`` tensors (no table); ``[C]`` stats (contract)."""
     B = B if momentum != 0.0 else None
     with _on(X.device):
-        table = _tables.nar_batched_table(X, G, B)
-        return _run_nar(table, X.dtype, X.device, lr, weight_decay, max_norm, int(mode),
+        return _run_nar(_rows_work(X, G, B), X.dtype, X.device, lr, weight_decay, max_norm, int(mode),
                         float(momentum), grad_scale, found_inf, per_row=True)
 
 
@@ -240,26 +276,41 @@ def aggregate(clients, weights, gamma, out, enabled):
         return _aggregate(clients, weights, gamma, out, enabled)
 
 
+def _clients_work(clients):
+    """``(table or None, base address, two_d, mis)`` of the clients' locations."""
+    if isinstance(clients, torch.Tensor):
+        return None, clients.data_ptr(), True, _chunks.rows_misalignment([clients.data_ptr()])
+    return _tables.client_table(clients).addrs, 0, False, 0
+
+
+def aggregate_tiling(N: int, dtype: torch.dtype):
+    """``(BLOCK, num_warps, programs)`` of the aggregation kernels: the tile from N and
+    the dtype only (``_chunks.aggregate_tile``), 8 elements per thread."""
+    widest, _ = launch_config(dtype)
+    block = _chunks.aggregate_tile(N, widest)
+    return block, max(1, block // 256), -(-N // block)
+
+
 def _aggregate(clients, weights, gamma, out, enabled):
     C, N, dtype, device = _clients_meta(clients)
     acc = acc_dtype(dtype)
-    block, warps = launch_config(dtype)
-    nblk = -(-N // block)
-    table = _tables.client_table(clients)
+    block, warps, nblk = aggregate_tiling(N, dtype)
+    q = torch.empty(C, dtype=acc, device=device)
+    total = torch.empty((), dtype=acc, device=device)
     part = torch.empty((C + 1) * nblk, dtype=acc, device=device)
-    res = torch.empty(C + 1, dtype=acc, device=device)
     g_kind, g_f, g_t = _hyper(gamma, per_row=False)
     has_en = enabled is not None
     weights = weights.contiguous()
     if nblk > 0:
+        tab, x_base, two_d, mis = _clients_work(clients)
         aggregate_kernel[(nblk,)](
-            table.addrs, weights, out, part, enabled if has_en else res,
-            g_t if g_t is not None else res, g_f, C, N, nblk,
-            DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc], HAS_EN=has_en, GAMMA_KIND=g_kind,
-            ALIGNED=table.aligned, BLOCK=block, num_warps=warps)
-    row_sum_kernel[(C + 1,)](part, res, enabled if has_en else res, nblk, ACC=TL_DTYPES[acc],
+            tab if tab is not None else part, weights, out, part,
+            enabled if has_en else part, g_t if g_t is not None else part, g_f, x_base, C, N, nblk, mis,
+            DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], TWO_D=two_d, HAS_EN=has_en,
+            GAMMA_KIND=g_kind, BLOCK=block, num_warps=warps)
+    row_sum_kernel[(C + 1,)](part, q, total, enabled if has_en else part, nblk, C, ACC=TL_DTYPES[acc],
                              HAS_EN=has_en, PBLOCK=PBLOCK, num_warps=SMALL_NUM_WARPS)
-    return res[:C], res[C]
+    return q, total
 
 
 def client_dots(clients, g):
@@ -274,16 +325,15 @@ def _client_dots(clients, g):
     res = torch.empty(C, dtype=acc, device=device)
     if C == 0:
         return res
-    block, warps = launch_config(dtype)
-    nblk = -(-N // block)
-    table = _tables.client_table(clients)
+    block, warps, nblk = aggregate_tiling(N, dtype)
     part = torch.empty(C * nblk, dtype=acc, device=device)
     if nblk > 0:
+        tab, x_base, two_d, mis = _clients_work(clients)
         client_dots_kernel[(nblk,)](
-            table.addrs, g, part, C, N, nblk, DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc],
-            ALIGNED=table.aligned, BLOCK=block,
+            tab if tab is not None else part, g, part, x_base, C, N, nblk, mis,
+            DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], TWO_D=two_d, BLOCK=block,
             num_warps=warps)
-    row_sum_kernel[(C,)](part, res, res, nblk, ACC=TL_DTYPES[acc], HAS_EN=False, PBLOCK=PBLOCK,
+    row_sum_kernel[(C,)](part, res, res, res, nblk, C, ACC=TL_DTYPES[acc], HAS_EN=False, PBLOCK=PBLOCK,
                          num_warps=SMALL_NUM_WARPS)
     return res
 
@@ -312,14 +362,15 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1,
         # Only sgd reads gamma: elsewhere a gamma tensor is not even passed (its pointer
         # type would select another compiled variant for nothing).
         g_kind, g_f, g_t = _hyper(gamma, per_row=False) if rule == 0 else (HYPER_FLOAT.value, 0.0, None)
+        if table.n_chunks == 0:
+            return
         dummy = table.chunks  # stands for absent optional pointers (never read)
         has_skip = skip is not None
         server_update_kernel[(table.n_chunks,)](
             table.chunks, lr_t if lr_t is not None else dummy, g_t if g_t is not None else dummy,
             skip if has_skip else dummy, lr_f, g_f, float(beta1), float(beta2), float(tau),
             DTYPE=TL_DTYPES[dtype], ACC=TL_DTYPES[acc], RULE=rule, NESTEROV=bool(nesterov) and rule == 1,
-            LR_KIND=lr_kind, GAMMA_KIND=g_kind, HAS_SKIP=has_skip,
-            ALIGNED=table.aligned, BLOCK=block, num_warps=warps,
+            LR_KIND=lr_kind, GAMMA_KIND=g_kind, HAS_SKIP=has_skip, BLOCK=block, num_warps=warps,
             # The contract rounds every operation separately (math.h, as the CPU
             # kernels do): no FMA contraction by LLVM or ptxas (--fmad=false).
             enable_fp_fusion=False)

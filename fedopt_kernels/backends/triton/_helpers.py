@@ -63,6 +63,13 @@ SERVER_ADAGRAD = tl.constexpr(2)
 SERVER_ADAM = tl.constexpr(3)
 SERVER_YOGI = tl.constexpr(4)
 
+# Chunk rows (backends/_chunks.py): [ptr0, ptr1, ptr2, ptr3, len, group, flags, 0].
+ROW_COLS = tl.constexpr(8)
+COL_LEN = tl.constexpr(4)
+COL_GROUP = tl.constexpr(5)
+COL_FLAGS = tl.constexpr(6)
+FLAG_ALIGNED16 = tl.constexpr(1)
+
 CLIP_EPS = tl.constexpr(1e-6)  # as torch.nn.utils.clip_grad_norm_ (math.h kClipEps)
 _INF = tl.constexpr(float("inf"))
 
@@ -92,12 +99,16 @@ def load_hyper(value, ptr, group, KIND: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def table_ptr(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """An int64 address read from a pointer table, as a ``DTYPE`` pointer.
+    """An int64 address (from a chunk table, or a base address plus a row offset) as a
+    ``DTYPE`` pointer.
 
-    A loaded address carries no alignment information, so without a hint every access
-    through it compiles to scalar loads.  With ``ALIGNED`` (the host checked that every
-    address of the table is 16-byte aligned) the hint lets the compiler emit 16-byte
-    vector accesses (``ld.global.v4``).
+    An address carries no alignment information, so without a hint every access through
+    it compiles to scalar loads.  With ``ALIGNED`` (the table's flag, or the caller's
+    run-time check, says it is 16-byte aligned) the hint lets the compiler emit 16-byte
+    vector accesses (``ld.global.v4``).  The pointer must be made here, where the hint
+    is attached: ``tl.multiple_of`` annotates the op that defines its argument, so a
+    pointer made by the caller and hinted in a callee (a function argument) or outside
+    a run-time branch would not be vectorised in that branch alone.
     """
     p = addr.to(tl.pointer_type(DTYPE))
     if ALIGNED:
@@ -106,10 +117,10 @@ def table_ptr(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def block_offsets(start, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """int64 offsets ``start + [0, BLOCK)``; ``start`` is a multiple of BLOCK."""
-    if ALIGNED:
-        start = tl.multiple_of(start, BLOCK)
+def block_offsets(start, BLOCK: tl.constexpr):
+    """int64 offsets ``start + [0, BLOCK)``; ``start`` is a multiple of BLOCK (hinted, so
+    an aligned base keeps every block aligned)."""
+    start = tl.multiple_of(start, BLOCK)
     return start + tl.arange(0, BLOCK).to(tl.int64)
 
 

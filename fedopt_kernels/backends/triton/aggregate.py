@@ -2,13 +2,20 @@
 (``client_dots``).
 
 Both are one pass over the clients: program ``p`` owns columns
-``[p * BLOCK, (p + 1) * BLOCK)`` and loops over the clients (addresses from a pointer
-table), so every client element is read once and ``out`` written once.  Per-client
-sums are written as one partial per (client, program); ``row_sum_kernel`` then adds
-each row of partials in a fixed order (deterministic, no float atomics).  The finalize
-is a separate, tiny launch: nothing later in the pass could combine the partials
-(unlike the FedNAR update kernel), and it also writes the zero statistics of a
-disabled call.
+``[p * BLOCK, (p + 1) * BLOCK)`` and loops over the clients, so every client element is
+read once and ``out`` written once.  ``BLOCK`` comes from N and the dtype only
+(``_chunks.aggregate_tile``: small N gets narrow tiles and so enough programs to fill
+the GPU), never from the device, so the partial sums -- and the results -- are the same
+on every GPU.  Per-client sums are written as one partial per (client, program);
+``row_sum_kernel`` then adds each row of partials in a fixed order (deterministic, no
+float atomics).  The finalize is a separate, tiny launch: nothing later in the pass
+could combine the partials (unlike the FedNAR update kernel), and it also writes the
+zero statistics of a disabled call.
+
+Clients: a contiguous ``[C, N]`` tensor (``TWO_D``: client ``i`` at address
+``x_base + i * N * ESIZE``, no table) or a list of 1-D tensors (a ``[C, 2]`` table of ``(address, flags)``).  Each
+client's loads are vectorised iff that client is 16-byte aligned (decided per client,
+at run time); ``out`` / ``g`` are kernel arguments, whose alignment Triton specialises.
 """
 
 from __future__ import annotations
@@ -20,15 +27,31 @@ from . import _helpers as H
 
 
 @triton.jit
-def _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
-                     DTYPE: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr,
+def _load_client(ctab_ptr, x_base, i, offs, N, mis, DTYPE: tl.constexpr, ESIZE: tl.constexpr,
+                 ACC: tl.constexpr, TWO_D: tl.constexpr, MASKED: tl.constexpr):
+    """Columns ``offs`` of client ``i`` in ``ACC``."""
+    if TWO_D:
+        addr = x_base + i * N * ESIZE
+        aligned = (mis >= 0) & ((mis + i * N * ESIZE) % 16 == 0)
+    else:
+        addr = tl.load(ctab_ptr + 2 * i)
+        aligned = (tl.load(ctab_ptr + 2 * i + 1) & H.FLAG_ALIGNED16) != 0
+    if aligned:
+        x = H.load_block(H.table_ptr(addr, DTYPE, True), offs, N, ACC, MASKED)
+    else:
+        x = H.load_block(H.table_ptr(addr, DTYPE, False), offs, N, ACC, MASKED)
+    return x
+
+
+@triton.jit
+def _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, mis, pid,
+                     DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
                      BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    offs = H.block_offsets(pid * BLOCK, BLOCK, ALIGNED)
+    offs = H.block_offsets(pid * BLOCK, BLOCK)
     total = tl.zeros([BLOCK], ACC)
     for c in range(C):
         i = tl.cast(c, tl.int64)  # int64 before multiplying
-        x_ptr = H.table_ptr(tl.load(ctab_ptr + i), DTYPE, ALIGNED)
-        x = H.load_block(x_ptr, offs, N, ACC, MASKED)
+        x = _load_client(ctab_ptr, x_base, i, offs, N, mis, DTYPE, ESIZE, ACC, TWO_D, MASKED)
         w = tl.load(w_ptr + i).to(ACC)
         tl.store(part_ptr + i * nblk + pid, tl.sum(x * x, axis=0))
         # weight exactly 0: exactly 0 (never 0 * nan); x is selected before the multiply,
@@ -38,11 +61,12 @@ def _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
     H.store_block(out_ptr, offs, N, gamma * total, MASKED)
 
 
-@triton.jit(do_not_specialize=["gamma_value", "C", "N", "nblk"])
+@triton.jit(do_not_specialize=["gamma_value", "x_base", "C", "N", "nblk", "mis"])
 def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, en_ptr, gamma_ptr,
-                     gamma_value: tl.float64, C: tl.int64, N: tl.int64, nblk: tl.int64,
-                     DTYPE: tl.constexpr, ACC: tl.constexpr, HAS_EN: tl.constexpr,
-                     GAMMA_KIND: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                     gamma_value: tl.float64, x_base: tl.int64, C: tl.int64, N: tl.int64, nblk: tl.int64,
+                     mis: tl.int64,
+                     DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
+                     HAS_EN: tl.constexpr, GAMMA_KIND: tl.constexpr, BLOCK: tl.constexpr):
     """For the columns ``J`` of program ``p`` (``nblk`` programs), in acc dtype::
 
         total_J          = sum_i (w_i * X_i[J] if w_i != 0 else 0)   (i = 0, 1, ... in order)
@@ -59,50 +83,54 @@ def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, en_ptr, gamma_ptr,
         pid = tl.program_id(0).to(tl.int64)
         gamma = H.load_hyper(gamma_value, gamma_ptr, 0, GAMMA_KIND, ACC)
         if (pid + 1) * BLOCK <= N:
-            _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
-                             DTYPE, ACC, ALIGNED, BLOCK, False)
+            _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, mis, pid,
+                             DTYPE, ESIZE, ACC, TWO_D, BLOCK, False)
         else:
-            _aggregate_block(ctab_ptr, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, pid,
-                             DTYPE, ACC, ALIGNED, BLOCK, True)
+            _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, mis, pid,
+                             DTYPE, ESIZE, ACC, TWO_D, BLOCK, True)
 
 
 @triton.jit
-def _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE: tl.constexpr,
-                ACC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+def _dots_block(ctab_ptr, x_base, g_ptr, part_ptr, C, N, nblk, mis, pid, DTYPE: tl.constexpr,
+                ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr, BLOCK: tl.constexpr,
                 MASKED: tl.constexpr):
-    offs = H.block_offsets(pid * BLOCK, BLOCK, ALIGNED)
+    offs = H.block_offsets(pid * BLOCK, BLOCK)
     g = H.load_block(g_ptr, offs, N, ACC, MASKED)
     for c in range(C):
         i = tl.cast(c, tl.int64)  # int64 before multiplying
-        x_ptr = H.table_ptr(tl.load(ctab_ptr + i), DTYPE, ALIGNED)
-        x = H.load_block(x_ptr, offs, N, ACC, MASKED)
+        x = _load_client(ctab_ptr, x_base, i, offs, N, mis, DTYPE, ESIZE, ACC, TWO_D, MASKED)
         tl.store(part_ptr + i * nblk + pid, tl.sum(x * g, axis=0))
 
 
-@triton.jit(do_not_specialize=["C", "N", "nblk"])
-def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, C: tl.int64, N: tl.int64, nblk: tl.int64,
-                       DTYPE: tl.constexpr, ACC: tl.constexpr, ALIGNED: tl.constexpr,
+@triton.jit(do_not_specialize=["x_base", "C", "N", "nblk", "mis"])
+def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, x_base: tl.int64, C: tl.int64, N: tl.int64, nblk: tl.int64,
+                       mis: tl.int64,
+                       DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
                        BLOCK: tl.constexpr):
     """``part[i, p] = sum_{J of program p} X_i[J] * g[J]`` (acc dtype).  Grid: ``nblk``."""
     pid = tl.program_id(0).to(tl.int64)
     if (pid + 1) * BLOCK <= N:
-        _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE, ACC, ALIGNED, BLOCK, False)
+        _dots_block(ctab_ptr, x_base, g_ptr, part_ptr, C, N, nblk, mis, pid, DTYPE, ESIZE, ACC, TWO_D, BLOCK, False)
     else:
-        _dots_block(ctab_ptr, g_ptr, part_ptr, C, N, nblk, pid, DTYPE, ACC, ALIGNED, BLOCK, True)
+        _dots_block(ctab_ptr, x_base, g_ptr, part_ptr, C, N, nblk, mis, pid, DTYPE, ESIZE, ACC, TWO_D, BLOCK, True)
 
 
-@triton.jit(do_not_specialize=["nblk"])
-def row_sum_kernel(part_ptr, res_ptr, en_ptr, nblk: tl.int64, ACC: tl.constexpr, HAS_EN: tl.constexpr,
-                   PBLOCK: tl.constexpr):
-    """``res[r] = sum(part[r, :nblk])`` in a fixed order; 0 when ``enabled`` is false.
-
-    Grid: one program per row.
+@triton.jit(do_not_specialize=["nblk", "C"])
+def row_sum_kernel(part_ptr, q_ptr, total_ptr, en_ptr, nblk: tl.int64, C: tl.int64, ACC: tl.constexpr,
+                   HAS_EN: tl.constexpr, PBLOCK: tl.constexpr):
+    """Row ``r`` of the partials summed in a fixed order -- 0 when ``enabled`` is false --
+    into ``q[r]`` for ``r < C`` and ``total[0]`` for ``r == C`` (two separate outputs:
+    a custom op may not return two views of one buffer).  Grid: one program per row.
     """
     r = tl.program_id(0).to(tl.int64)
     run = True
     if HAS_EN:
         run = tl.load(en_ptr) != 0
     if run:
-        tl.store(res_ptr + r, H.sum_range(part_ptr, r * nblk, (r + 1) * nblk, ACC, PBLOCK))
+        s = H.sum_range(part_ptr, r * nblk, (r + 1) * nblk, ACC, PBLOCK)
     else:
-        tl.store(res_ptr + r, tl.full((), 0.0, ACC))
+        s = tl.full((), 0.0, ACC)
+    if r < C:
+        tl.store(q_ptr + r, s)
+    else:
+        tl.store(total_ptr, s)

@@ -189,3 +189,47 @@ def server_update_op(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta
                      backend):
     _server_update(params, updates, exp_avg, exp_avg_sq, rule, *_split(lr), *_split(gamma), beta1, beta2, tau,
                    nesterov, skip, backend)
+
+
+# ``weighted_sum`` (FedLAW's differentiable aggregation): forward is the backend's
+# aggregation, backward its ``client_dots``, each one opaque node under compile (the
+# backend's Triton launches are never traced into).  Clients are constants: no gradient.
+@torch.library.custom_op("fedopt::weighted_sum", mutates_args=())
+def _weighted_sum(clients: list[torch.Tensor], weights: torch.Tensor, gamma: torch.Tensor,
+                  backend: str) -> torch.Tensor:
+    rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
+    first = clients[0]
+    impl = backends.resolve(backend, first.device)
+    out = torch.empty(first.shape[-1], dtype=first.dtype, device=first.device)
+    impl.aggregate(rows, weights, gamma, out, None)
+    return out
+
+
+@_weighted_sum.register_fake
+def _(clients, weights, gamma, backend):
+    first = clients[0]
+    return first.new_empty((first.shape[-1],))
+
+
+def _weighted_sum_setup(ctx, inputs, output):
+    clients, weights, gamma, backend = inputs
+    ctx.backend = backend
+    ctx.num_clients = len(clients)
+    ctx.save_for_backward(weights, gamma, *clients)
+
+
+def _weighted_sum_backward(ctx, grad_out):
+    """``dL/dw_i = gamma <G, X_i>``, ``dL/dgamma = sum_i w_i <G, X_i>`` (one pass)."""
+    weights, gamma, *clients = ctx.saved_tensors
+    dots = _client_dots(clients, grad_out.contiguous().to(weights.dtype), ctx.backend)
+    grad_w = gamma * dots if ctx.needs_input_grad[1] else None
+    grad_gamma = torch.dot(weights, dots) if ctx.needs_input_grad[2] else None
+    return [None] * ctx.num_clients, grad_w, grad_gamma, None
+
+
+_weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_sum_setup)
+
+
+def weighted_sum_op(clients, weights, gamma, backend):
+    rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
+    return _weighted_sum(rows, weights, gamma, backend)

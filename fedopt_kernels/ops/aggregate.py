@@ -95,7 +95,17 @@ def check_weights(weights, C: int, device, dtype, name: str = "weights") -> torc
 
 
 def check_weight_values(weights: torch.Tensor, name: str = "weights") -> None:
-    """Host-side value checks of client weights (reads the values)."""
+    """Host-side value checks of client weights (reads the values).  Under
+    ``torch.compile`` the same check is one ``_assert_async`` node in the graph (a
+    Python branch on the values would break the graph); it fails when the compiled
+    graph runs, with the same statement of what was expected."""
+    if torch.compiler.is_compiling():
+        w = weights.detach()
+        ok = torch.isfinite(w).all() & (w >= 0).all()
+        if w.numel():
+            ok = ok & (w > 0).any()
+        torch._assert_async(ok, f"{name} must be finite, >= 0 and not all zero")
+        return
     w = weights.detach().cpu().double()
     bad = ~torch.isfinite(w)
     if bad.any():
@@ -114,7 +124,11 @@ def check_gamma(gamma, device, dtype):
         if gamma.device != device:
             raise ValueError(f"gamma is on {gamma.device} but the clients are on {device}")
         if device.type == "cpu":  # read by value like CPU weights; on a device that would sync
-            V.check_real(float(gamma.detach()), "gamma", low=0.0, low_open=True)
+            if torch.compiler.is_compiling():  # a graph node, not a Python branch on the value
+                g = gamma.detach().reshape(())
+                torch._assert_async(torch.isfinite(g) & (g > 0), "gamma must be finite and satisfy gamma > 0.0")
+            else:
+                V.check_real(float(gamma.detach()), "gamma", low=0.0, low_open=True)
         return gamma.reshape(()).to(dtype)
     return V.check_real(gamma, "gamma", low=0.0, low_open=True)
 

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import backends
-from . import _validation as V
+from . import _library, _validation as V
 from .aggregate import Clients, as_weight_tensor, check_clients
 
 
@@ -70,5 +70,8 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
         rows = rows.detach()
     else:
         rows = [r.detach() for r in rows]
+    if torch.compiler.is_compiling():  # one custom-op node (forward and backward)
+        return _library.weighted_sum_op(rows, weights.to(acc), gamma.to(acc),
+                                        backends.resolve_name(backend, device.type))
     impl = backends.resolve(backend, device)
     return _WeightedSum.apply(weights.to(acc), gamma.to(acc), impl, rows)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .timing import interleaved
+from .timing import interleaved, of_copy_bandwidth
 
 
 def bench_aggregate(C: int, N: int, *, label: str, backend: Optional[str] = None, device="cpu",
@@ -73,4 +73,6 @@ def bench_aggregate(C: int, N: int, *, label: str, backend: Optional[str] = None
         "ms": seconds * 1e3,
         "vs floor": floor / seconds,
         "time / fused": seconds / times["fused"],
+        # minimum traffic: every client read once, out written once
+        "of copy bw": of_copy_bandwidth((C + 1) * N * X.element_size(), seconds, device),
     } for name, seconds in times.items()]

@@ -13,9 +13,16 @@ Candidates, all on the same parameter list, timed interleaved (``timing.interlea
 * ``torch.compile(python_ref)``: the oracle compiled, at a fixed lr (its steady state)
   and with lr changing every call (what FL schedules do); the first call with a new lr
   is reported separately (recompilation).
+* ``torch SGD(fused) + clip_grad_norm_(foreach)``: what PyTorch users run for a clipped
+  SGD step (gradient clipping, decay after the clip: not FedNAR's math, the bar for
+  speed), ``torch.optim.SGD(fused=True)`` where this torch has it.
 * ``floor``: ATen primitives with the step's memory traffic on flat buffers of the same
   size: ``torch.dot(g, x)`` (norm pass, 2 words/param) + ``x.add_(g, alpha=a)`` (update
   pass, 3 words/param).  ``speed vs floor`` = floor time / candidate time.
+
+``of copy bw``: the step's minimum traffic (20 bytes/param for fp32: norm pass reads x
+and g, update pass reads x, g and writes x) per second, as a fraction of the measured
+device copy bandwidth (``timing.copy_bandwidth``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 import python_ref.fednar as ref
 from .. import ops
 from .shapes import numel
-from .timing import interleaved
+from .timing import interleaved, of_copy_bandwidth
 
 HYPER = dict(weight_decay=5e-4, max_norm=10.0)
 
@@ -87,6 +94,9 @@ def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device=
         "torch._foreach": lambda: foreach_nar_step_(params, grads, lr=next_lr(), **HYPER),
         "floor (dot + add_)": lambda: (torch.dot(g_flat, x_flat), x_flat.add_(g_flat, alpha=-1e-6)),
     }
+    sgd = _torch_clipped_sgd(shapes, device)
+    if sgd is not None:
+        candidates["torch SGD(fused) + clip_grad_norm_(foreach)"] = sgd
     extra = {}
     if include_compile:
         torch._dynamo.reset()
@@ -109,5 +119,27 @@ def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device=
             "ms": seconds * 1e3,
             "vs floor": floor / seconds if name != "torch.compile first new lr" else float("nan"),
             "time / fused": seconds / times["fused"],
+            "of copy bw": (of_copy_bandwidth(20 * n, seconds, device)
+                           if name != "torch.compile first new lr" else float("nan")),
         })
     return rows
+
+
+def _torch_clipped_sgd(shapes, device):
+    """``clip_grad_norm_(foreach=True)`` + ``SGD(fused=True).step`` on copies of the
+    params (None where this torch has no fused SGD for ``device``)."""
+    params, grads = _make(shapes, device, seed=1)
+    leaves = [p.requires_grad_(True) for p in params]
+    for p, g in zip(leaves, grads):
+        p.grad = g
+    try:
+        opt = torch.optim.SGD(leaves, lr=0.01, weight_decay=HYPER["weight_decay"], fused=True)
+        opt.step()
+    except (RuntimeError, ValueError, TypeError):
+        return None
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(leaves, HYPER["max_norm"], foreach=True)
+        opt.step()
+
+    return step

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .timing import interleaved
+from .timing import interleaved, of_copy_bandwidth
 
 B1, B2, TAU, LR = 0.9, 0.99, 1e-3, 1e-2
 
@@ -81,4 +81,6 @@ def bench_server_update(shapes, *, label: str, backend: Optional[str] = None, de
         "ms": seconds * 1e3,
         "vs floor": bar / seconds,
         "time / fused": seconds / times["fused"],
+        # minimum traffic of the Adam step: read x, D, m, v; write x, m, v (fp32)
+        "of copy bw": of_copy_bandwidth(7 * 4 * N, seconds, device),
     } for name, seconds in times.items()]

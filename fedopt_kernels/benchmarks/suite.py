@@ -23,7 +23,7 @@ SUITES = ("nar_step", "aggregate", "server", "simulation")
 SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                ("vs hand loop", "x faster than hand loop"), ("time / batched", "time / batched"))
 KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
-                  ("time / fused", "time / fused"))
+                  ("time / fused", "time / fused"), ("of copy bw", "of copy bandwidth"))
 
 
 def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quick: bool = False) -> list:

@@ -57,3 +57,27 @@ def interleaved(candidates: Dict[str, Callable[[], object]], *, repeats: int = 1
             _sync(device)
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+_COPY_BW: Dict[str, float] = {}
+
+
+def copy_bandwidth(device: torch.device, repeats: int = 9) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on ``device`` (read + write counted), over
+    buffers of ``FLUSH_BYTES`` each -- larger than the last-level cache, so this is the
+    memory's streaming bandwidth, the floor of every memory-bound step.  Measured once
+    per device and process."""
+    device = torch.device(device)
+    key = str(device)
+    if key not in _COPY_BW:
+        src = torch.empty(FLUSH_BYTES // 4, device=device).fill_(1.0)
+        dst = torch.empty_like(src)
+        seconds = interleaved({"copy": lambda: dst.copy_(src)}, repeats=repeats, device=device)["copy"]
+        _COPY_BW[key] = 2 * src.numel() * src.element_size() / seconds
+    return _COPY_BW[key]
+
+
+def of_copy_bandwidth(traffic_bytes: float, seconds: float, device: torch.device) -> float:
+    """The fraction of the measured copy bandwidth a call moving ``traffic_bytes`` (the
+    op's minimum traffic) in ``seconds`` reaches: 1.0 is the memory floor."""
+    return traffic_bytes / seconds / copy_bandwidth(device)

@@ -133,19 +133,42 @@ def _materialise(dataset, split: str, dtype):
 
 
 # ---------------------------------------------------------------------------- digits
-def digits(*, seed: int = 0, test_fraction: float = 0.2, standardize: bool = True) -> FederatedDataset:
-    """scikit-learn's 8x8 digits as ``[n, 1, 8, 8]`` images (stratified split by ``seed``)."""
+def _digits_arrays():
+    """``(images [1797, 8, 8] float, labels [1797] int)`` of scikit-learn's digits.
+
+    Read straight from the CSV that scikit-learn ships (``sklearn/datasets/data/
+    digits.csv.gz``: 64 pixel columns and the label per row), located without importing
+    scikit-learn -- its import costs about as much as torch's own and nothing else of it
+    is needed.  ``load_digits`` is the fallback if the file has moved.
+    """
+    import gzip
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            with gzip.open(path, "rt") as f:
+                table = np.loadtxt(f, delimiter=",", dtype=np.float64)
+            return table[:, :64].reshape(-1, 8, 8), table[:, 64].astype(np.int64)
     from sklearn.datasets import load_digits
 
+    bunch = load_digits()
+    return bunch.images, bunch.target
+
+
+def digits(*, seed: int = 0, test_fraction: float = 0.2, standardize: bool = True) -> FederatedDataset:
+    """scikit-learn's 8x8 digits as ``[n, 1, 8, 8]`` images (stratified split by ``seed``)."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    images, target = _digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(target, dtype=torch.int64)
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0xD1]))
     train_idx, test_idx = [], []
     for c in range(10):  # stratified: the same fraction of every class in the test set
-        idx = np.flatnonzero(bunch.target == c)
+        idx = np.flatnonzero(target == c)
         rng.shuffle(idx)
         n_test = int(round(len(idx) * test_fraction))
         test_idx.append(idx[:n_test])

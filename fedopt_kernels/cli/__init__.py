@@ -77,7 +77,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        args._argv = argv  # for reports that quote the command (fedopt selftest's bug-report block)
         if getattr(args, "func", None) is None:
             parser.print_help()
             return 2

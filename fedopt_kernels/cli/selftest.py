@@ -170,6 +170,18 @@ def run_checks(device: torch.device, names: tuple, explicit: bool, quick: bool,
     return results
 
 
+def _command_line(args, device: torch.device) -> List[str]:
+    """The command as run, for the bug report (with the device it resolved to)."""
+    argv = ["selftest", "--device", device.type]
+    if args.backends:
+        argv += ["--backends", args.backends]
+    if args.quick:
+        argv.append("--quick")
+    if args.json:
+        argv += ["--json", args.json]
+    return argv
+
+
 def run_selftest(args) -> int:
     from .. import backends
     from . import _selftest_report as report
@@ -195,7 +207,7 @@ def run_selftest(args) -> int:
     summary = (f"fedopt selftest on {device.type}: {counts['PASS']} passed, {counts['FAIL']} failed, "
                f"{counts['SKIP']} skipped in {seconds:.1f} s -> exit status {status}")
     report.print_results(env, results, summary)
-    argv = getattr(args, "_argv", None) or sys.argv[1:]
+    argv = _command_line(args, device)
     if status:
         print(file=sys.stdout)
         print(report.bug_report(env, results, argv))

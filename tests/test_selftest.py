@@ -25,6 +25,10 @@ from fedopt_kernels.cli._selftest_report import BUG_REPORT_HEADER
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_OPS = {"nar_step_", "nar_step_groups_", "nar_step_batched_", "aggregate", "client_dots", "weighted_sum",
               "server_update_"}
+# On a machine with CUDA the suite runs compiled Triton kernels (conftest), and a
+# --device cpu run in this process would switch it to Triton's interpreter for good:
+# there, in-process runs leave Triton out (the subprocess test below covers it).
+IN_PROCESS = ["--backends", "reference,cpu"] if torch.cuda.is_available() else []
 
 
 def _cpu_backends():
@@ -53,7 +57,7 @@ def _failing(doc):
 def healthy_run(tmp_path_factory):
     """One full ``fedopt selftest --device cpu`` run (about 15 s here), shared."""
     path = tmp_path_factory.mktemp("selftest") / "selftest.json"
-    rc = main(["selftest", "--device", "cpu", "--json", str(path)])
+    rc = main(["selftest", "--device", "cpu", "--json", str(path), *IN_PROCESS])
     return rc, json.loads(path.read_text())
 
 
@@ -75,12 +79,29 @@ def test_every_op_on_every_cpu_backend_passes(healthy_run):
     graphs = [r for r in results if r["op"] == "cuda graph"]
     if "triton" in _cpu_backends():
         assert graphs and all(r["status"] == "SKIP" and r["reason"] == "n/a (no CUDA)" for r in graphs)
-    # the cuda backend cannot run on CPU tensors: one SKIP row saying why
-    cuda_rows = [r for r in results if r["backend"] == "cuda"]
-    assert len(cuda_rows) == 1 and cuda_rows[0]["status"] == "SKIP" and "CUDA tensors" in cuda_rows[0]["reason"]
+    if not IN_PROCESS:  # the cuda backend cannot run on CPU tensors: one SKIP row saying why
+        cuda_rows = [r for r in results if r["backend"] == "cuda"]
+        assert len(cuda_rows) == 1 and cuda_rows[0]["status"] == "SKIP" and "CUDA tensors" in cuda_rows[0]["reason"]
     env = doc["env"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu"
     assert env["extensions"]["cpu"]["built"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_op_on_every_cuda_backend_passes(tmp_path):
+    """Where there is a GPU: the selftest's default device, every backend that runs
+    there (reference on CUDA tensors, cuda, triton compiled), CUDA graphs included."""
+    path = tmp_path / "selftest.json"
+    rc = main(["selftest", "--device", "cuda", "--json", str(path)])
+    doc = json.loads(path.read_text())
+    assert rc == 0, [(r["op"], r["backend"], r["errors"]) for r in doc["results"] if r["status"] == "FAIL"]
+    for name in ("reference", "cuda", "triton"):
+        if backends.why_unavailable(name, torch.device("cuda")) is None:
+            ops_seen = {r["op"] for r in doc["results"] if r["backend"] == name and r["status"] == "PASS"}
+            assert PUBLIC_OPS | {"torch.compile"} <= ops_seen, (name, PUBLIC_OPS - ops_seen)
+            if name != "reference":
+                assert "cuda graph" in ops_seen
+    assert doc["env"]["gpus"] and doc["env"]["gpus"][0]["capability"]
 
 
 def test_the_rows_report_errors_within_their_tolerance(healthy_run):

@@ -3,6 +3,8 @@
 #                 point, co-clipping vs gradient clipping at a too-large weight decay
 #   make test   - set up, then run the whole test suite (what CI runs)
 #   make test-fast - the development tier: the suite without the tests marked slow
+#   make gpu-check - on a machine with an NVIDIA GPU: tests, fedopt selftest, compute-sanitizer
+#                 and benchmarks into one folder (GPU_CHECK_OUT, default gpu-check-<date>/)
 # Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
 # extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
 # fedopt_kernels in place.  --no-build-isolation: an isolated build would fetch a second
@@ -18,7 +20,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedopt-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +43,10 @@ test-fast: setup
 
 bench: setup
 	$(VENV)/bin/fedopt bench
+
+GPU_CHECK_OUT ?=
+gpu-check: setup
+	PYTHON=$(PY) bash scripts/gpu-check.sh $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf build *.egg-info fedopt_kernels/*.so

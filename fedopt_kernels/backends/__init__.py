@@ -80,6 +80,21 @@ def triton_interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_EXTENSIONS = {"cpu": "_C", "cuda": "_C_cuda"}  # backend -> its compiled extension module
+
+
+def extension_error(backend: str) -> Optional[str]:
+    """None if the compiled extension behind backend ``"cpu"`` or ``"cuda"`` is built and
+    imports here, else why not -- whether or not a device exists (``fedopt info`` and
+    ``fedopt selftest`` report the build apart from the device)."""
+    if backend not in _EXTENSIONS:
+        raise ValueError(f"backend must be one of {tuple(_EXTENSIONS)} (the compiled ones), got {backend!r}")
+    reason = _load_extension(_EXTENSIONS[backend])
+    if reason is not None and backend == "cuda" and torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is a CPU-only build, so the CUDA extension was not built"
+    return reason
+
+
 def why_unavailable(name: str, device: Optional[torch.device] = None) -> Optional[str]:
     """None if backend ``name`` can run on ``device`` (any device if None), else why not."""
     if name not in BACKENDS:
@@ -90,14 +105,12 @@ def why_unavailable(name: str, device: Optional[torch.device] = None) -> Optiona
     if name == "cpu":
         if dev not in (None, "cpu"):
             return f"the cpu backend runs on CPU tensors, got {dev} tensors"
-        return _load_extension("_C")
+        return extension_error("cpu")
     if name == "cuda":
         if dev not in (None, "cuda"):
             return f"the cuda backend runs on CUDA tensors, got {dev} tensors"
-        reason = _load_extension("_C_cuda")
+        reason = extension_error("cuda")
         if reason is not None:
-            if torch.version.cuda is None:
-                reason = f"torch {torch.__version__} is a CPU-only build, so the CUDA extension was not built"
             return reason
         if not torch.cuda.is_available():
             return "the CUDA extension is built but no CUDA device is available"

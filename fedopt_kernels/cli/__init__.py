@@ -8,6 +8,8 @@ Subcommands:
                      one comparison plot and one table.
 ``fedopt bench``     the kernel benchmark suite's table.
 ``fedopt info``      versions, devices, which backends are built/available and why not.
+``fedopt selftest``  every op on every backend of this device against python_ref and fp64
+                     formulas, torch.compile and CUDA graphs; exit 1 on any mismatch.
 
 Errors (unknown names, impossible settings, malformed config files, unusable output
 directories) print one line ``fedopt: error: ...`` and exit with status 2 (1 for a
@@ -30,7 +32,7 @@ def build_parser() -> ArgumentParser:
 
     parser = ArgumentParser(prog="fedopt", description="Fused federated optimizers: simulate, compare, benchmark.")
     parser.add_argument("--version", action="version", version=f"fedopt_kernels {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{simulate,compare,bench,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{simulate,compare,bench,info,selftest}")
     add_simulate_parser(sub)
     add_compare_parser(sub)
 
@@ -48,6 +50,10 @@ def build_parser() -> ArgumentParser:
                           description="Print versions, which backends are built and available here, and why not.")
     info.add_argument("--json", action="store_true", help="print as JSON")
     info.set_defaults(func=_run_info)
+
+    from .selftest import add_parser as add_selftest_parser
+
+    add_selftest_parser(sub)
     return parser
 
 

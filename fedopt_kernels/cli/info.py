@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import platform
+import sys
 
 import torch
 
@@ -33,23 +34,94 @@ def _distribution_version(name: str):
         return None, "not installed"
 
 
-def collect() -> dict:
-    """Everything ``fedopt info`` prints, as plain data."""
+def _ctypes_library(names):
+    import ctypes
+
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name), None
+        except OSError as exc:
+            errors.append(str(exc))
+    return None, "; ".join(errors)
+
+
+def cuda_driver() -> dict:
+    """The NVIDIA driver's release (NVML, as ``nvidia-smi`` prints it) and the CUDA
+    version it supports (``cuDriverGetVersion``), read through ctypes: torch exposes
+    neither, and neither needs a package.  Values are None with ``error`` saying why."""
+    import ctypes
+
+    result = {"version": None, "cuda": None, "error": None}
+    errors = []
+    windows = sys.platform.startswith("win")
+    nvml, err = _ctypes_library(("nvml.dll",) if windows else ("libnvidia-ml.so.1",))
+    if nvml is None:
+        errors.append(f"NVML: {err}")
+    elif nvml.nvmlInit_v2() != 0:
+        errors.append("NVML: nvmlInit failed")
+    else:
+        buf = ctypes.create_string_buffer(96)
+        if nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(96)) == 0:
+            result["version"] = buf.value.decode()
+        else:
+            errors.append("NVML: nvmlSystemGetDriverVersion failed")
+        nvml.nvmlShutdown()
+    libcuda, err = _ctypes_library(("nvcuda.dll",) if windows else ("libcuda.so.1",))
+    if libcuda is None:
+        errors.append(f"libcuda: {err}")
+    else:
+        v = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value:
+            result["cuda"] = f"{v.value // 1000}.{v.value % 1000 // 10}"
+        else:
+            errors.append("libcuda: cuDriverGetVersion failed")
+    result["error"] = "; ".join(errors) or None
+    return result
+
+
+def gpus() -> list:
+    """Every visible CUDA device: name, compute capability, memory, SM count."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+                    "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count})
+    return out
+
+
+def environment() -> dict:
+    """Versions, devices, the compiled extensions and Triton: what a bug report needs
+    first (``fedopt info`` and ``fedopt selftest`` both print it)."""
     from .. import __version__, backends
 
+    cuda = torch.cuda.is_available()
+    gpu_list = gpus()
     info = {
         "fedopt_kernels": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else [],
+        "cuda_available": cuda,
+        "cuda_devices": [g["name"] for g in gpu_list],
+        "gpus": gpu_list,
+        "cuda_driver": cuda_driver() if cuda else None,
         "cpu_threads": torch.get_num_threads(),
         "triton_interpret": backends.triton_interpret_mode(),
+        "extensions": {name: {"built": backends.extension_error(name) is None,
+                              "error": backends.extension_error(name)} for name in ("cpu", "cuda")},
     }
-    info["triton"] = _version("triton")[0]
+    info["triton"], info["triton_error"] = _version("triton")
+    return info
+
+
+def backend_rows() -> list:
+    """For every backend and device type: available here, or why not."""
+    from .. import backends
+
     rows = []
     for name in backends.BACKENDS:
         for dev in ("cpu", "cuda"):
@@ -58,7 +130,15 @@ def collect() -> dict:
             except Exception as exc:  # noqa: BLE001
                 reason = f"{type(exc).__name__}: {exc}"
             rows.append({"backend": name, "device": dev, "available": reason is None, "reason": reason})
-    info["backends"] = rows
+    return rows
+
+
+def collect() -> dict:
+    """Everything ``fedopt info`` prints, as plain data."""
+    from .. import backends
+
+    info = environment()
+    info["backends"] = backend_rows()
     defaults = {}
     for dev in ("cpu", "cuda"):
         defaults[dev] = backends.default_backend(torch.device(dev))
@@ -92,6 +172,17 @@ def collect() -> dict:
     return info
 
 
+def driver_text(driver: dict) -> str:
+    if driver["version"] is None and driver["cuda"] is None:
+        return f"unknown ({driver['error']})"
+    return f"{driver['version'] or 'unknown'} (supports CUDA {driver['cuda'] or 'unknown'})"
+
+
+def extensions_text(extensions: dict) -> str:
+    return ", ".join(f"{name}: built" if e["built"] else f"{name}: not built ({e['error']})"
+                     for name, e in extensions.items())
+
+
 def run_info(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -110,9 +201,13 @@ def run_info(args) -> int:
     t.add_row("fedopt_kernels", info["fedopt_kernels"])
     t.add_row("python", f"{info['python']} ({info['platform']})")
     t.add_row("torch", f"{info['torch']} (CUDA build: {info['torch_cuda'] or 'no'})")
-    t.add_row("triton", info["triton"] or "not installed")
-    cuda = ", ".join(info["cuda_devices"]) if info["cuda_available"] else "not available"
+    t.add_row("triton", info["triton"] or f"not available ({info['triton_error']})")
+    cuda = ", ".join(f"{g['name']} (sm_{g['capability'].replace('.', '')})" for g in info["gpus"]) \
+        if info["cuda_available"] else "not available"
     t.add_row("CUDA devices", cuda)
+    if info["cuda_driver"] is not None:
+        t.add_row("CUDA driver", driver_text(info["cuda_driver"]))
+    t.add_row("extensions", extensions_text(info["extensions"]))
     t.add_row("CPU threads", str(info["cpu_threads"]))
     t.add_row("TRITON_INTERPRET", "1 (Triton kernels run on CPU tensors)" if info["triton_interpret"] else "0")
     t.add_row("default backend", f"cpu tensors: {info['default_backend']['cpu']}, "

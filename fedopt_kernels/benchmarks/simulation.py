@@ -18,6 +18,13 @@ milliseconds per round (medians):
 
 No evaluation is timed (``eval_every`` is past the benchmark).  ``vs hand loop`` is the
 authors'-style loop's time over the candidate's (higher is faster).
+
+Two figures per setting: the *repeated round* above (every client of a small
+federation trains every round: the friendliest case, the same shapes every time), and a
+*real run* (:func:`bench_real_run`): ``clients`` clients of which ``per_round`` are
+sampled anew every round, consecutive rounds of one run with the default engine, each
+timed beside the authors' loop over the same sampled clients; its first round (which
+pays for tracing) and one evaluation of the test set are reported on their own rows.
 """
 
 from __future__ import annotations
@@ -80,10 +87,18 @@ class HandWrittenLoop:
         self.lr, self.wd, self.max_norm = cfg.lr, cfg.weight_decay, cfg.max_norm
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
-    def round(self) -> None:
-        (self._authors_round if self.style == "authors" else self._lean_round)()
+    def round(self, clients: Optional[List[int]] = None) -> None:
+        """One round over ``clients`` (indices into the partition; default: every client),
+        weighted by data size among them."""
+        if clients is None:
+            idx, weights = self.clients, self.weights
+        else:
+            idx = [self.clients[c] for c in clients]
+            total = sum(ix.numel() for ix in idx)
+            weights = [ix.numel() / total for ix in idx]
+        (self._authors_round if self.style == "authors" else self._lean_round)(idx, weights)
 
-    def _authors_round(self) -> None:
+    def _authors_round(self, clients, weights) -> None:
         import copy
 
         from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -95,7 +110,7 @@ class HandWrittenLoop:
         net_glob = self.model
         w_init = parameters_to_vector(net_glob.parameters())
         update = torch.zeros_like(w_init)
-        for idx, weight in zip(self.clients, self.weights):
+        for idx, weight in zip(clients, weights):
             net = copy.deepcopy(net_glob)
             net.train()
             loader = DataLoader(TensorDataset(self.x[idx], self.y[idx]), batch_size=self.batch, shuffle=True,
@@ -125,11 +140,11 @@ class HandWrittenLoop:
             for g, p in zip(self.global_params, self.params):
                 g.copy_(p)
 
-    def _lean_round(self) -> None:
+    def _lean_round(self, clients, weights) -> None:
         model, params = self.model, self.params
         new = [torch.zeros_like(p) for p in params]
         model.train()
-        for idx, weight in zip(self.clients, self.weights):
+        for idx, weight in zip(clients, weights):
             with torch.no_grad():
                 for p, g in zip(params, self.global_params):
                     p.copy_(g)
@@ -182,10 +197,71 @@ def bench_simulation(model: str, clients: int, *, label: str, device="cpu", back
     return rows
 
 
+def _real_simulation(model: str, clients: int, per_round: int, device: str, backend: Optional[str]):
+    from ..fl import Simulation, SimulationConfig
+
+    cfg = SimulationConfig(dataset="digits", model=model, clients=clients, per_round=per_round, rounds=NEVER,
+                           eval_every=NEVER, device=device, backend=backend, **RECIPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Simulation(cfg)
+
+
+def bench_real_run(model: str, clients: int, per_round: int, *, label: str, device="cpu",
+                   backend: Optional[str] = None, rounds: int = 10) -> List[Dict]:
+    """ms per round of ``rounds`` consecutive rounds of one run (``per_round`` of
+    ``clients`` clients sampled anew each round, the default engine), each round timed
+    beside the authors' loop over the round's clients (alternating, medians); the first
+    round and one test-set evaluation on rows of their own."""
+    import statistics
+    import time
+
+    from .timing import _sync
+
+    device = torch.device(device)
+    sim = _real_simulation(model, clients, per_round, str(device), backend)
+    hand = HandWrittenLoop(sim, "authors")
+    engine, loop = [], []
+    for r in range(rounds + 1):
+        chosen = sim.sample_clients(sim.round + 1)
+        _sync(device)
+        start = time.perf_counter()
+        sim.run_round()
+        _sync(device)
+        engine.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        hand.round(chosen)
+        _sync(device)
+        loop.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    sim.evaluate()
+    _sync(device)
+    evaluation = time.perf_counter() - start
+    first, steady, hand_t = engine[0], statistics.median(engine[1:]), statistics.median(loop[1:])
+    name = f"simulation real run {label}"
+    meta = sim.results.meta
+    engine_name = f"{meta.get('engine', sim.config.engine)} engine (client_batch {meta.get('client_batch_used', '-')})"
+    return [
+        {"benchmark": name, "case": f"{engine_name}, rounds 2-{rounds + 1}", "ms": steady * 1e3,
+         "vs hand loop": hand_t / steady, "time / batched": 1.0},
+        {"benchmark": name, "case": "hand-written loop, same clients", "ms": hand_t * 1e3, "vs hand loop": 1.0,
+         "time / batched": hand_t / steady},
+        {"benchmark": name, "case": "first round (tracing)", "ms": first * 1e3, "vs hand loop": loop[0] / first,
+         "time / batched": first / steady},
+        {"benchmark": name, "case": "evaluation (test set, apart)", "ms": evaluation * 1e3,
+         "vs hand loop": float("nan"), "time / batched": evaluation / steady},
+    ]
+
+
 def run(*, device="cpu", backend: Optional[str] = None, quick: bool = False) -> List[Dict]:
-    """The suite's cases: MLP and SimpleCNN, 20 clients per round; then 100."""
+    """The suite's cases: real runs (new clients each round) and repeated rounds, MLP and
+    SimpleCNN, 20 and 100 clients per round."""
     repeats = 3 if quick else 7
     rows: List[Dict] = []
+    for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
+        for clients, per_round in ((100, 20), (200, 100)):
+            rows += bench_real_run(model, clients, per_round, label=f"{name}, {per_round} of {clients} clients",
+                                   device=device, backend=backend, rounds=4 if quick else 10)
     for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
         rows += bench_simulation(model, 20, label=f"{name}, 20 clients x 20 steps", device=device, backend=backend,
                                  repeats=repeats)

@@ -1,8 +1,8 @@
 """Start-up cost of the command line (issue 13, item 3): what is imported, not how long
 it takes (no wall-clock threshold in a test).
 
-* ``fedopt --help`` imports neither torch's compiler stack nor scikit-learn nor
-  matplotlib;
+* ``fedopt --help`` and ``fedopt info`` import neither torch's compiler stack nor
+  scikit-learn nor matplotlib;
 * the digits dataset is read from the CSV scikit-learn ships without importing
   scikit-learn, and equals ``sklearn.datasets.load_digits`` exactly.
 """
@@ -30,6 +30,14 @@ def test_help_imports_nothing_heavy():
     code = ("from fedopt_kernels.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "try:\n    main(['simulate', '--help'])\nexcept SystemExit:\n    pass")
+    assert _imported_after(code) == []
+
+
+def test_info_reads_versions_without_importing_sklearn_or_matplotlib():
+    code = ("import contextlib, io\nfrom fedopt_kernels.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n    main(['info', '--json'])\n"
+            "import json\ninfo = json.loads(out.getvalue())\n"
+            "assert info['integrations']['sklearn']['version'] and info['integrations']['matplotlib']['version']")
     assert _imported_after(code) == []
 
 

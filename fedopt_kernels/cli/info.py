@@ -133,6 +133,9 @@ def backend_rows() -> list:
     return rows
 
 
+_READ_FROM_DISTRIBUTION = {"flwr": "flwr", "ray": "ray", "sklearn": "scikit-learn", "matplotlib": "matplotlib"}
+
+
 def collect() -> dict:
     """Everything ``fedopt info`` prints, as plain data."""
     from .. import backends
@@ -148,9 +151,10 @@ def collect() -> dict:
                       ("torch.distributed", "torch.distributed integration"),
                       ("sklearn", "digits dataset"), ("matplotlib", "plots"), ("rich", "tables and progress"),
                       ("torchvision", "your own image datasets")):
-        if mod in ("flwr", "ray"):
-            # Read from the installed distributions: importing Flower (or Ray) takes seconds.
-            version, err = _distribution_version(mod)
+        if mod in _READ_FROM_DISTRIBUTION:
+            # Read from the installed distributions: importing Flower or Ray takes seconds,
+            # scikit-learn and matplotlib about as long as torch (fedopt info must be quick).
+            version, err = _distribution_version(_READ_FROM_DISTRIBUTION[mod])
         else:
             version, err = _version(mod)
         if mod == "torch.distributed" and version is not None:

@@ -3,6 +3,10 @@
 * ``test_extension_registers_cuda_kernels`` runs everywhere: it skips only when torch is
   a CPU-only build (then the extension is never built) and FAILS when torch has CUDA but
   the extension is missing (CI builds it with FEDOPT_BUILD_CUDA=1).
+* The host-side decisions of the CUDA launchers run everywhere too, through the
+  extension's diagnostic ops (``torch.ops.fedopt_C._cuda_*``, no GPU needed): the chunk
+  rule and row layout of csrc/include/fedopt/chunks.h against a Python statement of
+  them, the table cache's counters.
 * Every other test needs a GPU and is skipped with "needs a CUDA device" without one.
   They call the backend module directly (``fedopt_kernels.backends.cuda``, i.e. the
   ``torch.ops.fedopt_C`` ops dispatched to the CUDA kernels), so they also reach cases
@@ -11,9 +15,10 @@
 
 Kernel paths exercised on purpose: odd sizes (scalar tails of 16-byte vectors, chunk
 and tile tails), empty tensors and all-empty calls (no chunk: the stats-only kernel),
-misaligned views (the scalar variants), more than one chunk per tensor and more than
-one tile per block (grid-stride with the per-block partial read-modify-write), more
-than 32 clients (several staged client batches).
+misaligned views (the scalar bodies, chosen per chunk: one misaligned view among aligned
+tensors, rows of a [C, N] tensor whose alignment alternates), more than one chunk per
+tensor and more than one tile per block (grid-stride with the per-block partial
+read-modify-write), more than 32 clients (several staged client batches).
 
 server_update_ is checked BIT FOR BIT (no tolerance) against an oracle that performs
 the contract's operations one torch op at a time on CPU copies in the acc dtype: the
@@ -64,6 +69,128 @@ def test_extension_registers_cuda_kernels():
                     "(build it: FEDOPT_BUILD_CUDA=1 pip install --no-build-isolation .)")
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fedopt_C::{op}", "CUDA"), op
+
+
+@pytest.fixture(scope="module")
+def host_ops():
+    """torch.ops.fedopt_C with the CUDA extension's diagnostic ops (no GPU needed)."""
+    if torch.version.cuda is None:
+        pytest.skip(f"torch {torch.__version__} is a CPU-only build, so the CUDA extension is not built")
+    err = _import_extension()
+    if err is not None:
+        pytest.fail(f"torch has CUDA {torch.version.cuda} but fedopt_kernels._C_cuda cannot be imported: {err}")
+    return torch.ops.fedopt_C
+
+
+# ----------------------------------------------------------------------------- host-side rules (no GPU)
+
+MIN_CHUNK, TARGET_CHUNKS, ALIGNED16 = 2048, 1024, 1
+
+
+def chunk_size_for(n):
+    """The chunk rule of csrc/include/fedopt/chunks.h, stated in Python."""
+    want, size = -(-n // TARGET_CHUNKS), MIN_CHUNK
+    while size < want:
+        size *= 2
+    return size
+
+
+def chunk_rows_oracle(tensors, esizes, num_groups):
+    """The row layout of chunks.h: ``tensors`` = [(ptrs[4], numel, group)] group by group.
+    Returns (rows [[8 ints]], ranges [[pbegin, pend]] per group, chunk_size)."""
+    sizes = [0] * num_groups
+    for _, n, g in tensors:
+        sizes[g] += n
+    cs = chunk_size_for(max(sizes, default=0))
+    rows, first, last = [], [None] * num_groups, [None] * num_groups
+    for ptrs, n, g in tensors:
+        for start in range(0, n, cs):
+            p = [a + start * e if a else 0 for a, e in zip(ptrs, esizes)]
+            flags = ALIGNED16 if all(a % 16 == 0 for a in p) else 0
+            if first[g] is None:
+                first[g] = len(rows)
+            rows.append(p + [min(cs, n - start), g, flags, 0])
+            last[g] = len(rows)
+    ranges, at = [], 0  # an empty group's range is empty, where the next group starts
+    for g in range(num_groups):
+        if first[g] is None:
+            ranges.append([at, at])
+        else:
+            ranges.append([first[g], last[g]])
+            at = last[g]
+    return rows, ranges, cs
+
+
+def test_chunk_rule(host_ops):
+    def size(n):
+        blob, rows, cs, _ = host_ops._cuda_chunk_rows([4096, 8192, 0, 0], [n], [0], [4, 4, 4, 4], 1)
+        return cs
+
+    for n in (0, 1, 2048, 2048 * 1024, 2048 * 1024 + 1, 11_689_512, 100_000_000, 2**33 + 5):
+        assert size(n) == chunk_size_for(n), n
+    assert size(2048 * 1024) == 2048 and size(2048 * 1024 + 1) == 4096
+    assert size(11_689_512) == 16384  # ResNet-18
+
+
+def test_chunk_rows_layout(host_ops):
+    """Rows cut at multiples of the chunk size inside each tensor, every pointer advanced
+    by its own element size, the alignment flag per row, empty tensors without a row,
+    the largest GROUP deciding the chunk size, each group's partial range."""
+    big = 5 * 2048 * 1024 + 3  # group 0 alone: chunk size 16384
+    tensors = [
+        ([1 << 20, 2 << 20, 3 << 20, 4 << 20], big, 0),       # aligned, ptr3 in use
+        ([(5 << 20) + 2, 6 << 20, 0, 0], 40_000, 0),          # ptr0 only 2-byte aligned
+        ([7 << 20, 8 << 20, 0, 0], 0, 1),                     # empty: no row; group 1 empty
+        ([9 << 20, (10 << 20) + 8, 0, 0], 16385, 2),          # ptr1 8-byte aligned
+        ([11 << 20, 12 << 20, 13 << 20, 0], 1, 2),            # ptr3 = 0 does not clear the flag
+    ]
+    esizes = [2, 4, 2, 2]  # e.g. fp16 params, fp32 updates
+    blob, num_rows, cs, max_rows = host_ops._cuda_chunk_rows(
+        [a for t in tensors for a in t[0]], [t[1] for t in tensors], [t[2] for t in tensors], esizes, 4)
+    rows, ranges, cs_ref = chunk_rows_oracle(tensors, esizes, 4)
+    assert cs == cs_ref == 16384
+    assert num_rows == len(rows) and len(blob) == 8 * num_rows + 2 * 4
+    got = [blob[8 * r:8 * r + 8] for r in range(num_rows)]
+    assert got == rows
+    assert [blob[8 * num_rows + 2 * g:8 * num_rows + 2 * g + 2] for g in range(4)] == ranges
+    assert max_rows == max(e - b for b, e in ranges)
+    # Spot checks of the oracle itself.
+    assert rows[1][:6] == [(1 << 20) + 16384 * 2, (2 << 20) + 16384 * 4, (3 << 20) + 16384 * 2,
+                           (4 << 20) + 16384 * 2, 16384, 0]
+    assert all(r[6] == 0 for r in rows if r[0] % 16 or r[1] % 16)
+    assert rows[-1] == [11 << 20, 12 << 20, 13 << 20, 0, 1, 2, ALIGNED16, 0]
+    assert ranges[1][0] == ranges[1][1] and ranges[3][0] == ranges[3][1] == num_rows
+
+
+def test_chunk_rows_random_against_oracle(host_ops):
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        G = int(torch.randint(1, 5, (), generator=gen))
+        T = int(torch.randint(1, 12, (), generator=gen))
+        groups = sorted(int(g) for g in torch.randint(0, G, (T,), generator=gen))
+        numels = [int(n) for n in torch.randint(0, 9000, (T,), generator=gen)]
+        if trial % 4 == 0:
+            numels[0] = 3_000_001  # a grown chunk size
+        ptrs = [[int(a) * 2 if k < 3 else 0 for k, a in enumerate(torch.randint(1, 1 << 30, (4,), generator=gen))]
+                for _ in range(T)]
+        esizes = [2, 4, 2, 2] if trial % 2 else [8, 8, 8, 8]
+        tensors = list(zip(ptrs, numels, groups))
+        blob, num_rows, cs, _ = host_ops._cuda_chunk_rows([a for p in ptrs for a in p], numels, groups, esizes, G)
+        rows, ranges, cs_ref = chunk_rows_oracle(tensors, esizes, G)
+        assert cs == cs_ref
+        assert blob == [v for r in rows for v in r] + [v for r in ranges for v in r]
+
+
+def test_chunk_rows_refuse_groups_out_of_order(host_ops):
+    with pytest.raises(RuntimeError, match="group by group"):
+        host_ops._cuda_chunk_rows([64, 64, 0, 0, 128, 128, 0, 0], [5, 5], [1, 0], [4, 4, 4, 4], 2)
+
+
+def test_table_cache_info(host_ops):
+    entries, captured, hits, misses, capacity = host_ops._cuda_table_cache_info()
+    assert capacity == 64 and 0 <= entries <= capacity and captured >= 0 and hits >= 0 and misses >= 0
+    host_ops._cuda_table_cache_clear()
+    assert host_ops._cuda_table_cache_info()[0] == 0
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +337,59 @@ def test_nar_step_misaligned_views(cuda, dtype, momentum):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nar_step_one_misaligned_view_among_aligned_tensors(cuda, dtype, momentum):
+    """Vectorisation is decided per chunk: params, grads and buffers of one tensor are
+    views at an offset of 1 element of larger buffers (all its chunks misaligned), the
+    other tensors aligned.  Before, that one view sent every tensor of the call to the
+    scalar kernel; now only its own chunks take the scalar body, and the step equals
+    python_ref and the same step on aligned copies."""
+    gen = torch.Generator().manual_seed(21)
+    sizes = [70_001, 5000, 33, 4099]
+    start = [[randn((n,), dtype, gen) for n in sizes] for _ in range(3)]  # params, grads, bufs
+
+    def with_view(ts, i):
+        """Clones of ``ts``, tensor ``i`` as a view at element offset 1 of a guarded buffer."""
+        out = clone(ts)
+        buf = torch.full((ts[i].numel() + 2,), 7.0, dtype=dtype, device="cuda")
+        buf[1:-1] = ts[i]
+        out[i] = buf[1:-1]
+        assert out[i].data_ptr() % 16 != 0
+        return out
+
+    p_v, g_v, b_v = (with_view(ts, 1) for ts in start)
+    assert all(t.data_ptr() % 16 == 0 for ts in (p_v, g_v, b_v) for i, t in enumerate(ts) if i != 1)
+    st_v = cuda.nar_step_(p_v, g_v, b_v if momentum else [], 0.05, 0.01, 1.0, 0, momentum, None, None)
+    p_r, b_r = clone(start[0]), clone(start[2])
+    st_r = ref_nar.nar_step_(p_r, start[1], lr=0.05, weight_decay=0.01, max_norm=1.0, mode="co", momentum=momentum,
+                             momentum_buffers=b_r if momentum else None)
+    assert_nar_matches((p_v, b_v if momentum else [], st_v), (p_r, b_r if momentum else [], st_r), dtype)
+    p_a, b_a = clone(start[0]), clone(start[2])  # every tensor aligned: the vector bodies
+    st_a = cuda.nar_step_(p_a, start[1], b_a if momentum else [], 0.05, 0.01, 1.0, 0, momentum, None, None)
+    check_norm(st_v[0], st_a[0])
+    for a, v in zip(p_a + (b_a if momentum else []), p_v + (b_v if momentum else [])):
+        check_close(v, a, dtype)
+    for ts in (p_v, b_v):  # nothing written around the view
+        buf = ts[1]._base
+        assert float(buf[0]) == 7.0 and float(buf[-1]) == 7.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nar_sq_norm_misaligned_view_among_aligned_tensors(cuda, dtype):
+    gen = torch.Generator().manual_seed(22)
+    params = [randn((n,), dtype, gen) for n in (9000, 3000)]
+    grads = [randn((n,), dtype, gen) for n in (9000, 3000)]
+    buf = torch.zeros(3002, dtype=dtype, device="cuda")
+    buf[1:3001] = grads[1]
+    view_grads = [grads[0], buf[1:3001]]
+    sq = cuda.nar_sq_norm(params, view_grads, 0.01, 0, None)
+    check_norm(sq, cuda.nar_sq_norm(params, grads, 0.01, 0, None))
+    check_norm(sq, ref_nar.nar_sq_norm(params, grads, weight_decay=0.01, mode="co"))
+
+
+@needs_cuda
 def test_nar_step_channels_last(cuda):
     gen = torch.Generator().manual_seed(4)
     x = randn((4, 3, 5, 5), torch.float32, gen).to(memory_format=torch.channels_last)
@@ -341,6 +521,30 @@ def test_batched_misaligned_rows_and_float_hypers(cuda):
         check_norm(scale, st_r.scale)
         assert not bool(skipped.any())
         check_close(Xf, Xr, torch.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_rows_of_alternating_alignment(cuda, dtype):
+    """N * sizeof not a multiple of 16: rows start at alternating 16-byte offsets, so some
+    chunks are aligned and some not (decided per chunk from base + (row * N + start) *
+    esize).  Each row equals the same row stepped alone in an aligned [1, N] tensor, and
+    python_ref."""
+    C, N = 4, 5003
+    gen = torch.Generator().manual_seed(27)
+    X, G, B = (randn((C, N), dtype, gen) for _ in range(3))
+    lr = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=acc_of(dtype), device="cuda")
+    fused, reference = run_batched(cuda, X, G, B, lr=lr, wd=0.01, max_norm=1.0, mode="co", momentum=0.9)
+    (Xf, Bf, (norm, scale, skipped)), (Xr, Br, st_r) = fused, reference
+    check_norm(norm, st_r.norm)
+    check_close(Xf, Xr, dtype)
+    check_close(Bf, Br, dtype)
+    for r in range(C):
+        x1, b1 = X[r:r + 1].clone(), B[r:r + 1].clone()
+        n1, s1, _ = cuda.nar_step_batched_(x1, G[r:r + 1].clone(), b1, lr[r:r + 1], 0.01, 1.0, 0, 0.9, None, None)
+        check_norm(norm[r], n1[0])
+        check_close(Xf[r], x1[0], dtype)
+        check_close(Bf[r], b1[0], dtype)
 
 
 @needs_cuda
@@ -757,8 +961,8 @@ def test_server_update_matches_cpu_kernel_bitwise(cuda, dtype, rule):
 
 @needs_cuda
 def test_server_update_empty_calls_launch_nothing(cuda):
-    # Nothing to do must not even upload a table: the calls succeed during CUDA graph
-    # capture, which the table upload refuses.
+    # Nothing to do must not even look up a table: the calls succeed during CUDA graph
+    # capture on tensors never seen before, where a table cache miss is refused.
     # (Everything is created before the capture: a host-to-device copy cannot be captured.)
     empty = [[torch.empty(0, device="cuda"), torch.empty(0, 3, device="cuda")] for _ in range(4)]
     skip = torch.tensor(False, device="cuda")

@@ -24,8 +24,8 @@
 // kernel writes zeros, so there is no host sync.
 //
 // Clients: a [C, N] tensor (client i at base + i * N, nothing uploaded), one 1-D tensor,
-// or a list of C 1-D tensors whose addresses are uploaded as one int64 table (pinned
-// host tensor + non_blocking copy on the current stream, see upload_table).  The
+// or a list of C 1-D tensors whose addresses come from the device table cache
+// (fedopt/table_cache.h: uploaded once per distinct list, capturable after a warm-up).  The
 // vectorised variant (16-byte loads/stores) runs when every client, out / g, and for
 // [C, N] the row length in bytes, are 16-byte aligned; a scalar variant otherwise.
 #include <ATen/Dispatch.h>
@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "fedopt/cuda_utils.cuh"
+#include "fedopt/table_cache.h"
 #include "ops.h"
 
 namespace fedopt {
@@ -246,7 +247,7 @@ struct Clients {
   at::ScalarType dtype;
   at::Device device = at::Device(at::kCUDA);
   bool aligned = true;
-  at::Tensor table;  // uploaded addresses of a list of more than one tensor
+  at::Tensor table;  // the device table (cache) of a list of more than one tensor
   const int64_t* ptrs = nullptr;
   int64_t base = 0, row_stride = 0;
 };
@@ -256,14 +257,14 @@ void check_first_client(const char* op, at::TensorList clients) {
   TORCH_CHECK(clients[0].defined() && clients[0].is_cuda(), op, ": clients must be CUDA tensors");
 }
 
-// Call with a CUDAGuard on clients[0]'s device (the address table upload uses it).
+// Call with a CUDAGuard on clients[0]'s device (the address table uses it).
 Clients check_clients(const char* op, at::TensorList clients) {
   check_first_client(op, clients);
   Clients c;
   const at::Tensor& t0 = clients[0];
   c.device = t0.device();
   c.dtype = t0.scalar_type();
-  TORCH_CHECK(is_supported_float(c.dtype), op, ": unsupported dtype ", c.dtype);
+  check_supported_float(op, "clients", c.dtype);
   if (clients.size() == 1 && t0.dim() == 2) {  // one [C, N] tensor
     TORCH_CHECK(t0.is_contiguous(), op, ": clients as a [C, N] tensor must be contiguous, got strides ",
                 t0.strides());
@@ -283,13 +284,13 @@ Clients check_clients(const char* op, at::TensorList clients) {
                 "] must be a ", c.dtype, " tensor on ", c.device);
     TORCH_CHECK(t.dim() == 1 && t.numel() == c.N && t.is_contiguous(), op, ": clients[", i,
                 "] must be a contiguous vector of length ", c.N, ", got sizes ", t.sizes(), " strides ", t.strides());
-    addresses[i] = address_of(t);
+    addresses[i] = c.N > 0 ? address_of(t) : 0;
     if (c.N > 0) c.aligned = c.aligned && aligned16(t.data_ptr());
   }
   if (c.C == 1) {
     c.base = addresses[0];
   } else if (c.N > 0) {
-    c.table = upload_table(addresses, c.device);
+    c.table = device_table(addresses, c.device, op);
     c.ptrs = c.table.data_ptr<int64_t>();
   }
   return c;

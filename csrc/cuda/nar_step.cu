@@ -40,9 +40,11 @@
 // Vectorisation is decided PER CHUNK, per block, inside one kernel: a chunk whose
 // addresses are all 16-byte aligned (list form: flags bit 0 of its row; batched: the
 // addresses base + (row * N + start) * esize computed in the kernel) runs the 16-byte
-// body (chunk starts are multiples of 2048 elements, so they keep their tensor's
-// alignment) with a scalar tail, any other chunk the scalar body, so one misaligned view
-// only slows its own chunks.
+// body, any other chunk the scalar body, so one misaligned view only slows its own
+// chunks.  The result does not depend on the body: the norm kernel's scalar body
+// visits the elements in the vector body's order (thread t takes the V-element groups
+// t, t + 256, ... and adds their V terms in order, then the same < V tail), so a
+// chunk's partial is bitwise the same on both; the update is elementwise.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/zeros.h>
@@ -159,20 +161,21 @@ __device__ __forceinline__ NarParams<acc_t> group_params(const NarArgs<acc_t>& a
   return p;
 }
 
-// This thread's share of the chunk's sum of squares.  kVec: thread t takes the
-// V-element groups t, t + kThreads, ... (V = 16 bytes of scalar_t) with 16-byte loads,
-// then the < V tail elements; !kVec: the elements t, t + kThreads, ...
+// This thread's share of the chunk's sum of squares.  Both bodies visit the elements
+// in ONE order: thread t takes the V-element groups t, t + kThreads, ... (V = 16 bytes
+// of scalar_t) and adds their V terms in index order, then the < V tail elements
+// nvec * V + t.  kVec loads a group with 16-byte loads, !kVec with V scalar loads, so
+// the partial of a chunk is bitwise independent of the body.
 template <bool kVec, typename scalar_t, typename acc_t>
 __device__ __forceinline__ acc_t chunk_sq(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g,
                                           int64_t len, const NarParams<acc_t>& p, bool need_x) {
+  constexpr int V = vec16<scalar_t>();
+  const int64_t nvec = len / V;
   acc_t sq = 0;
-  int64_t done = 0;
-  if constexpr (kVec) {
-    constexpr int V = vec16<scalar_t>();
-    const int64_t nvec = len / V;
 #pragma unroll 2
-    for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
-      acc_t xv[V], gv[V];
+  for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
+    acc_t xv[V], gv[V];
+    if constexpr (kVec) {
       load_vec<V>(g + v * V, gv);
       if (need_x) {
         load_vec<V>(x + v * V, xv);
@@ -180,15 +183,20 @@ __device__ __forceinline__ acc_t chunk_sq(const scalar_t* __restrict__ x, const 
 #pragma unroll
         for (int j = 0; j < V; ++j) xv[j] = acc_t(0);
       }
+    } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const acc_t t = nar_norm_term(xv[j], nar_unscale(gv[j], p), p);
-        sq += t * t;
+        gv[j] = load_one<acc_t>(g + v * V + j);
+        xv[j] = need_x ? load_one<acc_t>(x + v * V + j) : acc_t(0);
       }
     }
-    done = nvec * V;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const acc_t t = nar_norm_term(xv[j], nar_unscale(gv[j], p), p);
+      sq += t * t;
+    }
   }
-  for (int64_t e = done + threadIdx.x; e < len; e += kThreads) {
+  for (int64_t e = nvec * V + threadIdx.x; e < len; e += kThreads) {
     const acc_t xe = need_x ? load_one<acc_t>(x + e) : acc_t(0);
     const acc_t t = nar_norm_term(xe, nar_unscale(load_one<acc_t>(g + e), p), p);
     sq += t * t;

@@ -6,7 +6,7 @@
 * The host-side decisions of the CUDA launchers run everywhere too, through the
   extension's diagnostic ops (``torch.ops.fedopt_C._cuda_*``, no GPU needed): the chunk
   rule and row layout of csrc/include/fedopt/chunks.h against a Python statement of
-  them, the table cache's counters.
+  them, the finalize threshold and its environment variable, the table cache's counters.
 * Every other test needs a GPU and is skipped with "needs a CUDA device" without one.
   They call the backend module directly (``fedopt_kernels.backends.cuda``, i.e. the
   ``torch.ops.fedopt_C`` ops dispatched to the CUDA kernels), so they also reach cases
@@ -18,9 +18,10 @@ and tile tails), empty tensors and all-empty calls (no chunk: the stats-only ker
 misaligned views (the scalar bodies, chosen per chunk: one misaligned view among aligned
 tensors, rows of a [C, N] tensor whose alignment alternates), more than one chunk per
 tensor and more than one tile per block (grid-stride with the per-block partial
-read-modify-write), more than 32 clients (several staged client batches).
-Bitwise invariant: the FedNAR norm of a chunk does not depend on its alignment (the
-scalar body adds in the vector body's order).
+read-modify-write), more than 32 clients (several staged client batches), groups with
+more than 4096 partials (the finalize pass, bitwise against the redundant combine).
+Bitwise invariants: the FedNAR norm of a chunk does not depend on its alignment (the
+scalar body adds in the vector body's order), nor on the finalize pass.
 
 server_update_ is checked BIT FOR BIT (no tolerance) against an oracle that performs
 the contract's operations one torch op at a time on CPU copies in the acc dtype: the
@@ -186,6 +187,19 @@ def test_chunk_rows_random_against_oracle(host_ops):
 def test_chunk_rows_refuse_groups_out_of_order(host_ops):
     with pytest.raises(RuntimeError, match="group by group"):
         host_ops._cuda_chunk_rows([64, 64, 0, 0, 128, 128, 0, 0], [5, 5], [1, 0], [4, 4, 4, 4], 2)
+
+
+def test_finalize_threshold_and_its_environment_variable(host_ops, monkeypatch):
+    monkeypatch.delenv("FEDOPT_MAX_REDUNDANT_PARTIALS", raising=False)
+    assert host_ops._cuda_max_redundant_partials() == 4096
+    monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "0")  # read at every call
+    assert host_ops._cuda_max_redundant_partials() == 0
+    monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "1000000")
+    assert host_ops._cuda_max_redundant_partials() == 1_000_000
+    for bad in ("-1", "12x", "many"):
+        monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", bad)
+        with pytest.raises(RuntimeError, match="FEDOPT_MAX_REDUNDANT_PARTIALS must be a non-negative integer"):
+            host_ops._cuda_max_redundant_partials()
 
 
 def test_table_cache_info(host_ops):
@@ -391,6 +405,61 @@ def test_nar_sq_norm_misaligned_view_among_aligned_tensors(cuda, dtype):
     sq = cuda.nar_sq_norm(params, view_grads, 0.01, 0, None)
     assert same_bits(sq, cuda.nar_sq_norm(params, grads, 0.01, 0, None))
     check_norm(sq, ref_nar.nar_sq_norm(params, grads, weight_decay=0.01, mode="co"))
+
+
+def _lists_of_many_small_tensors(count, dtype, seed):
+    """``count`` small tensors (1..13 elements): one tail chunk (one partial) each."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [(i * 7) % 13 + 1 for i in range(count)]
+    total = sum(sizes)
+    flat = {k: randn((total,), dtype, gen, 0.1) for k in ("p", "g", "b")}
+    out = {}
+    for k, v in flat.items():
+        out[k], at = [], 0
+        for n in sizes:
+            out[k].append(v[at:at + n].clone())
+            at += n
+    return out["p"], out["g"], out["b"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_nar_step_group_of_5000_partials_finalize_pass(cuda, dtype, monkeypatch):
+    """5000 tensors -> 5000 partials in one group (> kMaxRedundantPartials = 4096): the
+    finalize pass sums them once per group; the result equals python_ref, and forcing
+    the redundant in-kernel combine (FEDOPT_MAX_REDUNDANT_PARTIALS, read at every call)
+    gives the same bits."""
+    params, grads, bufs = _lists_of_many_small_tensors(5000, dtype, seed=23)
+    monkeypatch.delenv("FEDOPT_MAX_REDUNDANT_PARTIALS", raising=False)
+    assert torch.ops.fedopt_C._cuda_max_redundant_partials() == 4096
+    fused, reference = run_nar(cuda, params, grads, bufs, lr=0.1, wd=0.01, max_norm=0.5, mode="co", momentum=0.9)
+    assert_nar_matches(fused, reference, dtype)
+    assert float(fused[2][1]) < 1.0  # really clipped
+    monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "1000000")
+    redundant = run_nar(cuda, params, grads, bufs, lr=0.1, wd=0.01, max_norm=0.5, mode="co", momentum=0.9)[0]
+    assert same_bits(redundant[2][0], fused[2][0]) and same_bits(redundant[2][1], fused[2][1])
+    for a, b in zip(redundant[0] + redundant[1], fused[0] + fused[1]):
+        assert same_bits(a, b)
+    # nar_sq_norm sums the same partials with the same loop: sqrt of it is the norm.
+    sq = cuda.nar_sq_norm(params, grads, 0.01, 0, None)
+    assert same_bits(torch.sqrt(sq), fused[2][0])
+
+
+@needs_cuda
+def test_finalize_pass_forced_on_small_calls_is_bitwise_the_redundant_combine(cuda, monkeypatch):
+    params, grads, bufs = make_lists([(278011,), (1025,), (7,), (64, 3, 3, 3)], torch.float32, seed=24)
+    X = randn((5, 70_001), torch.float32, torch.Generator().manual_seed(25))
+    G = randn((5, 70_001), torch.float32, torch.Generator().manual_seed(26))
+    results = []
+    for threshold in ("1000000", "0"):  # redundant combine, then the finalize pass everywhere
+        monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", threshold)
+        p, b = clone(params), clone(bufs)
+        st = cuda.nar_step_(p, grads, b, 0.01, 1e-3, 1.0, 0, 0.9, None, None)
+        Xs = X.clone()
+        st_b = cuda.nar_step_batched_(Xs, G, None, 0.01, 1e-3, 1.0, 0, 0.0, None, None)
+        results.append((p + b + [Xs], list(st) + list(st_b)))
+    (t1, s1), (t2, s2) = results
+    assert all(same_bits(a, b) for a, b in zip(t1 + s1, t2 + s2))
 
 
 @needs_cuda

@@ -2,8 +2,8 @@
 // `fedopt_C` ops (whose schemas csrc/registration.cpp defines in `fedopt_kernels._C`,
 // which must be imported first; fedopt_kernels/backends/_extensions.py does), and a few
 // diagnostic ops (leading underscore) that let tests see the host-side decisions of the
-// CUDA launchers without a GPU: the chunk rows of fedopt/chunks.h and the device table
-// cache's counters.
+// CUDA launchers without a GPU: the chunk rows of fedopt/chunks.h, the finalize
+// threshold and the device table cache's counters.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -68,6 +68,7 @@ TORCH_LIBRARY_FRAGMENT(fedopt_C, m) {
   m.def("_cuda_chunk_rows(int[] addresses, int[] numels, int[] groups, int[] esizes, int num_groups) "
         "-> (int[], int, int, int)",
         &chunk_rows);
+  m.def("_cuda_max_redundant_partials() -> int", []() -> int64_t { return fedopt::cuda::max_redundant_partials(); });
   // {entries, captured entries, hits, misses, capacity}
   m.def("_cuda_table_cache_info() -> int[]", []() { return fedopt::cuda::table_cache_info(); });
   m.def("_cuda_table_cache_clear() -> ()", []() { fedopt::cuda::table_cache_clear(); });

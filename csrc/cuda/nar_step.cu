@@ -23,6 +23,18 @@
 // plus one tail chunk per tensor, under 800 for the 62 tensors of ResNet-18), i.e. a few
 // loads per thread and ~1% extra (L2) traffic over the 5 words per element of the step.
 //
+// Finalize pass: the combine costs partials^2 over a group (every block re-reads all of
+// them), which the tail chunks make large for lists of thousands of small tensors.
+// When a group has more than kMaxRedundantPartials (4096) partials, the launcher adds
+// nar_group_sum_kernel between the two passes: ONE block per group runs exactly the
+// combine loop and block_sum of the update kernel and writes sums[group], and the
+// update kernel reads sums[group] instead (the mechanism nar_apply_'s `sq_norm` uses).
+// The same loop over the same partials gives the bitwise same sum, so the choice never
+// changes a result.  It is decided on the host from metadata only (the row counts of
+// the table).  For tests, the environment variable FEDOPT_MAX_REDUNDANT_PARTIALS (a
+// non-negative integer, read at every call) replaces the threshold: 0 forces the
+// finalize pass, a large value the redundant combine.
+//
 // Work layout: nar_step_ walks chunk rows (fedopt/chunks.h): [x, g, b, 0, len, group,
 // flags, 0] with the chunk's own addresses, plus each group's partial range; the blob
 // comes from the device table cache (fedopt/table_cache.h): uploaded once per distinct
@@ -31,11 +43,10 @@
 // arithmetically (rows are contiguous), with the same chunk rule on n = N.
 //
 // nar_sq_norm / nar_apply_ (one norm over several calls, ops.nar_step_groups_) reuse
-// the kernels: nar_sq_norm runs the norm kernel and then nar_group_sum_kernel, ONE block
-// per group that combines the partials exactly as the update kernel does (same loop,
-// same block_sum), so sqrt of its result is bitwise the norm nar_step_ would use;
-// nar_apply_ runs the update kernel reading its norm^2 from `sq_norm` instead of
-// combining.
+// the kernels: nar_sq_norm runs the norm kernel and then nar_group_sum_kernel over its
+// one group (the combine loop again), so sqrt of its result is bitwise the norm
+// nar_step_ would use; nar_apply_ runs the update kernel reading its norm^2 from
+// `sq_norm` instead of combining.
 //
 // Vectorisation is decided PER CHUNK, per block, inside one kernel: a chunk whose
 // addresses are all 16-byte aligned (list form: flags bit 0 of its row; batched: the
@@ -50,6 +61,8 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
@@ -62,6 +75,17 @@
 
 namespace fedopt {
 namespace cuda {
+
+int64_t max_redundant_partials() {
+  const char* env = std::getenv("FEDOPT_MAX_REDUNDANT_PARTIALS");
+  if (env == nullptr || *env == '\0') return kMaxRedundantPartials;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(end != env && *end == '\0' && errno == 0 && v >= 0,
+              "fedopt_C: FEDOPT_MAX_REDUNDANT_PARTIALS must be a non-negative integer, got '", env, "'");
+  return static_cast<int64_t>(v);
+}
 
 namespace {
 
@@ -92,8 +116,8 @@ struct NarArgs {
   acc_t* scale_out;
   bool* skipped_out;
   int64_t num_groups;
-  // When set, norm^2 of group k is group_sq[k] (nar_apply_'s sq_norm for its one group)
-  // and the update kernel does not combine partials.
+  // When set, norm^2 of group k is group_sq[k] (finalize pass, or nar_apply_'s sq_norm
+  // for its one group) and the update kernel does not combine partials.
   const acc_t* group_sq = nullptr;
   acc_t* sums_out = nullptr;  // nar_group_sum_kernel's destination
 };
@@ -220,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) nar_norm_kernel(const NarArgs<at::op
 
 // The combine of a group's partials [pbegin, pend): thread t adds pbegin + t,
 // + kThreads, ... in order, then block_sum.  The ONE loop of the update kernel and of
-// nar_group_sum_kernel (so nar_sq_norm agrees bitwise with nar_step_'s norm).
+// nar_group_sum_kernel (so the redundant and the finalize paths agree bitwise).
 template <typename acc_t>
 __device__ __forceinline__ acc_t combine_partials(const acc_t* partials, int64_t pbegin, int64_t pend, acc_t* smem) {
   acc_t part = 0;
@@ -298,8 +322,8 @@ __global__ void __launch_bounds__(kThreads) nar_update_kernel(const NarArgs<at::
   }
 }
 
-// sums_out[k] = the combine of group k's partials: one block per group (nar_sq_norm's
-// sum over its one group).
+// sums_out[k] = the combine of group k's partials: one block per group (finalize pass
+// of nar_step_ / nar_step_batched_, and nar_sq_norm's sum over its one group).
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) nar_group_sum_kernel(const NarArgs<acc_t> a) {
   __shared__ acc_t smem[kWarps];
@@ -328,7 +352,8 @@ __global__ void __launch_bounds__(kThreads) nar_empty_stats_kernel(const NarArgs
 enum class Phase { kStep, kNormOnly, kApply };
 
 template <typename scalar_t>
-void launch_passes(NarArgs<at::opmath_type<scalar_t>> a, int64_t num_chunks, Phase phase, cudaStream_t stream) {
+void launch_passes(NarArgs<at::opmath_type<scalar_t>> a, int64_t num_chunks, Phase phase, bool finalize,
+                   at::opmath_type<scalar_t>* sums, cudaStream_t stream) {
   using acc_t = at::opmath_type<scalar_t>;
   const dim3 grid(static_cast<unsigned int>(num_chunks));
   const dim3 group_grid(static_cast<unsigned int>(a.num_groups));
@@ -342,16 +367,23 @@ void launch_passes(NarArgs<at::opmath_type<scalar_t>> a, int64_t num_chunks, Pha
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  if (phase == Phase::kStep && finalize) {
+    a.sums_out = sums;
+    nar_group_sum_kernel<acc_t><<<group_grid, kThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    a.group_sq = sums;
+  }
   nar_update_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The part shared by every op: hyperparameters, outputs, launches.  kNormOnly returns
 // the sum of squares as `norm` (the other two outputs are unset); kApply reads it from
-// `sq_in` (one element on `device`).
+// `sq_in` (one element on `device`).  `max_group_partials`: the most chunks of any group
+// (decides the finalize pass).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_nar(
-    const char* op, const NarLayout& layout, int64_t num_chunks, int64_t num_groups, at::ScalarType dtype,
-    const at::Device& device, at::IntArrayRef stats_shape, int64_t hyper_groups, double lr,
+    const char* op, const NarLayout& layout, int64_t num_chunks, int64_t num_groups, int64_t max_group_partials,
+    at::ScalarType dtype, const at::Device& device, at::IntArrayRef stats_shape, int64_t hyper_groups, double lr,
     const std::optional<at::Tensor>& lr_tensor, double weight_decay,
     const std::optional<at::Tensor>& weight_decay_tensor, double max_norm, int64_t mode, double momentum,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
@@ -377,8 +409,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_nar(
     TORCH_CHECK(sq_in->device() == device, op, ": sq_norm is on ", sq_in->device(), " but the data is on ", device);
     sq = sq_in->to(acc).contiguous();
   }
+  // Decided on the host from the table's metadata only.
+  const bool finalize = phase == Phase::kStep && num_chunks > 0 && max_group_partials > max_redundant_partials();
   // nar_apply_ reads its norm from sq_in: no partials
   at::Tensor partials = phase == Phase::kApply ? at::Tensor() : at::empty({num_chunks}, opts);
+  at::Tensor sums = finalize ? at::empty({num_groups}, opts) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fedopt_nar_step_cuda", [&] {
@@ -408,7 +443,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_nar(
       nar_empty_stats_kernel<acc_t><<<grid, kThreads, 0, stream>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      launch_passes<scalar_t>(a, num_chunks, phase, stream);
+      launch_passes<scalar_t>(a, num_chunks, phase, finalize, sums.defined() ? sums.data_ptr<acc_t>() : nullptr,
+                              stream);
     }
   });
   return {norm, scale, skipped};
@@ -424,6 +460,7 @@ struct ListLayout {
   NarLayout layout;
   at::Tensor table;
   int64_t num_chunks = 0;
+  int64_t max_group_partials = 0;
   at::Device device{at::kCUDA};
   at::ScalarType dtype = at::kFloat;
 };
@@ -480,6 +517,7 @@ ListLayout list_layout(const char* op, at::TensorList params, at::TensorList gra
 
   ListLayout out;
   out.num_chunks = rows.num_rows;
+  out.max_group_partials = rows.max_group_rows;
   out.device = device;
   out.dtype = dtype;
   if (rows.num_rows > 0) {
@@ -501,7 +539,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_(
   const char* op = "fedopt_C::nar_step_ (CUDA)";
   const ListLayout l = list_layout(op, params, grads, momentum_buffers, mode, momentum);
   const c10::cuda::CUDAGuard guard(l.device);
-  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.dtype, l.device,
+  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.max_group_partials, l.dtype, l.device,
                  /*stats_shape=*/{}, /*hyper_groups=*/-1, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
                  mode, momentum, grad_scale, found_inf);
 }
@@ -512,7 +550,7 @@ at::Tensor nar_sq_norm(at::TensorList params, at::TensorList grads, double weigh
   const char* op = "fedopt_C::nar_sq_norm (CUDA)";
   const ListLayout l = list_layout(op, params, grads, {}, mode, 0.0);
   const c10::cuda::CUDAGuard guard(l.device);
-  return std::get<0>(run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.dtype,
+  return std::get<0>(run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.max_group_partials, l.dtype,
                              l.device, /*stats_shape=*/{}, /*hyper_groups=*/-1, 0.0, std::nullopt, weight_decay,
                              weight_decay_tensor, 1.0, mode, 0.0, grad_scale, std::nullopt, Phase::kNormOnly));
 }
@@ -525,7 +563,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_apply_(
   const char* op = "fedopt_C::nar_apply_ (CUDA)";
   const ListLayout l = list_layout(op, params, grads, momentum_buffers, mode, momentum);
   const c10::cuda::CUDAGuard guard(l.device);
-  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.dtype, l.device,
+  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.max_group_partials, l.dtype, l.device,
                  /*stats_shape=*/{}, /*hyper_groups=*/-1, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
                  mode, momentum, grad_scale, found_inf, Phase::kApply, sq_norm);
 }
@@ -575,7 +613,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_batched_(
   layout.row_len = N;
   layout.row_chunks = row_chunks;
   layout.chunk_size = cs;
-  return run_nar(op, layout, num_chunks, /*num_groups=*/C, dtype, device,
+  return run_nar(op, layout, num_chunks, /*num_groups=*/C, /*max_group_partials=*/row_chunks, dtype, device,
                  /*stats_shape=*/{C}, /*hyper_groups=*/C, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
                  mode, momentum, grad_scale, found_inf);
 }

@@ -6,7 +6,8 @@
 * The host-side decisions of the CUDA launchers run everywhere too, through the
   extension's diagnostic ops (``torch.ops.fedopt_C._cuda_*``, no GPU needed): the chunk
   rule and row layout of csrc/include/fedopt/chunks.h against a Python statement of
-  them, the finalize threshold and its environment variable, the table cache's counters.
+  them, the aggregation's tiling rule, the finalize threshold and its environment
+  variable, the table cache's counters.
 * Every other test needs a GPU and is skipped with "needs a CUDA device" without one.
   They call the backend module directly (``fedopt_kernels.backends.cuda``, i.e. the
   ``torch.ops.fedopt_C`` ops dispatched to the CUDA kernels), so they also reach cases
@@ -18,10 +19,12 @@ and tile tails), empty tensors and all-empty calls (no chunk: the stats-only ker
 misaligned views (the scalar bodies, chosen per chunk: one misaligned view among aligned
 tensors, rows of a [C, N] tensor whose alignment alternates), more than one chunk per
 tensor and more than one tile per block (grid-stride with the per-block partial
-read-modify-write), more than 32 clients (several staged client batches), groups with
-more than 4096 partials (the finalize pass, bitwise against the redundant combine).
+read-modify-write), more than 32 clients (several staged client batches), every tile
+shape of the aggregation (C = 100 clients of N = 62,000 and smaller N), groups with more
+than 4096 partials (the finalize pass, bitwise against the redundant combine).
 Bitwise invariants: the FedNAR norm of a chunk does not depend on its alignment (the
-scalar body adds in the vector body's order), nor on the finalize pass.
+scalar body adds in the vector body's order), nor on the finalize pass; the
+aggregation's sums do not depend on alignment or on list vs [C, N] form.
 
 server_update_ is checked BIT FOR BIT (no tolerance) against an oracle that performs
 the contract's operations one torch op at a time on CPU copies in the acc dtype: the
@@ -187,6 +190,30 @@ def test_chunk_rows_random_against_oracle(host_ops):
 def test_chunk_rows_refuse_groups_out_of_order(host_ops):
     with pytest.raises(RuntimeError, match="group by group"):
         host_ops._cuda_chunk_rows([64, 64, 0, 0, 128, 128, 0, 0], [5, 5], [1, 0], [4, 4, 4, 4], 2)
+
+
+def test_aggregate_tiling_rule(host_ops):
+    """The tile shape depends on N and the element size only; small N gets >= ~256 blocks."""
+    shapes = [(256, 2), (256, 1), (128, 1), (64, 1), (32, 1)]
+
+    def rule(n, esize):
+        vec = 16 // esize
+        for threads, vectors in shapes:
+            cols = threads * vectors * vec
+            tiles = -(-n // cols)
+            if tiles >= 256:
+                break
+        return [threads, vectors, cols, tiles, min(tiles, 1024)]
+
+    for n in (0, 1, 5, 1025, 4099, 62_000, 100_000, 200_000, 278_011, 600_000, 1_100_003, 11_700_000):
+        for esize in (2, 4, 8):
+            assert host_ops._cuda_aggregate_tiling(n, esize) == rule(n, esize), (n, esize)
+    # The examples of aggregate.cu's header comment.
+    assert host_ops._cuda_aggregate_tiling(62_000, 4) == [32, 1, 128, 485, 485]  # was 31 blocks
+    assert host_ops._cuda_aggregate_tiling(200_000, 4) == [128, 1, 512, 391, 391]
+    assert host_ops._cuda_aggregate_tiling(600_000, 4) == [256, 2, 2048, 293, 293]
+    assert host_ops._cuda_aggregate_tiling(11_700_000, 4)[4] == 1024
+    assert host_ops._cuda_aggregate_tiling(62_000, 2) == [32, 1, 256, 243, 243]
 
 
 def test_finalize_threshold_and_its_environment_variable(host_ops, monkeypatch):
@@ -767,6 +794,58 @@ def test_aggregate_deterministic_bitwise(cuda):
     # The same data as one [C, N] tensor goes through the same tiles and order.
     c = run_aggregate(cuda, torch.stack(clients), weights, 0.7, torch.float32)
     assert all(same_bits(x, y) for x, y in zip(a, c))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [62_000, 3000, 5])
+def test_aggregate_100_clients_small_n(cuda, dtype, N):
+    """C = 100 clients of a small model: the tile shape follows N (62,000 fp32 columns ->
+    485 blocks of 32 threads instead of 31 blocks of 256) and several client batches
+    with their loads grouped.  List and [C, N] forms agree bitwise; misaligned views of
+    the same values (scalar loads of the same columns) too; all equal python_ref."""
+    C = 100
+    clients = make_clients(C, N, dtype, seed=N, as_2d=False)
+    acc = acc_of(dtype)
+    weights = torch.rand(C, dtype=acc, generator=torch.Generator().manual_seed(3)).cuda()
+    weights[7] = 0.0
+    gamma = torch.tensor(0.8, dtype=acc, device="cuda")
+    out, q, Q = run_aggregate(cuda, clients, weights, gamma, dtype)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, gamma)
+    check_close(out, out_r, dtype)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+    as_2d = run_aggregate(cuda, torch.stack(clients), weights, gamma, dtype)
+    assert all(same_bits(a, b) for a, b in zip((out, q, Q), as_2d))
+    flat = torch.zeros(1 + C * N, dtype=dtype, device="cuda")
+    views = []
+    for i, c in enumerate(clients):
+        flat[1 + i * N:1 + (i + 1) * N] = c
+        views.append(flat[1 + i * N:1 + (i + 1) * N])
+    misaligned = run_aggregate(cuda, views, weights, gamma, dtype)
+    assert all(same_bits(a, b) for a, b in zip((out, q, Q), misaligned))
+    g = randn((N,), dtype, torch.Generator().manual_seed(4))
+    d = cuda.client_dots(clients, g)
+    torch.testing.assert_close(d.cpu(), ref_agg.client_dots(clients, g).cpu(), rtol=2e-5,
+                               atol=2e-4 * (N ** 0.5) if dtype != torch.float64 else 1e-9)
+    assert same_bits(d, cuda.client_dots(torch.stack(clients), g))
+    assert same_bits(d, cuda.client_dots(views, g))
+
+
+@needs_cuda
+@pytest.mark.parametrize("N", [100, 62_000, 200_000, 600_000])
+def test_aggregate_every_tile_shape(cuda, N):
+    """N values that select each tile shape of the rule (fp32: 32x1, 32x1, 128x1, 256x2)."""
+    shape = torch.ops.fedopt_C._cuda_aggregate_tiling(N, 4)
+    C = 37
+    clients = make_clients(C, N, torch.float32, seed=N + 1, as_2d=True)
+    weights = torch.rand(C, generator=torch.Generator().manual_seed(5)).cuda()
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 1.0)
+    check_close(out, out_r, torch.float32)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+    assert shape[4] == min(shape[3], 1024)
 
 
 # ----------------------------------------------------------------------------- client_dots

@@ -2,8 +2,8 @@
 // `fedopt_C` ops (whose schemas csrc/registration.cpp defines in `fedopt_kernels._C`,
 // which must be imported first; fedopt_kernels/backends/_extensions.py does), and a few
 // diagnostic ops (leading underscore) that let tests see the host-side decisions of the
-// CUDA launchers without a GPU: the chunk rows of fedopt/chunks.h, the finalize
-// threshold and the device table cache's counters.
+// CUDA launchers without a GPU: the chunk rows of fedopt/chunks.h, the aggregation's
+// tiling rule, the finalize threshold and the device table cache's counters.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -52,6 +52,12 @@ std::tuple<std::vector<int64_t>, int64_t, int64_t, int64_t> chunk_rows(std::vect
   return {rows.blob, rows.num_rows, rows.chunk_size, rows.max_group_rows};
 }
 
+std::vector<int64_t> aggregate_tiling(int64_t n, int64_t esize) {
+  TORCH_CHECK(esize == 2 || esize == 4 || esize == 8, "fedopt_C::_cuda_aggregate_tiling: esize must be 2, 4 or 8");
+  const fedopt::cuda::AggTiling t = fedopt::cuda::aggregate_tiling(n, esize);
+  return {t.threads, t.vectors, t.columns, t.tiles, t.blocks};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedopt_C, CUDA, m) {
@@ -68,6 +74,7 @@ TORCH_LIBRARY_FRAGMENT(fedopt_C, m) {
   m.def("_cuda_chunk_rows(int[] addresses, int[] numels, int[] groups, int[] esizes, int num_groups) "
         "-> (int[], int, int, int)",
         &chunk_rows);
+  m.def("_cuda_aggregate_tiling(int n, int esize) -> int[]", &aggregate_tiling);
   m.def("_cuda_max_redundant_partials() -> int", []() -> int64_t { return fedopt::cuda::max_redundant_partials(); });
   // {entries, captured entries, hits, misses, capacity}
   m.def("_cuda_table_cache_info() -> int[]", []() { return fedopt::cuda::table_cache_info(); });

@@ -3,6 +3,11 @@
 * ``test_extension_registers_cuda_kernels`` runs everywhere: it skips only when torch is
   a CPU-only build (then the extension is never built) and FAILS when torch has CUDA but
   the extension is missing (CI builds it with FEDOPT_BUILD_CUDA=1).
+* The host-side decisions of the CUDA launchers run everywhere too, through the
+  extension's diagnostic ops (``torch.ops.fedopt_C._cuda_*``, no GPU needed): the chunk
+  rule and row layout of csrc/include/fedopt/chunks.h against a Python statement of
+  them, the aggregation's tiling rule, the finalize threshold and its environment
+  variable, the table cache's counters.
 * Every other test needs a GPU and is skipped with "needs a CUDA device" without one.
   They call the backend module directly (``fedopt_kernels.backends.cuda``, i.e. the
   ``torch.ops.fedopt_C`` ops dispatched to the CUDA kernels), so they also reach cases
@@ -11,9 +16,15 @@
 
 Kernel paths exercised on purpose: odd sizes (scalar tails of 16-byte vectors, chunk
 and tile tails), empty tensors and all-empty calls (no chunk: the stats-only kernel),
-misaligned views (the scalar variants), more than one chunk per tensor and more than
-one tile per block (grid-stride with the per-block partial read-modify-write), more
-than 32 clients (several staged client batches).
+misaligned views (the scalar bodies, chosen per chunk: one misaligned view among aligned
+tensors, rows of a [C, N] tensor whose alignment alternates), more than one chunk per
+tensor and more than one tile per block (grid-stride with the per-block partial
+read-modify-write), more than 32 clients (several staged client batches), every tile
+shape of the aggregation (C = 100 clients of N = 62,000 and smaller N), groups with more
+than 4096 partials (the finalize pass, bitwise against the redundant combine).
+Bitwise invariants: the FedNAR norm of a chunk does not depend on its alignment (the
+scalar body adds in the vector body's order), nor on the finalize pass; the
+aggregation's sums do not depend on alignment or on list vs [C, N] form.
 
 server_update_ is checked BIT FOR BIT (no tolerance) against an oracle that performs
 the contract's operations one torch op at a time on CPU copies in the acc dtype: the
@@ -64,6 +75,165 @@ def test_extension_registers_cuda_kernels():
                     "(build it: FEDOPT_BUILD_CUDA=1 pip install --no-build-isolation .)")
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fedopt_C::{op}", "CUDA"), op
+
+
+@pytest.fixture(scope="module")
+def host_ops():
+    """torch.ops.fedopt_C with the CUDA extension's diagnostic ops (no GPU needed)."""
+    if torch.version.cuda is None:
+        pytest.skip(f"torch {torch.__version__} is a CPU-only build, so the CUDA extension is not built")
+    err = _import_extension()
+    if err is not None:
+        pytest.fail(f"torch has CUDA {torch.version.cuda} but fedopt_kernels._C_cuda cannot be imported: {err}")
+    return torch.ops.fedopt_C
+
+
+# ----------------------------------------------------------------------------- host-side rules (no GPU)
+
+MIN_CHUNK, TARGET_CHUNKS, ALIGNED16 = 2048, 1024, 1
+
+
+def chunk_size_for(n):
+    """The chunk rule of csrc/include/fedopt/chunks.h, stated in Python."""
+    want, size = -(-n // TARGET_CHUNKS), MIN_CHUNK
+    while size < want:
+        size *= 2
+    return size
+
+
+def chunk_rows_oracle(tensors, esizes, num_groups):
+    """The row layout of chunks.h: ``tensors`` = [(ptrs[4], numel, group)] group by group.
+    Returns (rows [[8 ints]], ranges [[pbegin, pend]] per group, chunk_size)."""
+    sizes = [0] * num_groups
+    for _, n, g in tensors:
+        sizes[g] += n
+    cs = chunk_size_for(max(sizes, default=0))
+    rows, first, last = [], [None] * num_groups, [None] * num_groups
+    for ptrs, n, g in tensors:
+        for start in range(0, n, cs):
+            p = [a + start * e if a else 0 for a, e in zip(ptrs, esizes)]
+            flags = ALIGNED16 if all(a % 16 == 0 for a in p) else 0
+            if first[g] is None:
+                first[g] = len(rows)
+            rows.append(p + [min(cs, n - start), g, flags, 0])
+            last[g] = len(rows)
+    ranges, at = [], 0  # an empty group's range is empty, where the next group starts
+    for g in range(num_groups):
+        if first[g] is None:
+            ranges.append([at, at])
+        else:
+            ranges.append([first[g], last[g]])
+            at = last[g]
+    return rows, ranges, cs
+
+
+def test_chunk_rule(host_ops):
+    def size(n):
+        blob, rows, cs, _ = host_ops._cuda_chunk_rows([4096, 8192, 0, 0], [n], [0], [4, 4, 4, 4], 1)
+        return cs
+
+    for n in (0, 1, 2048, 2048 * 1024, 2048 * 1024 + 1, 11_689_512, 100_000_000, 2**33 + 5):
+        assert size(n) == chunk_size_for(n), n
+    assert size(2048 * 1024) == 2048 and size(2048 * 1024 + 1) == 4096
+    assert size(11_689_512) == 16384  # ResNet-18
+
+
+def test_chunk_rows_layout(host_ops):
+    """Rows cut at multiples of the chunk size inside each tensor, every pointer advanced
+    by its own element size, the alignment flag per row, empty tensors without a row,
+    the largest GROUP deciding the chunk size, each group's partial range."""
+    big = 5 * 2048 * 1024 + 3  # group 0 alone: chunk size 16384
+    tensors = [
+        ([1 << 20, 2 << 20, 3 << 20, 4 << 20], big, 0),       # aligned, ptr3 in use
+        ([(5 << 20) + 2, 6 << 20, 0, 0], 40_000, 0),          # ptr0 only 2-byte aligned
+        ([7 << 20, 8 << 20, 0, 0], 0, 1),                     # empty: no row; group 1 empty
+        ([9 << 20, (10 << 20) + 8, 0, 0], 16385, 2),          # ptr1 8-byte aligned
+        ([11 << 20, 12 << 20, 13 << 20, 0], 1, 2),            # ptr3 = 0 does not clear the flag
+    ]
+    esizes = [2, 4, 2, 2]  # e.g. fp16 params, fp32 updates
+    blob, num_rows, cs, max_rows = host_ops._cuda_chunk_rows(
+        [a for t in tensors for a in t[0]], [t[1] for t in tensors], [t[2] for t in tensors], esizes, 4)
+    rows, ranges, cs_ref = chunk_rows_oracle(tensors, esizes, 4)
+    assert cs == cs_ref == 16384
+    assert num_rows == len(rows) and len(blob) == 8 * num_rows + 2 * 4
+    got = [blob[8 * r:8 * r + 8] for r in range(num_rows)]
+    assert got == rows
+    assert [blob[8 * num_rows + 2 * g:8 * num_rows + 2 * g + 2] for g in range(4)] == ranges
+    assert max_rows == max(e - b for b, e in ranges)
+    # Spot checks of the oracle itself.
+    assert rows[1][:6] == [(1 << 20) + 16384 * 2, (2 << 20) + 16384 * 4, (3 << 20) + 16384 * 2,
+                           (4 << 20) + 16384 * 2, 16384, 0]
+    assert all(r[6] == 0 for r in rows if r[0] % 16 or r[1] % 16)
+    assert rows[-1] == [11 << 20, 12 << 20, 13 << 20, 0, 1, 2, ALIGNED16, 0]
+    assert ranges[1][0] == ranges[1][1] and ranges[3][0] == ranges[3][1] == num_rows
+
+
+def test_chunk_rows_random_against_oracle(host_ops):
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        G = int(torch.randint(1, 5, (), generator=gen))
+        T = int(torch.randint(1, 12, (), generator=gen))
+        groups = sorted(int(g) for g in torch.randint(0, G, (T,), generator=gen))
+        numels = [int(n) for n in torch.randint(0, 9000, (T,), generator=gen)]
+        if trial % 4 == 0:
+            numels[0] = 3_000_001  # a grown chunk size
+        ptrs = [[int(a) * 2 if k < 3 else 0 for k, a in enumerate(torch.randint(1, 1 << 30, (4,), generator=gen))]
+                for _ in range(T)]
+        esizes = [2, 4, 2, 2] if trial % 2 else [8, 8, 8, 8]
+        tensors = list(zip(ptrs, numels, groups))
+        blob, num_rows, cs, _ = host_ops._cuda_chunk_rows([a for p in ptrs for a in p], numels, groups, esizes, G)
+        rows, ranges, cs_ref = chunk_rows_oracle(tensors, esizes, G)
+        assert cs == cs_ref
+        assert blob == [v for r in rows for v in r] + [v for r in ranges for v in r]
+
+
+def test_chunk_rows_refuse_groups_out_of_order(host_ops):
+    with pytest.raises(RuntimeError, match="group by group"):
+        host_ops._cuda_chunk_rows([64, 64, 0, 0, 128, 128, 0, 0], [5, 5], [1, 0], [4, 4, 4, 4], 2)
+
+
+def test_aggregate_tiling_rule(host_ops):
+    """The tile shape depends on N and the element size only; small N gets >= ~256 blocks."""
+    shapes = [(256, 2), (256, 1), (128, 1), (64, 1), (32, 1)]
+
+    def rule(n, esize):
+        vec = 16 // esize
+        for threads, vectors in shapes:
+            cols = threads * vectors * vec
+            tiles = -(-n // cols)
+            if tiles >= 256:
+                break
+        return [threads, vectors, cols, tiles, min(tiles, 1024)]
+
+    for n in (0, 1, 5, 1025, 4099, 62_000, 100_000, 200_000, 278_011, 600_000, 1_100_003, 11_700_000):
+        for esize in (2, 4, 8):
+            assert host_ops._cuda_aggregate_tiling(n, esize) == rule(n, esize), (n, esize)
+    # The examples of aggregate.cu's header comment.
+    assert host_ops._cuda_aggregate_tiling(62_000, 4) == [32, 1, 128, 485, 485]  # was 31 blocks
+    assert host_ops._cuda_aggregate_tiling(200_000, 4) == [128, 1, 512, 391, 391]
+    assert host_ops._cuda_aggregate_tiling(600_000, 4) == [256, 2, 2048, 293, 293]
+    assert host_ops._cuda_aggregate_tiling(11_700_000, 4)[4] == 1024
+    assert host_ops._cuda_aggregate_tiling(62_000, 2) == [32, 1, 256, 243, 243]
+
+
+def test_finalize_threshold_and_its_environment_variable(host_ops, monkeypatch):
+    monkeypatch.delenv("FEDOPT_MAX_REDUNDANT_PARTIALS", raising=False)
+    assert host_ops._cuda_max_redundant_partials() == 4096
+    monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "0")  # read at every call
+    assert host_ops._cuda_max_redundant_partials() == 0
+    monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "1000000")
+    assert host_ops._cuda_max_redundant_partials() == 1_000_000
+    for bad in ("-1", "12x", "many"):
+        monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", bad)
+        with pytest.raises(RuntimeError, match="FEDOPT_MAX_REDUNDANT_PARTIALS must be a non-negative integer"):
+            host_ops._cuda_max_redundant_partials()
+
+
+def test_table_cache_info(host_ops):
+    entries, captured, hits, misses, capacity = host_ops._cuda_table_cache_info()
+    assert capacity == 64 and 0 <= entries <= capacity and captured >= 0 and hits >= 0 and misses >= 0
+    host_ops._cuda_table_cache_clear()
+    assert host_ops._cuda_table_cache_info()[0] == 0
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +372,121 @@ def test_nar_step_misaligned_views(cuda, dtype, momentum):
     fused, reference = run_nar(cuda, params, grads, bufs, lr=0.05, wd=0.01, max_norm=1.0, mode="co",
                                momentum=momentum)
     assert_nar_matches(fused, reference, dtype)
-    # The same values through the aligned (vectorised) path agree to rounding.
+    # The same values through the aligned (vectorised) bodies: the same bits (the scalar
+    # body adds a chunk's terms in the vector body's order; the update is elementwise).
     aligned = run_nar(cuda, [p.clone() for p in params], [g.clone() for g in grads], [b.clone() for b in bufs],
                       lr=0.05, wd=0.01, max_norm=1.0, mode="co", momentum=momentum)[0]
-    for a, b in zip(aligned[0], fused[0]):
-        check_close(a, b, dtype)
+    assert same_bits(aligned[2][0], fused[2][0]) and same_bits(aligned[2][1], fused[2][1])
+    for a, b in zip(aligned[0] + aligned[1], fused[0] + fused[1]):
+        assert same_bits(a, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nar_step_one_misaligned_view_among_aligned_tensors(cuda, dtype, momentum):
+    """Vectorisation is decided per chunk: params, grads and buffers of one tensor are
+    views at an offset of 1 element of larger buffers (all its chunks misaligned), the
+    other tensors aligned.  Before, that one view sent every tensor of the call to the
+    scalar kernel; now only its own chunks take the scalar body, and the step equals
+    python_ref and, bitwise, the same step on aligned copies."""
+    gen = torch.Generator().manual_seed(21)
+    sizes = [70_001, 5000, 33, 4099]
+    start = [[randn((n,), dtype, gen) for n in sizes] for _ in range(3)]  # params, grads, bufs
+
+    def with_view(ts, i):
+        """Clones of ``ts``, tensor ``i`` as a view at element offset 1 of a guarded buffer."""
+        out = clone(ts)
+        buf = torch.full((ts[i].numel() + 2,), 7.0, dtype=dtype, device="cuda")
+        buf[1:-1] = ts[i]
+        out[i] = buf[1:-1]
+        assert out[i].data_ptr() % 16 != 0
+        return out
+
+    p_v, g_v, b_v = (with_view(ts, 1) for ts in start)
+    assert all(t.data_ptr() % 16 == 0 for ts in (p_v, g_v, b_v) for i, t in enumerate(ts) if i != 1)
+    st_v = cuda.nar_step_(p_v, g_v, b_v if momentum else [], 0.05, 0.01, 1.0, 0, momentum, None, None)
+    p_r, b_r = clone(start[0]), clone(start[2])
+    st_r = ref_nar.nar_step_(p_r, start[1], lr=0.05, weight_decay=0.01, max_norm=1.0, mode="co", momentum=momentum,
+                             momentum_buffers=b_r if momentum else None)
+    assert_nar_matches((p_v, b_v if momentum else [], st_v), (p_r, b_r if momentum else [], st_r), dtype)
+    p_a, b_a = clone(start[0]), clone(start[2])  # every tensor aligned: the vector bodies
+    st_a = cuda.nar_step_(p_a, start[1], b_a if momentum else [], 0.05, 0.01, 1.0, 0, momentum, None, None)
+    assert same_bits(st_a[0], st_v[0]) and same_bits(st_a[1], st_v[1])
+    for a, v in zip(p_a + (b_a if momentum else []), p_v + (b_v if momentum else [])):
+        assert same_bits(a, v)
+    for ts in (p_v, b_v):  # nothing written around the view
+        buf = ts[1]._base
+        assert float(buf[0]) == 7.0 and float(buf[-1]) == 7.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nar_sq_norm_misaligned_view_among_aligned_tensors(cuda, dtype):
+    gen = torch.Generator().manual_seed(22)
+    params = [randn((n,), dtype, gen) for n in (9000, 3000)]
+    grads = [randn((n,), dtype, gen) for n in (9000, 3000)]
+    buf = torch.zeros(3002, dtype=dtype, device="cuda")
+    buf[1:3001] = grads[1]
+    view_grads = [grads[0], buf[1:3001]]
+    sq = cuda.nar_sq_norm(params, view_grads, 0.01, 0, None)
+    assert same_bits(sq, cuda.nar_sq_norm(params, grads, 0.01, 0, None))
+    check_norm(sq, ref_nar.nar_sq_norm(params, grads, weight_decay=0.01, mode="co"))
+
+
+def _lists_of_many_small_tensors(count, dtype, seed):
+    """``count`` small tensors (1..13 elements): one tail chunk (one partial) each."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [(i * 7) % 13 + 1 for i in range(count)]
+    total = sum(sizes)
+    flat = {k: randn((total,), dtype, gen, 0.1) for k in ("p", "g", "b")}
+    out = {}
+    for k, v in flat.items():
+        out[k], at = [], 0
+        for n in sizes:
+            out[k].append(v[at:at + n].clone())
+            at += n
+    return out["p"], out["g"], out["b"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_nar_step_group_of_5000_partials_finalize_pass(cuda, dtype, monkeypatch):
+    """5000 tensors -> 5000 partials in one group (> kMaxRedundantPartials = 4096): the
+    finalize pass sums them once per group; the result equals python_ref, and forcing
+    the redundant in-kernel combine (FEDOPT_MAX_REDUNDANT_PARTIALS, read at every call)
+    gives the same bits."""
+    params, grads, bufs = _lists_of_many_small_tensors(5000, dtype, seed=23)
+    monkeypatch.delenv("FEDOPT_MAX_REDUNDANT_PARTIALS", raising=False)
+    assert torch.ops.fedopt_C._cuda_max_redundant_partials() == 4096
+    fused, reference = run_nar(cuda, params, grads, bufs, lr=0.1, wd=0.01, max_norm=0.5, mode="co", momentum=0.9)
+    assert_nar_matches(fused, reference, dtype)
+    assert float(fused[2][1]) < 1.0  # really clipped
+    monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "1000000")
+    redundant = run_nar(cuda, params, grads, bufs, lr=0.1, wd=0.01, max_norm=0.5, mode="co", momentum=0.9)[0]
+    assert same_bits(redundant[2][0], fused[2][0]) and same_bits(redundant[2][1], fused[2][1])
+    for a, b in zip(redundant[0] + redundant[1], fused[0] + fused[1]):
+        assert same_bits(a, b)
+    # nar_sq_norm sums the same partials with the same loop: sqrt of it is the norm.
+    sq = cuda.nar_sq_norm(params, grads, 0.01, 0, None)
+    assert same_bits(torch.sqrt(sq), fused[2][0])
+
+
+@needs_cuda
+def test_finalize_pass_forced_on_small_calls_is_bitwise_the_redundant_combine(cuda, monkeypatch):
+    params, grads, bufs = make_lists([(278011,), (1025,), (7,), (64, 3, 3, 3)], torch.float32, seed=24)
+    X = randn((5, 70_001), torch.float32, torch.Generator().manual_seed(25))
+    G = randn((5, 70_001), torch.float32, torch.Generator().manual_seed(26))
+    results = []
+    for threshold in ("1000000", "0"):  # redundant combine, then the finalize pass everywhere
+        monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", threshold)
+        p, b = clone(params), clone(bufs)
+        st = cuda.nar_step_(p, grads, b, 0.01, 1e-3, 1.0, 0, 0.9, None, None)
+        Xs = X.clone()
+        st_b = cuda.nar_step_batched_(Xs, G, None, 0.01, 1e-3, 1.0, 0, 0.0, None, None)
+        results.append((p + b + [Xs], list(st) + list(st_b)))
+    (t1, s1), (t2, s2) = results
+    assert all(same_bits(a, b) for a, b in zip(t1 + s1, t2 + s2))
 
 
 @needs_cuda
@@ -341,6 +621,29 @@ def test_batched_misaligned_rows_and_float_hypers(cuda):
         check_norm(scale, st_r.scale)
         assert not bool(skipped.any())
         check_close(Xf, Xr, torch.float32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_rows_of_alternating_alignment(cuda, dtype):
+    """N * sizeof not a multiple of 16: rows start at alternating 16-byte offsets, so some
+    chunks are aligned and some not (decided per chunk from base + (row * N + start) *
+    esize).  Each row equals, bitwise, the same row stepped alone in an aligned [1, N]
+    tensor (same chunk size, same order whatever the body), and python_ref."""
+    C, N = 4, 5003
+    gen = torch.Generator().manual_seed(27)
+    X, G, B = (randn((C, N), dtype, gen) for _ in range(3))
+    lr = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=acc_of(dtype), device="cuda")
+    fused, reference = run_batched(cuda, X, G, B, lr=lr, wd=0.01, max_norm=1.0, mode="co", momentum=0.9)
+    (Xf, Bf, (norm, scale, skipped)), (Xr, Br, st_r) = fused, reference
+    check_norm(norm, st_r.norm)
+    check_close(Xf, Xr, dtype)
+    check_close(Bf, Br, dtype)
+    for r in range(C):
+        x1, b1 = X[r:r + 1].clone(), B[r:r + 1].clone()
+        n1, s1, _ = cuda.nar_step_batched_(x1, G[r:r + 1].clone(), b1, lr[r:r + 1], 0.01, 1.0, 0, 0.9, None, None)
+        assert same_bits(n1[0], norm[r]) and same_bits(s1[0], scale[r])
+        assert same_bits(x1[0], Xf[r]) and same_bits(b1[0], Bf[r])
 
 
 @needs_cuda
@@ -491,6 +794,58 @@ def test_aggregate_deterministic_bitwise(cuda):
     # The same data as one [C, N] tensor goes through the same tiles and order.
     c = run_aggregate(cuda, torch.stack(clients), weights, 0.7, torch.float32)
     assert all(same_bits(x, y) for x, y in zip(a, c))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("N", [62_000, 3000, 5])
+def test_aggregate_100_clients_small_n(cuda, dtype, N):
+    """C = 100 clients of a small model: the tile shape follows N (62,000 fp32 columns ->
+    485 blocks of 32 threads instead of 31 blocks of 256) and several client batches
+    with their loads grouped.  List and [C, N] forms agree bitwise; misaligned views of
+    the same values (scalar loads of the same columns) too; all equal python_ref."""
+    C = 100
+    clients = make_clients(C, N, dtype, seed=N, as_2d=False)
+    acc = acc_of(dtype)
+    weights = torch.rand(C, dtype=acc, generator=torch.Generator().manual_seed(3)).cuda()
+    weights[7] = 0.0
+    gamma = torch.tensor(0.8, dtype=acc, device="cuda")
+    out, q, Q = run_aggregate(cuda, clients, weights, gamma, dtype)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, gamma)
+    check_close(out, out_r, dtype)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+    as_2d = run_aggregate(cuda, torch.stack(clients), weights, gamma, dtype)
+    assert all(same_bits(a, b) for a, b in zip((out, q, Q), as_2d))
+    flat = torch.zeros(1 + C * N, dtype=dtype, device="cuda")
+    views = []
+    for i, c in enumerate(clients):
+        flat[1 + i * N:1 + (i + 1) * N] = c
+        views.append(flat[1 + i * N:1 + (i + 1) * N])
+    misaligned = run_aggregate(cuda, views, weights, gamma, dtype)
+    assert all(same_bits(a, b) for a, b in zip((out, q, Q), misaligned))
+    g = randn((N,), dtype, torch.Generator().manual_seed(4))
+    d = cuda.client_dots(clients, g)
+    torch.testing.assert_close(d.cpu(), ref_agg.client_dots(clients, g).cpu(), rtol=2e-5,
+                               atol=2e-4 * (N ** 0.5) if dtype != torch.float64 else 1e-9)
+    assert same_bits(d, cuda.client_dots(torch.stack(clients), g))
+    assert same_bits(d, cuda.client_dots(views, g))
+
+
+@needs_cuda
+@pytest.mark.parametrize("N", [100, 62_000, 200_000, 600_000])
+def test_aggregate_every_tile_shape(cuda, N):
+    """N values that select each tile shape of the rule (fp32: 32x1, 32x1, 128x1, 256x2)."""
+    shape = torch.ops.fedopt_C._cuda_aggregate_tiling(N, 4)
+    C = 37
+    clients = make_clients(C, N, torch.float32, seed=N + 1, as_2d=True)
+    weights = torch.rand(C, generator=torch.Generator().manual_seed(5)).cuda()
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32)
+    out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 1.0)
+    check_close(out, out_r, torch.float32)
+    check_norm(q, q_r)
+    check_norm(Q, Q_r)
+    assert shape[4] == min(shape[3], 1024)
 
 
 # ----------------------------------------------------------------------------- client_dots
@@ -757,8 +1112,8 @@ def test_server_update_matches_cpu_kernel_bitwise(cuda, dtype, rule):
 
 @needs_cuda
 def test_server_update_empty_calls_launch_nothing(cuda):
-    # Nothing to do must not even upload a table: the calls succeed during CUDA graph
-    # capture, which the table upload refuses.
+    # Nothing to do must not even look up a table: the calls succeed during CUDA graph
+    # capture on tensors never seen before, where a table cache miss is refused.
     # (Everything is created before the capture: a host-to-device copy cannot be captured.)
     empty = [[torch.empty(0, device="cuda"), torch.empty(0, 3, device="cuda")] for _ in range(4)]
     skip = torch.tensor(False, device="cuda")

@@ -11,7 +11,9 @@ CPU kernel's message (csrc/cpu) and the CUDA kernel's (csrc/cuda), which word th
 differently.  It runs on the CPU here and on CUDA on a GPU machine (skipped here, saying
 so).  ``CUDA_CASES`` are checks only the CUDA kernels have: tensors on two devices (a
 CPU op never sees a CUDA tensor: the dispatcher picks the CUDA kernel when one is
-present) and hyperparameter tensors of an integer dtype (the CPU kernels convert them).
+present).  Both devices refuse data of an unsupported dtype naming the argument
+(``params has unsupported dtype Int``) and hyperparameter tensors or weights of an
+integer dtype (``lr_tensor must be floating point, got Int``).
 
 A raw op with no tensor at all cannot be dispatched, so the empty-list cases pass one
 tensor elsewhere (``lr_tensor``, ``out``, ``g``, ``updates``) to reach the kernel.
@@ -160,20 +162,37 @@ def nar_buffer_other_strides(d):
     return (lambda: nar(p, [t(d, 3, 5)], b, momentum=0.9)), p + b
 
 
-# The kernels name the dtype, not the argument (every tensor has the params' dtype).
-@case(r"unsupported dtype Int", "dtype Int")
+@case(r"params has unsupported dtype Int \(expected float16, bfloat16, float32 or float64\)", "params")
 def nar_integer_params(d):
     p = [t(d, 4, dtype=torch.int32)]
     return (lambda: nar(p, [t(d, 4, dtype=torch.int32)])), p
 
 
-@case(r"lr_tensor must have (1 or 1 elements, got 2|one element, got shape \[2\])", "lr_tensor")
+@case(r"lr_tensor must be floating point, got Int", "lr_tensor")
+def nar_integer_lr_tensor(d):
+    p = [t(d, 4)]
+    return (lambda: nar(p, [t(d, 4)], lr_t=s(d, 1, dtype=torch.int32))), p
+
+
+@case(r"weight_decay_tensor must be floating point, got Long", "weight_decay_tensor")
+def nar_integer_weight_decay_tensor(d):
+    p = [t(d, 4)]
+    return (lambda: nar(p, [t(d, 4)], wd_t=s(d, 0, dtype=torch.int64))), p
+
+
+@case(r"grad_scale must be floating point, got Int", "grad_scale")
+def nar_integer_grad_scale(d):
+    p = [t(d, 4)]
+    return (lambda: nar(p, [t(d, 4)], gs=s(d, 2, dtype=torch.int32))), p
+
+
+@case(r"lr_tensor must have one element, got (2|shape \[2\])", "lr_tensor")
 def nar_lr_tensor_of_two(d):
     p = [t(d, 4)]
     return (lambda: nar(p, [t(d, 4)], lr_t=s(d, n=2))), p
 
 
-@case(r"weight_decay_tensor must have (1 or 1 elements, got 3|one element, got shape \[3\])", "weight_decay_tensor")
+@case(r"weight_decay_tensor must have one element, got (3|shape \[3\])", "weight_decay_tensor")
 def nar_weight_decay_tensor_of_three(d):
     p = [t(d, 4)]
     return (lambda: nar(p, [t(d, 4)], wd_t=s(d, n=3))), p
@@ -272,7 +291,7 @@ def batched_buffer_dtype(d):
     return (lambda: batched(X, t(d, 2, 5), B, momentum=0.9)), [X, B]
 
 
-@case(r"lr_tensor must have (1 or 2 elements, got 3|one element or one per row, got shape \[3\])", "lr_tensor")
+@case(r"lr_tensor must have one element or one per row( \(2 rows\))?, got (3 elements|shape \[3\])", "lr_tensor")
 def batched_lr_tensor_of_three_for_two_rows(d):
     X = t(d, 2, 5)
     return (lambda: batched(X, t(d, 2, 5), lr_t=s(d, n=3))), [X]
@@ -282,6 +301,18 @@ def batched_lr_tensor_of_three_for_two_rows(d):
 def batched_bad_mode(d):
     X = t(d, 2, 5)
     return (lambda: batched(X, t(d, 2, 5), mode=3)), [X]
+
+
+@case(r"params has unsupported dtype Long", "params")
+def batched_integer_params(d):
+    X = t(d, 2, 5, dtype=torch.int64)
+    return (lambda: batched(X, t(d, 2, 5, dtype=torch.int64))), [X]
+
+
+@case(r"lr_tensor must be floating point, got Int", "lr_tensor")
+def batched_integer_lr_tensor_per_row(d):
+    X = t(d, 2, 5)
+    return (lambda: batched(X, t(d, 2, 5), lr_t=s(d, 1, n=2, dtype=torch.int32))), [X]
 
 
 # ------------------------------------------------------------------ aggregate / client_dots
@@ -340,10 +371,28 @@ def agg_2d_tensor_in_a_list(d):
     return (lambda: agg([t(d, 2, 3), t(d, 6)], t(d, 2), out)), [out]
 
 
-@case(r"unsupported dtype Int", "dtype Int")
+@case(r"clients has unsupported dtype Int", "clients")
 def agg_integer_clients(d):
     out = torch.zeros(6, dtype=torch.int32, device=d)
     return (lambda: agg([t(d, 2, 6, dtype=torch.int32)], t(d, 2), out)), [out]
+
+
+@case(r"clients has unsupported dtype Short", "clients")
+def agg_integer_client_list(d):
+    out = torch.zeros(6, device=d)
+    return (lambda: agg([t(d, 6, dtype=torch.int16), t(d, 6, dtype=torch.int16)], t(d, 2), out)), [out]
+
+
+@case(r"weights must be floating point, got Int", "weights")
+def agg_integer_weights(d):
+    out = torch.zeros(6, device=d)
+    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2, dtype=torch.int32), out)), [out]
+
+
+@case(r"gamma_tensor must be floating point, got Long", "gamma_tensor")
+def agg_integer_gamma_tensor(d):
+    out = torch.zeros(6, device=d)
+    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, gamma_t=s(d, 1, dtype=torch.int64))), [out]
 
 
 @case(r"enabled must be a one-element", "enabled")
@@ -373,6 +422,12 @@ def dots_g_length(d):
 def dots_g_dtype(d):
     X = t(d, 3, 6)
     return (lambda: dots([X], t(d, 6, dtype=F16))), [X]
+
+
+@case(r"clients has unsupported dtype Int", "clients")
+def dots_integer_clients(d):
+    X = t(d, 3, 6, dtype=torch.int32)
+    return (lambda: dots([X], t(d, 6))), [X]
 
 
 # ------------------------------------------------------------------ server_update_
@@ -460,6 +515,20 @@ def server_lr_tensor_of_two(d):
     return (lambda: server(p, [t(d, 4)], lr_t=s(d, n=2))), p
 
 
+@case(r"params has unsupported dtype Int", "params")
+def server_integer_params(d):
+    p = [t(d, 4, dtype=torch.int32)]
+    return (lambda: server(p, [t(d, 4)])), p
+
+
+# Refused even when the step is skipped (the CPU kernel used to return before reading it).
+@case(r"lr_tensor must be floating point, got Int", "lr_tensor")
+def server_integer_lr_tensor(d):
+    p = [t(d, 4)]
+    return (lambda: server(p, [t(d, 4)], lr_t=s(d, 1, dtype=torch.int32),
+                           skip=torch.ones((), dtype=torch.bool, device=d))), p
+
+
 # ------------------------------------------------------------------ CUDA only
 CPU = torch.device("cpu")
 
@@ -512,12 +581,6 @@ def nar_found_inf_on_the_cpu(d):
     return (lambda: nar(p, [t(d, 4)], fi=s(CPU, 0.0))), p
 
 
-@cuda_case(r"lr_tensor must be floating point, got Int", "lr_tensor")
-def nar_integer_lr_tensor(d):
-    p = [t(d, 4)]
-    return (lambda: nar(p, [t(d, 4)], lr_t=s(d, 1, dtype=torch.int32))), p
-
-
 @cuda_case(r"sq_norm is on cpu but the data is on cuda", "sq_norm")
 def apply_sq_norm_on_the_cpu(d):
     p = [t(d, 4)]
@@ -559,12 +622,6 @@ def agg_out_on_the_cpu(d):
 def agg_weights_on_the_cpu(d):
     out = torch.zeros(6, device=d)
     return (lambda: agg([t(d, 6), t(d, 6)], t(CPU, 2), out)), [out]
-
-
-@cuda_case(r"weights must be floating point, got Int", "weights")
-def agg_integer_weights(d):
-    out = torch.zeros(6, device=d)
-    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2, dtype=torch.int32), out)), [out]
 
 
 @cuda_case(r"gamma_tensor is on cpu but the data is on cuda", "gamma_tensor")
@@ -624,6 +681,7 @@ def check_refused(build, match, arg, device):
     message = str(info.value)
     assert "fedopt_C" in message, f"not the kernel's own check: {message}"
     assert arg in message, f"the message does not name {arg!r}: {message}"
+    assert "1 or 1 " not in message, f"the message does not read sensibly: {message}"
     for k, b in zip(kept, before):
         assert torch.equal(k, b), "a refused call wrote to its tensors"
 

@@ -49,11 +49,11 @@ void parallel_over_columns(int64_t C, int64_t N, int64_t nc, const F& fn) {
   });
 }
 
-Clients unpack_clients(TensorList clients) {
+Clients unpack_clients(TensorList clients, const char* op) {
   TORCH_CHECK(!clients.empty(), "fedopt_C: clients must hold one [C, N] tensor or C 1-D tensors");
   Clients r;
   r.dtype = clients[0].scalar_type();
-  scalar_kind(r.dtype);  // rejects other dtypes
+  check_supported_float(op, "clients", r.dtype);
   if (clients.size() == 1 && clients[0].dim() == 2) {
     const Tensor& X = clients[0];
     check_flat(X, r.dtype, "clients");
@@ -125,10 +125,11 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
 
 std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weights, double gamma,
                                          const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& enabled) {
-  const Clients cl = unpack_clients(clients);
+  const Clients cl = unpack_clients(clients, "fedopt_C::aggregate");
   const at::ScalarType acc = acc_type(cl.dtype);
   TORCH_CHECK(weights.device().is_cpu() && weights.numel() == cl.C, "fedopt_C::aggregate: weights must be a CPU "
               "tensor of ", cl.C, " elements, got ", weights.numel(), " on ", weights.device());
+  check_hyper_dtype(weights, "weights");
   const bool out_is_acc = check_vector(out, cl, "out");
   if (enabled.has_value()) {
     TORCH_CHECK(enabled->numel() == 1 && enabled->device().is_cpu(), "fedopt_C::aggregate: enabled must be a "
@@ -137,7 +138,7 @@ std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weigh
       return {at::zeros({cl.C}, at::TensorOptions().dtype(acc)), at::zeros({}, at::TensorOptions().dtype(acc))};
     }
   }
-  const double g = gamma_tensor.has_value() ? read_scalar(*gamma_tensor, "gamma_tensor") : gamma;
+  const double g = gamma_tensor.has_value() ? read_hyper_scalar(*gamma_tensor, "gamma_tensor") : gamma;
   if (acc == at::kDouble) return run_aggregate<double>(cl, weights, g, out, out_is_acc);
   // Rounded like python_ref's torch.as_tensor(gamma, dtype=float32).
   return run_aggregate<float>(cl, weights, static_cast<float>(g), out, out_is_acc);
@@ -172,7 +173,7 @@ Tensor run_client_dots(const Clients& cl, const Tensor& g, bool g_is_acc) {
 }
 
 Tensor client_dots_cpu(TensorList clients, const Tensor& g) {
-  const Clients cl = unpack_clients(clients);
+  const Clients cl = unpack_clients(clients, "fedopt_C::client_dots");
   const bool g_is_acc = check_vector(g, cl, "g");
   if (acc_type(cl.dtype) == at::kDouble) return run_client_dots<double>(cl, g, g_is_acc);
   return run_client_dots<float>(cl, g, g_is_acc);

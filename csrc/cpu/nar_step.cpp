@@ -63,7 +63,8 @@ void run_nar(const NarTensors& t, const NarHyper& h, NarPhase phase, const acc_t
   const std::vector<acc_t> lr = read_hyper<acc_t>(h.lr, h.lr_tensor, G, "lr_tensor");
   const std::vector<acc_t> wd = read_hyper<acc_t>(h.weight_decay, h.weight_decay_tensor, G, "weight_decay_tensor");
   const acc_t inv_grad_scale =
-      h.grad_scale.has_value() ? acc_t(1) / static_cast<acc_t>(read_scalar(*h.grad_scale, "grad_scale")) : acc_t(1);
+      h.grad_scale.has_value() ? acc_t(1) / static_cast<acc_t>(read_hyper_scalar(*h.grad_scale, "grad_scale"))
+                                : acc_t(1);
   const bool found_inf = h.found_inf.has_value() && read_scalar(*h.found_inf, "found_inf") != 0;
 
   std::vector<NarParams<acc_t>> params(G);
@@ -154,7 +155,7 @@ NarTensors list_tensors(TensorList params, TensorList grads, TensorList momentum
               " momentum_buffers for ", T, " params");
   NarTensors t;
   t.dtype = params[0].scalar_type();
-  scalar_kind(t.dtype);  // rejects other dtypes
+  check_supported_float(op, "params", t.dtype);
   t.num_groups = 1;
   t.numels.reserve(T);
   t.group_of.assign(T, 0);
@@ -209,7 +210,7 @@ std::tuple<Tensor, Tensor, Tensor> nar_step_batched_cpu(const Tensor& X, const T
                                                         const OptTensor& found_inf) {
   TORCH_CHECK(X.dim() == 2, "fedopt_C::nar_step_batched_: params must be [C, N], got ", X.sizes());
   TORCH_CHECK(X.is_contiguous(), "fedopt_C::nar_step_batched_: params must be contiguous");
-  scalar_kind(X.scalar_type());
+  check_supported_float("fedopt_C::nar_step_batched_", "params", X.scalar_type());
   check_flat(X, X.scalar_type(), "params");
   check_partner(G, X, "grads");
   TORCH_CHECK(G.sizes() == X.sizes(), "fedopt_C::nar_step_batched_: grads ", G.sizes(), " vs params ", X.sizes());

@@ -16,6 +16,18 @@
 
 namespace fedopt::cpu {
 
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The data dtype check of every op, naming the argument whose dtype it is (the same
+// words as the CUDA kernels' check_supported_float).
+inline void check_supported_float(const char* op, const char* what, at::ScalarType t) {
+  TORCH_CHECK(is_supported_float(t), op, ": ", what, " has unsupported dtype ", t,
+              " (expected float16, bfloat16, float32 or float64)");
+}
+
+// Call after check_supported_float.
 inline ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return ScalarKind::kFloat;
@@ -24,6 +36,12 @@ inline ScalarKind scalar_kind(at::ScalarType t) {
     case at::kBFloat16: return ScalarKind::kBFloat16;
     default: TORCH_CHECK(false, "fedopt_C: unsupported dtype ", t, " (float16/bfloat16/float32/float64)");
   }
+}
+
+// A hyperparameter tensor must be floating point, as on CUDA (an integer lr would
+// otherwise be accepted here and refused there).
+inline void check_hyper_dtype(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_floating_point(), "fedopt_C: ", what, " must be floating point, got ", t.scalar_type());
 }
 
 // float64 data accumulates in float64, everything else in float32.
@@ -47,15 +65,21 @@ inline void check_partner(const at::Tensor& t, const at::Tensor& ref, const char
               " must have the same strides as its param, got ", t.strides(), " and ", ref.strides());
 }
 
-// A hyperparameter given as a float or as a CPU tensor of 1 or `n` values (read here:
-// on the CPU that is a plain memory read, not a device sync), in acc_t.
+// A hyperparameter given as a float or as a floating-point CPU tensor of one value or
+// `n` values (one per group: the rows of nar_step_batched_; read here: on the CPU that
+// is a plain memory read, not a device sync), in acc_t.
 template <typename acc_t>
 std::vector<acc_t> read_hyper(double value, const std::optional<at::Tensor>& tensor, int64_t n, const char* what) {
   if (!tensor.has_value()) return std::vector<acc_t>(std::max<int64_t>(n, 1), static_cast<acc_t>(value));
   const at::Tensor& t = *tensor;
   TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.numel() == 1 || t.numel() == n, "fedopt_C: ", what, " must have 1 or ", n, " elements, got ",
-              t.numel());
+  check_hyper_dtype(t, what);
+  if (n <= 1) {
+    TORCH_CHECK(t.numel() == 1, "fedopt_C: ", what, " must have one element, got ", t.numel());
+  } else {
+    TORCH_CHECK(t.numel() == 1 || t.numel() == n, "fedopt_C: ", what, " must have one element or one per row (", n,
+                " rows), got ", t.numel(), " elements");
+  }
   // The conversion rounds like python_ref's `.to(acc dtype)`.
   const at::Tensor c = t.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
   const acc_t* p = c.data_ptr<acc_t>();
@@ -63,11 +87,18 @@ std::vector<acc_t> read_hyper(double value, const std::optional<at::Tensor>& ten
   return std::vector<acc_t>(p, p + n);
 }
 
-// Reads a one-element CPU tensor as double.
+// Reads a one-element CPU tensor as double (flags: found_inf, skip).
 inline double read_scalar(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.numel() == 1, "fedopt_C: ", what, " must have one element, got ", t.numel());
   return t.item<double>();
+}
+
+// read_scalar for a hyperparameter (grad_scale, lr_tensor, gamma_tensor): floating point.
+inline double read_hyper_scalar(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
+  check_hyper_dtype(t, what);
+  return read_scalar(t, what);
 }
 
 // Runs fn(c0, c1) on consecutive chunk ranges, one per thread, balanced by element

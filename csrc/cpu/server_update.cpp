@@ -66,7 +66,7 @@ void server_update_cpu(TensorList params, TensorList updates, TensorList exp_avg
   if (T == 0) return;
   ServerTensors t;
   t.dtype = params[0].scalar_type();
-  scalar_kind(t.dtype);  // rejects other dtypes
+  check_supported_float("fedopt_C::server_update_", "params", t.dtype);
   const at::ScalarType acc = acc_type(t.dtype);
   for (size_t i = 0; i < T; ++i) {
     check_flat(params[i], t.dtype, "params");
@@ -87,10 +87,11 @@ void server_update_cpu(TensorList params, TensorList updates, TensorList exp_avg
       t.v.push_back(exp_avg_sq[i].data_ptr());
     }
   }
-  // CPU tensors: reading them is a plain memory read, not a device sync.
+  // CPU tensors: reading them is a plain memory read, not a device sync.  The
+  // hyperparameters are checked even when the step is skipped (as on CUDA).
+  const double lr_value = lr_tensor.has_value() ? read_hyper_scalar(*lr_tensor, "lr_tensor") : lr;
+  const double gamma_value = gamma_tensor.has_value() ? read_hyper_scalar(*gamma_tensor, "gamma_tensor") : gamma;
   if (skip.has_value() && read_scalar(*skip, "skip") != 0) return;
-  const double lr_value = lr_tensor.has_value() ? read_scalar(*lr_tensor, "lr_tensor") : lr;
-  const double gamma_value = gamma_tensor.has_value() ? read_scalar(*gamma_tensor, "gamma_tensor") : gamma;
   const ServerRule r = static_cast<ServerRule>(rule);
   // The hyperparameters are rounded once to acc, as torch rounds a Python float (or
   // converts an acc tensor, exactly) before a tensor op of the acc dtype.

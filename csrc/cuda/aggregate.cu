@@ -3,31 +3,59 @@
 //
 // One pass over the data (DESIGN.md section 4: each client read once, out written once):
 //
-//  * rows_kernel: block b owns the column tiles b, b + nb, b + 2 nb, ... (a tile is
-//    256 threads x 2 vectors of 16 bytes: 2048 fp32 / 4096 fp16 / 1024 fp64 columns).
-//    For each tile it loops over the clients in order, keeps the weighted column sums
-//    in registers (aggregate) or the tile of g (client_dots), and reduces each client's
-//    tile contribution (x^2 or x*g) with a fixed warp shuffle tree; warp sums are staged
-//    in shared memory for a batch of 32 clients, then thread k < 32 adds the 8 warp sums
-//    of client i0+k in warp order and accumulates them into partials[i][b] (only that
-//    thread of block b ever touches that slot, so a plain read-modify-write, no atomics).  Aggregate then
-//    writes out = gamma * sum for the tile and accumulates ||sum||^2 of its valid
-//    columns, reduced per block into partials[C][b].
+//  * rows_kernel: the columns [0, N) are cut into tiles of T threads x U vectors of 16
+//    bytes (T * U * V columns, V = 16 / sizeof(client dtype)); block b owns the tiles
+//    b, b + nb, b + 2 nb, ...  For each tile it loops over the clients in order, keeps
+//    the weighted column sums in registers (aggregate) or the tile of g (client_dots),
+//    and reduces each client's tile contribution (x^2 or x*g) with a fixed warp shuffle
+//    tree; warp sums are staged in shared memory for a batch of 32 clients, then thread
+//    k < 32 adds the T / 32 warp sums of client i0+k in warp order and accumulates them
+//    into partials[i][b] (only that thread of block b ever touches that slot, so a plain
+//    read-modify-write, no atomics).  Aggregate then writes out = gamma * sum for the
+//    tile and accumulates ||sum||^2 of its valid columns, reduced per block into
+//    partials[C][b].
 //  * finalize_rows_kernel: block r adds partials[r][0..nb) in a fixed order (strided
 //    per thread, then block_sum) into client_sq_norms[r] / sq_norm (or dots[r]).
 //
-// nb = min(number of tiles, 1024): it depends only on N and the dtype, never on the
-// device, so results are bitwise reproducible; partials are (C + 1) x nb acc values.
-// A client with weight exactly 0 is never multiplied (no 0 * nan in out) but its
-// ||X_i||^2 is still computed.  `enabled` (0-d bool on the device) is read by the
-// kernels: when false rows_kernel returns at once (out untouched) and the finalize
+// Tiling rule (aggregate_tiling): the tile shape is chosen from N and the dtype ONLY,
+// never from the device (SM count), so the partial sums, hence the results, are
+// bitwise the same on every GPU.  Candidates, largest tile first:
+//
+//     threads x vectors   fp16/bf16 columns   fp32 columns   fp64 columns
+//       256   x   2             4096              2048           1024
+//       256   x   1             2048              1024            512
+//       128   x   1             1024               512            256
+//        64   x   1              512               256            128
+//        32   x   1              256               128             64
+//
+// The first candidate that gives at least kMinBlocks = 256 tiles is taken (so the
+// largest N keep the old 256 x 2 tiles: 8 KiB per client per tile), else the last one;
+// nb = min(tiles, 1024).  Examples (fp32): N = 62,000 (C = 100, a small CNN) -> 32 x 1,
+// 485 blocks (was 31 blocks of 2048 columns on a 132-SM H100); N = 200,000 -> 128 x 1,
+// 391 blocks; N = 600,000 -> 256 x 2, 293 blocks; N = 11.7M (ResNet-18) -> 256 x 2,
+// 1024 blocks of ~5.6 tiles each.  fp16 N = 62,000 -> 32 x 1, 243 blocks.
+//
+// Latency: a thread loads its vectors of several clients before it reduces any of them
+// (a group of UC clients: at most 8 and at most 128 bytes of acc values, e.g. 4 for fp32
+// 256 x 2 tiles, 8 for fp32 32 x 1 tiles, 2 for fp16 256 x 2 tiles), so a warp
+// has UC client loads in flight instead of one; with C = 100 and a small N the kernel
+// is bound by the number of dependent memory round trips per warp, not by the block
+// count alone.  The clients of a batch are still reduced one after the other in order,
+// so this changes no result.  A list's client addresses and the weights of a batch are
+// read once per warp (lane k holds client i0 + k) and passed by shuffles.
+//
+// Columns: slot j = u * V + r of thread t is column tile0 + (u * T + t) * V + r, whether
+// the loads are 16-byte vectors or scalars (misaligned clients, out or g, or a [C, N]
+// whose row length in bytes is not a multiple of 16: a per-call decision, as one
+// misaligned client makes every tile misaligned), so the sums do not depend on
+// alignment.  A client with weight exactly 0 is never multiplied (no 0 * nan in out)
+// but its ||X_i||^2 is still computed.  `enabled` (0-d bool on the device) is read by
+// the kernels: when false rows_kernel returns at once (out untouched) and the finalize
 // kernel writes zeros, so there is no host sync.
 //
 // Clients: a [C, N] tensor (client i at base + i * N, nothing uploaded), one 1-D tensor,
-// or a list of C 1-D tensors whose addresses are uploaded as one int64 table (pinned
-// host tensor + non_blocking copy on the current stream, see upload_table).  The
-// vectorised variant (16-byte loads/stores) runs when every client, out / g, and for
-// [C, N] the row length in bytes, are 16-byte aligned; a scalar variant otherwise.
+// or a list of C 1-D tensors whose addresses come from the device table cache
+// (fedopt/table_cache.h: uploaded once per distinct list, capturable after a warm-up).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -36,21 +64,41 @@
 #include <vector>
 
 #include "fedopt/cuda_utils.cuh"
+#include "fedopt/table_cache.h"
 #include "ops.h"
 
 namespace fedopt {
 namespace cuda {
+
 namespace {
 
-constexpr int kUnroll = 2;         // 16-byte vectors per thread per client per tile
-constexpr int kClientBatch = 32;   // clients whose warp sums are staged before one combine
+constexpr int kClientBatch = 32;  // clients whose warp sums are staged before one combine
+constexpr int64_t kMinBlocks = 256;
 constexpr int64_t kMaxBlocks = 1024;
-static_assert(kClientBatch <= kThreads, "one combining thread per staged client");
+static_assert(kClientBatch == kWarpSize, "lane k of every warp holds client i0 + k of the batch");
 
-template <typename scalar_t>
-constexpr int64_t tile_size() {
-  return static_cast<int64_t>(kThreads) * vec16<scalar_t>() * kUnroll;
+struct TileShape {
+  int threads, vectors;
+};
+constexpr TileShape kTileShapes[] = {{256, 2}, {256, 1}, {128, 1}, {64, 1}, {32, 1}};
+
+}  // namespace
+
+AggTiling aggregate_tiling(int64_t n, int64_t esize) {
+  const int64_t vec = 16 / esize;
+  AggTiling t{};
+  for (const TileShape& s : kTileShapes) {
+    t.threads = s.threads;
+    t.vectors = s.vectors;
+    t.columns = static_cast<int64_t>(s.threads) * s.vectors * vec;
+    t.tiles = (n + t.columns - 1) / t.columns;
+    if (t.tiles >= kMinBlocks) break;  // else: on to a smaller tile (the last one stays)
+  }
+  t.blocks = t.tiles < kMaxBlocks ? t.tiles : kMaxBlocks;
+  return t;
 }
+
+namespace {
 
 template <typename acc_t>
 struct RowsArgs {
@@ -58,6 +106,7 @@ struct RowsArgs {
   int64_t base;
   int64_t row_stride;
   int64_t C, N, num_tiles;
+  bool aligned;  // clients, out / g and the row stride allow 16-byte accesses
   // aggregate
   const acc_t* weights;  // [C]
   acc_t gamma;
@@ -70,99 +119,102 @@ struct RowsArgs {
 };
 
 template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ const scalar_t* client_ptr(const RowsArgs<acc_t>& a, int64_t i) {
-  return a.ptrs != nullptr ? reinterpret_cast<const scalar_t*>(a.ptrs[i])
-                           : reinterpret_cast<const scalar_t*>(a.base) + i * a.row_stride;
+__device__ __forceinline__ int64_t client_address(const RowsArgs<acc_t>& a, int64_t i) {
+  return a.ptrs != nullptr ? *global_ptr(a.ptrs + i)
+                           : a.base + i * a.row_stride * static_cast<int64_t>(sizeof(scalar_t));
 }
 
-// Column of tile slot j of this thread.  Vectorised: slot j is element j % VEC of the
-// (j / VEC)-th vector of the thread, vectors interleaved across the block (coalesced);
-// scalar: slot j is column j * kThreads + threadIdx.x of the tile.
-template <bool kAligned, int VEC>
+// Column of slot j (= u * VEC + r) of this thread in the tile starting at tile0.
+template <int VEC>
 __device__ __forceinline__ int64_t tile_column(int64_t tile0, int j) {
-  if constexpr (kAligned) {
-    return tile0 + (static_cast<int64_t>(j / VEC) * kThreads + threadIdx.x) * VEC + j % VEC;
-  } else {
-    return tile0 + static_cast<int64_t>(j) * kThreads + threadIdx.x;
-  }
+  return tile0 + (static_cast<int64_t>(j / VEC) * blockDim.x + threadIdx.x) * VEC + j % VEC;
 }
 
-// v[j] = p[tile_column(j)] as acc_t, 0 past the end n.  T may be wider than the VEC
-// elements' 16 bytes (acc-dtype out/g with fp16 clients): load_vec then issues 2 loads.
-template <bool kAligned, int VEC, int EPT, typename T, typename acc_t>
-__device__ __forceinline__ void load_tile(const T* p, int64_t tile0, int64_t n, acc_t (&v)[EPT]) {
-  if constexpr (kAligned) {
+// v[j] = p[tile_column(j)] as acc_t, 0 past the end n: a 16-byte vector load per u when
+// `aligned` and the vector is whole, else scalar loads of the same columns.  T may be
+// wider than the VEC elements' 16 bytes (acc-dtype out/g with fp16 clients): load_vec
+// then issues 2 loads.
+template <int VEC, int EPT, typename T, typename acc_t>
+__device__ __forceinline__ void load_tile(const T* p, int64_t tile0, int64_t n, bool aligned, acc_t (&v)[EPT]) {
 #pragma unroll
-    for (int u = 0; u < EPT / VEC; ++u) {
-      const int64_t e = tile0 + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * VEC;
-      if (e + VEC <= n) {
-        load_vec<VEC>(p + e, v + u * VEC);
-      } else {
+  for (int u = 0; u < EPT / VEC; ++u) {
+    const int64_t e = tile0 + (static_cast<int64_t>(u) * blockDim.x + threadIdx.x) * VEC;
+    if (aligned && e + VEC <= n) {
+      load_vec<VEC>(p + e, v + u * VEC);
+    } else {
 #pragma unroll
-        for (int r = 0; r < VEC; ++r) v[u * VEC + r] = e + r < n ? load_one<acc_t>(p + e + r) : acc_t(0);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < EPT; ++j) {
-      const int64_t e = tile_column<false, VEC>(tile0, j);
-      v[j] = e < n ? load_one<acc_t>(p + e) : acc_t(0);
+      for (int r = 0; r < VEC; ++r) v[u * VEC + r] = e + r < n ? load_one<acc_t>(p + e + r) : acc_t(0);
     }
   }
 }
 
 // p[tile_column(j)] = scale * v[j] for the columns < n.
-template <bool kAligned, int VEC, int EPT, typename T, typename acc_t>
-__device__ __forceinline__ void store_tile(T* p, int64_t tile0, int64_t n, const acc_t (&v)[EPT], acc_t scale) {
-  if constexpr (kAligned) {
+template <int VEC, int EPT, typename T, typename acc_t>
+__device__ __forceinline__ void store_tile(T* p, int64_t tile0, int64_t n, bool aligned, const acc_t (&v)[EPT],
+                                           acc_t scale) {
 #pragma unroll
-    for (int u = 0; u < EPT / VEC; ++u) {
-      const int64_t e = tile0 + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * VEC;
-      acc_t s[VEC];
+  for (int u = 0; u < EPT / VEC; ++u) {
+    const int64_t e = tile0 + (static_cast<int64_t>(u) * blockDim.x + threadIdx.x) * VEC;
+    acc_t s[VEC];
 #pragma unroll
-      for (int r = 0; r < VEC; ++r) s[r] = scale * v[u * VEC + r];
-      if (e + VEC <= n) {
-        store_vec<VEC>(p + e, s);
-      } else {
+    for (int r = 0; r < VEC; ++r) s[r] = scale * v[u * VEC + r];
+    if (aligned && e + VEC <= n) {
+      store_vec<VEC>(p + e, s);
+    } else {
 #pragma unroll
-        for (int r = 0; r < VEC; ++r)
-          if (e + r < n) store_one(p + e + r, s[r]);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < EPT; ++j) {
-      const int64_t e = tile_column<false, VEC>(tile0, j);
-      if (e < n) store_one(p + e, scale * v[j]);
+      for (int r = 0; r < VEC; ++r)
+        if (e + r < n) store_one(p + e + r, s[r]);
     }
   }
 }
 
+// Sum over a block of blockDim.x threads (a multiple of 32, at most kThreads): as
+// block_sum, with the warp count of this launch (fixed by the tiling rule).
+template <typename T>
+__device__ __forceinline__ T block_sum_dyn(T v, T* smem) {
+  const int nwarps = static_cast<int>(blockDim.x) / kWarpSize;
+  v = warp_sum(v);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  T total = smem[0];
+  for (int w = 1; w < nwarps; ++w) total += smem[w];
+  __syncthreads();
+  return total;
+}
+
 // kDots = false: aggregate (other_t = out's dtype).  kDots = true: client_dots
-// (other_t = g's dtype).  See the header comment for the reduction order.
-template <typename scalar_t, typename other_t, bool kAligned, bool kDots>
+// (other_t = g's dtype).  kU: 16-byte vectors per thread per client per tile.  Launched
+// with blockDim.x = the tiling rule's threads.  See the header comment for the order.
+template <typename scalar_t, typename other_t, int kU, bool kDots>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmath_type<scalar_t>> a) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int VEC = vec16<scalar_t>();
-  constexpr int EPT = VEC * kUnroll;
-  constexpr int64_t TILE = static_cast<int64_t>(kThreads) * EPT;
+  constexpr int EPT = VEC * kU;
+  // Clients loaded together: at most 8, and at most 128 bytes (32 registers) of x values.
+  constexpr int kFit = 128 / (EPT * static_cast<int>(sizeof(acc_t)));
+  constexpr int UC = kFit < 1 ? 1 : (kFit > 8 ? 8 : kFit);
+  static_assert(kClientBatch % UC == 0, "a group of clients never straddles a batch");
   __shared__ acc_t staged[kClientBatch][kWarps];
   __shared__ acc_t smem[kWarps];
   if (!kDots && a.enabled != nullptr && !*a.enabled) return;  // block-uniform
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
+  const int nwarps = static_cast<int>(blockDim.x) / kWarpSize;
   const int64_t nb = gridDim.x;
-  acc_t gamma = acc_t(1);
+  const int64_t tile_cols = static_cast<int64_t>(blockDim.x) * EPT;
+  [[maybe_unused]] acc_t gamma = acc_t(1);
   if constexpr (!kDots) gamma = a.gamma_ptr != nullptr ? *a.gamma_ptr : a.gamma;
   acc_t sq_sum = acc_t(0);  // this thread's share of ||sum_i w_i X_i||^2 (aggregate)
 
   for (int64_t tile = blockIdx.x; tile < a.num_tiles; tile += nb) {
-    const int64_t tile0 = tile * TILE;
+    const int64_t tile0 = tile * tile_cols;
     const bool first = tile == static_cast<int64_t>(blockIdx.x);
     acc_t other[EPT];  // kDots: g of this tile; else: sum_i w_i x_i of this tile
     if constexpr (kDots) {
-      load_tile<kAligned, VEC>(static_cast<const other_t*>(a.g), tile0, a.N, other);
+      load_tile<VEC>(static_cast<const other_t*>(a.g), tile0, a.N, a.aligned, other);
     } else {
 #pragma unroll
       for (int j = 0; j < EPT; ++j) other[j] = acc_t(0);
@@ -177,31 +229,49 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
       acc_t* slot = a.partials + (i0 + threadIdx.x) * nb + blockIdx.x;
       acc_t prev = acc_t(0);
       if (combiner && !first) prev = *slot;
-      for (int k = 0; k < kb; ++k) {
-        const int64_t i = i0 + k;
-        acc_t x[EPT];
-        load_tile<kAligned, VEC>(client_ptr<scalar_t>(a, i), tile0, a.N, x);
-        acc_t s = acc_t(0);
-        if constexpr (kDots) {
+      // Lane k of every warp holds client i0 + k's address and weight.
+      const int64_t my_addr = lane < kb ? client_address<scalar_t>(a, i0 + lane) : 0;
+      [[maybe_unused]] acc_t my_w = acc_t(0);
+      if constexpr (!kDots) my_w = lane < kb ? a.weights[i0 + lane] : acc_t(0);
+      for (int k0 = 0; k0 < kb; k0 += UC) {
+        acc_t x[UC][EPT];
 #pragma unroll
-          for (int j = 0; j < EPT; ++j) s += x[j] * other[j];
-        } else {
+        for (int u = 0; u < UC; ++u) {  // UC clients' loads in flight together
+          const int64_t addr = __shfl_sync(0xffffffffu, my_addr, k0 + u);
+          if (k0 + u < kb) {
+            load_tile<VEC>(reinterpret_cast<const scalar_t*>(addr), tile0, a.N, a.aligned, x[u]);
+          } else {
 #pragma unroll
-          for (int j = 0; j < EPT; ++j) s += x[j] * x[j];
-          const acc_t w = a.weights[i];
-          if (w != acc_t(0)) {  // weight 0 adds exactly 0: x (maybe nan) is not multiplied
-#pragma unroll
-            for (int j = 0; j < EPT; ++j) other[j] += w * x[j];
+            for (int j = 0; j < EPT; ++j) x[u][j] = acc_t(0);
           }
         }
-        s = warp_sum(s);
-        if (lane == 0) staged[k][warp] = s;
+#pragma unroll
+        for (int u = 0; u < UC; ++u) {  // then reduced one client after the other, in order
+          const int k = k0 + u;
+          [[maybe_unused]] acc_t w = acc_t(0);
+          if constexpr (!kDots) w = __shfl_sync(0xffffffffu, my_w, k);
+          if (k < kb) {  // block-uniform
+            acc_t s = acc_t(0);
+            if constexpr (kDots) {
+#pragma unroll
+              for (int j = 0; j < EPT; ++j) s += x[u][j] * other[j];
+            } else {
+#pragma unroll
+              for (int j = 0; j < EPT; ++j) s += x[u][j] * x[u][j];
+              if (w != acc_t(0)) {  // weight 0 adds exactly 0: x (maybe nan) is not multiplied
+#pragma unroll
+                for (int j = 0; j < EPT; ++j) other[j] += w * x[u][j];
+              }
+            }
+            s = warp_sum(s);
+            if (lane == 0) staged[k][warp] = s;
+          }
+        }
       }
       __syncthreads();
       if (combiner) {
         acc_t t = staged[threadIdx.x][0];
-#pragma unroll
-        for (int w = 1; w < kWarps; ++w) t += staged[threadIdx.x][w];
+        for (int w = 1; w < nwarps; ++w) t += staged[threadIdx.x][w];
         *slot = first ? t : prev + t;
       }
       __syncthreads();  // staged is rewritten by the next batch
@@ -209,12 +279,12 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
     if constexpr (!kDots) {
 #pragma unroll
       for (int j = 0; j < EPT; ++j)
-        if (tile_column<kAligned, VEC>(tile0, j) < a.N) sq_sum += other[j] * other[j];
-      store_tile<kAligned, VEC>(static_cast<other_t*>(a.out), tile0, a.N, other, gamma);
+        if (tile_column<VEC>(tile0, j) < a.N) sq_sum += other[j] * other[j];
+      store_tile<VEC>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma);
     }
   }
   if constexpr (!kDots) {
-    sq_sum = block_sum(sq_sum, smem);
+    sq_sum = block_sum_dyn(sq_sum, smem);
     if (threadIdx.x == 0) a.partials[a.C * nb + blockIdx.x] = sq_sum;
   }
 }
@@ -246,7 +316,7 @@ struct Clients {
   at::ScalarType dtype;
   at::Device device = at::Device(at::kCUDA);
   bool aligned = true;
-  at::Tensor table;  // uploaded addresses of a list of more than one tensor
+  at::Tensor table;  // the device table (cache) of a list of more than one tensor
   const int64_t* ptrs = nullptr;
   int64_t base = 0, row_stride = 0;
 };
@@ -256,14 +326,14 @@ void check_first_client(const char* op, at::TensorList clients) {
   TORCH_CHECK(clients[0].defined() && clients[0].is_cuda(), op, ": clients must be CUDA tensors");
 }
 
-// Call with a CUDAGuard on clients[0]'s device (the address table upload uses it).
+// Call with a CUDAGuard on clients[0]'s device (the address table uses it).
 Clients check_clients(const char* op, at::TensorList clients) {
   check_first_client(op, clients);
   Clients c;
   const at::Tensor& t0 = clients[0];
   c.device = t0.device();
   c.dtype = t0.scalar_type();
-  TORCH_CHECK(is_supported_float(c.dtype), op, ": unsupported dtype ", c.dtype);
+  check_supported_float(op, "clients", c.dtype);
   if (clients.size() == 1 && t0.dim() == 2) {  // one [C, N] tensor
     TORCH_CHECK(t0.is_contiguous(), op, ": clients as a [C, N] tensor must be contiguous, got strides ",
                 t0.strides());
@@ -283,13 +353,13 @@ Clients check_clients(const char* op, at::TensorList clients) {
                 "] must be a ", c.dtype, " tensor on ", c.device);
     TORCH_CHECK(t.dim() == 1 && t.numel() == c.N && t.is_contiguous(), op, ": clients[", i,
                 "] must be a contiguous vector of length ", c.N, ", got sizes ", t.sizes(), " strides ", t.strides());
-    addresses[i] = address_of(t);
+    addresses[i] = c.N > 0 ? address_of(t) : 0;
     if (c.N > 0) c.aligned = c.aligned && aligned16(t.data_ptr());
   }
   if (c.C == 1) {
     c.base = addresses[0];
   } else if (c.N > 0) {
-    c.table = upload_table(addresses, c.device);
+    c.table = device_table(addresses, c.device, op);
     c.ptrs = c.table.data_ptr<int64_t>();
   }
   return c;
@@ -304,17 +374,14 @@ void check_vector(const char* op, const char* name, const at::Tensor& t, const C
               " must have dtype ", c.dtype, " or ", acc_type_of(c.dtype), ", got ", t.scalar_type());
 }
 
-int64_t num_blocks(int64_t num_tiles) {
-  return num_tiles < kMaxBlocks ? num_tiles : kMaxBlocks;
-}
-
 template <typename scalar_t, typename other_t, bool kDots>
-void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, int64_t nb, bool aligned, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned int>(nb));
-  if (aligned)
-    rows_kernel<scalar_t, other_t, true, kDots><<<grid, kThreads, 0, stream>>>(a);
+void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, const AggTiling& t, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned int>(t.blocks));
+  const dim3 block(static_cast<unsigned int>(t.threads));
+  if (t.vectors == 2)
+    rows_kernel<scalar_t, other_t, 2, kDots><<<grid, block, 0, stream>>>(a);
   else
-    rows_kernel<scalar_t, other_t, false, kDots><<<grid, kThreads, 0, stream>>>(a);
+    rows_kernel<scalar_t, other_t, 1, kDots><<<grid, block, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -347,11 +414,11 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
   at::Tensor sq_norms = at::empty({c.C}, opts);
   at::Tensor sq_norm = at::empty({}, opts);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device.index()).stream();
+  const AggTiling tiling = aggregate_tiling(c.N, static_cast<int64_t>(c10::elementSize(c.dtype)));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.dtype, "fedopt_aggregate_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const int64_t num_tiles = (c.N + tile_size<scalar_t>() - 1) / tile_size<scalar_t>();
-    const int64_t nb = num_blocks(num_tiles);
+    const int64_t nb = tiling.blocks;
     at::Tensor partials = at::empty({(c.C + 1) * nb}, opts);
     if (nb > 0) {
       RowsArgs<acc_t> a{};
@@ -360,18 +427,18 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
       a.row_stride = c.row_stride;
       a.C = c.C;
       a.N = c.N;
-      a.num_tiles = num_tiles;
+      a.num_tiles = tiling.tiles;
+      a.aligned = c.aligned && aligned16(out.data_ptr());
       a.weights = w.data_ptr<acc_t>();
       a.gamma = static_cast<acc_t>(gamma);
       a.gamma_ptr = static_cast<const acc_t*>(gamma_h.ptr);
       a.enabled = enabled_ptr;
       a.out = out.data_ptr();
       a.partials = partials.data_ptr<acc_t>();
-      const bool aligned = c.aligned && aligned16(out.data_ptr());
       if (out.scalar_type() == c.dtype)
-        launch_rows<scalar_t, scalar_t, false>(a, nb, aligned, stream);
+        launch_rows<scalar_t, scalar_t, false>(a, tiling, stream);
       else
-        launch_rows<scalar_t, acc_t, false>(a, nb, aligned, stream);
+        launch_rows<scalar_t, acc_t, false>(a, tiling, stream);
     }
     // C + 1 rows: the clients' ||X_i||^2, then ||sum_i w_i X_i||^2 (all 0 when N == 0).
     finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C + 1)), kThreads, 0, stream>>>(
@@ -393,11 +460,11 @@ at::Tensor client_dots(at::TensorList clients, const at::Tensor& g) {
   at::Tensor dots = at::empty({c.C}, opts);
   if (c.C == 0) return dots;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device.index()).stream();
+  const AggTiling tiling = aggregate_tiling(c.N, static_cast<int64_t>(c10::elementSize(c.dtype)));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.dtype, "fedopt_client_dots_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const int64_t num_tiles = (c.N + tile_size<scalar_t>() - 1) / tile_size<scalar_t>();
-    const int64_t nb = num_blocks(num_tiles);
+    const int64_t nb = tiling.blocks;
     at::Tensor partials = at::empty({c.C * nb}, opts);
     if (nb > 0) {
       RowsArgs<acc_t> a{};
@@ -406,14 +473,14 @@ at::Tensor client_dots(at::TensorList clients, const at::Tensor& g) {
       a.row_stride = c.row_stride;
       a.C = c.C;
       a.N = c.N;
-      a.num_tiles = num_tiles;
+      a.num_tiles = tiling.tiles;
+      a.aligned = c.aligned && aligned16(g.data_ptr());
       a.g = g.data_ptr();
       a.partials = partials.data_ptr<acc_t>();
-      const bool aligned = c.aligned && aligned16(g.data_ptr());
       if (g.scalar_type() == c.dtype)
-        launch_rows<scalar_t, scalar_t, true>(a, nb, aligned, stream);
+        launch_rows<scalar_t, scalar_t, true>(a, tiling, stream);
       else
-        launch_rows<scalar_t, acc_t, true>(a, nb, aligned, stream);
+        launch_rows<scalar_t, acc_t, true>(a, tiling, stream);
     }
     finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C)), kThreads, 0, stream>>>(
         partials.data_ptr<acc_t>(), nb, c.C, dots.data_ptr<acc_t>(), nullptr, nullptr);

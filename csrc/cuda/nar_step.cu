@@ -19,74 +19,82 @@
 // Why a redundant per-block combine instead of a third "finalize" launch: a launch
 // costs a few microseconds of stream time, which is the whole budget of a small model's
 // step, while the combine reads partials that are hot in L2.  Its cost is bounded by
-// the chunk size rule below: a group of n elements is cut in chunks of
-// max(2048, next_pow2(ceil(n / 1024))) elements, so it has at most ~1024 partials plus
-// one tail chunk per tensor (~780 for the 62 tensors of ResNet-18), i.e. a few loads
-// per thread and ~1% extra (L2) traffic over the 5 words per element of the step.  The
-// chunk boundaries depend only on the sizes, never on the device, so the results are
-// bitwise reproducible.
+// the chunk rule (fedopt/chunks.h: a group has at most ~kTargetChunks = 1024 full chunks
+// plus one tail chunk per tensor, under 800 for the 62 tensors of ResNet-18), i.e. a few
+// loads per thread and ~1% extra (L2) traffic over the 5 words per element of the step.
 //
-// Work layout: nar_step_ walks a chunk table (fedopt/chunks.h) over the original
-// tensors.  The table (32 bytes per chunk), the group ranges and the per-tensor data
-// pointers go to the device in ONE int64 blob per call: written into a pinned host
-// tensor and copied with non_blocking=true on the current stream (no host sync; see
-// upload_table in cuda_utils.cuh).  Kernel-argument tables (apex's TensorListMetadata)
-// were not chosen because they cap the tensors/chunks per launch (4 KiB, or 32 KiB on
-// recent toolkits) and so need several launches for large models, which breaks the
-// "two launches" structure and would need the group's partials to survive between
-// launches anyway; the blob has no size limit and costs one small async copy.
-// nar_step_batched_ needs no table: chunk b of row r is computed arithmetically
-// (rows are contiguous), so it uploads nothing.
+// Finalize pass: the combine costs partials^2 over a group (every block re-reads all of
+// them), which the tail chunks make large for lists of thousands of small tensors.
+// When a group has more than kMaxRedundantPartials (4096) partials, the launcher adds
+// nar_group_sum_kernel between the two passes: ONE block per group runs exactly the
+// combine loop and block_sum of the update kernel and writes sums[group], and the
+// update kernel reads sums[group] instead (the mechanism nar_apply_'s `sq_norm` uses).
+// The same loop over the same partials gives the bitwise same sum, so the choice never
+// changes a result.  It is decided on the host from metadata only (the row counts of
+// the table).  For tests, the environment variable FEDOPT_MAX_REDUNDANT_PARTIALS (a
+// non-negative integer, read at every call) replaces the threshold: 0 forces the
+// finalize pass, a large value the redundant combine.
+//
+// Work layout: nar_step_ walks chunk rows (fedopt/chunks.h): [x, g, b, 0, len, group,
+// flags, 0] with the chunk's own addresses, plus each group's partial range; the blob
+// comes from the device table cache (fedopt/table_cache.h): uploaded once per distinct
+// set of tensors, found again by content, capturable into a CUDA graph after one
+// warm-up call.  nar_step_batched_ needs no table: chunk b of row r is computed
+// arithmetically (rows are contiguous), with the same chunk rule on n = N.
 //
 // nar_sq_norm / nar_apply_ (one norm over several calls, ops.nar_step_groups_) reuse
-// both kernels: nar_sq_norm runs the norm kernel and then nar_sq_sum_kernel, ONE block
-// that combines the partials exactly as the update kernel does (same loop, same
-// block_sum), so sqrt of its result is bitwise the norm nar_step_ would use;
-// nar_apply_ runs the update kernel with `sq_in` set, which replaces the combine.
+// the kernels: nar_sq_norm runs the norm kernel and then nar_group_sum_kernel over its
+// one group (the combine loop again), so sqrt of its result is bitwise the norm
+// nar_step_ would use; nar_apply_ runs the update kernel reading its norm^2 from
+// `sq_norm` instead of combining.
 //
-// Vectorisation: when every data pointer is 16-byte aligned (and, for rows, the row
-// length in bytes is a multiple of 16) the kernels use 16-byte loads/stores (chunk
-// starts are multiples of 2048 elements, so they stay aligned) with a scalar tail per
-// chunk; otherwise a scalar variant runs.  The choice is a template parameter.
+// Vectorisation is decided PER CHUNK, per block, inside one kernel: a chunk whose
+// addresses are all 16-byte aligned (list form: flags bit 0 of its row; batched: the
+// addresses base + (row * N + start) * esize computed in the kernel) runs the 16-byte
+// body, any other chunk the scalar body, so one misaligned view only slows its own
+// chunks.  The result does not depend on the body: the norm kernel's scalar body
+// visits the elements in the vector body's order (thread t takes the V-element groups
+// t, t + 256, ... and adds their V terms in order, then the same < V tail), so a
+// chunk's partial is bitwise the same on both; the update is elementwise.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "fedopt/chunks.h"
 #include "fedopt/cuda_utils.cuh"
 #include "fedopt/math.h"
+#include "fedopt/table_cache.h"
 #include "ops.h"
 
 namespace fedopt {
 namespace cuda {
-namespace {
 
-// Chunk size rule (see the header comment).  kMinChunk is a multiple of every vector
-// width (at most 8 elements), so chunk starts keep the tensors' 16-byte alignment.
-constexpr int64_t kMinChunk = 2048;
-constexpr int64_t kTargetPartials = 1024;
-static_assert(kMinChunk % 8 == 0, "chunk starts must stay 16-byte aligned");
-static_assert(sizeof(Chunk) == 4 * sizeof(int64_t), "the device reads Chunk as 4 int64");
-
-int64_t nar_chunk_size(int64_t group_numel) {
-  int64_t cs = kMinChunk;
-  while (cs < (group_numel + kTargetPartials - 1) / kTargetPartials) cs *= 2;
-  return cs;
+int64_t max_redundant_partials() {
+  const char* env = std::getenv("FEDOPT_MAX_REDUNDANT_PARTIALS");
+  if (env == nullptr || *env == '\0') return kMaxRedundantPartials;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(end != env && *end == '\0' && errno == 0 && v >= 0,
+              "fedopt_C: FEDOPT_MAX_REDUNDANT_PARTIALS must be a non-negative integer, got '", env, "'");
+  return static_cast<int64_t>(v);
 }
 
-// Where the chunks are.  Table mode (row_chunks == 0): chunk b is chunks[b] over the
-// tensors whose addresses are x_ptrs/g_ptrs/b_ptrs.  Rows mode (row_chunks > 0): chunk
-// b is chunk (b % row_chunks) of row (b / row_chunks) of contiguous [C, row_len] tensors.
+namespace {
+
+// Where the chunks are.  List mode (rows != null): chunk b is row b of the chunk rows,
+// its group's partial range in `ranges`.  Rows mode: chunk b is chunk (b % row_chunks)
+// of row (b / row_chunks) of contiguous [C, row_len] tensors.
 struct NarLayout {
-  const Chunk* chunks = nullptr;         // [num_chunks]
-  const int64_t* group_begin = nullptr;  // [num_groups + 1]
-  const int64_t* x_ptrs = nullptr;       // [num_tensors] addresses
-  const int64_t* g_ptrs = nullptr;
-  const int64_t* b_ptrs = nullptr;  // null without momentum
+  const int64_t* rows = nullptr;    // [num_chunks, kChunkRowWords]
+  const int64_t* ranges = nullptr;  // [num_groups, 2]: [pbegin, pend)
   int64_t x_base = 0, g_base = 0, b_base = 0;  // rows mode addresses; b_base 0 without momentum
   int64_t row_len = 0, row_chunks = 0, chunk_size = 0;
 };
@@ -108,8 +116,10 @@ struct NarArgs {
   acc_t* scale_out;
   bool* skipped_out;
   int64_t num_groups;
-  const acc_t* sq_in = nullptr;  // nar_apply_: norm^2 of group 0 (replaces the combine)
-  acc_t* sq_out = nullptr;       // nar_sq_norm: where nar_sq_sum_kernel writes the sum
+  // When set, norm^2 of group k is group_sq[k] (finalize pass, or nar_apply_'s sq_norm
+  // for its one group) and the update kernel does not combine partials.
+  const acc_t* group_sq = nullptr;
+  acc_t* sums_out = nullptr;  // nar_group_sum_kernel's destination
 };
 
 template <typename scalar_t>
@@ -118,34 +128,49 @@ struct ChunkView {
   const scalar_t* g;
   scalar_t* b;  // null without momentum
   int64_t len, group, pbegin, pend;
+  bool vec;  // every address 16-byte aligned: the 16-byte body
 };
+
+__device__ __forceinline__ void group_range(const NarLayout& w, int64_t group, int64_t& pbegin, int64_t& pend) {
+  if (w.rows != nullptr) {
+    pbegin = *global_ptr(w.ranges + 2 * group);
+    pend = *global_ptr(w.ranges + 2 * group + 1);
+  } else {
+    pbegin = group * w.row_chunks;
+    pend = pbegin + w.row_chunks;
+  }
+}
 
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ ChunkView<scalar_t> locate_chunk(const NarArgs<acc_t>& a, int64_t blk) {
   ChunkView<scalar_t> v;
   const NarLayout& w = a.w;
-  if (w.row_chunks > 0) {
+  if (w.rows != nullptr) {
+    const int64_t* r = global_ptr(w.rows + blk * kChunkRowWords);
+    v.x = reinterpret_cast<scalar_t*>(r[kRowPtr0 + 0]);
+    v.g = reinterpret_cast<const scalar_t*>(r[kRowPtr0 + 1]);
+    const int64_t b = r[kRowPtr0 + 2];
+    v.b = b != 0 ? reinterpret_cast<scalar_t*>(b) : nullptr;
+    v.len = r[kRowLen];
+    v.group = r[kRowGroup];
+    v.vec = (r[kRowFlags] & kChunkAligned16) != 0;
+  } else {
     const int64_t row = blk / w.row_chunks;
     const int64_t start = (blk - row * w.row_chunks) * w.chunk_size;
     const int64_t rest = w.row_len - start;
     v.len = rest < w.chunk_size ? rest : w.chunk_size;
     v.group = row;
-    v.pbegin = row * w.row_chunks;
-    v.pend = v.pbegin + w.row_chunks;
     const int64_t offset = row * w.row_len + start;
     v.x = reinterpret_cast<scalar_t*>(w.x_base) + offset;
     v.g = reinterpret_cast<const scalar_t*>(w.g_base) + offset;
     v.b = w.b_base != 0 ? reinterpret_cast<scalar_t*>(w.b_base) + offset : nullptr;
-  } else {
-    const Chunk c = w.chunks[blk];
-    v.len = c.len;
-    v.group = c.group;
-    v.pbegin = w.group_begin[c.group];
-    v.pend = w.group_begin[c.group + 1];
-    v.x = reinterpret_cast<scalar_t*>(w.x_ptrs[c.tensor]) + c.start;
-    v.g = reinterpret_cast<const scalar_t*>(w.g_ptrs[c.tensor]) + c.start;
-    v.b = w.b_ptrs != nullptr ? reinterpret_cast<scalar_t*>(w.b_ptrs[c.tensor]) + c.start : nullptr;
+    // The chunk's own addresses decide, as a list row's flags do (a row of N elements
+    // whose size in bytes is not a multiple of 16 has aligned and misaligned rows).
+    const int64_t bytes = offset * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t addr_or = (w.x_base + bytes) | (w.g_base + bytes) | (w.b_base != 0 ? w.b_base + bytes : 0);
+    v.vec = (addr_or & (kAlignBytes - 1)) == 0;
   }
+  group_range(w, v.group, v.pbegin, v.pend);
   return v;
 }
 
@@ -160,24 +185,21 @@ __device__ __forceinline__ NarParams<acc_t> group_params(const NarArgs<acc_t>& a
   return p;
 }
 
-// Pass 1: partials[b] = sum over chunk b of nar_norm_term(x, g / grad_scale)^2.
-template <typename scalar_t, bool kAligned>
-__global__ void __launch_bounds__(kThreads) nar_norm_kernel(const NarArgs<at::opmath_type<scalar_t>> a) {
-  using acc_t = at::opmath_type<scalar_t>;
-  __shared__ acc_t smem[kWarps];
-  const ChunkView<scalar_t> c = locate_chunk<scalar_t>(a, blockIdx.x);
-  const NarParams<acc_t> p = group_params(a, c.group);
-  const bool need_x = p.mode == NarMode::kCo;  // grad/none clip on ||g||: x is not read
-  const scalar_t* __restrict__ x = c.x;
-  const scalar_t* __restrict__ g = c.g;
+// This thread's share of the chunk's sum of squares.  Both bodies visit the elements
+// in ONE order: thread t takes the V-element groups t, t + kThreads, ... (V = 16 bytes
+// of scalar_t) and adds their V terms in index order, then the < V tail elements
+// nvec * V + t.  kVec loads a group with 16-byte loads, !kVec with V scalar loads, so
+// the partial of a chunk is bitwise independent of the body.
+template <bool kVec, typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t chunk_sq(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g,
+                                          int64_t len, const NarParams<acc_t>& p, bool need_x) {
+  constexpr int V = vec16<scalar_t>();
+  const int64_t nvec = len / V;
   acc_t sq = 0;
-  int64_t done = 0;
-  if constexpr (kAligned) {
-    constexpr int V = vec16<scalar_t>();
-    const int64_t nvec = c.len / V;
 #pragma unroll 2
-    for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
-      acc_t xv[V], gv[V];
+  for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
+    acc_t xv[V], gv[V];
+    if constexpr (kVec) {
       load_vec<V>(g + v * V, gv);
       if (need_x) {
         load_vec<V>(x + v * V, xv);
@@ -185,58 +207,62 @@ __global__ void __launch_bounds__(kThreads) nar_norm_kernel(const NarArgs<at::op
 #pragma unroll
         for (int j = 0; j < V; ++j) xv[j] = acc_t(0);
       }
+    } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const acc_t t = nar_norm_term(xv[j], nar_unscale(gv[j], p), p);
-        sq += t * t;
+        gv[j] = load_one<acc_t>(g + v * V + j);
+        xv[j] = need_x ? load_one<acc_t>(x + v * V + j) : acc_t(0);
       }
     }
-    done = nvec * V;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const acc_t t = nar_norm_term(xv[j], nar_unscale(gv[j], p), p);
+      sq += t * t;
+    }
   }
-  for (int64_t e = done + threadIdx.x; e < c.len; e += kThreads) {
+  for (int64_t e = nvec * V + threadIdx.x; e < len; e += kThreads) {
     const acc_t xe = need_x ? load_one<acc_t>(x + e) : acc_t(0);
     const acc_t t = nar_norm_term(xe, nar_unscale(load_one<acc_t>(g + e), p), p);
     sq += t * t;
   }
-  sq = block_sum(sq, smem);
-  if (threadIdx.x == 0) a.partials[blockIdx.x] = sq;
+  return sq;
 }
 
-// Pass 2: combine the group's partials, decide scale/skip (math.h), update the chunk.
-template <typename scalar_t, bool kAligned>
-__global__ void __launch_bounds__(kThreads) nar_update_kernel(const NarArgs<at::opmath_type<scalar_t>> a) {
+// Pass 1: partials[b] = sum over chunk b of nar_norm_term(x, g / grad_scale)^2.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) nar_norm_kernel(const NarArgs<at::opmath_type<scalar_t>> a) {
   using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t smem[kWarps];
   const ChunkView<scalar_t> c = locate_chunk<scalar_t>(a, blockIdx.x);
   const NarParams<acc_t> p = group_params(a, c.group);
+  const bool need_x = p.mode == NarMode::kCo;  // grad/none clip on ||g||: x is not read
+  acc_t sq = c.vec ? chunk_sq<true>(c.x, c.g, c.len, p, need_x)  // block-uniform branch
+                   : chunk_sq<false>(c.x, c.g, c.len, p, need_x);
+  sq = block_sum(sq, smem);
+  if (threadIdx.x == 0) a.partials[blockIdx.x] = sq;
+}
 
-  acc_t sumsq;
-  if (a.sq_in != nullptr) {
-    sumsq = *a.sq_in;
-  } else {
-    acc_t part = 0;
-    for (int64_t i = c.pbegin + threadIdx.x; i < c.pend; i += kThreads) part += a.partials[i];
-    sumsq = block_sum(part, smem);
-  }
-  const acc_t norm = device_sqrt(sumsq);
-  const acc_t scale = nar_clip_scale(norm, a.max_norm, p.mode);
-  const bool skip = nar_skip(norm, read_found_inf(a.found_inf, a.found_kind));
-  if (threadIdx.x == 0 && static_cast<int64_t>(blockIdx.x) == c.pbegin) {
-    a.norm_out[c.group] = norm;
-    a.scale_out[c.group] = scale;
-    a.skipped_out[c.group] = skip;
-  }
-  if (skip) return;  // block-uniform: nothing of this group is written
+// The combine of a group's partials [pbegin, pend): thread t adds pbegin + t,
+// + kThreads, ... in order, then block_sum.  The ONE loop of the update kernel and of
+// nar_group_sum_kernel (so the redundant and the finalize paths agree bitwise).
+template <typename acc_t>
+__device__ __forceinline__ acc_t combine_partials(const acc_t* partials, int64_t pbegin, int64_t pend, acc_t* smem) {
+  acc_t part = 0;
+  for (int64_t i = pbegin + threadIdx.x; i < pend; i += kThreads) part += partials[i];
+  return block_sum(part, smem);
+}
 
+// The in-place update of one chunk (elementwise: the result does not depend on the body).
+template <bool kVec, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void update_chunk(scalar_t* __restrict__ x, const scalar_t* __restrict__ g,
+                                             scalar_t* __restrict__ b, int64_t len, acc_t scale,
+                                             const NarParams<acc_t>& p) {
   // Decided once per block, with the same test as math.h's nar_update.
   const bool has_mom = p.momentum != acc_t(0);
-  scalar_t* __restrict__ x = c.x;
-  const scalar_t* __restrict__ g = c.g;
-  scalar_t* __restrict__ b = c.b;
   int64_t done = 0;
-  if constexpr (kAligned) {
+  if constexpr (kVec) {
     constexpr int V = vec16<scalar_t>();
-    const int64_t nvec = c.len / V;
+    const int64_t nvec = len / V;
     for (int64_t v = threadIdx.x; v < nvec; v += kThreads) {
       acc_t xv[V], gv[V];
       load_vec<V>(x + v * V, xv);
@@ -255,7 +281,7 @@ __global__ void __launch_bounds__(kThreads) nar_update_kernel(const NarArgs<at::
     }
     done = nvec * V;
   }
-  for (int64_t e = done + threadIdx.x; e < c.len; e += kThreads) {
+  for (int64_t e = done + threadIdx.x; e < len; e += kThreads) {  // coalesced scalar loop
     acc_t xe = load_one<acc_t>(x + e);
     const acc_t ge = nar_unscale(load_one<acc_t>(g + e), p);
     if (has_mom) {
@@ -269,25 +295,53 @@ __global__ void __launch_bounds__(kThreads) nar_update_kernel(const NarArgs<at::
   }
 }
 
-// nar_sq_norm: sq_out[0] = the sum of partials [0, num_chunks) in the update kernel's
-// order (one block; the partials of one call are at most ~1024 plus one per tensor).
-template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) nar_sq_sum_kernel(const NarArgs<acc_t> a, int64_t num_chunks) {
+// Pass 2: combine the group's partials (or read group_sq), decide scale/skip (math.h),
+// update the chunk.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) nar_update_kernel(const NarArgs<at::opmath_type<scalar_t>> a) {
+  using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t smem[kWarps];
-  acc_t part = 0;
-  for (int64_t i = threadIdx.x; i < num_chunks; i += kThreads) part += a.partials[i];
-  part = block_sum(part, smem);
-  if (threadIdx.x == 0) *a.sq_out = part;
+  const ChunkView<scalar_t> c = locate_chunk<scalar_t>(a, blockIdx.x);
+  const NarParams<acc_t> p = group_params(a, c.group);
+
+  const acc_t sumsq =
+      a.group_sq != nullptr ? a.group_sq[c.group] : combine_partials(a.partials, c.pbegin, c.pend, smem);
+  const acc_t norm = device_sqrt(sumsq);
+  const acc_t scale = nar_clip_scale(norm, a.max_norm, p.mode);
+  const bool skip = nar_skip(norm, read_found_inf(a.found_inf, a.found_kind));
+  if (threadIdx.x == 0 && static_cast<int64_t>(blockIdx.x) == c.pbegin) {
+    a.norm_out[c.group] = norm;
+    a.scale_out[c.group] = scale;
+    a.skipped_out[c.group] = skip;
+  }
+  if (skip) return;  // block-uniform: nothing of this group is written
+  if (c.vec) {       // block-uniform
+    update_chunk<true>(c.x, c.g, c.b, c.len, scale, p);
+  } else {
+    update_chunk<false>(c.x, c.g, c.b, c.len, scale, p);
+  }
+}
+
+// sums_out[k] = the combine of group k's partials: one block per group (finalize pass
+// of nar_step_ / nar_step_batched_, and nar_sq_norm's sum over its one group).
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) nar_group_sum_kernel(const NarArgs<acc_t> a) {
+  __shared__ acc_t smem[kWarps];
+  const int64_t group = blockIdx.x;
+  int64_t pbegin, pend;
+  group_range(a.w, group, pbegin, pend);
+  const acc_t s = combine_partials(a.partials, pbegin, pend, smem);
+  if (threadIdx.x == 0) a.sums_out[group] = s;
 }
 
 // Stats of groups without elements (launched only when the call has no chunk at all,
 // which is the only way a group of these ops can be empty): norm 0 (nar_apply_:
-// sqrt(sq_in)), its clip scale, skipped iff found_inf (or the norm is not finite).
+// sqrt(sq_norm)), its clip scale, skipped iff found_inf (or the norm is not finite).
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads) nar_empty_stats_kernel(const NarArgs<acc_t> a) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (group >= a.num_groups) return;
-  const acc_t norm = a.sq_in != nullptr ? device_sqrt(*a.sq_in) : acc_t(0);
+  const acc_t norm = a.group_sq != nullptr ? device_sqrt(a.group_sq[group]) : acc_t(0);
   a.norm_out[group] = norm;
   a.scale_out[group] = nar_clip_scale(norm, a.max_norm, static_cast<NarMode>(a.mode));
   a.skipped_out[group] = nar_skip(norm, read_found_inf(a.found_inf, a.found_kind));
@@ -297,34 +351,45 @@ __global__ void __launch_bounds__(kThreads) nar_empty_stats_kernel(const NarArgs
 // or the update only with the norm given (nar_apply_).
 enum class Phase { kStep, kNormOnly, kApply };
 
-template <typename scalar_t, bool kAligned>
-void launch_passes(const NarArgs<at::opmath_type<scalar_t>>& a, int64_t num_chunks, Phase phase,
-                   cudaStream_t stream) {
+template <typename scalar_t>
+void launch_passes(NarArgs<at::opmath_type<scalar_t>> a, int64_t num_chunks, Phase phase, bool finalize,
+                   at::opmath_type<scalar_t>* sums, cudaStream_t stream) {
+  using acc_t = at::opmath_type<scalar_t>;
   const dim3 grid(static_cast<unsigned int>(num_chunks));
+  const dim3 group_grid(static_cast<unsigned int>(a.num_groups));
   if (phase != Phase::kApply) {
-    nar_norm_kernel<scalar_t, kAligned><<<grid, kThreads, 0, stream>>>(a);
+    nar_norm_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (phase == Phase::kNormOnly) {
-    nar_sq_sum_kernel<at::opmath_type<scalar_t>><<<1, kThreads, 0, stream>>>(a, num_chunks);
+  if (phase == Phase::kNormOnly) {  // the group's sum of squares into norm_out
+    a.sums_out = a.norm_out;
+    nar_group_sum_kernel<acc_t><<<group_grid, kThreads, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  nar_update_kernel<scalar_t, kAligned><<<grid, kThreads, 0, stream>>>(a);
+  if (phase == Phase::kStep && finalize) {
+    a.sums_out = sums;
+    nar_group_sum_kernel<acc_t><<<group_grid, kThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    a.group_sq = sums;
+  }
+  nar_update_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The part shared by every op: hyperparameters, outputs, launches.  kNormOnly returns
 // the sum of squares as `norm` (the other two outputs are unset); kApply reads it from
-// `sq_in` (one element on `device`).
+// `sq_in` (one element on `device`).  `max_group_partials`: the most chunks of any group
+// (decides the finalize pass).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_nar(
-    const char* op, const NarLayout& layout, int64_t num_chunks, int64_t num_groups, bool aligned,
+    const char* op, const NarLayout& layout, int64_t num_chunks, int64_t num_groups, int64_t max_group_partials,
     at::ScalarType dtype, const at::Device& device, at::IntArrayRef stats_shape, int64_t hyper_groups, double lr,
     const std::optional<at::Tensor>& lr_tensor, double weight_decay,
     const std::optional<at::Tensor>& weight_decay_tensor, double max_norm, int64_t mode, double momentum,
     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
     Phase phase = Phase::kStep, const std::optional<at::Tensor>& sq_in = std::nullopt) {
   TORCH_CHECK(num_chunks <= std::numeric_limits<int32_t>::max(), op, ": too many chunks (", num_chunks, ")");
+  TORCH_CHECK(num_groups <= std::numeric_limits<int32_t>::max(), op, ": too many groups (", num_groups, ")");
   const at::ScalarType acc = acc_type_of(dtype);
   const HyperTensor lr_h = hyper_tensor(lr_tensor, op, "lr_tensor", acc, device, hyper_groups);
   const HyperTensor wd_h = hyper_tensor(weight_decay_tensor, op, "weight_decay_tensor", acc, device, hyper_groups);
@@ -344,8 +409,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_nar(
     TORCH_CHECK(sq_in->device() == device, op, ": sq_norm is on ", sq_in->device(), " but the data is on ", device);
     sq = sq_in->to(acc).contiguous();
   }
+  // Decided on the host from the table's metadata only.
+  const bool finalize = phase == Phase::kStep && num_chunks > 0 && max_group_partials > max_redundant_partials();
   // nar_apply_ reads its norm from sq_in: no partials
   at::Tensor partials = phase == Phase::kApply ? at::Tensor() : at::empty({num_chunks}, opts);
+  at::Tensor sums = finalize ? at::empty({num_groups}, opts) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fedopt_nar_step_cuda", [&] {
@@ -369,16 +437,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_nar(
     a.scale_out = scale.data_ptr<acc_t>();
     a.skipped_out = skipped.data_ptr<bool>();
     a.num_groups = num_groups;
-    a.sq_in = sq.defined() ? sq.const_data_ptr<acc_t>() : nullptr;
-    a.sq_out = phase == Phase::kNormOnly ? norm.data_ptr<acc_t>() : nullptr;
+    a.group_sq = sq.defined() ? sq.const_data_ptr<acc_t>() : nullptr;
     if (num_chunks == 0) {
       const dim3 grid(static_cast<unsigned int>((num_groups + kThreads - 1) / kThreads));
       nar_empty_stats_kernel<acc_t><<<grid, kThreads, 0, stream>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else if (aligned) {
-      launch_passes<scalar_t, true>(a, num_chunks, phase, stream);
     } else {
-      launch_passes<scalar_t, false>(a, num_chunks, phase, stream);
+      launch_passes<scalar_t>(a, num_chunks, phase, finalize, sums.defined() ? sums.data_ptr<acc_t>() : nullptr,
+                              stream);
     }
   });
   return {norm, scale, skipped};
@@ -388,13 +454,13 @@ void check_mode(const char* op, int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0 (co), 1 (grad) or 2 (none), got ", mode);
 }
 
-// The chunk table of a list op (nar_step_, nar_sq_norm, nar_apply_; one group), its
-// device copy kept alive in `blob`.
+// The chunk rows of a list op (nar_step_, nar_sq_norm, nar_apply_; one group), their
+// device copy (from the table cache) kept alive in `table`.
 struct ListLayout {
   NarLayout layout;
-  at::Tensor blob;
+  at::Tensor table;
   int64_t num_chunks = 0;
-  bool aligned = true;
+  int64_t max_group_partials = 0;
   at::Device device{at::kCUDA};
   at::ScalarType dtype = at::kFloat;
 };
@@ -414,13 +480,10 @@ ListLayout list_layout(const char* op, at::TensorList params, at::TensorList gra
               p0.defined() ? p0.device().str() : std::string("an undefined tensor"));
   const at::Device device = p0.device();
   const at::ScalarType dtype = p0.scalar_type();
-  TORCH_CHECK(is_supported_float(dtype), op, ": unsupported dtype ", dtype);
+  check_supported_float(op, "params", dtype);
   const c10::cuda::CUDAGuard guard(device);
 
   const size_t T = params.size();
-  std::vector<int64_t> numels(T), group_of(T, 0);
-  bool aligned = true;
-  int64_t total = 0;
   auto check = [&](const at::Tensor& t, const char* name, size_t i) {
     TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
     TORCH_CHECK(t.device() == device, op, ": ", name, "[", i, "] is on ", t.device(), " but params[0] is on ",
@@ -429,8 +492,8 @@ ListLayout list_layout(const char* op, at::TensorList params, at::TensorList gra
                 " but params[0] has ", dtype);
     TORCH_CHECK(is_flat_dense(t), op, ": ", name, "[", i, "] must be dense without gaps or overlaps, got sizes ",
                 t.sizes(), " strides ", t.strides());
-    if (t.numel() > 0) aligned = aligned && aligned16(t.data_ptr());
   };
+  std::vector<ChunkTensor> tensors(T);
   for (size_t i = 0; i < T; ++i) {
     check(params[i], "params", i);
     check(grads[i], "grads", i);
@@ -442,47 +505,27 @@ ListLayout list_layout(const char* op, at::TensorList params, at::TensorList gra
       TORCH_CHECK(same_layout(momentum_buffers[i], params[i]), op, ": momentum_buffers[", i,
                   "] does not match params[", i, "] in sizes or strides");
     }
-    numels[i] = params[i].numel();
-    total += numels[i];
+    ChunkTensor& t = tensors[i];
+    t.numel = params[i].numel();
+    if (t.numel == 0) continue;  // no row, and no data_ptr() of an empty tensor is ever used
+    t.ptr[0] = address_of(params[i]);
+    t.ptr[1] = address_of(grads[i]);
+    t.ptr[2] = use_mom ? address_of(momentum_buffers[i]) : 0;
   }
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(dtype));
+  const ChunkRows rows = build_chunk_rows(tensors, {esize, esize, esize, 0}, /*num_groups=*/1);
 
-  const ChunkTable table = build_chunk_table(numels, group_of, 1, nar_chunk_size(total));
-  const int64_t num_chunks = static_cast<int64_t>(table.chunks.size());
-  NarLayout layout;
-  at::Tensor blob;  // keeps the device table alive until the launches are queued
-  if (num_chunks > 0) {
-    std::vector<int64_t> host;
-    host.reserve(4 * num_chunks + table.group_begin.size() + 3 * T);
-    for (const Chunk& c : table.chunks) {  // field order of struct Chunk
-      host.push_back(c.tensor);
-      host.push_back(c.start);
-      host.push_back(c.len);
-      host.push_back(c.group);
-    }
-    const size_t gb_off = host.size();
-    host.insert(host.end(), table.group_begin.begin(), table.group_begin.end());
-    const size_t x_off = host.size();
-    for (size_t i = 0; i < T; ++i) host.push_back(address_of(params[i]));
-    const size_t g_off = host.size();
-    for (size_t i = 0; i < T; ++i) host.push_back(address_of(grads[i]));
-    const size_t b_off = host.size();
-    if (use_mom)
-      for (size_t i = 0; i < T; ++i) host.push_back(address_of(momentum_buffers[i]));
-    blob = upload_table(host, device);
-    const int64_t* base = blob.data_ptr<int64_t>();
-    layout.chunks = reinterpret_cast<const Chunk*>(base);
-    layout.group_begin = base + gb_off;
-    layout.x_ptrs = base + x_off;
-    layout.g_ptrs = base + g_off;
-    layout.b_ptrs = use_mom ? base + b_off : nullptr;
-  }
   ListLayout out;
-  out.layout = layout;
-  out.blob = blob;
-  out.num_chunks = num_chunks;
-  out.aligned = aligned;
+  out.num_chunks = rows.num_rows;
+  out.max_group_partials = rows.max_group_rows;
   out.device = device;
   out.dtype = dtype;
+  if (rows.num_rows > 0) {
+    out.table = device_table(rows.blob, device, op);
+    const int64_t* base = out.table.data_ptr<int64_t>();
+    out.layout.rows = base;
+    out.layout.ranges = base + rows.ranges_offset();
+  }
   return out;
 }
 
@@ -496,9 +539,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_(
   const char* op = "fedopt_C::nar_step_ (CUDA)";
   const ListLayout l = list_layout(op, params, grads, momentum_buffers, mode, momentum);
   const c10::cuda::CUDAGuard guard(l.device);
-  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.aligned, l.dtype, l.device, /*stats_shape=*/{},
-                 /*hyper_groups=*/-1, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                 grad_scale, found_inf);
+  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.max_group_partials, l.dtype, l.device,
+                 /*stats_shape=*/{}, /*hyper_groups=*/-1, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                 mode, momentum, grad_scale, found_inf);
 }
 
 at::Tensor nar_sq_norm(at::TensorList params, at::TensorList grads, double weight_decay,
@@ -507,8 +550,8 @@ at::Tensor nar_sq_norm(at::TensorList params, at::TensorList grads, double weigh
   const char* op = "fedopt_C::nar_sq_norm (CUDA)";
   const ListLayout l = list_layout(op, params, grads, {}, mode, 0.0);
   const c10::cuda::CUDAGuard guard(l.device);
-  return std::get<0>(run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.aligned, l.dtype, l.device,
-                             /*stats_shape=*/{}, /*hyper_groups=*/-1, 0.0, std::nullopt, weight_decay,
+  return std::get<0>(run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.max_group_partials, l.dtype,
+                             l.device, /*stats_shape=*/{}, /*hyper_groups=*/-1, 0.0, std::nullopt, weight_decay,
                              weight_decay_tensor, 1.0, mode, 0.0, grad_scale, std::nullopt, Phase::kNormOnly));
 }
 
@@ -520,9 +563,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_apply_(
   const char* op = "fedopt_C::nar_apply_ (CUDA)";
   const ListLayout l = list_layout(op, params, grads, momentum_buffers, mode, momentum);
   const c10::cuda::CUDAGuard guard(l.device);
-  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.aligned, l.dtype, l.device, /*stats_shape=*/{},
-                 /*hyper_groups=*/-1, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                 grad_scale, found_inf, Phase::kApply, sq_norm);
+  return run_nar(op, l.layout, l.num_chunks, /*num_groups=*/1, l.max_group_partials, l.dtype, l.device,
+                 /*stats_shape=*/{}, /*hyper_groups=*/-1, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                 mode, momentum, grad_scale, found_inf, Phase::kApply, sq_norm);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_batched_(
@@ -535,7 +578,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_batched_(
   TORCH_CHECK(params.defined() && params.is_cuda(), op, ": params must be a CUDA tensor");
   const at::Device device = params.device();
   const at::ScalarType dtype = params.scalar_type();
-  TORCH_CHECK(is_supported_float(dtype), op, ": unsupported dtype ", dtype);
+  check_supported_float(op, "params", dtype);
   TORCH_CHECK(params.dim() == 2 && params.is_contiguous(), op, ": params must be a contiguous [C, N] tensor, got sizes ",
               params.sizes(), " strides ", params.strides());
   auto check = [&](const at::Tensor& t, const char* name) {
@@ -556,24 +599,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_step_batched_(
 
   const int64_t C = params.size(0);
   const int64_t N = params.size(1);
-  const int64_t cs = nar_chunk_size(N);
+  const int64_t cs = chunk_size_for(N);  // the largest group is a row
   const int64_t row_chunks = (N + cs - 1) / cs;
   TORCH_CHECK(row_chunks == 0 || C <= std::numeric_limits<int32_t>::max() / row_chunks, op, ": too many chunks (",
               C, " rows of ", row_chunks, ")");
   const int64_t num_chunks = C * row_chunks;
-  const bool aligned = aligned16(params.data_ptr()) && aligned16(grads.data_ptr()) &&
-                       (!use_mom || aligned16(momentum_buffers->data_ptr())) &&
-                       (N * static_cast<int64_t>(params.element_size())) % 16 == 0;
   NarLayout layout;
-  layout.x_base = address_of(params);
-  layout.g_base = address_of(grads);
-  layout.b_base = use_mom ? address_of(*momentum_buffers) : 0;
+  if (num_chunks > 0) {  // no data_ptr() of an empty tensor is ever used
+    layout.x_base = address_of(params);
+    layout.g_base = address_of(grads);
+    layout.b_base = use_mom ? address_of(*momentum_buffers) : 0;
+  }
   layout.row_len = N;
   layout.row_chunks = row_chunks;
   layout.chunk_size = cs;
-  return run_nar(op, layout, num_chunks, /*num_groups=*/C, aligned, dtype, device, /*stats_shape=*/{C},
-                 /*hyper_groups=*/C, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                 grad_scale, found_inf);
+  return run_nar(op, layout, num_chunks, /*num_groups=*/C, /*max_group_partials=*/row_chunks, dtype, device,
+                 /*stats_shape=*/{C}, /*hyper_groups=*/C, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                 mode, momentum, grad_scale, found_inf);
 }
 
 }  // namespace cuda

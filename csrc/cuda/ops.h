@@ -46,5 +46,21 @@ void server_update_(at::TensorList params, at::TensorList updates, at::TensorLis
                     double gamma, const std::optional<at::Tensor>& gamma_tensor, double beta1, double beta2,
                     double tau, bool nesterov, const std::optional<at::Tensor>& skip);
 
+// Host-side launch decisions, exposed for the diagnostic ops of module.cpp (tests).
+
+// The aggregation's tile shape for N columns of `esize`-byte clients (aggregate.cu's
+// header comment has the rule): `threads` x `vectors` 16-byte vectors per tile of
+// `columns` columns, `tiles` tiles, `blocks` = min(tiles, 1024).
+struct AggTiling {
+  int threads, vectors;
+  int64_t columns, tiles, blocks;
+};
+AggTiling aggregate_tiling(int64_t n, int64_t esize);
+
+// nar_step_'s finalize threshold: a group with more partials than this gets the
+// one-block-per-group sum pass (fedopt::kMaxRedundantPartials, or the environment
+// variable FEDOPT_MAX_REDUNDANT_PARTIALS, read at every call).
+int64_t max_redundant_partials();
+
 }  // namespace cuda
 }  // namespace fedopt

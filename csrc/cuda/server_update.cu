@@ -10,17 +10,15 @@
 // step is purely elementwise: nothing is reduced, so the result does not depend on the
 // chunking or the launch shape and is deterministic.
 //
-// Work layout: the tensors are cut into chunks (kMinChunk elements, doubled for large
-// calls so that there are about kTargetChunks of them, plus one tail per tensor), one
-// block per chunk.  Each chunk is one row of a table holding the ADDRESSES of its first
-// x, D, m, v element and its length, so a block finds its data with one 48-byte read
-// and no indirection through per-tensor arrays.  The table goes to the device in one
-// int64 blob per call (pinned host tensor + non_blocking copy on the current stream, no
-// host sync: upload_table in cuda_utils.cuh), as for nar_step_: kernel-argument tables
-// (apex's TensorListMetadata) would cap the chunks per launch and need several launches
-// for a large model; the blob is 48 bytes per chunk of (mostly) >= 8192 elements, well
-// under 0.1% of the traffic, and one small async copy.  The price is that the list form cannot be captured into a
-// CUDA graph (upload_table refuses with a message).
+// Work layout: the chunk rows of fedopt/chunks.h (the one layout and chunk rule of every
+// multi-tensor launcher, shared with the Triton backend): one block per chunk, each row
+// [x, D, m, v, len, 0, flags, 0] holding the ADDRESSES of the chunk's first x, D, m, v
+// element (m, v 0 where the rule has no such state), so a block finds its data with one
+// 64-byte read and no indirection through per-tensor arrays.  The rows come from the
+// device table cache (fedopt/table_cache.h): uploaded once per distinct set of tensors
+// (pinned host copy, non_blocking, no host sync), found again by content, so the list
+// form is capturable into a CUDA graph after one warm-up call.  The chunking changes no
+// result: the step is elementwise.
 //
 // Vectorisation: V = 16 / sizeof(param) elements per thread step (8 fp16/bf16, 4 fp32,
 // 2 fp64), so x, m and v move in one 16-byte load/store each and D (acc, at least as
@@ -33,10 +31,11 @@
 //     same positions (the lanes of a warp touch the same sectors as the vector load
 //     would, so DRAM traffic is unchanged; only the load instruction count grows);
 //   * otherwise (views of a flat param buffer): scalar loads/stores throughout.
-// The branch is block-uniform and taken once per chunk, never inside the element loop.
-// Chunk starts are multiples of kMinChunk, itself a multiple of every V, so a chunk
-// inherits its tensor's alignment; the < V elements at a tensor's end take the scalar
-// loop.
+// The row's flags bit 0 (kChunkAligned16) says "all four"; the x/m/v-only case is
+// tested on the row's addresses.  The branch is block-uniform and taken once per chunk,
+// never inside the element loop.  Chunk starts are multiples of kMinChunk, itself a
+// multiple of every V, so a chunk inherits its tensor's alignment; the < V elements at a
+// chunk's end take the scalar loop.
 //
 // Arithmetic: the rule (and nesterov) are template parameters, so math.h's tests of
 // them fold away and the element loop is straight-line code; 6 instantiations per
@@ -57,41 +56,19 @@
 #include <limits>
 #include <vector>
 
+#include "fedopt/chunks.h"
 #include "fedopt/cuda_utils.cuh"
 #include "fedopt/math.h"
+#include "fedopt/table_cache.h"
 #include "ops.h"
 
 namespace fedopt {
 namespace cuda {
 namespace {
 
-// Chunk size rule (see the header comment).  With 256 threads a block step covers 1024
-// fp32 / 2048 fp16 / 512 fp64 elements, so a minimum chunk is 4 to 16 steps per thread:
-// enough to amortise the block's table/skip/lr reads, small enough that a 1M-parameter
-// model still spreads over ~120 blocks.  kTargetChunks caps the table (and its upload)
-// for large models: a 100M-parameter call uses 64Ki-element chunks, ~1.5k of them.
-constexpr int64_t kMinChunk = 8192;
-constexpr int64_t kTargetChunks = 2048;
-static_assert(kMinChunk % 8 == 0, "chunk starts must keep 16-byte alignment for every V");
-
-int64_t server_chunk_size(int64_t total) {
-  int64_t cs = kMinChunk;
-  while (cs < (total + kTargetChunks - 1) / kTargetChunks) cs *= 2;
-  return cs;
-}
-
-// One table row (int64 fields, padded to 48 bytes so a row is three 16-byte loads).
-struct alignas(16) ServerChunk {
-  int64_t x, d, m, v;  // addresses of the chunk's first element; m, v are 0 where the rule has no such state
-  int64_t len;         // elements, 1 <= len <= chunk size
-  int64_t pad;
-};
-constexpr int64_t kRowWords = sizeof(ServerChunk) / sizeof(int64_t);
-static_assert(sizeof(ServerChunk) == 6 * sizeof(int64_t), "the host writes ServerChunk as 6 int64");
-
 template <typename acc_t>
 struct ServerArgs {
-  const ServerChunk* chunks;  // [gridDim.x]
+  const int64_t* rows;  // [gridDim.x, kChunkRowWords] (fedopt/chunks.h)
   acc_t lr, gamma, beta1, beta2, tau;
   const acc_t* lr_ptr;     // when set: lr = *lr_ptr (read on the device)
   const acc_t* gamma_ptr;  // when set: gamma = *gamma_ptr
@@ -158,7 +135,10 @@ __global__ void __launch_bounds__(kThreads) server_update_kernel(const ServerArg
   using acc_t = at::opmath_type<scalar_t>;
   // First, before anything else is read: a skipped step writes nothing (block-uniform).
   if (a.skip != nullptr && *global_ptr(a.skip)) return;
-  const ServerChunk c = *global_ptr(a.chunks + blockIdx.x);
+  const int64_t* row = global_ptr(a.rows + static_cast<int64_t>(blockIdx.x) * kChunkRowWords);
+  const int64_t cx = row[kRowPtr0 + 0], cd = row[kRowPtr0 + 1], cm = row[kRowPtr0 + 2], cv = row[kRowPtr0 + 3];
+  const int64_t len = row[kRowLen];
+  const bool all_aligned = (row[kRowFlags] & kChunkAligned16) != 0;
 
   ServerParams<Unfused<acc_t>> p;
   p.lr = a.lr_ptr != nullptr ? *global_ptr(a.lr_ptr) : a.lr;
@@ -169,18 +149,19 @@ __global__ void __launch_bounds__(kThreads) server_update_kernel(const ServerArg
   p.nesterov = kNesterov;  // compile-time constants: math.h's branches on them fold away
   p.rule = R;
 
-  scalar_t* __restrict__ x = reinterpret_cast<scalar_t*>(c.x);
-  const acc_t* __restrict__ d = reinterpret_cast<const acc_t*>(c.d);
-  scalar_t* __restrict__ m = kHasM<R> ? reinterpret_cast<scalar_t*>(c.m) : nullptr;
-  scalar_t* __restrict__ v = kHasV<R> ? reinterpret_cast<scalar_t*>(c.v) : nullptr;
+  scalar_t* __restrict__ x = reinterpret_cast<scalar_t*>(cx);
+  const acc_t* __restrict__ d = reinterpret_cast<const acc_t*>(cd);
+  scalar_t* __restrict__ m = kHasM<R> ? reinterpret_cast<scalar_t*>(cm) : nullptr;
+  scalar_t* __restrict__ v = kHasV<R> ? reinterpret_cast<scalar_t*>(cv) : nullptr;
 
   int64_t done = 0;
-  const int64_t state_addr = c.x | (kHasM<R> ? c.m : 0) | (kHasV<R> ? c.v : 0);
-  if ((state_addr & 15) == 0) {
-    done = (c.d & 15) == 0 ? server_chunk_vec<R, true>(x, d, m, v, c.len, p)
-                           : server_chunk_vec<R, false>(x, d, m, v, c.len, p);
+  const int64_t state_addr = cx | (kHasM<R> ? cm : 0) | (kHasV<R> ? cv : 0);
+  if (all_aligned) {
+    done = server_chunk_vec<R, true>(x, d, m, v, len, p);
+  } else if ((state_addr & (kAlignBytes - 1)) == 0) {
+    done = server_chunk_vec<R, false>(x, d, m, v, len, p);
   }
-  for (int64_t e = done + threadIdx.x; e < c.len; e += kThreads) {
+  for (int64_t e = done + threadIdx.x; e < len; e += kThreads) {
     acc_t xe = load_one<acc_t>(x + e), me, ve;
     if constexpr (kHasM<R>) me = load_one<acc_t>(m + e);
     if constexpr (kHasV<R>) ve = load_one<acc_t>(v + e);
@@ -224,7 +205,7 @@ void server_update_(at::TensorList params, at::TensorList updates, at::TensorLis
               p0.defined() ? p0.device().str() : std::string("an undefined tensor"));
   const at::Device device = p0.device();
   const at::ScalarType dtype = p0.scalar_type();
-  TORCH_CHECK(is_supported_float(dtype), op, ": unsupported dtype ", dtype);
+  check_supported_float(op, "params", dtype);
   const at::ScalarType acc = acc_type_of(dtype);
   const c10::cuda::CUDAGuard guard(device);
 
@@ -241,51 +222,40 @@ void server_update_(at::TensorList params, at::TensorList updates, at::TensorLis
     TORCH_CHECK(t.numel() == numel, op, ": ", name, "[", i, "] has ", t.numel(), " elements but params[", i,
                 "] has ", numel);
   };
-  int64_t total = 0;
   for (size_t i = 0; i < T; ++i) {
     const int64_t n = params[i].defined() ? params[i].numel() : 0;
     check(params[i], "params", i, dtype, n);
     check(updates[i], "updates", i, acc, n);
     if (has_m) check(exp_avg[i], "exp_avg", i, dtype, n);
     if (has_v) check(exp_avg_sq[i], "exp_avg_sq", i, dtype, n);
-    total += n;
   }
-  // The chunk table: addresses already advanced to each chunk's start.
-  const int64_t cs = server_chunk_size(total);
+  // The chunk rows (fedopt/chunks.h): x, D, m, v; no groups.
+  std::vector<ChunkTensor> tensors(T);
+  for (size_t i = 0; i < T; ++i) {
+    ChunkTensor& t = tensors[i];
+    t.numel = params[i].numel();
+    if (t.numel == 0) continue;  // no row, and no data_ptr() of an empty tensor is ever used
+    t.ptr[0] = address_of(params[i]);
+    t.ptr[1] = address_of(updates[i]);
+    t.ptr[2] = has_m ? address_of(exp_avg[i]) : 0;
+    t.ptr[3] = has_v ? address_of(exp_avg_sq[i]) : 0;
+  }
   const int64_t esize = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t dsize = static_cast<int64_t>(c10::elementSize(acc));
-  std::vector<int64_t> host;
-  host.reserve(kRowWords * (total / cs + T));
-  for (size_t i = 0; i < T; ++i) {
-    const int64_t n = params[i].numel();
-    if (n == 0) continue;  // also: no data_ptr() of an empty tensor is ever used
-    const int64_t x = address_of(params[i]), d = address_of(updates[i]);
-    const int64_t m = has_m ? address_of(exp_avg[i]) : 0, v = has_v ? address_of(exp_avg_sq[i]) : 0;
-    for (int64_t start = 0; start < n; start += cs) {
-      host.push_back(x + start * esize);
-      host.push_back(d + start * dsize);
-      host.push_back(has_m ? m + start * esize : 0);
-      host.push_back(has_v ? v + start * esize : 0);
-      host.push_back(n - start < cs ? n - start : cs);
-      host.push_back(0);
-    }
-  }
-  const int64_t num_chunks = static_cast<int64_t>(host.size()) / kRowWords;
+  const ChunkRows rows = build_chunk_rows(tensors, {esize, dsize, esize, esize}, /*num_groups=*/1);
+  const int64_t num_chunks = rows.num_rows;
   if (num_chunks == 0) return;  // all tensors empty: launch (and convert, upload) nothing
   TORCH_CHECK(num_chunks <= std::numeric_limits<int32_t>::max(), op, ": too many chunks (", num_chunks, ")");
   const HyperTensor lr_h = hyper_tensor(lr_tensor, op, "lr_tensor", acc, device);
   const HyperTensor gamma_h = hyper_tensor(gamma_tensor, op, "gamma_tensor", acc, device);
   const BoolFlag skip_f = bool_flag(skip, op, "skip", device);
-  const at::Tensor blob = upload_table(  // alive until the launch is queued
-      host, device,
-      "server_update_ has no table-free form, so step outside the captured region (or use the triton "
-      "backend, whose tables are cached after a warm-up call)");
+  const at::Tensor table = device_table(rows.blob, device, op);  // alive until the launch is queued
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fedopt_server_update_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     ServerArgs<acc_t> a;
-    a.chunks = reinterpret_cast<const ServerChunk*>(blob.data_ptr<int64_t>());
+    a.rows = table.data_ptr<int64_t>();
     // Rounded once to acc, as the CPU kernel and torch (a Python float in an acc op) do.
     a.lr = static_cast<acc_t>(lr);
     a.gamma = static_cast<acc_t>(gamma);

@@ -3,8 +3,9 @@
 // Device side: 16-byte vector loads/stores with conversion to the accumulation type,
 // and deterministic warp/block sums (fixed shuffle tree, warps combined in a fixed
 // order: the result depends only on the values and the block size, never on timing).
-// Host side: the argument checks and transfers every CUDA op needs (flat-dense layout,
-// alignment, hyperparameter tensors, pinned-table upload).
+// Host side: the argument checks every CUDA op needs (flat-dense layout, alignment,
+// hyperparameter tensors).  The list forms' tables go through the device table cache
+// (fedopt/table_cache.h).
 //
 // Value decisions (clip scale, direction, skip) are NOT here: they live in math.h,
 // shared with the CPU kernels.  What is here for math.h is Unfused<T>, the acc type
@@ -20,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -108,12 +108,15 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-// Sum over the block (blockDim.x == kThreads); EVERY thread returns the same value
-// (each thread adds the kWarps warp sums in the same order, so all threads, and all
-// blocks given the same inputs, get bitwise the same total).  `smem` holds kWarps
-// values; the trailing barrier makes it reusable at once.
-template <typename T>
-__device__ __forceinline__ T block_sum(T v, T* smem) {
+// Sum over a block of kBlock threads (blockDim.x == kBlock, a multiple of 32); EVERY
+// thread returns the same value (each thread adds the kBlock / 32 warp sums in the same
+// order, so all threads, and all blocks given the same inputs, get bitwise the same
+// total).  `smem` holds kBlock / 32 values; the trailing barrier makes it reusable at
+// once.  The tree depends only on the values and kBlock.
+template <int kBlock, typename T>
+__device__ __forceinline__ T block_sum_n(T v, T* smem) {
+  static_assert(kBlock % kWarpSize == 0 && kBlock >= kWarpSize, "whole warps");
+  constexpr int kW = kBlock / kWarpSize;
   v = warp_sum(v);
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
@@ -121,9 +124,15 @@ __device__ __forceinline__ T block_sum(T v, T* smem) {
   __syncthreads();
   T total = smem[0];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) total += smem[w];
+  for (int w = 1; w < kW; ++w) total += smem[w];
   __syncthreads();
   return total;
+}
+
+// block_sum_n for the extension's usual blocks of kThreads; `smem` holds kWarps values.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* smem) {
+  return block_sum_n<kThreads>(v, smem);
 }
 
 template <typename T>
@@ -239,6 +248,12 @@ inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
+// The data dtype check of every op, naming the argument whose dtype it is.
+inline void check_supported_float(const char* op, const char* name, at::ScalarType t) {
+  TORCH_CHECK(is_supported_float(t), op, ": ", name, " has unsupported dtype ", t,
+              " (expected float16, bfloat16, float32 or float64)");
+}
+
 // True when the tensor's elements fill [data_ptr, data_ptr + numel) exactly once (some
 // permutation of its dims is contiguous: contiguous, channels_last, ...).  Kernels read
 // every tensor as that flat array, so anything else would read out of bounds.
@@ -329,36 +344,6 @@ inline BoolFlag bool_flag(const std::optional<at::Tensor>& t, const char* op, co
   f.tensor = t->scalar_type() == at::kBool ? *t : t->to(at::kBool);
   f.ptr = f.tensor.data_ptr<bool>();
   return f;
-}
-
-// Uploads an int64 table to `device` without synchronising: the host data goes into a
-// pinned tensor from torch's caching host allocator and is copied with
-// non_blocking=true on the current stream.  copy_ records the copy on the pinned
-// block (CachingHostAllocator record_event), so the block is not handed out again
-// before the copy has run; the device tensor is stream-ordered like any other.
-//
-// Not capturable into a CUDA graph: the graph would replay the copy from a pinned block
-// that is recycled after this call.  The table-free forms (nar_step_batched_, aggregate
-// on a [C, N] tensor or a single client) capture fine, so a capture hitting this fails
-// loudly instead of replaying stale addresses.  `capture_hint` replaces the advice of
-// that error for ops without such a table-free form.
-inline at::Tensor upload_table(const std::vector<int64_t>& host, const at::Device& device,
-                               const char* capture_hint = nullptr) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
-              "fedopt_kernels (cuda backend): the list form of this op uploads a pointer table from host memory "
-              "on every call, which a CUDA graph cannot replay; ",
-              capture_hint != nullptr
-                  ? capture_hint
-                  : "capture nar_step_batched_ on a [1, N] view of flat parameters, or aggregate on a [C, N] "
-                    "tensor, instead (or use the triton backend, whose tables are cached after a warm-up call)");
-  const int64_t n = static_cast<int64_t>(host.size());
-  at::Tensor pinned = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  if (n > 0) std::memcpy(pinned.data_ptr<int64_t>(), host.data(), sizeof(int64_t) * host.size());
-  at::Tensor dev = at::empty({n}, at::TensorOptions().dtype(at::kLong).device(device));
-  if (n > 0) dev.copy_(pinned, /*non_blocking=*/true);
-  return dev;
 }
 
 inline int64_t address_of(const at::Tensor& t) {

@@ -50,6 +50,19 @@ FLAG_ALIGNED16 = 1
 COL_LEN, COL_GROUP, COL_FLAGS = 4, 5, 6
 
 
+def max_redundant_partials() -> int:
+    """``MAX_REDUNDANT_PARTIALS``, or the environment's ``FEDOPT_MAX_REDUNDANT_PARTIALS``
+    (read at every call, as the CUDA launcher does: tests force either path with it)."""
+    import os
+
+    env = os.environ.get("FEDOPT_MAX_REDUNDANT_PARTIALS", "")
+    if not env:
+        return MAX_REDUNDANT_PARTIALS
+    if not env.isdigit():
+        raise ValueError(f"FEDOPT_MAX_REDUNDANT_PARTIALS must be a non-negative integer, got {env!r}")
+    return int(env)
+
+
 def chunk_size_for(n: int) -> int:
     """The chunk size for a call whose largest group has ``n`` elements."""
     want = -(-n // TARGET_CHUNKS)

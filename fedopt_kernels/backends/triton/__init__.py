@@ -183,7 +183,7 @@ def _run_nar(w: _NarWork, dtype, device, lr, weight_decay, max_norm, mode, momen
     if sq_in is None:
         part = torch.empty(w.n_chunks, dtype=acc, device=device)
         _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, mode, warps, block)
-        finalized = w.max_group_chunks > _chunks.MAX_REDUNDANT_PARTIALS
+        finalized = w.max_group_chunks > _chunks.max_redundant_partials()
         if finalized:
             sums = torch.empty(G, dtype=acc, device=device)
             # num_warps=warps, as the update kernel's in-kernel sum: tl.sum's tree follows

@@ -66,11 +66,12 @@ TORCH_LIBRARY(fedopt_C, m) {
   // `clients`: C 1-D tensors of length N, or one contiguous 2-D [C, N] tensor.
   // `weights`: [C], acc dtype.  A client with weight exactly 0 adds exactly 0 to out
   // (never 0 * nan) but still gets its norm.  `out`: [N], clients' dtype or acc dtype.
-  // `enabled` (0-d bool): when false, out is not touched and the stats are zeros.
+  // `skip` (one element, the library's one "do nothing" convention, as found_inf and
+  // server_update_'s skip): when nonzero, out is not touched and the stats are zeros.
   // Returns (client_sq_norms [C], sq_norm []).
   m.def(
       "aggregate(Tensor[] clients, Tensor weights, float gamma, Tensor? gamma_tensor, "
-      "Tensor(a!) out, Tensor? enabled) -> (Tensor, Tensor)");
+      "Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
   // [<clients[i], g> for each i] in one pass over the data (the backward of the
   // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");

@@ -10,7 +10,7 @@ tests do not stress, and a sanitizer can see:
   past the last element, touches memory outside the allocation);
 * C = 33 clients (more rows than a kernel's unrolled group of clients);
 * N = 0 (empty launches), an empty tensor inside a list;
-* the aggregation's second pass with ``enabled`` false (no client excluded), with one
+* the aggregation's second pass with ``skip`` true (no client excluded), with one
   client excluded, and with every client excluded;
 * server updates that are views at odd offsets of one flat vector, every rule, skip
   false and true;

@@ -105,17 +105,17 @@ def variants(quick: bool = False):
                           HAS_FI=fi, FINALIZED=fin, ROWS=rows, PBLOCK=TB.PBLOCK)
                 out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
                                 ptrs=[n for n in types if n.endswith("_ptr")]))
-            # ---- aggregate: out in the clients' dtype or in acc; (HAS_EN, GAMMA_KIND).
+            # ---- aggregate: out in the clients' dtype or in acc; (HAS_SKIP, GAMMA_KIND).
             # The widest tile (large N); narrower tiles only change BLOCK / num_warps.
             fn = A.aggregate_kernel
             flags = [(dt, False, 0), (acc, True, 1)]
             for out_dt, en, gk in flags[:1] if quick else flags:
                 types = dict(ctab_ptr=a if rows else "*i64", w_ptr=a,
-                             out_ptr="*" + TY[out_dt], part_ptr=a, en_ptr="*i1" if en else a, gamma_ptr=a,
+                             out_ptr="*" + TY[out_dt], part_ptr=a, skip_ptr="*i1" if en else a, gamma_ptr=a,
                              gamma_value="fp64", x_base="i64", C="i64", N="i64", nblk="i64", mis="i64")
-                cx = dict(base, ESIZE=esize, TWO_D=rows, HAS_EN=en, GAMMA_KIND=gk)
+                cx = dict(base, ESIZE=esize, TWO_D=rows, HAS_SKIP=en, GAMMA_KIND=gk)
                 out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
-                                ptrs=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "en_ptr", "gamma_ptr"]))
+                                ptrs=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "skip_ptr", "gamma_ptr"]))
             # ---- client_dots: g in the clients' dtype or in acc
             fn = A.client_dots_kernel
             for g_dt in ((dt,) if quick else tuple(dict.fromkeys((dt, acc)))):
@@ -152,11 +152,11 @@ def variants(quick: bool = False):
         a = "*" + TY[acc]
         fn = A.row_sum_kernel
         for en in (False, True):
-            out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], HAS_EN=en, PBLOCK=TB.PBLOCK),
-                            types=dict(part_ptr=a, q_ptr=a, total_ptr=a, en_ptr="*i1" if en else a, nblk="i64",
+            out.append(dict(kernel=fn, cx=dict(ACC=TB.TL_DTYPES[acc], HAS_SKIP=en, PBLOCK=TB.PBLOCK),
+                            types=dict(part_ptr=a, q_ptr=a, total_ptr=a, skip_ptr="*i1" if en else a, nblk="i64",
                                        C="i64"),
                             warps=TB.SMALL_NUM_WARPS, dtype=acc, layout=None,
-                            ptrs=["part_ptr", "q_ptr", "total_ptr", "en_ptr"]))
+                            ptrs=["part_ptr", "q_ptr", "total_ptr", "skip_ptr"]))
     return out
 
 

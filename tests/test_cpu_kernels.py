@@ -399,16 +399,16 @@ def test_aggregate_weight_zero_client_with_nan(dtype, N):
 
 
 @pytest.mark.parametrize("as_list", [False, True])
-def test_aggregate_enabled_flag(as_list):
+def test_aggregate_skip_flag(as_list):
     C, N = 3, 1025
     X = torch.randn(C, N)
     clients = list(X.unbind(0)) if as_list else [X]
     w = torch.tensor([0.2, 0.3, 0.5])
     out = torch.full((N,), 3.0)
-    q, Q = torch.ops.fedopt_C.aggregate(clients, w, 1.0, None, out, torch.tensor(False))
+    q, Q = torch.ops.fedopt_C.aggregate(clients, w, 1.0, None, out, torch.tensor(True))
     assert torch.equal(out, torch.full((N,), 3.0))
     assert q.shape == (C,) and q.eq(0).all() and Q.shape == () and float(Q) == 0
-    q, Q = torch.ops.fedopt_C.aggregate(clients, w, 1.0, None, out, torch.tensor(True))
+    q, Q = torch.ops.fedopt_C.aggregate(clients, w, 1.0, None, out, torch.tensor(False))
     out_r, q_r, Q_r = ref_agg.aggregate(X, w)
     assert_bitwise([out], [out_r])
     torch.testing.assert_close(q, q_r, rtol=1e-5, atol=0)

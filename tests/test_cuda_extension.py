@@ -673,10 +673,10 @@ def make_clients(C, N, dtype, seed=0, as_2d=False):
     return X if as_2d else [X[i].clone() for i in range(C)]
 
 
-def run_aggregate(cuda, clients, weights, gamma, out_dtype, enabled=None):
+def run_aggregate(cuda, clients, weights, gamma, out_dtype, skip=None):
     N = clients.shape[1] if isinstance(clients, torch.Tensor) else clients[0].numel()
     out = torch.full((N,), 7.0, dtype=out_dtype, device="cuda")
-    q, Q = cuda.aggregate(clients, weights, gamma, out, enabled)
+    q, Q = cuda.aggregate(clients, weights, gamma, out, skip)
     return out, q, Q
 
 
@@ -733,13 +733,13 @@ def test_aggregate_zero_weight_nan_client(cuda, dtype, as_2d):
 
 @needs_cuda
 @pytest.mark.parametrize("as_2d", [False, True], ids=["list", "2d"])
-def test_aggregate_enabled_flag(cuda, as_2d):
+def test_aggregate_skip_flag(cuda, as_2d):
     clients = make_clients(4, 3001, torch.float32, seed=14, as_2d=as_2d)
     weights = torch.full((4,), 0.25, device="cuda")
-    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32, torch.tensor(False, device="cuda"))
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32, torch.tensor(True, device="cuda"))
     assert same_bits(out, torch.full((3001,), 7.0, device="cuda"))  # not touched
     assert q.tolist() == [0.0] * 4 and float(Q) == 0.0
-    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32, torch.tensor(True, device="cuda"))
+    out, q, Q = run_aggregate(cuda, clients, weights, 1.0, torch.float32, torch.tensor(False, device="cuda"))
     out_r, q_r, Q_r = ref_agg.aggregate(clients, weights, 1.0)
     check_close(out, out_r, torch.float32)
     check_norm(q, q_r)

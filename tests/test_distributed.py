@@ -198,9 +198,9 @@ def _scenario_aggregate(rank, world, passes=None):
 
 def _with_second_passes(scenario, device_decisions):
     """Run ``scenario`` recording, per call, how the robust second pass ran: ``"host"``
-    (decided on the host: enabled None) or ``"device"`` (run with a device flag), one
+    (decided on the host: skip None) or ``"device"`` (run with a device flag), one
     entry per pass.  ``device_decisions`` forces the path CUDA takes (exclusion and skip
-    decided on the device, the second pass always run and enabled by a device flag) on
+    decided on the device, the second pass always run, skipped by a device flag) on
     the CPU, so that the GPU's path is tested here; the record shows it was taken."""
     from fedopt_kernels.distributed import aggregate as dist_agg
 
@@ -210,9 +210,9 @@ def _with_second_passes(scenario, device_decisions):
         def spy(cls):
             original = originals[cls] = cls.second_pass
 
-            def second_pass(self, eff_local, enabled):
-                passes.append("host" if enabled is None else "device")
-                return original(self, eff_local, enabled)
+            def second_pass(self, eff_local, skip):
+                passes.append("host" if skip is None else "device")
+                return original(self, eff_local, skip)
             cls.second_pass = second_pass
 
         spy(dist_agg._Ordered)
@@ -421,7 +421,7 @@ def robust(case):
 @pytest.mark.parametrize("case", list(AGG_CASES))
 def test_device_side_decisions_equal_the_host_path_bitwise(ranks, case):
     """The path CUDA takes (exclusion and skip decided on the device, the second pass
-    always run and enabled by a device flag), taken here on the CPU: ordered is bitwise
+    always run, skipped by a device flag), taken here on the CPU: ordered is bitwise
     the single-process aggregate, and both modes are bitwise the host-decided results.
     The recorded passes show which path each run took: the host runs a second pass only
     when a weight changed; the device path runs one in every robust call."""

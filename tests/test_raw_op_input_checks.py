@@ -64,8 +64,8 @@ def batched(X, G, B=None, *, mode=0, momentum=0.0, lr_t=None):
     return ops().nar_step_batched_(X, G, B, 0.1, lr_t, 0.01, None, 1.0, mode, momentum, None, None)
 
 
-def agg(clients, w, out, *, gamma_t=None, enabled=None):
-    return ops().aggregate(list(clients), w, 1.0, gamma_t, out, enabled)
+def agg(clients, w, out, *, gamma_t=None, skip=None):
+    return ops().aggregate(list(clients), w, 1.0, gamma_t, out, skip)
 
 
 def dots(clients, g):
@@ -395,10 +395,10 @@ def agg_integer_gamma_tensor(d):
     return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, gamma_t=s(d, 1, dtype=torch.int64))), [out]
 
 
-@case(r"enabled must be a one-element", "enabled")
-def agg_enabled_of_two(d):
+@case(r"skip must be a one-element", "skip")
+def agg_skip_of_two(d):
     out = torch.zeros(6, device=d)
-    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, enabled=torch.ones(2, dtype=torch.bool, device=d))), [out]
+    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, skip=torch.zeros(2, dtype=torch.bool, device=d))), [out]
 
 
 @case(r"gamma_tensor must have one element, got (2|shape \[2\])", "gamma_tensor")
@@ -630,10 +630,10 @@ def agg_gamma_tensor_on_the_cpu(d):
     return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, gamma_t=s(CPU))), [out]
 
 
-@cuda_case(r"enabled must be a one-element tensor on cuda", "enabled")
-def agg_enabled_on_the_cpu(d):
+@cuda_case(r"skip must be a one-element tensor on cuda", "skip")
+def agg_skip_on_the_cpu(d):
     out = torch.zeros(6, device=d)
-    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, enabled=torch.ones((), dtype=torch.bool))), [out]
+    return (lambda: agg([t(d, 6), t(d, 6)], t(d, 2), out, skip=torch.zeros((), dtype=torch.bool))), [out]
 
 
 @cuda_case(r"g must be on cuda", "g")
@@ -711,7 +711,7 @@ def test_the_same_calls_with_good_input_run(device):
     X = t(d, 2, 5)
     batched(X, t(d, 2, 5), t(d, 2, 5), momentum=0.9, lr_t=s(d, n=2))
     out = torch.zeros(6, device=d)
-    agg([t(d, 6), t(d, 6)], t(d, 2), out, gamma_t=s(d), enabled=torch.ones((), dtype=torch.bool, device=d))
+    agg([t(d, 6), t(d, 6)], t(d, 2), out, gamma_t=s(d), skip=torch.zeros((), dtype=torch.bool, device=d))
     dots([t(d, 3, 6)], t(d, 6))
     server(p, [t(d, 4), t(d, 15)], [t(d, 4), t(d, 3, 5)], [t(d, 4).abs(), t(d, 3, 5).abs()], rule=3, lr_t=s(d),
            skip=torch.zeros((), dtype=torch.bool, device=d))

@@ -47,8 +47,8 @@ def test_driver_fails_on_a_wrong_aggregation(capsys, monkeypatch):
     cpu = backends.resolve("cpu", torch.device("cpu"))
     real = cpu.aggregate
 
-    def gamma_ignored(clients, weights, gamma, out, enabled):
-        return real(clients, weights, 1.0, out, enabled)
+    def gamma_ignored(clients, weights, gamma, out, skip):
+        return real(clients, weights, 1.0, out, skip)
 
     monkeypatch.setattr(cpu, "aggregate", gamma_ignored)
     assert driver.main(["--device", "cpu", "--backends", "cpu"]) == 1

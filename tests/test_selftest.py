@@ -138,10 +138,10 @@ def test_an_aggregation_that_drops_a_client_fails_aggregate_and_weighted_sum(cap
     cpu = backends.resolve("cpu", torch.device("cpu"))
     real = cpu.aggregate
 
-    def drops_the_last_client(clients, weights, gamma, out, enabled):
+    def drops_the_last_client(clients, weights, gamma, out, skip):
         weights = weights.clone()
         weights[-1] = 0
-        return real(clients, weights, gamma, out, enabled)
+        return real(clients, weights, gamma, out, skip)
 
     monkeypatch.setattr(cpu, "aggregate", drops_the_last_client)
     rc, doc, out, _ = _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")

@@ -363,7 +363,7 @@ def test_aggregate_weight_zero_nan_client(dev):
         q = st.client_sq_norms
         assert math.isnan(float(q[1])) and math.isfinite(float(q[0])) and math.isfinite(float(st.sq_norm))
         torch.testing.assert_close(q, q_r, equal_nan=True, rtol=2e-5, atol=0)
-    # the default nonfinite="exclude" re-runs with enabled=(weights changed), read in-kernel
+    # the default nonfinite="exclude" re-runs with skip=(no weight changed), read in-kernel
     o_e, st_e = ops.aggregate(X, torch.tensor([0.6, 0.2, 0.2], device=dev), backend="triton")
     o_x, st_x = ops.aggregate(X, torch.tensor([0.6, 0.2, 0.2], device=dev), backend="reference")
     assert st_e.excluded.tolist() == [False, True, False]
@@ -371,14 +371,14 @@ def test_aggregate_weight_zero_nan_client(dev):
     torch.testing.assert_close(st_e.sq_norm, st_x.sq_norm, rtol=2e-5, atol=0)
 
 
-def test_aggregate_enabled_flag(dev):
+def test_aggregate_skip_flag(dev):
     X = torch.randn(2, 3001, device=dev)
     w = torch.tensor([0.5, 0.5], device=dev)
     for flag in (False, True):
         out = torch.full((3001,), 3.0, device=dev)
         before = out.clone()
         q, Q = TB.aggregate(X, w, 2.0, out, torch.tensor(flag, device=dev))
-        if flag:
+        if not flag:
             ref_out, q_r, Q_r = ref_agg.aggregate(X, w, 2.0)
             torch.testing.assert_close(out, ref_out)
             torch.testing.assert_close(q, q_r, rtol=2e-5, atol=0)
@@ -469,7 +469,7 @@ def test_no_host_sync_on_cuda(dev):
     grads = [torch.randn_like(p) for p in params]
     X = torch.randn(3, 1000, device=dev)
     w = torch.tensor([0.2, 0.3, 0.5], device=dev)
-    lr, flag, g = torch.tensor(0.2, device=dev), torch.tensor(True, device=dev), torch.randn(1000, device=dev)
+    lr, flag, g = torch.tensor(0.2, device=dev), torch.tensor(False, device=dev), torch.randn(1000, device=dev)
     # warm up (compiles the kernels and builds the tables), then no call may synchronise
     TB.nar_step_(params, grads, [], 0.1, 0.01, 1.0, 0, 0.0, None, None)
     TB.nar_step_(params, grads, [], lr, 0.01, 1.0, 0, 0.0, None, None)

@@ -124,17 +124,17 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
 }
 
 std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weights, double gamma,
-                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& enabled) {
+                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip) {
   const Clients cl = unpack_clients(clients, "fedopt_C::aggregate");
   const at::ScalarType acc = acc_type(cl.dtype);
   TORCH_CHECK(weights.device().is_cpu() && weights.numel() == cl.C, "fedopt_C::aggregate: weights must be a CPU "
               "tensor of ", cl.C, " elements, got ", weights.numel(), " on ", weights.device());
   check_hyper_dtype(weights, "weights");
   const bool out_is_acc = check_vector(out, cl, "out");
-  if (enabled.has_value()) {
-    TORCH_CHECK(enabled->numel() == 1 && enabled->device().is_cpu(), "fedopt_C::aggregate: enabled must be a "
+  if (skip.has_value()) {
+    TORCH_CHECK(skip->numel() == 1 && skip->device().is_cpu(), "fedopt_C::aggregate: skip must be a "
                 "one-element CPU tensor");
-    if (!enabled->item<bool>()) {
+    if (skip->item<bool>()) {
       return {at::zeros({cl.C}, at::TensorOptions().dtype(acc)), at::zeros({}, at::TensorOptions().dtype(acc))};
     }
   }

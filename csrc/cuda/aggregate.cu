@@ -49,8 +49,8 @@
 // whose row length in bytes is not a multiple of 16: a per-call decision, as one
 // misaligned client makes every tile misaligned), so the sums do not depend on
 // alignment.  A client with weight exactly 0 is never multiplied (no 0 * nan in out)
-// but its ||X_i||^2 is still computed.  `enabled` (0-d bool on the device) is read by
-// the kernels: when false rows_kernel returns at once (out untouched) and the finalize
+// but its ||X_i||^2 is still computed.  `skip` (0-d bool on the device) is read by
+// the kernels: when true rows_kernel returns at once (out untouched) and the finalize
 // kernel writes zeros, so there is no host sync.
 //
 // Clients: a [C, N] tensor (client i at base + i * N, nothing uploaded), one 1-D tensor,
@@ -111,7 +111,7 @@ struct RowsArgs {
   const acc_t* weights;  // [C]
   acc_t gamma;
   const acc_t* gamma_ptr;  // when set, gamma = *gamma_ptr
-  const bool* enabled;     // when set and false: nothing is written
+  const bool* skip;        // when set and true: nothing is written
   void* out;               // [N] of out_t
   // client_dots
   const void* g;  // [N] of other_t
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
   static_assert(kClientBatch % UC == 0, "a group of clients never straddles a batch");
   __shared__ acc_t staged[kClientBatch][kWarps];
   __shared__ acc_t smem[kWarps];
-  if (!kDots && a.enabled != nullptr && !*a.enabled) return;  // block-uniform
+  if (!kDots && a.skip != nullptr && *a.skip) return;  // block-uniform
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
@@ -290,14 +290,14 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
 }
 
 // dst of row r (r < C: first[r]; r == C: *second) = sum_b partials[r][b], fixed order;
-// zeros when `enabled` is set and false.
+// zeros when `skip` is set and true.
 template <typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     finalize_rows_kernel(const acc_t* partials, int64_t nb, int64_t C, acc_t* first, acc_t* second,
-                         const bool* enabled) {
+                         const bool* skip) {
   __shared__ acc_t smem[kWarps];
   const int64_t r = blockIdx.x;
-  const bool on = enabled == nullptr || *enabled;
+  const bool on = skip == nullptr || !*skip;
   acc_t s = acc_t(0);
   if (on)
     for (int64_t b = threadIdx.x; b < nb; b += kThreads) s += partials[r * nb + b];
@@ -389,7 +389,7 @@ void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, const AggTiling& 
 
 std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::Tensor& weights, double gamma,
                                              const std::optional<at::Tensor>& gamma_tensor, const at::Tensor& out,
-                                             const std::optional<at::Tensor>& enabled) {
+                                             const std::optional<at::Tensor>& skip) {
   const char* op = "fedopt_C::aggregate (CUDA)";
   check_first_client(op, clients);
   const c10::cuda::CUDAGuard guard(clients[0].device());
@@ -402,13 +402,13 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
   TORCH_CHECK(weights.is_floating_point(), op, ": weights must be floating point, got ", weights.scalar_type());
   const at::Tensor w = weights.to(acc).contiguous();
   const HyperTensor gamma_h = hyper_tensor(gamma_tensor, op, "gamma_tensor", acc, c.device);
-  at::Tensor enabled_t;
-  if (enabled.has_value() && enabled->defined()) {
-    TORCH_CHECK(enabled->device() == c.device && enabled->numel() == 1, op,
-                ": enabled must be a one-element tensor on ", c.device);
-    enabled_t = enabled->scalar_type() == at::kBool ? *enabled : enabled->to(at::kBool);
+  at::Tensor skip_t;
+  if (skip.has_value() && skip->defined()) {
+    TORCH_CHECK(skip->device() == c.device && skip->numel() == 1, op,
+                ": skip must be a one-element tensor on ", c.device);
+    skip_t = skip->scalar_type() == at::kBool ? *skip : skip->to(at::kBool);
   }
-  const bool* enabled_ptr = enabled_t.defined() ? enabled_t.data_ptr<bool>() : nullptr;
+  const bool* skip_ptr = skip_t.defined() ? skip_t.data_ptr<bool>() : nullptr;
 
   const auto opts = at::TensorOptions().dtype(acc).device(c.device);
   at::Tensor sq_norms = at::empty({c.C}, opts);
@@ -432,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
       a.weights = w.data_ptr<acc_t>();
       a.gamma = static_cast<acc_t>(gamma);
       a.gamma_ptr = static_cast<const acc_t*>(gamma_h.ptr);
-      a.enabled = enabled_ptr;
+      a.skip = skip_ptr;
       a.out = out.data_ptr();
       a.partials = partials.data_ptr<acc_t>();
       if (out.scalar_type() == c.dtype)
@@ -442,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
     }
     // C + 1 rows: the clients' ||X_i||^2, then ||sum_i w_i X_i||^2 (all 0 when N == 0).
     finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C + 1)), kThreads, 0, stream>>>(
-        partials.data_ptr<acc_t>(), nb, c.C, sq_norms.data_ptr<acc_t>(), sq_norm.data_ptr<acc_t>(), enabled_ptr);
+        partials.data_ptr<acc_t>(), nb, c.C, sq_norms.data_ptr<acc_t>(), sq_norm.data_ptr<acc_t>(), skip_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {sq_norms, sq_norm};

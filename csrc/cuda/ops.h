@@ -37,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_apply_(
 
 std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::Tensor& weights, double gamma,
                                              const std::optional<at::Tensor>& gamma_tensor, const at::Tensor& out,
-                                             const std::optional<at::Tensor>& enabled);
+                                             const std::optional<at::Tensor>& skip);
 
 at::Tensor client_dots(at::TensorList clients, const at::Tensor& g);
 

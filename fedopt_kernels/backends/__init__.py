@@ -27,10 +27,14 @@ found_inf) -> (norm, scale, skipped)``
     Row-wise FedNAR on ``[C, N]`` tensors (``B`` is None without momentum); stats
     ``[C]``; ``lr``/``weight_decay`` may also be ``[C]`` tensors.
 
-``aggregate(clients, weights, gamma, out, enabled) -> (client_sq_norms, sq_norm)``
+``aggregate(clients, weights, gamma, out, skip) -> (client_sq_norms, sq_norm)``
     ``out = gamma * sum_i weights[i] * clients[i]`` with the norms in the same pass;
     ``clients`` is a list of 1-D tensors or a 2-D tensor; ``gamma`` a float or 0-d
-    tensor; ``enabled`` None or a 0-d bool tensor (false: ``out`` untouched, zero stats).
+    tensor; ``skip`` None or a 0-d bool tensor (true: ``out`` untouched, zero stats).
+
+One "do nothing" convention for every op: an optional one-element device tensor read by
+the kernels (no host sync), nonzero = the op writes nothing -- ``found_inf`` of the
+FedNAR ops (GradScaler's own flag), ``skip`` of ``aggregate`` and ``server_update_``.
 
 ``client_dots(clients, g) -> [C]``
     ``<clients[i], g>`` for every client in one pass.

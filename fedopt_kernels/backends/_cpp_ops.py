@@ -46,11 +46,11 @@ def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_
         grad_scale, found_inf)
 
 
-def aggregate(clients, weights, gamma, out, enabled):
+def aggregate(clients, weights, gamma, out, skip):
     gamma_f, gamma_t = _split(gamma)
     if isinstance(clients, torch.Tensor):
         clients = [clients]
-    return torch.ops.fedopt_C.aggregate(clients, weights, gamma_f, gamma_t, out, enabled)
+    return torch.ops.fedopt_C.aggregate(clients, weights, gamma_f, gamma_t, out, skip)
 
 
 def client_dots(clients, g):

@@ -38,11 +38,12 @@ def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_
         momentum=momentum, momentum_buffers=B, grad_scale=grad_scale, found_inf=found_inf))
 
 
-def aggregate(clients, weights, gamma, out, enabled):
+def aggregate(clients, weights, gamma, out, skip):
     result, q, Q = _agg.aggregate(clients, weights, gamma)
-    if enabled is not None:
-        out.copy_(torch.where(enabled, result.to(out.dtype), out))
-        return torch.where(enabled, q, torch.zeros_like(q)), torch.where(enabled, Q, torch.zeros_like(Q))
+    if skip is not None:
+        skip = skip.reshape(()) != 0
+        out.copy_(torch.where(skip, out, result.to(out.dtype)))
+        return torch.where(skip, torch.zeros_like(q), q), torch.where(skip, torch.zeros_like(Q), Q)
     out.copy_(result)
     return q, Q
 

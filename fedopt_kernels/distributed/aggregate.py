@@ -204,7 +204,7 @@ def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, non
         eff, excluded = robust_weights(w, q, nonfinite == "exclude", max_client_norm)
         redo = (eff != w).any()
         if not host_decides or bool(redo):
-            result.second_pass(eff[plan.start:plan.stop].contiguous(), None if host_decides else redo)
+            result.second_pass(eff[plan.start:plan.stop].contiguous(), None if host_decides else ~redo)
         else:
             redo = None
     else:
@@ -239,7 +239,7 @@ class _Ordered:
         self.one = torch.ones(1, dtype=acc, device=device)
         self.Q = [None, None]
 
-    def _pass(self, weights, enabled, index: int):
+    def _pass(self, weights, skip, index: int):
         plan, group = self.plan, self.group
         if not self.first:
             _comm.recv(self.prev, plan.rank - 1, group)
@@ -248,7 +248,7 @@ class _Ordered:
             rows, w = self.chain_rows, weights
         q = None
         if rows:
-            q, self.Q[index] = self.run(rows, w, self.gamma, self.target, enabled)
+            q, self.Q[index] = self.run(rows, w, self.gamma, self.target, skip)
             if not self.first:
                 q = q[1:]
         elif index == 0:  # rank 0 without clients: the running sum starts at +0
@@ -266,8 +266,8 @@ class _Ordered:
             q = torch.zeros(0, dtype=self.acc, device=self.device)
         return q
 
-    def second_pass(self, eff_local, enabled):
-        self._pass(eff_local, enabled, 1)
+    def second_pass(self, eff_local, skip):
+        self._pass(eff_local, skip, 1)
 
     def finish(self, out, redo):
         src = self.plan.world - 1
@@ -291,11 +291,11 @@ class _AllReduce:
         self.buf = torch.empty(N + 2 * C, dtype=acc, device=device)
         self.partial = self.buf[:N]
 
-    def _local_sum(self, weights, target, enabled):
+    def _local_sum(self, weights, target, skip):
         if self.rows:
-            q, _ = self.run(self.rows, weights, 1.0, target, enabled)
+            q, _ = self.run(self.rows, weights, 1.0, target, skip)
             return q
-        if enabled is None:
+        if skip is None:
             target.zero_()
         return torch.zeros(0, dtype=self.acc, device=self.device)
 
@@ -310,15 +310,15 @@ class _AllReduce:
         self.gathered = torch.stack([self.buf[N:N + C], self.buf[N + C:]], dim=1)
         return q
 
-    def second_pass(self, eff_local, enabled):
-        if enabled is None:
+    def second_pass(self, eff_local, skip):
+        if skip is None:
             self._local_sum(eff_local, self.partial, None)
             _comm.all_reduce(self.partial, self.group)
             return
         tmp = torch.zeros_like(self.partial) if not self.rows else torch.empty_like(self.partial)
-        self._local_sum(eff_local, tmp, enabled)
+        self._local_sum(eff_local, tmp, skip)
         _comm.all_reduce(tmp, self.group)
-        torch.where(enabled, tmp, self.partial, out=self.partial)
+        torch.where(skip, self.partial, tmp, out=self.partial)
 
     def finish(self, out, redo):
         gamma = self.gamma

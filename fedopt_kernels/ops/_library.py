@@ -129,24 +129,24 @@ def nar_step_batched_op(X, G, B, lr, weight_decay, max_norm, mode, momentum, gra
 @torch.library.custom_op("fedopt::aggregate", mutates_args=("out",))
 def _aggregate(
     clients: list[torch.Tensor], weights: torch.Tensor, gamma: float, gamma_tensor: Optional[torch.Tensor],
-    out: torch.Tensor, enabled: Optional[torch.Tensor], backend: str,
+    out: torch.Tensor, skip: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, out.device)
     rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
-    q, Q = impl.aggregate(rows, weights, _join(gamma, gamma_tensor), out, enabled)
+    q, Q = impl.aggregate(rows, weights, _join(gamma, gamma_tensor), out, skip)
     return q, Q
 
 
 @_aggregate.register_fake
-def _(clients, weights, gamma, gamma_tensor, out, enabled, backend):
+def _(clients, weights, gamma, gamma_tensor, out, skip, backend):
     C = clients[0].shape[0] if len(clients) == 1 and clients[0].dim() == 2 else len(clients)
     acc = acc_dtype(clients[0].dtype)
     return out.new_empty((C,), dtype=acc), out.new_empty((), dtype=acc)
 
 
-def aggregate_op(clients, weights, gamma, out, enabled, backend):
+def aggregate_op(clients, weights, gamma, out, skip, backend):
     rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
-    return _aggregate(rows, weights, *_split(gamma), out, enabled, backend)
+    return _aggregate(rows, weights, *_split(gamma), out, skip, backend)
 
 
 @torch.library.custom_op("fedopt::client_dots", mutates_args=())

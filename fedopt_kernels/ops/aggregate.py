@@ -210,9 +210,9 @@ def aggregate(
     q, Q = run(rows, w, gamma, out, None)
     if nonfinite == "exclude" or max_client_norm is not None:
         eff, excluded = robust_weights(w, q, nonfinite == "exclude", max_client_norm)
-        redo = (eff != w).any()
-        _, Q2 = run(rows, eff, gamma, out, redo)
-        Q = torch.where(redo, Q2, Q)
+        same = (eff == w).all()  # nothing changed: the second pass does nothing
+        _, Q2 = run(rows, eff, gamma, out, same)
+        Q = torch.where(same, Q, Q2)
     else:
         eff, excluded = w, torch.zeros(C, dtype=torch.bool, device=device)
     return out, AggregateStats(q, Q, excluded, eff, excluded.all())
@@ -222,7 +222,7 @@ def _runner(backend, device):
     """Call the backend directly in eager mode, through the custom op under compile."""
     if torch.compiler.is_compiling():
         name = backends.resolve_name(backend, device.type)
-        return lambda rows, w, gamma, out, enabled: _library.aggregate_op(rows, w, gamma, out, enabled, name)
+        return lambda rows, w, gamma, out, skip: _library.aggregate_op(rows, w, gamma, out, skip, name)
     return backends.resolve(backend, device).aggregate
 
 

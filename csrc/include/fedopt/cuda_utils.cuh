@@ -328,7 +328,7 @@ inline FoundInf found_inf_flag(const std::optional<at::Tensor>& t, const char* o
   return f;
 }
 
-// A 0-d flag the kernels read on the device (`skip`, `enabled`): a bool on `device`, or
+// A 0-d flag the kernels read on the device (`skip`, `found_inf`): a bool on `device`, or
 // null when absent.  Other dtypes are converted (non-zero -> true) on the device.
 struct BoolFlag {
   at::Tensor tensor;  // keeps a converted copy alive until the launches are queued

@@ -270,10 +270,10 @@ def _clients_meta(clients):
     return len(clients), clients[0].numel(), clients[0].dtype, clients[0].device
 
 
-def aggregate(clients, weights, gamma, out, enabled):
+def aggregate(clients, weights, gamma, out, skip):
     """``out = gamma * sum_i weights[i] * clients[i]``; returns ``(q [C], Q [])`` (contract)."""
     with _on(out.device):
-        return _aggregate(clients, weights, gamma, out, enabled)
+        return _aggregate(clients, weights, gamma, out, skip)
 
 
 def _clients_work(clients):
@@ -291,7 +291,7 @@ def aggregate_tiling(N: int, dtype: torch.dtype):
     return block, max(1, block // 256), -(-N // block)
 
 
-def _aggregate(clients, weights, gamma, out, enabled):
+def _aggregate(clients, weights, gamma, out, skip):
     C, N, dtype, device = _clients_meta(clients)
     acc = acc_dtype(dtype)
     block, warps, nblk = aggregate_tiling(N, dtype)
@@ -299,17 +299,17 @@ def _aggregate(clients, weights, gamma, out, enabled):
     total = torch.empty((), dtype=acc, device=device)
     part = torch.empty((C + 1) * nblk, dtype=acc, device=device)
     g_kind, g_f, g_t = _hyper(gamma, per_row=False)
-    has_en = enabled is not None
+    has_skip = skip is not None
     weights = weights.contiguous()
     if nblk > 0:
         tab, x_base, two_d, mis = _clients_work(clients)
         aggregate_kernel[(nblk,)](
             tab if tab is not None else part, weights, out, part,
-            enabled if has_en else part, g_t if g_t is not None else part, g_f, x_base, C, N, nblk, mis,
-            DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], TWO_D=two_d, HAS_EN=has_en,
+            skip if has_skip else part, g_t if g_t is not None else part, g_f, x_base, C, N, nblk, mis,
+            DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], TWO_D=two_d, HAS_SKIP=has_skip,
             GAMMA_KIND=g_kind, BLOCK=block, num_warps=warps)
-    row_sum_kernel[(C + 1,)](part, q, total, enabled if has_en else part, nblk, C, ACC=TL_DTYPES[acc],
-                             HAS_EN=has_en, PBLOCK=PBLOCK, num_warps=SMALL_NUM_WARPS)
+    row_sum_kernel[(C + 1,)](part, q, total, skip if has_skip else part, nblk, C, ACC=TL_DTYPES[acc],
+                             HAS_SKIP=has_skip, PBLOCK=PBLOCK, num_warps=SMALL_NUM_WARPS)
     return q, total
 
 
@@ -333,7 +333,7 @@ def _client_dots(clients, g):
             tab if tab is not None else part, g, part, x_base, C, N, nblk, mis,
             DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], TWO_D=two_d, BLOCK=block,
             num_warps=warps)
-    row_sum_kernel[(C,)](part, res, res, res, nblk, C, ACC=TL_DTYPES[acc], HAS_EN=False, PBLOCK=PBLOCK,
+    row_sum_kernel[(C,)](part, res, res, res, nblk, C, ACC=TL_DTYPES[acc], HAS_SKIP=False, PBLOCK=PBLOCK,
                          num_warps=SMALL_NUM_WARPS)
     return res
 

@@ -62,11 +62,11 @@ def _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nb
 
 
 @triton.jit(do_not_specialize=["gamma_value", "x_base", "C", "N", "nblk", "mis"])
-def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, en_ptr, gamma_ptr,
+def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, skip_ptr, gamma_ptr,
                      gamma_value: tl.float64, x_base: tl.int64, C: tl.int64, N: tl.int64, nblk: tl.int64,
                      mis: tl.int64,
                      DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
-                     HAS_EN: tl.constexpr, GAMMA_KIND: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_SKIP: tl.constexpr, GAMMA_KIND: tl.constexpr, BLOCK: tl.constexpr):
     """For the columns ``J`` of program ``p`` (``nblk`` programs), in acc dtype::
 
         total_J          = sum_i (w_i * X_i[J] if w_i != 0 else 0)   (i = 0, 1, ... in order)
@@ -74,11 +74,11 @@ def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, en_ptr, gamma_ptr,
         part[i, p]       = sum_J X_i[J]^2           (i < C)
         part[C, p]       = sum_J total_J^2
 
-    With ``enabled`` false (read here) nothing is read or written.  Grid: ``nblk``.
+    With ``skip`` true (read here) nothing is read or written.  Grid: ``nblk``.
     """
     run = True
-    if HAS_EN:
-        run = tl.load(en_ptr) != 0
+    if HAS_SKIP:
+        run = tl.load(skip_ptr) == 0
     if run:
         pid = tl.program_id(0).to(tl.int64)
         gamma = H.load_hyper(gamma_value, gamma_ptr, 0, GAMMA_KIND, ACC)
@@ -116,16 +116,16 @@ def client_dots_kernel(ctab_ptr, g_ptr, part_ptr, x_base: tl.int64, C: tl.int64,
 
 
 @triton.jit(do_not_specialize=["nblk", "C"])
-def row_sum_kernel(part_ptr, q_ptr, total_ptr, en_ptr, nblk: tl.int64, C: tl.int64, ACC: tl.constexpr,
-                   HAS_EN: tl.constexpr, PBLOCK: tl.constexpr):
-    """Row ``r`` of the partials summed in a fixed order -- 0 when ``enabled`` is false --
+def row_sum_kernel(part_ptr, q_ptr, total_ptr, skip_ptr, nblk: tl.int64, C: tl.int64, ACC: tl.constexpr,
+                   HAS_SKIP: tl.constexpr, PBLOCK: tl.constexpr):
+    """Row ``r`` of the partials summed in a fixed order -- 0 when ``skip`` is true --
     into ``q[r]`` for ``r < C`` and ``total[0]`` for ``r == C`` (two separate outputs:
     a custom op may not return two views of one buffer).  Grid: one program per row.
     """
     r = tl.program_id(0).to(tl.int64)
     run = True
-    if HAS_EN:
-        run = tl.load(en_ptr) != 0
+    if HAS_SKIP:
+        run = tl.load(skip_ptr) == 0
     if run:
         s = H.sum_range(part_ptr, r * nblk, (r + 1) * nblk, ACC, PBLOCK)
     else:

@@ -210,9 +210,14 @@ def run_simulate(args) -> int:
     from ..fl.distributed import shutdown
 
     try:
-        return _run_simulate(args, distributed=True)
-    finally:
+        code = _run_simulate(args, distributed=True)
+    except BaseException:
         shutdown()
+        raise
+    # every rank gets here on a normal end (an interrupted run returns 130 at a point
+    # that differs between ranks, so it does not wait for the others)
+    shutdown(barrier=code == 0)
+    return code
 
 
 def _init_distributed(config: SimulationConfig) -> int:

@@ -189,7 +189,17 @@ def init_from_env(device: str = "cpu", *, backend: Optional[str] = None) -> Tupl
     return dist.get_rank(), dist.get_world_size()
 
 
-def shutdown() -> None:
-    """Destroy the default process group if one is initialised."""
+def shutdown(*, barrier: bool = False) -> None:
+    """Destroy the default process group if one is initialised.
+
+    ``barrier=True`` (a normal end, every rank reaching this call) first waits for every
+    rank: a rank that finished early (only rank 0 writes the results) must not tear its
+    gloo connections down while a peer still holds its end -- gloo's transport threads
+    then abort the early rank ("terminate called without an active exception", seen
+    as a SIGABRT from torchrun).  After an error no barrier: a failed rank must not
+    wait for peers that may never arrive.
+    """
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

@@ -277,7 +277,7 @@ def test_batch_bins():
 
 
 def test_many_small_clients_use_several_bins_and_agree():
-    kw = dict(clients=100, per_round=25, rounds=2, local_steps=6, batch_size=16)
+    kw = dict(clients=100, per_round=25, rounds=2, local_steps=6, batch_size=32)
     seq = _run(engine="sequential", **kw)
     bat = _sim(engine="batched", **kw)
     sizes = [bat.partition.sizes[c] for c in bat.sample_clients(1)]
@@ -396,3 +396,62 @@ def test_real_run_benchmark_times_consecutive_rounds_with_new_clients():
         g.copy_(s)
     hand2._lean_round([hand2.clients[3]], [1.0])
     assert all(torch.equal(a, b) for a, b in zip(again, hand2.global_params))
+
+
+def test_padded_count_ladder():
+    """Group rows: 2, 3, 4, 6, 8, 12, 16, 24, ... (hand-listed), never past a level's
+    limit when the limit holds the group, never below 2."""
+    expect = {1: 2, 2: 2, 3: 3, 4: 4, 5: 6, 6: 6, 7: 8, 8: 8, 9: 12, 12: 12, 13: 16, 17: 24, 25: 32, 33: 48, 49: 64}
+    assert {n: B.padded_count(n) for n in expect} == expect
+    assert B.padded_count(17, limit=20) == 20 and B.padded_count(5, limit=5) == 5
+    assert B.padded_count(1, limit=1) == 2
+    assert B.padded_count(9, limit=8) == 12  # a limit that cannot hold the group is ignored
+    with pytest.raises(ValueError, match="at least one client"):
+        B.padded_count(0)
+
+
+def _shapes_of_rounds(sim, rounds):
+    """The groups (mode, rows, real, batch) of each round, as the engine planned them."""
+    seen, plan = [], sim.batched.plan
+
+    def recording(sizes):
+        groups = plan(sizes)
+        seen.append([(g.mode, len(g.rows), g.real, g.batch) for g in groups])
+        return groups
+
+    sim.batched.plan = recording
+    sim.run(rounds)
+    return seen
+
+
+def test_real_run_shapes_come_from_a_fixed_set_and_are_traced_once():
+    """New clients every round: group rows follow the ladder, so a 12-round run meets a
+    few shapes, each traced once (at its second sighting), never once per round."""
+    sim = _sim(engine="batched", clients=100, per_round=25, rounds=12, local_steps=3)
+    rounds = _shapes_of_rounds(sim, 12)
+    assert len({frozenset(s) for s in rounds}) > 1  # the rounds' compositions differ
+    limits = set(sim.batched._level_limit.values())
+    sightings = {}
+    for groups in rounds:
+        for mode, rows, real, batch in groups:
+            assert rows == B.padded_count(real) or rows in limits, (rows, real)
+            sightings[(mode, rows, batch)] = sightings.get((mode, rows, batch), 0) + 1
+    assert any(rows > real for groups in rounds for _, rows, real, _ in groups)  # padding happened
+    traced = sim.batched.trace_counts
+    assert traced and set(traced.values()) == {1}
+    # traced = the shapes met at least twice (the first round runs eagerly to verify the model)
+    assert set(traced) <= {k for k, n in sightings.items() if n >= 2}
+    assert sum(traced.values()) < 12
+
+
+def test_real_run_batched_equals_sequential_with_new_clients():
+    """Several rounds, new clients each round, padded groups: the batched engine's global
+    model is the sequential engine's (the module's tolerance), and so are the records."""
+    kw = dict(clients=100, per_round=25, rounds=6, local_steps=4, momentum=0.5)
+    seq = _run(engine="sequential", **kw)
+    bat = _sim(engine="batched", **kw)
+    rounds = _shapes_of_rounds(bat, 6)
+    assert any(rows > real for groups in rounds for _, rows, real, _ in groups)
+    assert len({tuple(r["clients"]) for r in bat.results.records[1:]}) == 6
+    assert_close_models(seq.x_global, bat.x_global)
+    assert_same_records(seq, bat)

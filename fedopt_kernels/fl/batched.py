@@ -13,8 +13,8 @@ after another.  The batched engine trains the round's ``C`` clients together:
   order), batched over the clients.
 * **gradients**: ``vmap(grad(loss of functional_call(model, views, batch)))`` over the
   clients (:mod:`torch.func`); the per-parameter gradients are concatenated into a
-  preallocated ``[C, N]`` buffer ``G``.  When a group's shapes come back (the next
-  round, another group) that vmapped gradient is traced once with ``make_fx`` into a
+  preallocated ``[C, N]`` buffer ``G``.  When a group's shapes come back (a later
+  round, another group; see *Fixed shapes*) that vmapped gradient is traced once with ``make_fx`` into a
   graph of the plain ATen ops the transforms dispatch to (batched matmuls ...) and the
   graph runs instead: the same ops, the same bits (tested), without the per-op cost
   of the transforms -- a third of a small model's step.  ``trainer.trace = False``
@@ -48,13 +48,24 @@ from a ``reduction="none"`` copy; any other ``loss_fn`` is called as given under
 **Padded lengths.**  Padding costs arithmetic: with 100 clients of ``digits`` most hold
 ~15 samples, the largest 32.  A few padded batch lengths ("levels") are chosen once
 from the batch sizes of ALL clients (:func:`batch_bins`: fewest padded samples, plus a
-penalty for each extra batched call per step); a client is padded to the smallest
-level that holds its batch, and the clients of one level form one batched call per
-local step.  A loss that cannot be masked, or a model with BatchNorm layers (batch
+penalty for each extra batched call per step, weighed against the work of a *round*:
+the padding is counted per sampled client, so with 20 of 100 clients per round an
+extra call costs five times what it would with all 100); a client is padded to the
+smallest level that holds its batch, and the clients of one level form one batched
+call per local step.  A loss that cannot be masked, or a model with BatchNorm layers (batch
 statistics would see the padding), gets one level per batch size.  So a
 client's padded length -- and with it all of its arithmetic -- depends on its own size
 alone, never on which clients share its round, its group or (``fl.distributed``) its
 rank.
+
+**Fixed shapes.**  A real run samples new clients every round, so the number of a
+round's clients at each level changes from round to round.  A group's rows are padded
+up to a fixed ladder of counts (:func:`padded_count`: 2, 3, 4, 6, 8, 12, ...; or the
+most clients the level can hold in a round), the padding rows being copies of the
+group's first client whose results are dropped.  So the shapes of a run come from a
+small fixed set -- a few per level -- and each is traced once (below) and then serves
+every round that meets it, whatever clients are drawn (``trace_counts`` records
+this; a shape met once stays eager: tracing costs about two eager rounds).
 
 **Groups (memory).**  ``C`` copies of the model, their gradients, batches and
 activations must fit.  ``client_batch`` bounds how many clients are trained at once
@@ -98,7 +109,8 @@ from .client import LocalConfig, RoundStats, ScaffoldState
 from .seeds import dropout_seed
 
 __all__ = ["BatchedTrainer", "BatchedUnsupported", "EngineFallbackWarning", "unsupported_reason",
-           "per_sample_loss", "client_batches", "batch_bins", "estimate_client_bytes", "available_memory"]
+           "per_sample_loss", "client_batches", "batch_bins", "padded_count", "estimate_client_bytes",
+           "available_memory"]
 
 
 # torch losses whose reduction="mean" is the plain mean of the reduction="none" output
@@ -252,10 +264,27 @@ def batch_bins(batch_sizes: Sequence[int], *, penalty: float = 1 / 16) -> List[t
     return bins
 
 
+def padded_count(n: int, limit: Optional[int] = None) -> int:
+    """The rows of a group of ``n`` clients: the smallest of 2, 3, 4, 6, 8, 12, 16, 24,
+    ... (``2^k`` and ``3 * 2^(k-1)``: at most a third of the rows are padding) that
+    holds ``n``, but no more than ``limit`` (the most clients the group can ever have
+    in this run) when that still holds ``n`` -- never below 2 (a lone client is
+    computed beside a copy of itself, see :class:`BatchedTrainer`)."""
+    if n < 1:
+        raise ValueError(f"a group needs at least one client, got {n}")
+    rows = 2
+    while rows < n:
+        rows = rows * 3 // 2 if rows & (rows - 1) == 0 else rows * 4 // 3
+    if limit is not None and n <= limit < rows:
+        rows = limit
+    return max(rows, 2)
+
+
 class _Group:
-    """Rows of the round trained together: ``rows`` (indices into the round's clients,
-    a lone client doubled; the first ``real`` are distinct), the padded batch length and
-    the loss form (``"soft"``, ``"masked"`` or ``"plain"``, see :class:`BatchedTrainer`)."""
+    """Rows of the round trained together: ``rows`` (indices into the round's clients;
+    the first ``real`` are distinct, the rest copies of the first, padding the group to
+    :func:`padded_count` rows), the padded batch length and the loss form (``"soft"``,
+    ``"masked"`` or ``"plain"``, see :class:`BatchedTrainer`)."""
 
     __slots__ = ("rows", "real", "batch", "mode")
 
@@ -301,11 +330,16 @@ class BatchedTrainer:
         population_sizes: every client's number of samples (the padded batch lengths
             are chosen once from them, so a client's arithmetic never depends on which
             clients share its round); None: chosen per round.
+        round_clients: how many clients a round trains (the run's ``per_round``): the
+            levels weigh an extra batched call against a round's work, and a level's
+            groups are never padded past what a round can put in it; None: the
+            population (or the round) size.
     """
 
     def __init__(self, model: nn.Module, loss_fn, x_train: torch.Tensor, y_train: torch.Tensor, config: LocalConfig,
                  *, num_classes: Optional[int] = None, buffers: Optional[Dict[str, torch.Tensor]] = None,
-                 client_batch: int = 0, seed: int = 0, population_sizes: Optional[Sequence[int]] = None):
+                 client_batch: int = 0, seed: int = 0, population_sizes: Optional[Sequence[int]] = None,
+                 round_clients: Optional[int] = None):
         from torch.func import grad, vmap
 
         self.model = model
@@ -332,8 +366,21 @@ class BatchedTrainer:
         self._mixes_batch = next((type(m).__name__ for m in model.modules()
                                   if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
         self._can_pad = (self._soft_targets is not None or self._per_sample is not None) and not self._mixes_batch
+        if round_clients is not None and int(round_clients) < 1:
+            raise ValueError(f"round_clients must be a positive number of clients, got {round_clients!r}")
+        self.round_clients = int(round_clients) if round_clients is not None else None
         self.bin_penalty = 1 / 16  # see batch_bins
         self._levels = self.levels(population_sizes) if population_sizes is not None else None
+        # the most clients of a round each level can hold (population known): no group
+        # of that level is padded past it
+        self._level_limit: Dict[int, int] = {}
+        if population_sizes is not None:
+            for n in population_sizes:
+                B = self._level_of(min(self.config.batch_size, n), self._levels)[0]
+                self._level_limit[B] = self._level_limit.get(B, 0) + 1
+            if self.round_clients is not None:
+                self._level_limit = {B: min(k, self.round_clients) for B, k in self._level_limit.items()}
+        self._group_caps: Dict[int, int] = {}  # clients per group at a padded length, fixed once per run
         self.verified = False  # a first round ran: later errors are real errors, not "vmap cannot"
         self.last_group_size: Optional[int] = None
         self._activation: Optional[int] = None
@@ -346,6 +393,7 @@ class BatchedTrainer:
         self.trace = True  # see _traced_grad
         self._traced: Dict[tuple, object] = {}
         self._sightings: Dict[tuple, int] = {}
+        self.trace_counts: Dict[tuple, int] = {}  # times each shape (mode, rows, batch) was traced
         self.trace_failure: Optional[str] = None
 
     # ------------------------------------------------------------------ the vmapped losses (one client)
@@ -401,6 +449,7 @@ class BatchedTrainer:
         if len(self._traced) >= 128:
             self._traced.pop(next(iter(self._traced)))
         self._traced[key] = fn
+        self.trace_counts[key] = self.trace_counts.get(key, 0) + 1
         return fn
 
     # ------------------------------------------------------------------ planning
@@ -434,32 +483,55 @@ class BatchedTrainer:
         """``[(B, uniform), ...]`` ascending: the padded batch lengths for clients of
         ``sizes`` samples (the bins of :func:`batch_bins`; one per batch size when the
         loss cannot be masked); ``uniform``: a single batch size pads to ``B`` (no
-        padding, the loss as given)."""
+        padding, the loss as given).
+
+        An extra level costs one more batched call per local step of every round, so
+        its penalty is scaled by ``len(sizes) / round_clients``: the padding of the
+        population is counted, but a round pays only for its own clients' share."""
         bs = [min(self.config.batch_size, n) for n in sizes]
-        bins = batch_bins(bs, penalty=self.bin_penalty if self._can_pad else 0.0)
+        penalty = self.bin_penalty if self._can_pad else 0.0
+        if self.round_clients is not None and penalty:
+            penalty *= max(1.0, len(bs) / self.round_clients)
+        bins = batch_bins(bs, penalty=penalty)
         return sorted((B, len({bs[r] for r in rows}) == 1) for rows, B in bins)
+
+    def _level_of(self, b: int, levels: List[tuple]) -> tuple:
+        """The level a client of batch size ``b`` is padded to (its own size when the
+        loss cannot be masked and no level has exactly that size)."""
+        return next((lv for lv in levels if lv[0] >= b and (self._can_pad or lv[0] == b)), (b, True))
+
+    def _group_cap(self, clients: int, batch: int) -> int:
+        """Clients per group at padded length ``batch``: :meth:`group_size` for a round
+        of ``round_clients`` (or ``clients``) clients, decided once per run so that the
+        groups' shapes do not follow the free memory from round to round."""
+        cap = self._group_caps.get(batch)
+        if cap is None:
+            cap = self.group_size(self.round_clients or clients, batch)
+            if self.round_clients is not None:
+                self._group_caps[batch] = cap
+        return cap
 
     def plan(self, sizes: Sequence[int]) -> List[_Group]:
         """The groups of a round whose clients hold ``sizes`` samples (see the module
         docstring): clients by padded batch length (:meth:`levels` of the population
-        when known, else of this round), each level cut into groups of
-        :meth:`group_size` clients, a lone client doubled."""
+        when known, else of this round), each level cut into groups of at most
+        :meth:`_group_cap` clients, each group padded to :func:`padded_count` rows with
+        copies of its first client (so a lone client is doubled)."""
         bs = [min(self.config.batch_size, n) for n in sizes]
         levels = self._levels if self._levels is not None else self.levels(sizes)
         by_level: Dict[tuple, List[int]] = {}
         for r, b in enumerate(bs):
-            level = next((lv for lv in levels if lv[0] >= b and (self._can_pad or lv[0] == b)), (b, True))
-            by_level.setdefault(level, []).append(r)
+            by_level.setdefault(self._level_of(b, levels), []).append(r)
         groups, self.last_group_size = [], 0
         for (batch, uniform), rows in sorted(by_level.items(), reverse=True):
             mode = "soft" if self._soft_targets is not None else "plain" if uniform else "masked"
-            size = self.group_size(len(rows), batch)
-            self.last_group_size = max(self.last_group_size, size)
+            size = self._group_cap(len(rows), batch)
+            limit = min(size, self._level_limit.get(batch, size))
             for start in range(0, len(rows), size):
                 chunk = rows[start:start + size]
                 real = len(chunk)
-                if real == 1:
-                    chunk = chunk * 2  # a lone client beside a copy of itself (same BLAS path as a group)
+                self.last_group_size = max(self.last_group_size, real)
+                chunk = chunk + chunk[:1] * (padded_count(real, limit) - real)
                 groups.append(_Group(chunk, real, batch, mode))
         return groups
 
@@ -611,9 +683,9 @@ class BatchedTrainer:
             stats.steps += cfg.steps * real
             if contiguous:
                 torch.sub(x_global, X, out=X)  # D_i = x0 - x_end, in place in the round's updates
-            else:
-                for j in range(real):
-                    torch.sub(x_global, X[j], out=out[rows[j]])
+            else:  # the real rows (padding dropped) into their places in the round's updates
+                ids = torch.tensor(rows[:real], device=device)
+                out.index_copy_(0, ids, torch.sub(x_global, X[:real]))
 
     def _gather(self, grads, G, G_parts, c) -> None:
         """The per-parameter gradients into the flat ``[c, N]`` buffer (frozen

@@ -338,7 +338,7 @@ class Simulation:
                                       self.local, num_classes=self.dataset.num_classes,
                                       buffers=dict(self.global_model.named_buffers()),
                                       client_batch=cfg.client_batch, seed=cfg.seed,
-                                      population_sizes=self.partition.sizes)
+                                      population_sizes=self.partition.sizes, round_clients=cfg.per_round)
 
     def _fall_back(self, reason: str) -> None:
         """Use the sequential engine from now on, with a one-line notice."""

@@ -276,16 +276,44 @@ def test_batch_bins():
     assert B.batch_bins(bs) == [(list(range(50, 55)), 32), (list(range(50)), 8)]
 
 
+def _several_levels(sim, call_cost_flops=2e6):
+    """A cheaper batched call than the default's (a small model on 2 CPU cores trains as
+    one level): the population's several padded lengths."""
+    sim.batched.call_cost_flops = call_cost_flops
+    sim.batched.set_population(sim.partition.sizes)
+    assert len(sim.batched._levels) > 1
+    return sim
+
+
+def test_levels_weigh_a_call_against_the_rounds_arithmetic():
+    """The cheaper a batched call against a round's arithmetic, the more padded lengths:
+    one level when a call costs much, one per batch size when it costs nothing."""
+    sim = _sim(engine="batched", clients=100, per_round=25, batch_size=32)
+    bat = sim.batched
+    assert bat.sample_flops() >= 6 * sim.numel
+    counts = []
+    for cost in (1e12, 1e7, 1e6, 0.0):
+        bat.call_cost_flops = cost
+        counts.append(len(bat.levels(sim.partition.sizes)))
+    assert counts[0] == 1 and counts == sorted(counts) and counts[-1] == len(set(min(32, n) for n in sim.partition.sizes))
+    # more clients per round: more padded samples per call, so a level is worth more
+    bat.call_cost_flops = 1e7
+    few = len(bat.levels(sim.partition.sizes))
+    bat.round_clients = 100
+    assert len(bat.levels(sim.partition.sizes)) >= few
+
+
 def test_many_small_clients_use_several_bins_and_agree():
     kw = dict(clients=100, per_round=25, rounds=2, local_steps=6, batch_size=32)
     seq = _run(engine="sequential", **kw)
-    bat = _sim(engine="batched", **kw)
+    bat = _several_levels(_sim(engine="batched", **kw))
     sizes = [bat.partition.sizes[c] for c in bat.sample_clients(1)]
     assert len({g.batch for g in bat.batched.plan(sizes)}) > 1
     bat.run()
     assert_close_models(seq.x_global, bat.x_global)
     assert_same_records(seq, bat)
-    grouped = _run(engine="batched", client_batch=4, **kw)
+    grouped = _several_levels(_sim(engine="batched", client_batch=4, **kw))
+    grouped.run()
     assert torch.equal(grouped.x_global, bat.x_global)
 
 
@@ -375,8 +403,9 @@ def test_real_run_benchmark_times_consecutive_rounds_with_new_clients():
     assert sim.sample_clients(1) != sim.sample_clients(2)
     rows = simulation.bench_real_run("mlp", 12, 4, label="smoke", rounds=2)
     cases = [r["case"] for r in rows]
-    assert cases[0].endswith("rounds 2-3") and cases[1:] == [
-        "hand-written loop, same clients", "first round (tracing)", "evaluation (test set, apart)"]
+    assert cases[0].endswith("rounds 2-3, median") and cases[1] == "hand-written loop, same clients, median"
+    assert cases[2].startswith("engine, all 3 rounds, mean (") and cases[3:] == [
+        "first round (verifies the model, eager)", "evaluation (test set, apart)"]
     assert all(r["ms"] > 0 for r in rows)
     # the hand loop trains only the chosen clients: one client with weight 1 moves the
     # model exactly as that client's own data-size weight of 1 says
@@ -427,7 +456,7 @@ def _shapes_of_rounds(sim, rounds):
 def test_real_run_shapes_come_from_a_fixed_set_and_are_traced_once():
     """New clients every round: group rows follow the ladder, so a 12-round run meets a
     few shapes, each traced once (at its second sighting), never once per round."""
-    sim = _sim(engine="batched", clients=100, per_round=25, rounds=12, local_steps=3)
+    sim = _several_levels(_sim(engine="batched", clients=100, per_round=25, rounds=12, local_steps=3))
     rounds = _shapes_of_rounds(sim, 12)
     assert len({frozenset(s) for s in rounds}) > 1  # the rounds' compositions differ
     limits = set(sim.batched._level_limit.values())
@@ -449,7 +478,7 @@ def test_real_run_batched_equals_sequential_with_new_clients():
     model is the sequential engine's (the module's tolerance), and so are the records."""
     kw = dict(clients=100, per_round=25, rounds=6, local_steps=4, momentum=0.5)
     seq = _run(engine="sequential", **kw)
-    bat = _sim(engine="batched", **kw)
+    bat = _several_levels(_sim(engine="batched", **kw))
     rounds = _shapes_of_rounds(bat, 6)
     assert any(rows > real for groups in rounds for _, rows, real, _ in groups)
     assert len({tuple(r["clients"]) for r in bat.results.records[1:]}) == 6

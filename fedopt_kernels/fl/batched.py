@@ -48,11 +48,12 @@ from a ``reduction="none"`` copy; any other ``loss_fn`` is called as given under
 **Padded lengths.**  Padding costs arithmetic: with 100 clients of ``digits`` most hold
 ~15 samples, the largest 32.  A few padded batch lengths ("levels") are chosen once
 from the batch sizes of ALL clients (:func:`batch_bins`: fewest padded samples, plus a
-penalty for each extra batched call per step, weighed against the work of a *round*:
-the padding is counted per sampled client, so with 20 of 100 clients per round an
-extra call costs five times what it would with all 100); a client is padded to the
-smallest level that holds its batch, and the clients of one level form one batched
-call per local step.  A loss that cannot be masked, or a model with BatchNorm layers (batch
+penalty for each extra batched call per step: its fixed cost -- Python, dispatch,
+the gather and the fused step -- in samples of the model's arithmetic, against a
+round's padded samples; so a small model on few clients per round trains as one
+level, a larger one or a larger round as several); a client is padded to the smallest
+level that holds its batch, and the clients of one level form one batched call per
+local step.  A loss that cannot be masked, or a model with BatchNorm layers (batch
 statistics would see the padding), gets one level per batch size.  So a
 client's padded length -- and with it all of its arithmetic -- depends on its own size
 alone, never on which clients share its round, its group or (``fl.distributed``) its
@@ -280,6 +281,39 @@ def padded_count(n: int, limit: Optional[int] = None) -> int:
     return max(rows, 2)
 
 
+def _drop_identity_ops(gm) -> int:
+    """Remove the no-op nodes ``make_fx`` records from the torch.func transforms (views
+    and expands to the shape and strides they already have, ``alias``, ``mul(x, 1)``):
+    about 40% of a small model's graph, each a dispatch of a few microseconds per step,
+    and no arithmetic -- the results are the same bits.  Skipped for a graph with an
+    in-place op (a model with ``inplace=True`` layers), where ``mul(x, 1)``'s copy may
+    be what keeps a mutation off its input.  Returns the number of nodes removed."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    if any(getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in nodes):
+        return 0
+    removed = 0
+    for node in nodes:
+        src = node.args[0] if node.args else None
+        if not isinstance(src, torch.fx.Node):
+            continue
+        if node.target in (aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.alias.default):
+            pass
+        elif not (node.target is aten.mul.Scalar and node.args[1] == 1):
+            continue
+        a, b = node.meta.get("val"), src.meta.get("val")
+        if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and a.stride() == b.stride()):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+            removed += 1
+    if removed:
+        graph.lint()
+        gm.recompile()
+    return removed
+
+
 class _Group:
     """Rows of the round trained together: ``rows`` (indices into the round's clients;
     the first ``real`` are distinct, the rest copies of the first, padding the group to
@@ -333,13 +367,24 @@ class BatchedTrainer:
         round_clients: how many clients a round trains (the run's ``per_round``): the
             levels weigh an extra batched call against a round's work, and a level's
             groups are never padded past what a round can put in it; None: the
-            population (or the round) size.
+            levels use the fixed :attr:`bin_penalty`.
+        call_cost_flops: the fixed cost of one batched call per local step, in floating
+            point operations of the model's arithmetic (None: :attr:`CALL_COST_FLOPS`
+            of the device type).
     """
+
+    #: The fixed cost of a batched call (a group's local step: Python and op dispatch,
+    #: the gradient gather, the fused step) in FLOPs of arithmetic it could have done
+    #: instead.  CPU: fitted on 2 cores to the measured best levels of the MLP and the
+    #: SimpleCNN on digits at 20 of 100 and 100 of 200 clients per round (about 2-5 ms of
+    #: a ~50 GFLOP/s core pair).  CUDA: an estimate (about 1 ms of launches against tens
+    #: of TFLOP/s), not yet measured on a GPU.
+    CALL_COST_FLOPS = {"cpu": 2.5e8, "cuda": 5e10}
 
     def __init__(self, model: nn.Module, loss_fn, x_train: torch.Tensor, y_train: torch.Tensor, config: LocalConfig,
                  *, num_classes: Optional[int] = None, buffers: Optional[Dict[str, torch.Tensor]] = None,
                  client_batch: int = 0, seed: int = 0, population_sizes: Optional[Sequence[int]] = None,
-                 round_clients: Optional[int] = None):
+                 round_clients: Optional[int] = None, call_cost_flops: Optional[float] = None):
         from torch.func import grad, vmap
 
         self.model = model
@@ -369,18 +414,13 @@ class BatchedTrainer:
         if round_clients is not None and int(round_clients) < 1:
             raise ValueError(f"round_clients must be a positive number of clients, got {round_clients!r}")
         self.round_clients = int(round_clients) if round_clients is not None else None
-        self.bin_penalty = 1 / 16  # see batch_bins
-        self._levels = self.levels(population_sizes) if population_sizes is not None else None
-        # the most clients of a round each level can hold (population known): no group
-        # of that level is padded past it
-        self._level_limit: Dict[int, int] = {}
-        if population_sizes is not None:
-            for n in population_sizes:
-                B = self._level_of(min(self.config.batch_size, n), self._levels)[0]
-                self._level_limit[B] = self._level_limit.get(B, 0) + 1
-            if self.round_clients is not None:
-                self._level_limit = {B: min(k, self.round_clients) for B, k in self._level_limit.items()}
+        self.bin_penalty = 1 / 16  # see batch_bins; the levels' penalty without round_clients
+        device_type = x_train.device.type
+        self.call_cost_flops = float(call_cost_flops if call_cost_flops is not None
+                                     else self.CALL_COST_FLOPS.get(device_type, self.CALL_COST_FLOPS["cuda"]))
+        self._sample_flops: Optional[float] = None
         self._group_caps: Dict[int, int] = {}  # clients per group at a padded length, fixed once per run
+        self.set_population(population_sizes)
         self.verified = False  # a first round ran: later errors are real errors, not "vmap cannot"
         self.last_group_size: Optional[int] = None
         self._activation: Optional[int] = None
@@ -442,6 +482,7 @@ class BatchedTrainer:
                 return vmapped(*args)
 
             fn = make_fx(step, tracing_mode="fake")(*example)
+            _drop_identity_ops(fn)
         except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager
             self.trace = False
             self.trace_failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
@@ -485,15 +526,55 @@ class BatchedTrainer:
         loss cannot be masked); ``uniform``: a single batch size pads to ``B`` (no
         padding, the loss as given).
 
-        An extra level costs one more batched call per local step of every round, so
-        its penalty is scaled by ``len(sizes) / round_clients``: the padding of the
-        population is counted, but a round pays only for its own clients' share."""
+        An extra level costs one more batched call per local step of every round:
+        ``call_cost_flops / sample_flops`` samples of arithmetic, against the
+        ``round_clients * max(b)`` padded samples of a round's step at the largest
+        length (so :func:`batch_bins`' ``penalty`` is their ratio; the population's
+        padding stands for a round's, scaled).  Without ``round_clients``:
+        :attr:`bin_penalty`."""
         bs = [min(self.config.batch_size, n) for n in sizes]
-        penalty = self.bin_penalty if self._can_pad else 0.0
-        if self.round_clients is not None and penalty:
-            penalty *= max(1.0, len(bs) / self.round_clients)
+        if not self._can_pad:
+            penalty = 0.0
+        elif self.round_clients is None:
+            penalty = self.bin_penalty
+        else:
+            penalty = self.call_cost_flops / self.sample_flops() / (self.round_clients * max(bs))
         bins = batch_bins(bs, penalty=penalty)
         return sorted((B, len({bs[r] for r in rows}) == 1) for rows, B in bins)
+
+    def set_population(self, sizes: Optional[Sequence[int]]) -> None:
+        """Fix the padded lengths (:meth:`levels`) and each level's most clients per
+        round from every client's number of samples (None: chosen per round)."""
+        self._levels = self.levels(sizes) if sizes is not None else None
+        # the most clients of a round each level can hold: no group of it is padded past that
+        self._level_limit: Dict[int, int] = {}
+        for n in sizes or ():
+            B = self._level_of(min(self.config.batch_size, n), self._levels)[0]
+            self._level_limit[B] = self._level_limit.get(B, 0) + 1
+        if self.round_clients is not None:
+            self._level_limit = {B: min(k, self.round_clients) for B, k in self._level_limit.items()}
+
+    def sample_flops(self) -> float:
+        """FLOPs of one sample's local step: 3x the forward's (forward, and a backward
+        of about twice that), counted once by :class:`torch.utils.flop_counter.
+        FlopCounterMode` on one training sample (matrix products and convolutions; at
+        least ``6 N`` for a model of ``N`` parameters)."""
+        if self._sample_flops is None:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            forward = 0
+            was = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                    self.model(self.x_train[:1])
+                forward = counter.get_total_flops()
+            except Exception:  # noqa: BLE001 - an estimate only; the round reports real errors
+                pass
+            finally:
+                self.model.train(was)
+            self._sample_flops = float(max(3 * forward, 6 * self.numel, 1))
+        return self._sample_flops
 
     def _level_of(self, b: int, levels: List[tuple]) -> tuple:
         """The level a client of batch size ``b`` is padded to (its own size when the

@@ -484,3 +484,43 @@ def test_real_run_batched_equals_sequential_with_new_clients():
     assert len({tuple(r["clients"]) for r in bat.results.records[1:]}) == 6
     assert_close_models(seq.x_global, bat.x_global)
     assert_same_records(seq, bat)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_forward_flops_equal_torchs_flop_counter(model):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedopt_kernels.fl._flops import forward_flops
+
+    sim = _sim(engine="batched", model=model, hidden=(48, 24))
+    net, x = sim.trainer.model, sim.train_x[:3]
+    with FlopCounterMode(display=False) as counter:
+        net(x)
+    assert forward_flops(net, x) == counter.get_total_flops() > 0
+    assert sim.batched.sample_flops() == max(3 * forward_flops(net, x[:1]), 6 * sim.numel)
+
+
+def test_cpu_max_pools_run_channels_last_with_the_same_bits():
+    """The traced graph's pools take a channels-last copy (torch's NCHW CPU kernel is
+    slow on small planes): the two kernels give the same values and indices, ties after
+    ReLU and NaN included, and a traced CNN round equals the transforms run eagerly."""
+    pool = torch.ops.aten.max_pool2d_with_indices.default
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, 8, 8, generator=gen).relu().round()  # many ties (zeros, equal integers)
+    x[0, 0, 0, 0] = x[3, 2, 5, 1] = float("nan")
+    for kernel, stride, pad in (([2, 2], [2, 2], [0, 0]), ([3, 3], [1, 1], [1, 1]), ([3, 3], [2, 2], [1, 1])):
+        a, ia = pool(x, kernel, stride, pad, [1, 1], False)
+        b, ib = pool(x.contiguous(memory_format=torch.channels_last), kernel, stride, pad, [1, 1], False)
+        assert torch.equal(ia, ib) and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
+    kw = dict(model="cnn", rounds=3, local_steps=2, clients=8, per_round=8)
+    traced, eager = _sim(engine="batched", **kw), _sim(engine="batched", **kw)
+    eager.batched.trace = False
+    traced.run()
+    eager.run()
+    graphs = list(traced.batched._traced.values())
+    assert graphs
+    for gm in graphs:
+        pools = [n for n in gm.graph.nodes if n.target is torch.ops.aten.max_pool2d_with_indices.default]
+        assert len(pools) == 2
+        assert all(p.args[0].kwargs.get("memory_format") is torch.channels_last for p in pools)
+    assert torch.equal(traced.x_global, eager.x_global)

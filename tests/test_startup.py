@@ -51,3 +51,44 @@ def test_digits_without_importing_sklearn_equal_load_digits():
     bunch = load_digits()
     assert images.dtype == bunch.images.dtype and np.array_equal(images, bunch.images)
     assert target.dtype == bunch.target.dtype and np.array_equal(target, bunch.target)
+
+
+def test_a_sequential_run_with_a_checkpoint_imports_no_compiler(tmp_path):
+    """Optimizer construction, state_dict (the checkpoint) and zero_grad of FedNAR and
+    the server optimizers do not import torch._dynamo (torch.optim's bookkeeping
+    methods do, through torch._disable_dynamo); no plots, no scikit-learn.  (The batched
+    engine's torch.func.grad imports torch._dynamo itself.)"""
+    code = ("import contextlib, io\nfrom fedopt_kernels.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['simulate', '--rounds', '1', '--engine', 'sequential', '--algo', 'fedadam', '--quiet',"
+            f" '--no-plots', '--out', {str(tmp_path)!r}])\n"
+            f"import os\nassert os.path.exists(os.path.join({str(tmp_path)!r}, 'checkpoint.pt'))")
+    assert _imported_after(code) == []
+
+
+def test_eager_optimizer_methods_are_torch_optims_own():
+    """EagerOptimizer calls the functions torch.optim wraps: the same state_dict, and
+    zero_grad / load_state_dict / add_param_group act as torch.optim.SGD's do."""
+    import torch
+
+    from fedopt_kernels.optim import FedNAR
+    from fedopt_kernels.optim._eager_base import EagerOptimizer
+
+    for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad"):
+        assert getattr(EagerOptimizer, name) is not getattr(torch.optim.Optimizer, name)
+    w = torch.nn.Parameter(torch.ones(3))
+    v = torch.nn.Parameter(torch.ones(2))
+    opt = FedNAR([w], lr=0.1, momentum=0.9)
+    opt.add_param_group({"params": [v], "lr": 0.2})
+    (w.sum() + 2 * v.sum()).backward()
+    opt.step()
+    state = opt.state_dict()
+    assert [g["lr"] for g in state["param_groups"]] == [0.1, 0.2] and state["param_groups"][1]["params"] == [1]
+    assert torch.equal(state["state"][0]["momentum_buffer"], torch.ones(3))
+    opt.zero_grad()
+    assert w.grad is None and v.grad is None
+    other = FedNAR([torch.nn.Parameter(torch.ones(3))], lr=0.5, momentum=0.9)
+    other.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.7})
+    other.load_state_dict(state)
+    assert [g["lr"] for g in other.param_groups] == [0.1, 0.2]
+    assert torch.equal(other.state[other.param_groups[0]["params"][0]]["momentum_buffer"], torch.ones(3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from torch.optim import Optimizer
+from ._eager_base import EagerOptimizer
 
 from .. import backends
 from ..ops import MODES, NarGroup, NarStats, nar_step_, nar_step_groups_
@@ -14,7 +14,7 @@ from ..ops import _validation as V
 CLIP_SCOPES = ("optimizer", "group")
 
 
-class FedNAR(Optimizer):
+class FedNAR(EagerOptimizer):
     r"""Local SGD with FedNAR's co-clipping of gradient and weight decay.
 
     All parameters of all param groups are ONE vector (``clip_scope="optimizer"``, the

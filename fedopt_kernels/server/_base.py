@@ -53,6 +53,7 @@ from .. import backends
 from ..ops import aggregate, server_update_
 from ..ops._validation import acc_dtype
 from ..ops.aggregate import check_weight_values
+from ..optim._eager_base import EagerOptimizer
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
 NONFINITE = ("exclude", "propagate")
@@ -154,7 +155,7 @@ def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[flo
         raise ValueError(f"{name} must satisfy {lo}{hi}, got {value}")
 
 
-class ServerOptimizer(Optimizer):
+class ServerOptimizer(EagerOptimizer):
     """Base class of the server optimizers (see the module docstring).
 
     Subclasses implement :meth:`_server_step`.  Every hyperparameter that can differ

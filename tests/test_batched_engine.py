@@ -404,8 +404,8 @@ def test_real_run_benchmark_times_consecutive_rounds_with_new_clients():
     rows = simulation.bench_real_run("mlp", 12, 4, label="smoke", rounds=2)
     cases = [r["case"] for r in rows]
     assert cases[0].endswith("rounds 2-3, median") and cases[1] == "hand-written loop, same clients, median"
-    assert cases[2].startswith("engine, all 3 rounds, mean (") and cases[3:] == [
-        "first round (verifies the model, eager)", "evaluation (test set, apart)"]
+    assert cases[2].startswith("engine, rounds 2-3, mean (") and cases[3:] == [
+        "first round (eager; the process's first torch.func call)", "evaluation (test set, apart)"]
     assert all(r["ms"] > 0 for r in rows)
     # the hand loop trains only the chosen clients: one client with weight 1 moves the
     # model exactly as that client's own data-size weight of 1 says

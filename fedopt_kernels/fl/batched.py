@@ -448,8 +448,9 @@ class BatchedTrainer:
         self.round_clients = int(round_clients) if round_clients is not None else None
         self.bin_penalty = 1 / 16  # see batch_bins; the levels' penalty without round_clients
         device_type = x_train.device.type
-        self.call_cost_flops = float(call_cost_flops if call_cost_flops is not None
-                                     else self.CALL_COST_FLOPS.get(device_type, self.CALL_COST_FLOPS["cuda"]))
+        if call_cost_flops is None:  # an accelerator not listed: like CUDA, launches against fast arithmetic
+            call_cost_flops = self.CALL_COST_FLOPS.get(device_type, self.CALL_COST_FLOPS.get("cuda", 5e10))
+        self.call_cost_flops = float(call_cost_flops)
         self._sample_flops: Optional[float] = None
         self._group_caps: Dict[int, int] = {}  # clients per group at a padded length, fixed once per run
         self.set_population(population_sizes)

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -32,6 +29,12 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+
+# The local SuperLink (ports, proxies, health check) is the Flower-vs-simulator benchmark's
+# too: one implementation (it needs no flwr to import).
+from fedopt_kernels.benchmarks.flower_run import LOOPBACK, SuperLinkError, start_superlink
+from fedopt_kernels.benchmarks.flower_run import healthy as _healthy
+from fedopt_kernels.benchmarks.flower_run import loopback_env as _loopback_env
 
 try:
     import flwr  # noqa: F401
@@ -401,52 +404,6 @@ def test_records_roundtrip_and_checks():
 
 
 # --------------------------------------------------------------------------- a real Flower simulation
-def _free_port() -> int:
-    """A port the OS had free a moment ago.  Another process may take it before the
-    SuperLink binds it: the fixture below retries with a fresh port when that happens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _loopback_env(env: dict) -> dict:
-    """``env`` with loopback exempt from any proxy: gRPC and urllib honour
-    ``http_proxy``/``https_proxy``/``all_proxy``, and a developer's proxy cannot reach
-    this machine's 127.0.0.1."""
-    env = dict(env)
-    for key in ("no_proxy", "NO_PROXY"):
-        have = [h for h in env.get(key, "").split(",") if h]
-        env[key] = ",".join(have + [h for h in LOOPBACK if h not in have])
-    return env
-
-
-# urllib without proxies, whatever the environment says (the health check is loopback only).
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with _DIRECT.open(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
-    """True once the SuperLink answers on ``port``; False if it exited first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        if _healthy(port):
-            return True
-        time.sleep(0.3)
-    raise TimeoutError(f"flower-superlink did not become healthy in {timeout:.0f} s")
-
-
 def test_health_check_reaches_loopback_through_a_proxy_setting(monkeypatch):
     """With every proxy variable pointing at a dead proxy, the health check still reaches
     a server on 127.0.0.1 and the subprocess environment exempts loopback."""
@@ -481,60 +438,19 @@ def test_health_check_reaches_loopback_through_a_proxy_setting(monkeypatch):
 
 @pytest.fixture
 def superlink(tmp_path):
-    """Our own local SuperLink in simulation mode (Ray runtime), offline: a temporary
-    FLWR_HOME with a connection named "test", no telemetry, no runtime dependency
-    installation, loopback exempt from proxies.  Yields ``(env, flwr_executable)``; the
-    SuperLink (and the SuperExec it spawned) is stopped afterwards.  If its port was
-    taken between choosing and binding it, it starts again on another (3 tries)."""
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        pytest.fail("Flower's simulation runtime needs Ray: pip install 'flwr[simulation]' "
-                    "(flwr is installed, so this test must run)")
-    bindir = Path(sys.executable).parent
-    flwr_exe = shutil.which("flwr", path=str(bindir)) or shutil.which("flwr")
-    superlink_exe = shutil.which("flower-superlink", path=str(bindir)) or shutil.which("flower-superlink")
-    assert flwr_exe and superlink_exe, "flwr's console scripts (flwr, flower-superlink) are not on PATH"
-    home = tmp_path / "flwr_home"
-    home.mkdir()
-    env = _loopback_env(os.environ)
-    env.update(FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               FLWR_DISABLE_UPDATE_CHECK="1", PYTHONPATH=os.pathsep.join(
-                   p for p in [str(REPO), env.get("PYTHONPATH", "")] if p),
-               PATH=os.pathsep.join([str(bindir), env.get("PATH", "")]))
-    log = tmp_path / "superlink.log"
-    for attempt in range(3):
-        port = _free_port()
-        (home / "config.toml").write_text(
-            f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-        with open(log, "w") as fh:
-            cmd = [superlink_exe, "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-                   "--host", "127.0.0.1", "--port", str(port)]
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                    start_new_session=True)
-        try:
-            up = _wait_healthy(port, proc)
-        except TimeoutError as e:
-            _stop(proc)
-            pytest.fail(f"{e}:\n{log.read_text()[-3000:]}")
-        if up:
-            break
-        text = log.read_text()
-        if "in use" not in text.lower() or attempt == 2:
-            pytest.fail(f"flower-superlink exited with {proc.returncode}:\n{text[-3000:]}")
+    """Our own local SuperLink in simulation mode (Ray runtime), offline
+    (:func:`fedopt_kernels.benchmarks.flower_run.start_superlink`: a temporary FLWR_HOME
+    with a connection named "test", no telemetry, no runtime dependency installation,
+    loopback exempt from proxies, a fresh port if its port was taken).  Yields ``(env,
+    flwr_executable)``; the SuperLink (and the SuperExec it spawned) is stopped afterwards."""
     try:
-        yield env, flwr_exe
+        link = start_superlink(tmp_path, connection="test")
+    except SuperLinkError as e:
+        pytest.fail(f"{e}\n(flwr is installed, so this test must run)")
+    try:
+        yield link.env, link.flwr
     finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+        link.stop()
 
 
 @needs_flwr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -39,6 +40,8 @@ def main(grid: Grid, context: Context) -> None:
     x_test, y_test = test_data(seed, int(rc["proxy-size"]) if algo == "fedlaw" else 0)
     eval_model = make_model(seed, int(rc["hidden"]))
 
+    stamps = {}  # round -> time.time() once that round (its training and evaluation) is done
+
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         load_arrayrecord_(eval_model, arrays)
         eval_model.eval()
@@ -46,6 +49,7 @@ def main(grid: Grid, context: Context) -> None:
             out = eval_model(x_test)
             loss = torch.nn.functional.cross_entropy(out, y_test).item()
             acc = (out.argmax(1) == y_test).double().mean().item()
+        stamps[server_round] = time.time()
         return MetricRecord({"test_accuracy": acc, "test_loss": loss})
 
     result = strategy.start(grid=grid, initial_arrays=model_to_arrayrecord(model),
@@ -56,7 +60,11 @@ def main(grid: Grid, context: Context) -> None:
         os.makedirs(save, exist_ok=True)
         torch.save(strategy.model.state_dict(), os.path.join(save, "final_model.pt"))
         rounds = sorted(set(result.train_metrics_clientapp) | set(result.evaluate_metrics_serverapp))
+        # timestamp: wall clock at the end of the round; wall_time: seconds since the end of
+        # round 0 (the initial evaluation), as fedopt simulate's records
         history = [{"round": r, **dict(result.train_metrics_clientapp.get(r, {})),
-                    **dict(result.evaluate_metrics_serverapp.get(r, {}))} for r in rounds]
+                    **dict(result.evaluate_metrics_serverapp.get(r, {})),
+                    "timestamp": stamps.get(r), "wall_time": stamps[r] - stamps[0] if r in stamps else None}
+                   for r in rounds]
         with open(os.path.join(save, "history.json"), "w") as f:
             json.dump(history, f, indent=1)

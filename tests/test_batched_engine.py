@@ -26,6 +26,7 @@ from torch import nn
 
 from fedopt_kernels.fl import ALGORITHMS, Simulation, SimulationConfig
 from fedopt_kernels.fl import batched as B
+from fedopt_kernels.fl import round_plan as P
 from fedopt_kernels.fl.client import LocalConfig, LocalTrainer
 
 # 30 clients of digits with Dirichlet(0.3): several hold fewer than 32 samples, so the
@@ -126,16 +127,16 @@ def test_groups_are_bitwise_equal_to_one_group(kw, client_batch):
 
 def test_automatic_group_size_follows_the_free_memory(monkeypatch):
     sim = _sim(engine="batched")
-    per_client = sim.batched.client_bytes(32)
+    per_client = sim.batched.planner.client_bytes(32)
     assert per_client > 4 * 6 * sim.numel
-    monkeypatch.setattr(B, "available_memory", lambda device: 2 * 3.5 * per_client)  # half of it: 3.5 clients
-    assert sim.batched.group_size(6, 32) == 3
+    monkeypatch.setattr(P, "available_memory", lambda device: 2 * 3.5 * per_client)  # half of it: 3.5 clients
+    assert sim.batched.planner.group_size(6, 32) == 3
     sim.run()
     assert sim.results.meta["client_batch_used"] == 3
     monkeypatch.undo()
     whole = _run(engine="batched")
     assert torch.equal(whole.x_global, sim.x_global)
-    assert B.available_memory(torch.device("cpu")) > 0
+    assert P.available_memory(torch.device("cpu")) > 0
 
 
 def _bn_model():
@@ -187,7 +188,7 @@ def test_masked_and_grouped_losses():
     for loss_fn, mode in [(nn.NLLLoss(), "masked"), (lambda out, y: nn.functional.nll_loss(out, y), "plain")]:
         seq = _run(module=make, loss_fn=loss_fn, engine="sequential")
         bat = _sim(module=make, loss_fn=loss_fn, engine="batched")
-        modes = {g.mode for g in bat.batched.plan(bat.partition.sizes)}
+        modes = {g.mode for g in bat.batched.planner.plan(bat.partition.sizes)}
         assert mode in modes and modes <= {mode, "plain"}
         bat.run()
         assert_close_models(seq.x_global, bat.x_global)
@@ -268,20 +269,20 @@ def test_resume_with_the_other_engine():
 
 
 def test_batch_bins():
-    assert B.batch_bins([32] * 5) == [([0, 1, 2, 3, 4], 32)]
-    assert B.batch_bins([3, 3, 5], penalty=0) == [([2], 5), ([0, 1], 3)]
-    assert B.batch_bins([3, 3, 5], penalty=float("inf")) == [([0, 1, 2], 5)]
+    assert P.batch_bins([32] * 5) == [([0, 1, 2, 3, 4], 32)]
+    assert P.batch_bins([3, 3, 5], penalty=0) == [([2], 5), ([0, 1], 3)]
+    assert P.batch_bins([3, 3, 5], penalty=float("inf")) == [([0, 1, 2], 5)]
     # many small clients and a few large ones: two bins save most of the padding
     bs = [8] * 50 + [32] * 5
-    assert B.batch_bins(bs) == [(list(range(50, 55)), 32), (list(range(50)), 8)]
+    assert P.batch_bins(bs) == [(list(range(50, 55)), 32), (list(range(50)), 8)]
 
 
 def _several_levels(sim, call_cost_flops=2e6):
     """A cheaper batched call than the default's (a small model on 2 CPU cores trains as
     one level): the population's several padded lengths."""
-    sim.batched.call_cost_flops = call_cost_flops
-    sim.batched.set_population(sim.partition.sizes)
-    assert len(sim.batched._levels) > 1
+    sim.batched.planner.call_cost_flops = call_cost_flops
+    sim.batched.planner.set_population(sim.partition.sizes)
+    assert len(sim.batched.planner._levels) > 1
     return sim
 
 
@@ -289,7 +290,7 @@ def test_levels_weigh_a_call_against_the_rounds_arithmetic():
     """The cheaper a batched call against a round's arithmetic, the more padded lengths:
     one level when a call costs much, one per batch size when it costs nothing."""
     sim = _sim(engine="batched", clients=100, per_round=25, batch_size=32)
-    bat = sim.batched
+    bat = sim.batched.planner
     assert bat.sample_flops() >= 6 * sim.numel
     counts = []
     for cost in (1e12, 1e7, 1e6, 0.0):
@@ -308,7 +309,7 @@ def test_many_small_clients_use_several_bins_and_agree():
     seq = _run(engine="sequential", **kw)
     bat = _several_levels(_sim(engine="batched", **kw))
     sizes = [bat.partition.sizes[c] for c in bat.sample_clients(1)]
-    assert len({g.batch for g in bat.batched.plan(sizes)}) > 1
+    assert len({g.batch for g in bat.batched.planner.plan(sizes)}) > 1
     bat.run()
     assert_close_models(seq.x_global, bat.x_global)
     assert_same_records(seq, bat)
@@ -359,7 +360,7 @@ def test_batch_statistics_see_no_padding():
 
     seq = _run(module=make, engine="sequential")
     bat = _sim(module=make, engine="batched")
-    assert {b for b, _ in bat.batched._levels} == {min(32, n) for n in bat.partition.sizes}
+    assert {b for b, _ in bat.batched.planner._levels} == {min(32, n) for n in bat.partition.sizes}
     bat.run()
     assert bat.results.meta["engine"] == "batched"
     assert_close_models(seq.x_global, bat.x_global)
@@ -431,24 +432,24 @@ def test_padded_count_ladder():
     """Group rows: 2, 3, 4, 6, 8, 12, 16, 24, ... (hand-listed), never past a level's
     limit when the limit holds the group, never below 2."""
     expect = {1: 2, 2: 2, 3: 3, 4: 4, 5: 6, 6: 6, 7: 8, 8: 8, 9: 12, 12: 12, 13: 16, 17: 24, 25: 32, 33: 48, 49: 64}
-    assert {n: B.padded_count(n) for n in expect} == expect
-    assert B.padded_count(17, limit=20) == 20 and B.padded_count(5, limit=5) == 5
-    assert B.padded_count(1, limit=1) == 2
-    assert B.padded_count(9, limit=8) == 12  # a limit that cannot hold the group is ignored
+    assert {n: P.padded_count(n) for n in expect} == expect
+    assert P.padded_count(17, limit=20) == 20 and P.padded_count(5, limit=5) == 5
+    assert P.padded_count(1, limit=1) == 2
+    assert P.padded_count(9, limit=8) == 12  # a limit that cannot hold the group is ignored
     with pytest.raises(ValueError, match="at least one client"):
-        B.padded_count(0)
+        P.padded_count(0)
 
 
 def _shapes_of_rounds(sim, rounds):
     """The groups (mode, rows, real, batch) of each round, as the engine planned them."""
-    seen, plan = [], sim.batched.plan
+    seen, plan = [], sim.batched.planner.plan
 
     def recording(sizes):
         groups = plan(sizes)
         seen.append([(g.mode, len(g.rows), g.real, g.batch) for g in groups])
         return groups
 
-    sim.batched.plan = recording
+    sim.batched.planner.plan = recording
     sim.run(rounds)
     return seen
 
@@ -459,11 +460,11 @@ def test_real_run_shapes_come_from_a_fixed_set_and_are_traced_once():
     sim = _several_levels(_sim(engine="batched", clients=100, per_round=25, rounds=12, local_steps=3))
     rounds = _shapes_of_rounds(sim, 12)
     assert len({frozenset(s) for s in rounds}) > 1  # the rounds' compositions differ
-    limits = set(sim.batched._level_limit.values())
+    limits = set(sim.batched.planner._level_limit.values())
     sightings = {}
     for groups in rounds:
         for mode, rows, real, batch in groups:
-            assert rows == B.padded_count(real) or rows in limits, (rows, real)
+            assert rows == P.padded_count(real) or rows in limits, (rows, real)
             sightings[(mode, rows, batch)] = sightings.get((mode, rows, batch), 0) + 1
     assert any(rows > real for groups in rounds for _, rows, real, _ in groups)  # padding happened
     traced = sim.batched.trace_counts
@@ -497,7 +498,7 @@ def test_forward_flops_equal_torchs_flop_counter(model):
     with FlopCounterMode(display=False) as counter:
         net(x)
     assert forward_flops(net, x) == counter.get_total_flops() > 0
-    assert sim.batched.sample_flops() == max(3 * forward_flops(net, x[:1]), 6 * sim.numel)
+    assert sim.batched.planner.sample_flops() == max(3 * forward_flops(net, x[:1]), 6 * sim.numel)
 
 
 def test_cpu_max_pools_run_channels_last_with_the_same_bits():

@@ -12,7 +12,8 @@ Pieces: :mod:`~fedopt_kernels.fl.data` (digits, FedProx's Synthetic, your own da
 :mod:`~fedopt_kernels.fl.partition` (Dirichlet label split), :mod:`~fedopt_kernels.fl.models`
 (MLP, FedLAW's SimpleCNN), :mod:`~fedopt_kernels.fl.client` (local training on a flat
 vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.batched` (all
-of a round's clients as one vmapped computation, the default engine),
+of a round's clients as one vmapped computation, the default engine) and
+:mod:`~fedopt_kernels.fl.round_plan` (which clients it trains together, at which shapes),
 :mod:`~fedopt_kernels.fl.server` (server optimizers and FedLAW),
 :mod:`~fedopt_kernels.fl.simulation` (the round loop), :mod:`~fedopt_kernels.fl.results`
 (records, files, plots), :mod:`~fedopt_kernels.fl.seeds` (the seed of every random draw).

@@ -357,7 +357,7 @@ class Simulation:
             out=self.updates[:C], stats=stats, clients=clients, scaffold=self.scaffold)
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
             self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
-        self.results.meta.setdefault("client_batch_used", self.batched.last_group_size)
+        self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
         if self.batched.trace_failure is not None:  # still correct, only slower: say why
             self.results.meta["batched_trace_failure"] = self.batched.trace_failure
         return stats

@@ -1,8 +1,9 @@
-"""Benchmark of the C++ CPU kernels against their floors (DESIGN.md section 4).
+"""Benchmark of the C++ CPU kernels against their floors: the memory traffic of the
+same operation done by ATen primitives on flat buffers of the same size.
 
-Not a test (pytest does not collect it).  Run from the repository root:
+Run from the repository root (``python_ref`` is imported from the checkout):
 
-    PYTHONPATH=. python bench/cpu_kernels.py [--reps 15] [--only nar|agg] [--dtype bfloat16]
+    python -m fedopt_kernels.benchmarks.cpu_kernels [--reps 15] [--only nar|agg] [--dtype bfloat16]
 
 (``python -m fedopt_kernels.benchmarks.suite --backend cpu`` is the project-wide
 suite; this script adds the CPU-specific cases: the raw op next to the ops API, momentum

@@ -40,39 +40,36 @@ record() {  # record NAME EXIT_CODE SECONDS LOG
     NAMES+=("$1"); CODES+=("$2"); TIMES+=("$3"); LOGS+=("$4")
 }
 
-# step NAME LOG COMMAND...: run it with stdout and stderr into OUT/LOG.
-step() {
-    local name=$1 log=$2 t0=$SECONDS rc
-    shift 2
+# run_step NAME FILE SPLIT COMMAND...: run it, stdout into OUT/FILE and stderr too
+# (SPLIT=0) or into OUT/FILE.stderr.txt, kept only when not empty (SPLIT=1); skipped
+# when NAME is in GPU_CHECK_SKIP.
+run_step() {
+    local name=$1 file=$2 split=$3 t0=$SECONDS rc
+    shift 3
     if [[ "$SKIP" == *" $name "* ]]; then
         echo "== $name: skipped (GPU_CHECK_SKIP)"
         record "$name" skip 0 "-"
         return
     fi
     echo "== $name: $*"
-    "$@" >"$OUT/$log" 2>&1
-    rc=$?
-    echo "   exit $rc after $((SECONDS - t0)) s -> $log"
-    record "$name" "$rc" $((SECONDS - t0)) "$log"
-}
-
-# step_stdout NAME FILE COMMAND...: stdout alone into OUT/FILE (a JSON document),
-# stderr into OUT/FILE.stderr.txt.
-step_stdout() {
-    local name=$1 file=$2 t0=$SECONDS rc
-    shift 2
-    if [[ "$SKIP" == *" $name "* ]]; then
-        echo "== $name: skipped (GPU_CHECK_SKIP)"
-        record "$name" skip 0 "-"
-        return
+    if [ "$split" = 1 ]; then
+        "$@" >"$OUT/$file" 2>"$OUT/$file.stderr.txt"
+        rc=$?
+        [ -s "$OUT/$file.stderr.txt" ] || rm -f "$OUT/$file.stderr.txt"
+    else
+        "$@" >"$OUT/$file" 2>&1
+        rc=$?
     fi
-    echo "== $name: $*"
-    "$@" >"$OUT/$file" 2>"$OUT/$file.stderr.txt"
-    rc=$?
-    [ -s "$OUT/$file.stderr.txt" ] || rm -f "$OUT/$file.stderr.txt"
     echo "   exit $rc after $((SECONDS - t0)) s -> $file"
     record "$name" "$rc" $((SECONDS - t0)) "$file"
 }
+
+# step NAME LOG COMMAND...: stdout and stderr into OUT/LOG.
+step() { local name=$1 log=$2; shift 2; run_step "$name" "$log" 0 "$@"; }
+
+# step_stdout NAME FILE COMMAND...: stdout alone into OUT/FILE (a JSON document),
+# stderr into OUT/FILE.stderr.txt.
+step_stdout() { local name=$1 file=$2; shift 2; run_step "$name" "$file" 1 "$@"; }
 
 step nvidia-smi nvidia-smi.txt nvidia-smi
 step nvidia-smi-q nvidia-smi-q.txt nvidia-smi -q

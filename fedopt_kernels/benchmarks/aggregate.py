@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .timing import interleaved, of_copy_bandwidth
+from .timing import interleaved, ratio_rows
 
 
 def bench_aggregate(C: int, N: int, *, label: str, backend: Optional[str] = None, device="cpu",
@@ -66,13 +66,6 @@ def bench_aggregate(C: int, N: int, *, label: str, backend: Optional[str] = None
     }
     times = interleaved(candidates, repeats=repeats, device=device, warm_cache=cache == "warm",
                         cold_cache=cache == "cold")
-    floor = times["floor (torch.sum dim 0)"]
-    return [{
-        "benchmark": f"aggregate {label}",
-        "case": name,
-        "ms": seconds * 1e3,
-        "vs floor": floor / seconds,
-        "time / fused": seconds / times["fused"],
-        # minimum traffic: every client read once, out written once
-        "of copy bw": of_copy_bandwidth((C + 1) * N * X.element_size(), seconds, device),
-    } for name, seconds in times.items()]
+    # minimum traffic: every client read once, out written once
+    return ratio_rows(f"aggregate {label}", times, base="floor (torch.sum dim 0)", fused="fused",
+                      traffic_bytes=(C + 1) * N * X.element_size(), device=device)

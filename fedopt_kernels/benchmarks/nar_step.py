@@ -35,7 +35,7 @@ import torch
 import python_ref.fednar as ref
 from .. import ops
 from .shapes import numel
-from .timing import interleaved, of_copy_bandwidth
+from .timing import interleaved, ratio_rows
 
 HYPER = dict(weight_decay=5e-4, max_norm=10.0)
 
@@ -110,19 +110,9 @@ def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device=
 
     times = interleaved(candidates, repeats=repeats, device=device, warm_cache=warm_cache)
     times.update(extra)
-    floor = times["floor (dot + add_)"]
-    rows = []
-    for name, seconds in times.items():
-        rows.append({
-            "benchmark": f"nar_step {label}",
-            "case": name,
-            "ms": seconds * 1e3,
-            "vs floor": floor / seconds if name != "torch.compile first new lr" else float("nan"),
-            "time / fused": seconds / times["fused"],
-            "of copy bw": (of_copy_bandwidth(20 * n, seconds, device)
-                           if name != "torch.compile first new lr" else float("nan")),
-        })
-    return rows
+    # minimum traffic of the fp32 step: read x, g twice (norm, update), write x: 20 bytes/param
+    return ratio_rows(f"nar_step {label}", times, base="floor (dot + add_)", fused="fused", traffic_bytes=20 * n,
+                      device=device, not_timed=("torch.compile first new lr",))
 
 
 def _torch_clipped_sgd(shapes, device):

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .timing import interleaved, of_copy_bandwidth
+from .timing import interleaved, ratio_rows
 
 B1, B2, TAU, LR = 0.9, 0.99, 1e-3, 1e-2
 
@@ -74,13 +74,6 @@ def bench_server_update(shapes, *, label: str, backend: Optional[str] = None, de
         "torch.optim.Adam(fused=True)": torch_fused.step,
     }
     times = interleaved(candidates, repeats=repeats, device=device)
-    bar = times["torch.optim.Adam(fused=True)"]
-    return [{
-        "benchmark": f"server FedAdam step {label}",
-        "case": name,
-        "ms": seconds * 1e3,
-        "vs floor": bar / seconds,
-        "time / fused": seconds / times["fused"],
-        # minimum traffic of the Adam step: read x, D, m, v; write x, m, v (fp32)
-        "of copy bw": of_copy_bandwidth(7 * 4 * N, seconds, device),
-    } for name, seconds in times.items()]
+    # minimum traffic of the Adam step: read x, D, m, v; write x, m, v (fp32)
+    return ratio_rows(f"server FedAdam step {label}", times, base="torch.optim.Adam(fused=True)", fused="fused",
+                      traffic_bytes=7 * 4 * N, device=device)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .timing import interleaved
+from .timing import interleaved, ratio_rows
 
 RECIPE = dict(local_steps=20, batch_size=32, lr=0.05, weight_decay=1e-3, max_norm=10.0, nar="co", algo="fedavg",
               alpha=0.3)
@@ -185,17 +185,8 @@ def bench_simulation(model: str, clients: int, *, label: str, device="cpu", back
     candidates["hand-written loop"] = HandWrittenLoop(batched, "authors").round
     candidates["hand-written loop, lean"] = HandWrittenLoop(batched, "lean").round
     times = interleaved(candidates, repeats=repeats, warmup=warmup, device=device)
-    hand, fast = times["hand-written loop"], times["batched engine"]
-    rows = []
-    for name, seconds in times.items():
-        rows.append({
-            "benchmark": f"simulation {label}",
-            "case": name,
-            "ms": seconds * 1e3,
-            "vs hand loop": hand / seconds,
-            "time / batched": seconds / fast,
-        })
-    return rows
+    return ratio_rows(f"simulation {label}", times, base="hand-written loop", fused="batched engine",
+                      base_column="vs hand loop", fused_column="time / batched")
 
 
 def _real_simulation(model: str, clients: int, per_round: int, device: str, backend: Optional[str]):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -81,3 +81,23 @@ def of_copy_bandwidth(traffic_bytes: float, seconds: float, device: torch.device
     """The fraction of the measured copy bandwidth a call moving ``traffic_bytes`` (the
     op's minimum traffic) in ``seconds`` reaches: 1.0 is the memory floor."""
     return traffic_bytes / seconds / copy_bandwidth(device)
+
+
+def ratio_rows(benchmark: str, times: Dict[str, float], *, base: str, fused: str, base_column: str = "vs floor",
+               fused_column: str = "time / fused", traffic_bytes: Optional[float] = None,
+               device: Optional[torch.device] = None, not_timed: Sequence[str] = ()) -> List[dict]:
+    """One row per candidate of ``times`` (seconds): ``{"benchmark", "case", "ms",
+    base_column: times[base] / seconds, fused_column: seconds / times[fused]}``, and
+    ``"of copy bw"`` (:func:`of_copy_bandwidth` of ``traffic_bytes``, the op's minimum
+    traffic) when given.  A case in ``not_timed`` (a one-off cost such as a recompile,
+    not a call of the op) gets NaN for the ratios that compare it with the op."""
+    rows = []
+    for name, seconds in times.items():
+        timed = name not in not_timed
+        row = {"benchmark": benchmark, "case": name, "ms": seconds * 1e3,
+               base_column: times[base] / seconds if timed else float("nan"),
+               fused_column: seconds / times[fused]}
+        if traffic_bytes is not None:
+            row["of copy bw"] = of_copy_bandwidth(traffic_bytes, seconds, device) if timed else float("nan")
+        rows.append(row)
+    return rows

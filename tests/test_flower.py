@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _flwr import HAVE_FLWR, needs_flwr
 from torch import nn
 
 # The local SuperLink (ports, proxies, health check) is the Flower-vs-simulator benchmark's
@@ -35,20 +36,6 @@ from torch import nn
 from fedopt_kernels.benchmarks.flower_run import LOOPBACK, SuperLinkError, start_superlink
 from fedopt_kernels.benchmarks.flower_run import healthy as _healthy
 from fedopt_kernels.benchmarks.flower_run import loopback_env as _loopback_env
-
-try:
-    import flwr  # noqa: F401
-
-    HAVE_FLWR = True
-except ImportError:
-    HAVE_FLWR = False
-
-# flwr is part of the [test] extra wherever it can be installed (Python >= 3.11): there
-# its absence fails these tests (they run and their imports fail); only on Python 3.10,
-# where flwr 1.41 cannot be installed, are they skipped.
-needs_flwr = pytest.mark.skipif(
-    not HAVE_FLWR and sys.version_info < (3, 11),
-    reason="flwr 1.41 needs Python >= 3.11 (the Flower integration tests cannot run on this Python)")
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "examples" / "flower_app"
@@ -85,6 +72,7 @@ def test_info_reports_the_flower_integration(capsys):
 
 # --------------------------------------------------------------------------- helpers
 if HAVE_FLWR:
+    import flwr
     from flwr.serverapp import Grid as _Grid
 else:  # the tests that use it are skipped
     _Grid = object

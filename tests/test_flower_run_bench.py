@@ -17,24 +17,12 @@ No wall-clock thresholds.  Skipped, like tests/test_flower.py, only on Python 3.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
+from _flwr import needs_flwr
 
 from fedopt_kernels.benchmarks import flower_run as FR
-
-try:
-    import flwr  # noqa: F401
-
-    HAVE_FLWR = True
-except ImportError:
-    HAVE_FLWR = False
-
-# as tests/test_flower.py: skipped only where flwr 1.41 cannot be installed
-needs_flwr = pytest.mark.skipif(
-    not HAVE_FLWR and sys.version_info < (3, 11),
-    reason="flwr 1.41 needs Python >= 3.11 (the Flower integration tests cannot run on this Python)")
 
 TINY = dict(clients=4, rounds=2, local_steps=3, hidden=16)
 

@@ -83,6 +83,15 @@ def _expected_rows(params, grads):
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, _chunks.ROW_COLS)
 
 
+def _in_threads(work, n: int) -> None:
+    """Run ``work(0)`` ... ``work(n - 1)`` in ``n`` threads at once and wait for all."""
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_cache_is_thread_safe(dev):
     """Threads looking up shared and their own tables concurrently (the interpreter
     itself is not thread-safe, so the kernels are left out here; a GPU runs them in
@@ -105,11 +114,7 @@ def test_cache_is_thread_safe(dev):
         except Exception as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 8)
     assert not errors, errors[0]
     assert _tables.stats["hits"] + _tables.stats["misses"] == 8 * 40
     assert _tables.stats["misses"] >= 1 + 8 * 20  # the shared table, and every thread's own
@@ -282,11 +287,7 @@ def test_threads_step_concurrently():
         except Exception as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, 6)
     assert not errors, errors[0]
 
 

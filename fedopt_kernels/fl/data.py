@@ -32,6 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from .registry import Registry
+
 __all__ = ["FederatedDataset", "load_dataset", "register_dataset", "dataset_names", "digits", "synthetic", "cifar10"]
 
 
@@ -231,7 +233,7 @@ def synthetic(alpha: float = 1.0, beta: float = 1.0, *, num_clients: int = 30, i
 
 
 # ---------------------------------------------------------------------------- registry
-_REGISTRY: Dict[str, Callable[..., FederatedDataset]] = {}
+_DATASETS = Registry("dataset")
 
 
 def register_dataset(name: str, factory: Callable[..., FederatedDataset], *, overwrite: bool = False) -> None:
@@ -251,45 +253,17 @@ def register_dataset(name: str, factory: Callable[..., FederatedDataset], *, ove
 
         register_dataset("cifar10", cifar10)
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError("a dataset name must be a non-empty string")
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"dataset {name!r} is already registered (pass overwrite=True to replace it)")
-    _REGISTRY[name] = factory
+    _DATASETS.register(name, factory, overwrite=overwrite)
 
 
 def dataset_names() -> List[str]:
-    return sorted(_REGISTRY)
-
-
-def resolve_factory(spec: str, kind: str, registry: Dict[str, Callable]) -> Callable:
-    """``registry[spec]``, or for ``"package.module:function"`` that function (imported)."""
-    if spec in registry:
-        return registry[spec]
-    if ":" in spec:
-        module, _, attr = spec.partition(":")
-        import importlib
-
-        try:
-            obj = importlib.import_module(module)
-        except ImportError as exc:
-            raise ValueError(f"{kind} {spec!r}: cannot import module {module!r} ({exc})") from None
-        try:
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"{kind} {spec!r}: module {module!r} has no {attr!r}") from None
-        if not callable(obj):
-            raise ValueError(f"{kind} {spec!r} is not callable")
-        return obj
-    raise ValueError(f"unknown {kind} {spec!r}; choose one of {', '.join(sorted(registry))} "
-                     f"or give 'package.module:function' (or register your own with fedopt_kernels.fl.register_{kind})")
+    return _DATASETS.names()
 
 
 def load_dataset(name: str, *, seed: int = 0, num_clients: int = 20, **options) -> FederatedDataset:
     """Build the registered dataset ``name``, or call ``"package.module:function"``
     (``function(seed=..., num_clients=..., **options) -> FederatedDataset``)."""
-    factory = resolve_factory(name, "dataset", _REGISTRY)
+    factory = _DATASETS.resolve(name)
     ds = factory(seed=seed, num_clients=num_clients, **options)
     if not isinstance(ds, FederatedDataset):
         raise TypeError(f"the factory of dataset {name!r} returned {type(ds).__name__}, not a FederatedDataset")

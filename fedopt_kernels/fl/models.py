@@ -10,10 +10,12 @@ the number of classes).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 from torch import nn
+
+from .registry import Registry
 
 __all__ = ["MLP", "SimpleCNN", "build_model", "register_model", "model_names"]
 
@@ -83,30 +85,24 @@ def _logreg(input_shape, num_classes, **_):
     return MLP(math.prod(input_shape), num_classes, hidden=())
 
 
-_REGISTRY: Dict[str, Callable[..., nn.Module]] = {"mlp": _mlp, "cnn": _cnn, "logreg": _logreg}
+_MODELS = Registry("model", {"mlp": _mlp, "cnn": _cnn, "logreg": _logreg})
 
 
 def register_model(name: str, factory: Callable[..., nn.Module], *, overwrite: bool = False) -> None:
     """Register ``factory(input_shape, num_classes, **options) -> nn.Module`` as ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("a model name must be a non-empty string")
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"model {name!r} is already registered (pass overwrite=True to replace it)")
-    _REGISTRY[name] = factory
+    _MODELS.register(name, factory, overwrite=overwrite)
 
 
 def model_names() -> List[str]:
-    return sorted(_REGISTRY)
+    return _MODELS.names()
 
 
 def build_model(name: str, input_shape, num_classes: int, **options) -> nn.Module:
     """A freshly initialised registered model, or ``"package.module:function"`` called as
     ``function(input_shape, num_classes)`` (initialisation follows torch's global RNG:
     seed it, or use the simulator, which seeds it from its own seed)."""
-    from .data import resolve_factory
-
-    factory = resolve_factory(name, "model", _REGISTRY)
-    if name not in _REGISTRY:
+    factory = _MODELS.resolve(name)
+    if name not in _MODELS:
         options = {}
     model = factory(tuple(input_shape), int(num_classes), **options)
     if not isinstance(model, nn.Module):

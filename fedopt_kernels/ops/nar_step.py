@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import backends
-from . import _library, _validation as V
+from . import _dtensor, _library, _validation as V
 
 MODES = ("co", "grad", "none")
 
@@ -121,6 +121,13 @@ def nar_step_(
         float64 params).  Runs two passes over the data (norm, then update) whatever the
         number of tensors, and never synchronises with the device.
     """
+    if _dtensor.any_dtensor(params if isinstance(params, (list, tuple)) else ()):
+        # sharded parameters: one norm over the whole model (ops/_dtensor.py), as a group call
+        from .nar_step_groups import NarGroup, nar_step_groups_
+
+        group = NarGroup(params, grads, lr, weight_decay, momentum, momentum_buffers)
+        return nar_step_groups_([group], max_norm=max_norm, mode=mode, grad_scale=grad_scale,
+                                found_inf=found_inf, backend=backend, _plain_names=True)
     V.check_untracked(params, "params", written=True)
     V.check_untracked(momentum_buffers or [], "momentum_buffers", written=True)
     V.check_untracked(grads, "grads", written=False)

@@ -29,6 +29,7 @@ import torch
 
 from .. import backends
 from . import _library, _validation as V
+from . import _dtensor
 from .nar_step import NarStats, _check_mode, nar_step_
 
 Hyper = Union[float, torch.Tensor]
@@ -57,6 +58,7 @@ class _Part(NamedTuple):
     lr: Hyper
     weight_decay: Hyper
     momentum: float
+    reduce_over: tuple = ()  # process groups summing this part's squares (sharded tensors, see _dtensor)
 
 
 def _as_group(group, k: int) -> NarGroup:
@@ -98,6 +100,52 @@ def _to(h, device: torch.device, dtype: Optional[torch.dtype] = None):
     return h.to(device=device, dtype=dtype or h.dtype, non_blocking=True)
 
 
+def _add_parts(parts: List[_Part], params, grads, momentum_buffers, lr, wd, momentum: float, name: str,
+               reduce_over: tuple) -> None:
+    """Append the parts of one group's tensors (cut by device and dtype) to ``parts``."""
+    bufs: list = []
+    fast_bufs = momentum == 0.0 or momentum_buffers is not None
+    if (fast_bufs and V.lists_match_fast(params, grads, momentum_buffers if momentum != 0.0 else None)
+            and params[0].device.type in ("cpu", "cuda")):
+        # the common case (one dtype and device, contiguous, matching): one part
+        p0 = params[0]
+        bufs = list(momentum_buffers) if momentum != 0.0 else []
+        parts.append(_Part(p0.device, p0.dtype, list(params), list(grads), bufs, lr, wd, momentum, reduce_over))
+        return
+    params = V.check_tensor_list(params, f"{name}params")
+    grads = V.check_tensor_list(grads, f"{name}grads")
+    V.check_untracked(params, f"{name}params", written=True)
+    V.check_untracked(grads, f"{name}grads", written=False)
+    V.check_untracked(momentum_buffers or [], f"{name}momentum_buffers", written=True)
+    if len(grads) != len(params):
+        raise ValueError(f"{name}grads has {len(grads)} tensors but {name}params has {len(params)}")
+    for i, p in enumerate(params):
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}params[{i}] is on {p.device}; the step runs on cpu and cuda tensors")
+        V.check_like(grads[i], p, f"{name}grads[{i}]", f"{name}params[{i}]")
+    if momentum != 0.0:
+        if momentum_buffers is None:
+            raise ValueError(f"{name}momentum_buffers is required when momentum != 0 "
+                             "(one zero-initialised tensor per param)")
+        bufs = V.check_tensor_list(momentum_buffers, f"{name}momentum_buffers")
+        if len(bufs) != len(params):
+            raise ValueError(f"{name}momentum_buffers has {len(bufs)} tensors but {name}params has "
+                             f"{len(params)}")
+        for i, p in enumerate(params):
+            V.check_like(bufs[i], p, f"{name}momentum_buffers[{i}]", f"{name}params[{i}]")
+    index: dict = {}
+    for i, p in enumerate(params):
+        key = (p.device, p.dtype)
+        if key not in index:
+            index[key] = len(parts)
+            parts.append(_Part(p.device, p.dtype, [], [], [], lr, wd, momentum, reduce_over))
+        part = parts[index[key]]
+        part.params.append(p)
+        part.grads.append(grads[i])
+        if bufs:
+            part.bufs.append(bufs[i])
+
+
 def _parts(groups: Sequence, plain_names: bool = False) -> List[_Part]:
     """Validate ``groups`` and cut them into parts; raises naming the argument, before
     anything is modified (``plain_names``: one group passed by ``nar_step_``, whose
@@ -111,47 +159,15 @@ def _parts(groups: Sequence, plain_names: bool = False) -> List[_Part]:
         lr = _check_group_hyper(g.lr, f"{name}lr")
         wd = _check_group_hyper(g.weight_decay, f"{name}weight_decay")
         momentum = V.check_real(g.momentum, f"{name}momentum", low=0.0, high=1.0, high_open=True)
-        bufs: list = []
-        fast_bufs = momentum == 0.0 or g.momentum_buffers is not None
-        if (fast_bufs and V.lists_match_fast(g.params, g.grads, g.momentum_buffers if momentum != 0.0 else None)
-                and g.params[0].device.type in ("cpu", "cuda")):
-            # the common case (one dtype and device, contiguous, matching): one part
-            p0 = g.params[0]
-            bufs = list(g.momentum_buffers) if momentum != 0.0 else []
-            parts.append(_Part(p0.device, p0.dtype, list(g.params), list(g.grads), bufs, lr, wd, momentum))
-            continue
-        params = V.check_tensor_list(g.params, f"{name}params")
-        grads = V.check_tensor_list(g.grads, f"{name}grads")
-        V.check_untracked(params, f"{name}params", written=True)
-        V.check_untracked(grads, f"{name}grads", written=False)
-        V.check_untracked(g.momentum_buffers or [], f"{name}momentum_buffers", written=True)
-        if len(grads) != len(params):
-            raise ValueError(f"{name}grads has {len(grads)} tensors but {name}params has {len(params)}")
-        for i, p in enumerate(params):
-            if p.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{name}params[{i}] is on {p.device}; the step runs on cpu and cuda tensors")
-            V.check_like(grads[i], p, f"{name}grads[{i}]", f"{name}params[{i}]")
-        if momentum != 0.0:
-            if g.momentum_buffers is None:
-                raise ValueError(f"{name}momentum_buffers is required when momentum != 0 "
-                                 "(one zero-initialised tensor per param)")
-            bufs = V.check_tensor_list(g.momentum_buffers, f"{name}momentum_buffers")
-            if len(bufs) != len(params):
-                raise ValueError(f"{name}momentum_buffers has {len(bufs)} tensors but {name}params has "
-                                 f"{len(params)}")
-            for i, p in enumerate(params):
-                V.check_like(bufs[i], p, f"{name}momentum_buffers[{i}]", f"{name}params[{i}]")
-        index: dict = {}
-        for i, p in enumerate(params):
-            key = (p.device, p.dtype)
-            if key not in index:
-                index[key] = len(parts)
-                parts.append(_Part(p.device, p.dtype, [], [], [], lr, wd, momentum))
-            part = parts[index[key]]
-            part.params.append(p)
-            part.grads.append(grads[i])
-            if bufs:
-                part.bufs.append(bufs[i])
+        if _dtensor.any_dtensor(g.params):  # sharded: the local tensors, by sharding
+            for piece in _dtensor.split_by_sharding(V.check_tensor_list(g.params, f"{name}params"),
+                                                    V.check_tensor_list(g.grads, f"{name}grads"),
+                                                    list(g.momentum_buffers or []) if momentum != 0.0 else [],
+                                                    prefix=name):
+                bufs = piece.bufs if g.momentum_buffers is not None else None
+                _add_parts(parts, piece.params, piece.grads, bufs, lr, wd, momentum, name, piece.reduce_over)
+        else:
+            _add_parts(parts, g.params, g.grads, g.momentum_buffers, lr, wd, momentum, name, ())
     if not parts:
         raise ValueError("groups must contain at least one tensor")
     return parts
@@ -207,7 +223,7 @@ def nar_step_groups_(
         raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
     grad_scale = _check_one_element(grad_scale, "grad_scale")
     found_inf = _check_one_element(found_inf, "found_inf")
-    if len(parts) == 1:
+    if len(parts) == 1 and not parts[0].reduce_over:
         p = parts[0]
         return nar_step_(p.params, p.grads, lr=_to(p.lr, p.device), weight_decay=_to(p.weight_decay, p.device),
                          max_norm=max_norm, mode=mode, momentum=p.momentum, momentum_buffers=p.bufs or None,
@@ -231,12 +247,19 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
         prepared.append((p, acc, lr, wd, gs, fi, name))
 
     total = None
+    sharded: dict = {}  # the sums of the sharded parts' squares, by process groups: reduced below
     for p, acc, lr, wd, gs, fi, name in prepared:
         if compiling:
             sq = _library.nar_sq_norm_op(p.params, p.grads, wd, mode_id, gs, name)
         else:
             sq = backends.resolve(name, p.device).nar_sq_norm(p.params, p.grads, wd, mode_id, gs)
         sq = sq.to(device=home, dtype=stat_dtype, non_blocking=True)
+        if p.reduce_over:
+            sharded[p.reduce_over] = sq if p.reduce_over not in sharded else sharded[p.reduce_over] + sq
+        else:
+            total = sq if total is None else total + sq
+    for reduce_over, sq in sharded.items():  # first-seen order: the same collectives on every rank
+        sq = _dtensor.all_reduce_sum_(sq.clone(), reduce_over)
         total = sq if total is None else total + sq
 
     result = None

@@ -146,14 +146,16 @@ def _console_script(name: str) -> Optional[str]:
     return shutil.which(name, path=str(bindir)) or shutil.which(name)
 
 
-def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeout: float = 60.0) -> SuperLink:
-    """Start our own local SuperLink in simulation mode (Ray runtime), offline, in
+def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeout: float = 60.0,
+                    simulation: bool = True) -> SuperLink:
+    """Start our own local SuperLink in simulation mode (Ray runtime; ``simulation=False``:
+    deployment mode, for SuperNodes started apart, :func:`start_supernodes`), offline, in
     ``workdir``: a fresh FLWR_HOME there with one connection, ``connection``, no
     telemetry, no runtime dependency installation, no update check, loopback exempt from
     proxies, this checkout on ``PYTHONPATH`` (the app's processes import
     fedopt_kernels from it).  If its port was taken between choosing and binding it, it
     starts again on another (``tries`` times).  Raises :class:`SuperLinkError`."""
-    if importlib.util.find_spec("ray") is None:
+    if simulation and importlib.util.find_spec("ray") is None:
         raise SuperLinkError("Flower's simulation runtime needs Ray: pip install 'flwr[simulation]'")
     flwr_exe, superlink_exe = _console_script("flwr"), _console_script("flower-superlink")
     if not (flwr_exe and superlink_exe):
@@ -173,8 +175,8 @@ def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeou
                                           f'address = "127.0.0.1:{port}"\ninsecure = true\n')
         t0 = time.perf_counter()
         with open(log, "w") as fh:
-            cmd = [superlink_exe, "--insecure", "--simulation", "--disable-runtime-dependency-installation",
-                   "--host", "127.0.0.1", "--port", str(port)]
+            cmd = [superlink_exe, "--insecure", *(["--simulation"] if simulation else []),
+                   "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port)]
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                     start_new_session=True)
         try:
@@ -188,6 +190,30 @@ def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeou
         if "in use" not in text.lower() or attempt == tries - 1:
             raise SuperLinkError(f"flower-superlink exited with {proc.returncode}:\n{text[-3000:]}")
     raise AssertionError("unreachable")
+
+
+def start_supernodes(link: SuperLink, count: int, workdir) -> List[subprocess.Popen]:
+    """Start ``count`` SuperNodes (Flower's deployment mode: one process each, on
+    loopback) connected to ``link``, node ``i`` with ``partition-id=i
+    num-partitions=count``; each logs to ``workdir/supernode<i>.log``.  Stop them with
+    :func:`stop_process`."""
+    exe = _console_script("flower-supernode")
+    if exe is None:
+        raise SuperLinkError("flwr's console script flower-supernode is not on PATH")
+    workdir = Path(workdir)
+    nodes = []
+    try:
+        for i in range(count):
+            with open(workdir / f"supernode{i}.log", "w") as fh:
+                nodes.append(subprocess.Popen(
+                    [exe, "--insecure", "--superlink", f"127.0.0.1:{link.port}", "--host", "127.0.0.1",
+                     "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={count}"],
+                    stdout=fh, stderr=subprocess.STDOUT, env=link.env, cwd=workdir, start_new_session=True))
+    except BaseException:
+        for proc in nodes:
+            stop_process(proc)
+        raise
+    return nodes
 
 
 # --------------------------------------------------------------------------- the two runs
@@ -239,9 +265,12 @@ SAMPLED = re.compile(r"configure_train: Sampled (\d+) nodes \(out of (\d+)\)")
 
 def run_flower(link: SuperLink, out, *, clients: int, per_round: int, rounds: int, local_steps: int, hidden: int,
                batch_size: int, lr: float, lr_decay: float, weight_decay: float, max_norm: float, alpha: float,
-               seed: int, app=APP, client_cpus: Optional[int] = None, timeout: float = 3600.0) -> RunResult:
+               seed: int, app=APP, client_cpus: Optional[int] = None, timeout: float = 3600.0,
+               deployment: bool = False) -> RunResult:
     """``flwr run app <connection> --stream`` of the workload on ``link``; the app writes
-    ``history.json`` and ``final_model.pt`` to ``out``."""
+    ``history.json`` and ``final_model.pt`` to ``out``.  ``deployment``: ``link`` is a
+    deployment SuperLink whose SuperNodes (:func:`start_supernodes`) are the clients, so
+    no simulated federation is configured."""
     out = Path(out)
     run_config = (f"algo='fedavg' nar='co' num-server-rounds={rounds} fraction-train={fraction_train(clients, per_round)!r} "
                   f"local-steps={local_steps} batch-size={batch_size} local-lr={float(lr)!r} "
@@ -250,8 +279,9 @@ def run_flower(link: SuperLink, out, *, clients: int, per_round: int, rounds: in
     federation = f"num-supernodes={clients} backend='ray'"
     if client_cpus is not None:
         federation += f" client-resources-num-cpus={int(client_cpus)}"
-    cmd = [link.flwr, "run", str(app), link.connection, "--stream", "--run-config", run_config,
-           "--federation-config", federation]
+    cmd = [link.flwr, "run", str(app), link.connection, "--stream", "--run-config", run_config]
+    if not deployment:
+        cmd += ["--federation-config", federation]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=link.env, cwd=out.parent, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -262,7 +292,8 @@ def run_flower(link: SuperLink, out, *, clients: int, per_round: int, rounds: in
         raise RuntimeError(f"the Flower run failed (rc={proc.returncode}):\n{log[-4000:]}")
     history = json.loads(history_path.read_text())
     sampled = [int(n) for n, total in SAMPLED.findall(log) if int(total) == clients]
-    return RunResult("Flower (Ray simulation)", wall, _round_times([h["wall_time"] for h in history]),
+    name = "Flower (deployment)" if deployment else "Flower (Ray simulation)"
+    return RunResult(name, wall, _round_times([h["wall_time"] for h in history]),
                      [h["test_accuracy"] for h in history], sampled)
 
 

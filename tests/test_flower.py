@@ -327,7 +327,7 @@ def test_nonfinite_client_is_left_out():
 
 
 @needs_flwr
-def test_bad_reply_raises_aggregation_error():
+def test_bad_reply_raises_aggregation_error_on_request():
     from flwr.app import Array
     from flwr.serverapp.exception import AggregationError
 
@@ -336,9 +336,9 @@ def test_bad_reply_raises_aggregation_error():
     replies = _replies(_net(), 3)
     rec = next(iter(replies[2].content.array_records.values()))
     rec["2.weight"] = Array(np.zeros((4, 5), dtype=np.float32))
-    s = fk.FedAvg(_net(), fraction_evaluate=0.0)
+    s = fk.FedAvg(_net(), fraction_evaluate=0.0, on_bad_reply="raise")  # today's behaviour, on request
     s.load_global_arrays(fk.model_to_arrayrecord(_net()))
-    with pytest.raises(AggregationError, match=r"'2.weight'.*shape \(4, 5\).*\(3, 5\)"):
+    with pytest.raises(AggregationError, match=r"bad_arrays.*'2.weight'.*shape \(4, 5\).*\(3, 5\)"):
         s.aggregate_train(1, replies)
 
 

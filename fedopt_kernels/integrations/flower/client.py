@@ -26,7 +26,8 @@ The reply holds the trained model's ``ArrayRecord`` (the keys of the one receive
 Flower's convention, so the reply also works with Flower's own strategies), a
 ``MetricRecord`` (``num-examples``, ``train_loss``, ``clip_frequency``,
 ``clipped_steps``, ``skipped_steps``, ``lr_sum``) and a ``ConfigRecord`` ``"fedopt"``
-with the ``partition-id`` (the fused strategies aggregate in that order).
+with the ``partition-id`` (the fused strategies aggregate in that order) and the
+``server-round`` it answers (a reply to another round is left out).
 
 SCAFFOLD: when the train message carries the server's control variate (the strategy's
 ``scaffold=True``), the client's own ``c_i`` lives in ``context.state`` (an
@@ -53,6 +54,7 @@ from ...fl.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from ...fl.seeds import batch_seed, init_seed
 from ...utils.flat import parameters_layout
 from .records import arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord, tensors_to_arrayrecord
+from .screening import ROUND_KEY
 from .strategy import LR_SUM_KEY, ORDER_KEY, SCAFFOLD_KEY
 
 __all__ = ["FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed", "RUN_CONFIG_KEYS",
@@ -214,7 +216,7 @@ class FedNARClient:
         reply = RecordDict({
             self.arrayrecord_key: model_to_arrayrecord(model, keys=list(arrays.keys())),
             "metrics": metrics,
-            REPLY_CONFIG_KEY: ConfigRecord({ORDER_KEY: cid}),
+            REPLY_CONFIG_KEY: ConfigRecord({ORDER_KEY: cid, ROUND_KEY: server_round}),
         })
         return Message(content=reply, reply_to=msg)
 

@@ -59,6 +59,7 @@ from ... import server as S
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
                            vector_to_buffers)
 from .records import load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
+from .screening import BAD_REPLY_POLICIES, REASONS, cap_weight_shares, screen_train_replies
 
 __all__ = [
     "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
@@ -90,6 +91,22 @@ class FusedStrategy(_FlowerFedAvg):
             ``"uniform"``; :attr:`weighting` is the resolved rule.
         on_round: optional ``callback(server_round)`` called at the start of every
             ``aggregate_train`` (e.g. to reseed a data loader).
+        on_bad_reply: ``"exclude"`` (default): a reply that cannot be aggregated (a
+            failed node, a second reply of a node, a reply to another round, missing
+            or misshapen arrays, a missing, negative or non-finite ``num-examples``;
+            :mod:`~fedopt_kernels.integrations.flower.screening`) is left out and
+            counted in the round's metrics (``excluded_clients`` and
+            ``excluded_<reason>``), the round goes on with the rest, and fails
+            (``AggregationError``) only when no usable reply remains.  ``"raise"``:
+            any such reply fails the round, naming it.
+        max_weight_share: the largest share of the round's total weight one client
+            may get (``None``, the default: no cap).  Without a cap a client that
+            claims ``num-examples = 10^12`` takes the whole weighted mean; with
+            ``max_weight_share = 0.25`` it gets at most a quarter and the others keep
+            their proportions.  The default is no cap because a cap changes the
+            estimator honest federations use (FedAvg weights by data size) -- set one
+            where clients are not trusted; it composes with the server optimizer's
+            ``max_client_norm`` (which bounds what an update can do with its share).
         **kwargs: Flower ``FedAvg``'s (``fraction_train``, ``fraction_evaluate``,
             ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``,
             ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
@@ -98,8 +115,16 @@ class FusedStrategy(_FlowerFedAvg):
 
     def __init__(self, model: nn.Module, server: Union[S.ServerOptimizer, S.FedLAW, ServerFactory], *,
                  scaffold: bool = False, scaffold_num_clients: Optional[int] = None, weighting: str = "auto",
-                 on_round: Optional[Callable[[int], None]] = None, **kwargs):
+                 on_round: Optional[Callable[[int], None]] = None, on_bad_reply: str = "exclude",
+                 max_weight_share: Optional[float] = None, **kwargs):
         super().__init__(**kwargs)
+        if on_bad_reply not in BAD_REPLY_POLICIES:
+            raise ValueError(f"on_bad_reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
+        if max_weight_share is not None and (isinstance(max_weight_share, bool) or not isinstance(
+                max_weight_share, (int, float)) or not 0.0 < max_weight_share <= 1.0):
+            raise ValueError(f"max_weight_share must be None or a number in (0, 1], got {max_weight_share!r}")
+        self.on_bad_reply = on_bad_reply
+        self.max_weight_share = None if max_weight_share is None else float(max_weight_share)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not any(True for _ in model.parameters()):
@@ -238,26 +263,39 @@ class FusedStrategy(_FlowerFedAvg):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         """Aggregate the replies with the fused kernels and the server optimizer."""
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
-        if not valid:
-            return None, None
+        replies = list(replies)
+        self._check_and_log_replies(replies, is_train=True, validate=False)  # Flower's log of the round
+        screened = screen_train_replies(replies, server_round=server_round, layout=self.layout,
+                                        allow_extra=list(self.model.state_dict().keys()),
+                                        weighted_by_key=self.weighted_by_key,
+                                        lr_sum_key=LR_SUM_KEY if self.scaffold else None)
+        if screened.excluded:
+            listed = "; ".join(f"node {n}: {reason} ({detail})" for n, reason, detail in screened.excluded)
+            if self.on_bad_reply == "raise":
+                raise AggregationError(reason=f"round {server_round}: bad replies (on_bad_reply='raise'): {listed}")
+            log(WARNING, "aggregate_train: round %d left out %d repl%s: %s", server_round, len(screened.excluded),
+                "y" if len(screened.excluded) == 1 else "ies", listed)
+        if not screened.kept:
+            if not replies:
+                return None, None
+            raise AggregationError(reason=f"round {server_round}: no usable reply among {len(replies)}")
         t0 = time.perf_counter()
         if self.on_round is not None:
             self.on_round(server_round)
-        valid = self._order(valid)
+        valid = self._order(screened.kept)
         contents = [m.content for m in valid]
         nodes = [int(m.metadata.src_node_id) for m in valid]
         records = [next(iter(c.array_records.values())) for c in contents]
         metrics = [next(iter(c.metric_records.values())) for c in contents]
         names = [f"the ArrayRecord of node {n}" for n in nodes]
-        try:
-            weights = [float(m[self.weighted_by_key]) for m in metrics]
-        except (ValueError, TypeError) as exc:
-            raise AggregationError(reason=f"bad '{self.weighted_by_key}' in a reply: {exc}") from None
-        if any(not (w >= 0.0) or w == float("inf") for w in weights) or sum(weights) <= 0:
-            raise AggregationError(reason=f"the '{self.weighted_by_key}' of the replies must be finite, >= 0 and not "
-                                          f"all 0, got {weights}")
+        weights = [float(m[self.weighted_by_key]) for m in metrics]  # screened: finite, >= 0
+        if sum(weights) <= 0 and self.weighting == "size":
+            raise AggregationError(reason=f"round {server_round}: the '{self.weighted_by_key}' of every usable "
+                                          "reply is 0")
         sizes = torch.tensor(weights, dtype=torch.float64)
+        if self.max_weight_share is not None and self.weighting == "size":
+            sizes = cap_weight_shares(sizes, self.max_weight_share)  # shares: what a claimed size can buy
+            weights = sizes.tolist()
         C = len(records)
         on_cpu = self.device.type == "cpu"
         updates = self.fedlaw is None  # server optimizers take D_i = x_global - x_i, FedLAW the models
@@ -292,7 +330,16 @@ class FusedStrategy(_FlowerFedAvg):
                 vector_to_buffers(S.average_buffers(buffers, self.weighting, sizes, current, excluded), self.model)
         out = tensors_to_arrayrecord(self._named_state(self._keys))
         self._sent = out
-        agg = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        try:
+            agg = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except (KeyError, TypeError, ValueError) as exc:  # replies whose other metrics differ: keep the round
+            log(WARNING, "aggregate_train: the clients' metrics could not be averaged (%s)", exc)
+            agg = MetricRecord()
+        counts = screened.counts()
+        counts["nonfinite"] = server_metrics["excluded_clients"]
+        server_metrics["excluded_clients"] = sum(counts.values())
+        for reason in REASONS:
+            server_metrics[f"excluded_{reason}"] = counts.get(reason, 0)
         for k, v in server_metrics.items():
             agg[k] = v
         self.last_aggregation_time = time.perf_counter() - t0
@@ -343,7 +390,7 @@ class FusedStrategy(_FlowerFedAvg):
         if extra:
             out.update(gain_ratio=values[4], sigma2=values[5], nu2=values[6])
         if any(excluded):
-            log(WARNING, "aggregate_train: left out the update(s) of node(s) %s (NaN/Inf)%s",
+            log(WARNING, "aggregate_train: left out the update(s) of node(s) %s (NaN/Inf; nonfinite)%s",
                 [n for n, e in zip(nodes, excluded) if e], "; round skipped" if values[3] else "")
         return out
 

@@ -1,9 +1,10 @@
 """Weighted aggregation of client vectors with global weight shrinking (the oracle).
 
 Source: Li et al., "Revisiting Weighted Aggregation in Federated Learning with Neural
-Networks", ICML 2023 (``shared/papers/fedlaw.txt``): eq. (3) is the weighted average
+Networks", ICML 2023 ([FedLAW] in the README's references): eq. (3) is the weighted average
 ``sum_i lambda_i w_i``, eq. (8) shrinks it by the global weight shrinking factor
-``gamma``.  DESIGN.md section 1 fixes the statistics computed alongside.
+``gamma``.  The statistics computed alongside (every ``||X_i||^2`` and ``||out||^2``) are
+fedopt_kernels' own, for FedExP, ASNES and the robustness checks.
 
     out = gamma * sum_i a_i X_i
     q_i = ||X_i||^2                      (each client)
@@ -64,7 +65,7 @@ def client_dots(clients: Clients, g: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_sum_backward(clients: Clients, weights: torch.Tensor, gamma, grad_out: torch.Tensor):
-    """Gradients ``(dL/da, dL/dgamma)`` of ``out = gamma * sum_i a_i X_i`` (DESIGN.md 1)."""
+    """Gradients ``(dL/da, dL/dgamma)`` of ``out = gamma * sum_i a_i X_i`` ."""
     dots = client_dots(clients, grad_out)  # <G, X_i>
     dtype = dots.dtype
     gamma = torch.as_tensor(gamma, dtype=dtype, device=dots.device)

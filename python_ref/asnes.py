@@ -1,8 +1,8 @@
 """ASNES server step: AdaScale gain ratio + Nesterov momentum (the oracle).
 
 Source: Wang, Feng and Luo, "Federated Learning Optimization Algorithm Based on Dynamic
-Client Scale" (``shared/papers/asnes.txt``), eq. (3) and (4a)-(4c), with the clamps of
-AdaScale (Johnson et al., ICML 2020; fairscale's ``adascale.py``), DESIGN.md section 1.
+Client Scale" ([ASNES] in the README's references), eq. (3) and (4a)-(4c), with the clamps of
+AdaScale (Johnson et al., ICML 2020; fairscale's ``adascale.py``).
 
 ``S`` clients send updates ``D_i = x_start - x_end_i`` (the paper's ``nabla_{n,t}``);
 ``D = (1/S) sum_i D_i``.  The paper's eq. (3)::

@@ -1,7 +1,7 @@
 """FedExP server step size (the oracle).
 
 Source: Jhunjhunwala, Wang and Joshi, "FedExP: Speeding Up Federated Averaging via
-Extrapolation", ICLR 2023: its adaptive server step size (DESIGN.md section 1).  With normalised client
+Extrapolation", ICLR 2023: its adaptive server step size.  With normalised client
 weights ``p_i`` and updates ``D_i = x_start - x_end_i``::
 
     D     = sum_i p_i D_i

@@ -1,7 +1,7 @@
 """FedLAW's server loop, written as literally as possible (the oracle).
 
 Source: Li et al., "Revisiting Weighted Aggregation in Federated Learning with Neural
-Networks", ICML 2023 (``shared/papers/fedlaw.txt``) and the authors' released code
+Networks", ICML 2023 ([FedLAW] in the README's references) and the authors' released code
 (``ZexiLee/ICML-2023-FedLAW``, ``server_funct.py: fedlaw_optimization``).
 
 The server receives the clients' full parameter vectors ``w_i`` and learns, on a small

@@ -1,9 +1,9 @@
 """FedNAR local step, written as literally as possible (the oracle).
 
 Source: Li et al., "FedNAR: Federated Optimization with Normalized Annealing
-Regularization", NeurIPS 2023 (``shared/papers/fednar.txt``), Algorithm 2 with the
+Regularization", NeurIPS 2023 ([FedNAR] in the README's references), Algorithm 2 with the
 learning-rate and weight-decay functions of eq. (3) and (4); the gradient-clipping
-baseline is eq. (5).  Notation follows DESIGN.md section 1: ``l`` is the local lr,
+baseline is eq. (5).  Notation: ``l`` is the local lr,
 ``wd`` the weight decay in the PyTorch-SGD sense (the paper's ``u_t = l_t * wd``),
 ``A`` the max norm and ``eps = 1e-6`` as in ``torch.nn.utils.clip_grad_norm_``.
 
@@ -264,7 +264,7 @@ def nar_step_groups_(
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
 ) -> NarStats:
-    """One FedNAR step with ONE norm over several param groups (DESIGN.md section 1).
+    """One FedNAR step with ONE norm over several param groups.
 
     Group ``k`` is a dict with ``params``, ``grads``, ``lr``, ``weight_decay`` and
     optionally ``momentum`` / ``momentum_buffers``; its tensors may have any floating

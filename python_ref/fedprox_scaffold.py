@@ -11,7 +11,7 @@ With a local lr that changes within the round (FedDecay, annealing) ``K eta_l`` 
 sum of the lrs of the round's K steps (the same quantity for a constant lr).
 
 Both corrections are added to ``g`` BEFORE the FedNAR step, i.e. inside the clip and
-the norm (DESIGN.md section 1, as the FedNAR authors' released code does), so
+the norm (as the FedNAR authors' released code does), so
 :func:`local_train` feeds ``g + corrections`` to :func:`python_ref.fednar.nar_update`.
 """
 

@@ -1,7 +1,7 @@
 """Standard server optimizers on the pseudo-gradient (the oracle).
 
 Source: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2
-(FedOpt), plus FedAvg with FedLAW's global weight shrinking (fedlaw.txt eq. 3-4).
+(FedOpt), plus FedAvg with FedLAW's global weight shrinking ([FedLAW] eq. 3-4).
 
 Every method works on ONE flat vector ``x`` (all parameters flattened together) and the
 clients' updates ``D_i = x_start - x_end_i`` (so ``D`` points like a gradient, uphill;
@@ -10,7 +10,7 @@ normalised client weights ``p_i`` (uniform by default, ``sum_i p_i = 1``)::
 
     D = sum_i p_i D_i                                    # the pseudo-gradient
 
-FedAvg with server lr ``eta`` and shrink ``gamma`` (fedlaw.txt eq. 4)::
+FedAvg with server lr ``eta`` and shrink ``gamma`` ([FedLAW] eq. 4)::
 
     x <- gamma * (x - eta * D)          # eta = gamma = 1: plain FedAvg, x <- sum_i p_i x_i
 

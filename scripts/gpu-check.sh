@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check of fedopt_kernels in one command (DESIGN.md section 3), for a
+# The whole GPU check of fedopt_kernels in one command, for a
 # machine with an NVIDIA GPU:  scripts/gpu-check.sh [OUT_DIR]   (or: make gpu-check)
 #
 # Every step runs, whatever the previous ones did, and writes into OUT_DIR (default

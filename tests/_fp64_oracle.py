@@ -1,4 +1,4 @@
-"""The fp64 oracle of the kernel test matrix, written from DESIGN.md section 1 alone.
+"""The fp64 oracle of the kernel test matrix, written from the formulas alone.
 
 The ``reference`` backend IS ``python_ref``; comparing it with ``python_ref`` checks
 nothing.  So every backend, the reference one included, is compared with this module:
@@ -6,7 +6,7 @@ a second formulation in float64 that imports nothing from ``python_ref`` or
 ``fedopt_kernels``.  Where the two differ in form they agree in value:
 
 * norms are ``math.fsum`` of squares (exactly rounded sums), not a dot product;
-* the FedNAR direction is written per mode as DESIGN.md states it, not through one
+* the FedNAR direction is written per mode as the FedNAR paper states it (eq. 3-5), not through one
   shared ``scale * ...`` expression;
 * results are rounded once to the data dtype at the end, as a kernel that accumulates
   in fp32 and stores the data dtype does up to one rounding of the stored value.
@@ -98,7 +98,7 @@ def nar_step(params: List[torch.Tensor], grads: List[torch.Tensor], bufs: Option
 
 def aggregate(X, weights, gamma=1.0):
     """``out = gamma * sum_i a_i X_i`` with the weights as given, ``q_i = ||X_i||^2``,
-    ``Q = ||sum_i a_i X_i||^2`` (FedLAW eq. 3 and 8; DESIGN.md section 1).  A client of
+    ``Q = ||sum_i a_i X_i||^2`` (FedLAW eq. 3 and 8).  A client of
     weight exactly 0 adds nothing, even if its values are not finite.  fp64, CPU."""
     rows = list(X.unbind(0)) if isinstance(X, torch.Tensor) else list(X)
     a = [float(w) for w in f64(torch.as_tensor(weights))]

@@ -202,7 +202,7 @@ def test_weighting_and_proxy_flags_reach_results_json(tmp_path):
 
 
 def test_compare_with_fedlaw_scores_every_run_on_the_same_test_examples(tmp_path):
-    """fedlaw.txt D.2: the proxy set is taken from the test set and "the remaining data in
+    """[FedLAW] D.2: the proxy set is taken from the test set and "the remaining data in
     the testset" tests all compared methods."""
     out = tmp_path / "cmp"
     rc = main(["compare", "--algos", "fedavg,fedlaw,asnes", "--fedlaw-epochs", "1", "--rounds", "1", "--out", str(out)]

@@ -1,4 +1,4 @@
-"""FedDecay and RoundAnnealing against their formulas (feddecay.txt eq. 7 / B.2, fednar.txt section 5)."""
+"""FedDecay and RoundAnnealing against their formulas ([FedDecay] eq. 7 / B.2, [FedNAR] section 5)."""
 
 import io
 
@@ -51,7 +51,7 @@ def test_feddecay_per_epoch(kind):
     opt = _opt(lr0)
     sched = FedDecay(opt, local_steps=K, beta=beta, kind=kind, per="epoch", steps_per_epoch=spe)
     got = _lrs(sched, opt, 2 * K)
-    # feddecay.txt eq. 7: beta ** e; appendix B.2: max(1 - e (1 - beta), 0)
+    # [FedDecay] eq. 7: beta ** e; appendix B.2: max(1 - e (1 - beta), 0)
     f = [beta ** e if kind == "exponential" else max(1 - e * (1 - beta), 0.0) for e in range(3)]
     want = [lr0 * f[(t % K) // spe] for t in range(2 * K)]
     assert got == pytest.approx(want, rel=1e-12)
@@ -181,8 +181,8 @@ def test_round_annealing_rejects_bad_decay():
 @pytest.mark.parametrize("beta", [0.6, 0.0])
 def test_feddecay_and_round_annealing_on_one_optimizer_multiply(order, beta):
     """Issue 11: the two schedulers chain like torch.optim.lr_scheduler schedulers.  In
-    round j, local step k the lr is lr_0 * 0.998^j (fednar.txt section 5) * beta^k
-    (feddecay.txt eq. 7) -- neither overwrites the other, whichever is built first,
+    round j, local step k the lr is lr_0 * 0.998^j ([FedNAR] section 5) * beta^k
+    ([FedDecay] eq. 7) -- neither overwrites the other, whichever is built first,
     also with beta = 0 (a factor of 0 inside the round, 1 again at the next round)."""
     lr0, K, R, decay = 0.05, 4, 4, 0.998
     p = torch.nn.Parameter(torch.ones(3))

@@ -332,7 +332,7 @@ def test_norm_within_a_thousandth_of_max_norm(backend, mode, side):
 
 @pytest.mark.parametrize("mode", ["co", "grad"])
 def test_clip_epsilon_is_observable(backend, mode):
-    """n = A = 1e-6: s = A / (n + eps) = 1/2 exactly as DESIGN.md states the clip
+    """n = A = 1e-6: s = A / (n + eps) = 1/2 exactly as torch's clip_grad_norm_ defines the clip
     (without eps it would be 1; with eps outside the division, ~1). Compared with a
     relative tolerance only, so the tiny values still count."""
     name, device = backend

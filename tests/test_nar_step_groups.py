@@ -6,7 +6,7 @@ Oracles, none of them the code under test:
 * the authors' released recipe with a no-decay group: ``0.5 wd ||x_decayed||^2`` in the
   loss, ONE ``torch.nn.utils.clip_grad_norm_`` over all parameters, ``torch.optim.SGD``
   with per-group lr (and momentum);
-* ``fp64_step``: the step of DESIGN.md section 1 written out here in float64, line by
+* ``fp64_step``: the FedNAR step written out here in float64, line by
   line, for tensors of any dtype;
 * for ``clip_scope="group"``: one independent FedNAR per group.
 """

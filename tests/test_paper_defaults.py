@@ -39,8 +39,8 @@ PAPER_WEIGHTING = {
     "fedyogi": "size",      # client_weight = num_examples (Algorithm 2 writes 1/|S| only for exposition)
     "fedadagrad": "size",   # idem
     "fedexp": "uniform",    # Jhunjhunwala et al. 2023, Algorithm 1: Delta = 1/|S| sum_i Delta_i
-    "asnes": "uniform",     # asnes.txt eq. (2), Algorithm 1 line 13: nabla_t = 1/|S_t| sum_{n in S_t}
-    "fedlaw": "size",       # fedlaw.txt eq. (5), Algorithm 1 line 10: lambda_i = |D_i| / |D|
+    "asnes": "uniform",     # [ASNES] eq. (2), Algorithm 1 line 13: nabla_t = 1/|S_t| sum_{n in S_t}
+    "fedlaw": "size",       # [FedLAW] eq. (5), Algorithm 1 line 10: lambda_i = |D_i| / |D|
 }
 
 TINY = dict(dataset="digits", hidden=(16,), clients=8, per_round=4, rounds=1, local_steps=3, batch_size=16,
@@ -58,7 +58,7 @@ def fedexp_eta(D: torch.Tensor) -> float:
 
 
 def asnes_gain_ratio(D: torch.Tensor) -> float:
-    """asnes.txt eq. (3) over the S = len(D) participating clients, AdaScale's clamps:
+    """[ASNES] eq. (3) over the S = len(D) participating clients, AdaScale's clamps:
     sigma2 >= 1e-6, nu2 >= 0 from the unclamped sigma2, r in [1, S]."""
     S = D.shape[0]
     mean = D.mean(0)
@@ -85,7 +85,7 @@ def test_weighting_table_is_each_papers():
 
 
 def test_asnes_step_is_the_gain_ratio_everywhere():
-    # asnes.txt eq. (3)-(4c): w <- w - eta_t v with eta_t = r itself, i.e. server lr 1;
+    # [ASNES] eq. (3)-(4c): w <- w - eta_t v with eta_t = r itself, i.e. server lr 1;
     # beta = 0.9 (section 5.1, Fashion-MNIST)
     assert _default(S.ASNES.__init__, "lr") == 1.0 and _default(S.ASNES.__init__, "momentum") == 0.9
     assert SERVER_DEFAULTS["asnes"] == dict(lr=1.0, momentum=0.9)
@@ -108,7 +108,7 @@ def test_fedadagrad_beta1_is_zero_everywhere():
 
 
 def test_fedlaw_defaults_are_the_papers():
-    # fedlaw.txt D.6: server-side Adam with betas=(0.5, 0.999); D.2: 10 samples per class (100)
+    # [FedLAW] D.6: server-side Adam with betas=(0.5, 0.999); D.2: 10 samples per class (100)
     # drawn from the TEST set, the rest used to test
     assert _default(S.FedLAW.__init__, "betas") == (0.5, 0.999)
     cfg = SimulationConfig()
@@ -280,7 +280,7 @@ def test_fedlaw_proxy_is_held_out_of_the_test_set():
     sim = Simulation(SimulationConfig(**{**TINY, "algo": "fedlaw"}))
     ds = sim.dataset
     proxy, rest = sim.proxy_indices, sim.eval_indices
-    # fedlaw.txt D.2: class-balanced, 10 per class for 100 samples, from the test set
+    # [FedLAW] D.2: class-balanced, 10 per class for 100 samples, from the test set
     assert proxy.numel() == 100 and torch.bincount(ds.y_test[proxy].cpu(), minlength=10).tolist() == [10] * 10
     assert not set(proxy.tolist()) & set(rest.tolist())
     assert sorted(proxy.tolist() + rest.tolist()) == list(range(ds.num_test))

@@ -1,7 +1,7 @@
 // CUDA kernels of the weighted aggregation (`fedopt_C::aggregate`) and of its backward
-// (`fedopt_C::client_dots`).  Formulas: DESIGN.md section 1, python_ref/aggregation.py.
+// (`fedopt_C::client_dots`).  Formulas: python_ref/aggregation.py.
 //
-// One pass over the data (DESIGN.md section 4: each client read once, out written once):
+// One pass over the data (each client read once, out written once):
 //
 //  * rows_kernel: the columns [0, N) are cut into tiles of T threads x U vectors of 16
 //    bytes (T * U * V columns, V = 16 / sizeof(client dtype)); block b owns the tiles

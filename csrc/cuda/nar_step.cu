@@ -1,9 +1,9 @@
 // CUDA kernels of the FedNAR step: `fedopt_C::nar_step_` (a list of tensors forming one
 // group) and `fedopt_C::nar_step_batched_` (the rows of [C, N] tensors, one group per
-// row).  Formulas: DESIGN.md section 1, python_ref/fednar.py; every value decision goes
+// row).  Formulas: python_ref/fednar.py; every value decision goes
 // through fedopt/math.h, shared with the CPU kernels.
 //
-// Two launches per step, whatever the number of tensors or rows (DESIGN.md section 4):
+// Two launches per step, whatever the number of tensors or rows:
 //
 //  1. nar_norm_kernel: block b reduces chunk b to ONE partial sum of squares of the
 //     clipped-on vector (g + wd x in mode co, g otherwise; g unscaled by grad_scale),

@@ -103,7 +103,7 @@ SIM_OPTIONS: List[tuple] = [
     ("--fedlaw-lr", float, "FedLAW's Adam lr (default 0.01)"),
     ("--proxy-size", int, "FedLAW's class-balanced proxy set size (default 100)"),
     ("--proxy-source", str, f"where FedLAW's proxy set comes from: {', '.join(PROXY_SOURCES)} (default test: held "
-                            "out of the test set, accuracy measured on the rest, as fedlaw.txt D.2)"),
+                            "out of the test set, accuracy measured on the rest, as [FedLAW] D.2)"),
     ("--synthetic-alpha", float, "Synthetic(alpha, beta): alpha (default 1)"),
     ("--synthetic-beta", float, "Synthetic(alpha, beta): beta (default 1)"),
     ("--synthetic-iid", _bool, "Synthetic: IID variant (default false)"),

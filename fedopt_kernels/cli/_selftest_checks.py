@@ -7,7 +7,7 @@ buffers, ``out`` AND the returned statistics) with two oracles:
 
 * python_ref, through the same op with ``backend="reference"`` on copies of the same
   inputs (skipped when the backend under test is the reference itself), and
-* the float64 formulas of ``_selftest_fp64`` written from DESIGN.md section 1, so
+* the float64 formulas of ``_selftest_fp64`` written independently of python_ref, so
   that a wrong python_ref fails the reference backend's rows.
 
 Sizes are small: the whole matrix must run in seconds on CPU, where the Triton

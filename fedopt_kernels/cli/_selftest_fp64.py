@@ -1,4 +1,4 @@
-"""The selftest's second oracle: DESIGN.md section 1 written out in float64.
+"""The selftest's second oracle: the formulas of every op written out in float64.
 
 The ``reference`` backend is python_ref, so comparing the kernels with it alone
 cannot notice a formula that python_ref itself gets wrong.  These functions restate
@@ -18,7 +18,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
-EPS = 1e-6  # the clip's epsilon, as torch.nn.utils.clip_grad_norm_ (DESIGN.md 1)
+EPS = 1e-6  # the clip's epsilon, as torch.nn.utils.clip_grad_norm_ (added to the norm, inside the division)
 
 
 def f64(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ class NarResult64(NamedTuple):
 
 
 def nar_step(groups: Sequence[NarGroup64], *, max_norm: float, mode: str) -> NarResult64:
-    """FedNAR (fednar.txt eq. 3-5) with ONE norm over every tensor of every group:
+    """FedNAR ([FedNAR] eq. 3-5) with ONE norm over every tensor of every group:
 
     co:   n = ||(g_k + wd_k x_k)_k||,  s = min(1, A / (n + eps)),  d_k = s (g_k + wd_k x_k)
     grad: n = ||(g_k)_k||,             s as above,                 d_k = s g_k + wd_k x_k
@@ -103,7 +103,7 @@ class AggregateResult64(NamedTuple):
 
 
 def aggregate(rows: Sequence[torch.Tensor], weights: Sequence[float], gamma: float) -> AggregateResult64:
-    """fedlaw.txt eq. 3, 8: ``out = gamma sum_i a_i X_i``, ``q_i = ||X_i||^2``,
+    """[FedLAW] eq. 3, 8: ``out = gamma sum_i a_i X_i``, ``q_i = ||X_i||^2``,
     ``Q = ||sum_i a_i X_i||^2`` (before gamma).  A weight of exactly 0 adds nothing,
     even for a client holding NaN (that is how an excluded client is left out)."""
     N = rows[0].numel()
@@ -133,7 +133,7 @@ def client_dots(rows: Sequence[torch.Tensor], g: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_sum_grads(rows: Sequence[torch.Tensor], weights: Sequence[float], gamma: float, G: torch.Tensor):
-    """DESIGN.md 1: ``dL/da_i = gamma <G, X_i>``, ``dL/dgamma = <G, sum_i a_i X_i>``."""
+    """``dL/da_i = gamma <G, X_i>``, ``dL/dgamma = <G, sum_i a_i X_i>``."""
     dots = client_dots(rows, G)
     grad_w = gamma * dots
     grad_gamma = float(sum(float(a) * float(d) for a, d in zip(weights, dots)))
@@ -143,7 +143,7 @@ def weighted_sum_grads(rows: Sequence[torch.Tensor], weights: Sequence[float], g
 def server_update(rule: str, x, d, m, v, *, lr: float, gamma: float, beta1: float, beta2: float, tau: float,
                   nesterov: bool):
     """One element-wise server step on flat float64 vectors (Reddi et al. Algorithm 2,
-    fedlaw.txt eq. 4); returns ``(x, m, v)`` (``m``/``v`` None where the rule has none).
+    [FedLAW] eq. 4); returns ``(x, m, v)`` (``m``/``v`` None where the rule has none).
 
     sgd:      x <- gamma (x - lr D)
     momentum: b <- beta1 b + D ; x <- x - lr b   (nesterov: x <- x - lr (beta1 b + D))

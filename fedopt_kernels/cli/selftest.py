@@ -1,10 +1,10 @@
-"""``fedopt selftest``: what a user with a GPU runs first (DESIGN.md section 3).
+"""``fedopt selftest``: what a user with a GPU runs first.
 
 On one device (``--device cuda`` where CUDA is available, else ``cpu``) it runs every
 public op on every backend that can run there -- on CPU: reference, the C++ CPU
 extension, and Triton in its interpreter -- and compares the results and the
-returned statistics with python_ref and with float64 formulas written from
-DESIGN.md (``_selftest_checks``), then checks that ``torch.compile`` does not
+returned statistics with python_ref and with float64 formulas written out
+independently of python_ref (``_selftest_checks``), then checks that ``torch.compile`` does not
 recompile for a new tensor lr and, on CUDA, that a captured CUDA graph replays with
 new lr values.  It prints the environment, one row per (op, backend, case group) and,
 if anything failed, a block to paste into a bug report.

@@ -374,7 +374,7 @@ def run_compare(args) -> int:
     done: List[Results] = []
     interrupted = False
     # fedlaw's test-side proxy set is held out of every run's evaluation, so that all
-    # runs are scored on the same examples (fedlaw.txt appendix D.2: "the remaining data
+    # runs are scored on the same examples ([FedLAW] appendix D.2: "the remaining data
     # in the testset ... for all compared methods")
     hold_out = any(cfg.needs_proxy for _, cfg in configs)
 

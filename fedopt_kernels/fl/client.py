@@ -8,7 +8,7 @@ gradients views into one flat ``grad`` buffer.  Per client the trainer
 2. runs ``steps`` local steps: forward/backward on a mini-batch (gradients accumulate
    straight into the flat buffer), then adds FedProx's ``mu (x - x0)`` and SCAFFOLD's
    ``c - c_i`` to ``g`` -- BEFORE the step, so inside FedNAR's norm and clip
-   (DESIGN.md section 1) -- and takes one fused :class:`~fedopt_kernels.optim.FedNAR`
+   (as the FedNAR authors' released code does) -- and takes one fused :class:`~fedopt_kernels.optim.FedNAR`
    step (mode ``co``, ``grad`` or ``none``),
 3. writes ``D_i = x0 - x_end`` into the caller's row of the round's ``[C, N]`` tensor.
 

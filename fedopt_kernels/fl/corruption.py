@@ -1,6 +1,6 @@
 """Corrupted clients: a seeded fraction of the clients trains on damaged data.
 
-Robustness claims (FedLAW down-weighting corrupted clients, fedlaw.txt section 6 and
+Robustness claims (FedLAW down-weighting corrupted clients, [FedLAW] section 6 and
 Table 8) need clients whose data are wrong in a known way.  ``corrupt_fraction`` of the
 ``clients`` (``round(fraction * clients)``, half up) are chosen by the seed alone and
 their *training* samples are changed once, before round 1; the test set, the other
@@ -10,7 +10,7 @@ clients' samples and FedLAW's proxy set stay clean.  Kinds:
             of the classes without fixed points (a derangement, drawn per client), so
             every one of its labels is wrong and the client learns a consistent but
             wrong mapping.
-``swap``    FedLAW's own definition (fedlaw.txt section 6, "swapping two labels in their
+``swap``    FedLAW's own definition ([FedLAW] section 6, "swapping two labels in their
             local training data"): one random pair of classes ``(a, b)`` per client is
             exchanged; its other labels are untouched.
 ``noise``   additive Gaussian noise ``x + N(0, corrupt_noise_std^2)`` on every input

@@ -23,7 +23,7 @@ __all__ = ["MLP", "SimpleCNN", "build_model", "register_model", "model_names"]
 class MLP(nn.Module):
     """Flatten, then ``Linear -> ReLU`` for every hidden width, then a linear classifier.
 
-    FedLAW's MLP (fedlaw.txt appendix D.3) is ``hidden=(200, 200)``.
+    FedLAW's MLP ([FedLAW] appendix D.3) is ``hidden=(200, 200)``.
     """
 
     def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (200, 200)):
@@ -41,7 +41,7 @@ class MLP(nn.Module):
 
 
 class SimpleCNN(nn.Module):
-    """FedLAW's SimpleCNN (fedlaw.txt appendix D.3), adapted to the input size.
+    """FedLAW's SimpleCNN ([FedLAW] appendix D.3), adapted to the input size.
 
     For CIFAR (3x32x32): ``conv(3,32,3) -> ReLU -> maxpool 2 -> conv(32,64,3) -> ReLU ->
     maxpool 2 -> conv(64,64,3) -> ReLU -> fc(64*4*4, 64) -> ReLU -> fc(64, classes)``

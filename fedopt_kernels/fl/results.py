@@ -10,7 +10,7 @@ client schedule, and one dict per evaluated round (round 0 is the untrained mode
 ``train_loss``         mean local training loss over the round's local steps
 ``clip_frequency``     fraction of the round's local steps with scale < 1 (clipped)
 ``mean_clipped_norm``  mean norm (``||g + wd x||`` in mode co, ``||g||`` in grad)
-                       over the clipped steps -- fednar.txt Fig. 5
+                       over the clipped steps -- [FedNAR] Fig. 5
 ``clipped_steps``      their number; ``skipped_steps``: non-finite steps skipped
 ``local_lr``           the round's local lr (first local step)
 ``server_lr``          effective server lr (lr x FedExP's eta_g / ASNES's gain)

@@ -19,7 +19,7 @@ fedlaw        "                      :class:`~fedopt_kernels.server.FedLAW` (pro
 
 The local step is FedNAR in the mode ``--nar`` (``co``: FedNAR; ``grad``: gradient
 clipping, the papers' baselines; ``none``: plain SGD), so ``--algo fedadam --nar co``
-is "FedNAR + FedAdam" of fednar.txt Table 1.
+is "FedNAR + FedAdam" of [FedNAR] Table 1.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ __all__ = ["SERVER_DEFAULTS", "ServerSide"]
 #     paper's CIFAR-10/100 runs (flwr_baselines adaptive_federated_optimization:
 #     FedAdagrad eta = 0.1).
 #   fedexp lr 1: the paper's eta_g alone (Jhunjhunwala et al. 2023, Algorithm 1).
-#   asnes lr 1, momentum 0.9: asnes.txt eq. (3)-(4c), the step is eta_t = r (eta_0 = 1);
+#   asnes lr 1, momentum 0.9: [ASNES] eq. (3)-(4c), the step is eta_t = r (eta_0 = 1);
 #     beta = 0.9 (section 5.1, Fashion-MNIST).
 SERVER_DEFAULTS: Dict[str, dict] = {
     "fedavg": dict(lr=1.0),
@@ -127,7 +127,7 @@ class ServerSide:
         weights = S.client_weights(self.weighting, data_sizes)
         if self.fedlaw is not None:
             updates.neg_().add_(self.x_global)  # client models w_i = x - D_i, in place
-            # lambda starts from the data-size weights (fedlaw.txt Algorithm 1 line 10),
+            # lambda starts from the data-size weights ([FedLAW] Algorithm 1 line 10),
             # or from 1/C under weighting="uniform"
             lam0 = data_sizes.tolist() if weights is not None else [1.0] * updates.shape[0]
             gamma, lam = self.fedlaw.step(updates, lam0)

@@ -119,7 +119,7 @@ def proxy_split(labels: torch.Tensor, size: int, seed: int, *, name: str = "the 
                 ) -> tuple:
     """FedLAW's class-balanced proxy set: ``(proxy, rest)``, sorted index tensors (CPU)
     into ``labels``: ``size`` examples, as equal a number per class as the data allow
-    (the first ``size mod classes`` classes one more; fedlaw.txt appendix D.2: "a small
+    (the first ``size mod classes`` classes one more; [FedLAW] appendix D.2: "a small
     and class-balanced proxy dataset ... randomly selected from the testset"), drawn by
     :func:`~fedopt_kernels.fl.seeds.proxy_seed` ``(seed)``, and the other examples.
 
@@ -259,7 +259,7 @@ class Simulation:
 
     def _proxy_loader(self):
         """FedLAW's proxy set (:attr:`proxy_indices`, drawn by :func:`proxy_split`): from
-        the test set (``proxy_source="test"``, fedlaw.txt appendix D.2) or the pooled
+        the test set (``proxy_source="test"``, [FedLAW] appendix D.2) or the pooled
         training data (``"train"``); batches of 128 in a per-round seeded order."""
         ds = self.dataset
         idx = self.proxy_indices.to(self.device)
@@ -408,7 +408,7 @@ class Simulation:
                 self.scaffold.server_update(excluded, clients=clients)
             if self._has_buffers and self.server.fedlaw is None:
                 # floating buffers (BatchNorm statistics): weighted like the parameters.  FedLAW's
-                # model keeps the statistics of its proxy training (fedlaw.txt, released code).
+                # model keeps the statistics of its proxy training ([FedLAW], released code).
                 current = buffers_to_vector(self.global_model)
                 vector_to_buffers(average_buffers(self.buffer_rows[:C], self.server.weighting, sizes, current,
                                                   excluded), self.global_model)

@@ -55,7 +55,7 @@
 // a list fills up.  That needs no device memory, no upload, and is trivially capturable
 // into a CUDA graph, but a large model costs many launches per pass.  Our kernels must
 // REDUCE over all tensors of a group (the clip norm) and then update them, in exactly
-// two launches whatever the number of tensors (DESIGN.md section 4), and each update
+// two launches whatever the number of tensors, and each update
 // block combines its group's partials, so all partials must be complete before any
 // update block runs: one launch per pass, hence a table in device memory without a size
 // limit.  The cost of that choice is an upload, which the device table cache pays once

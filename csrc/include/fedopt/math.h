@@ -3,7 +3,7 @@
 // Everything that decides a *value* (the clip scale, the step direction, the skip
 // rule) lives here as __host__ __device__ inline functions, so the CPU build and its
 // tests exercise exactly the code the GPU runs.  The kernels themselves only decide how
-// data moves.  The formulas are DESIGN.md section 1; python_ref/fednar.py is the oracle.
+// data moves.  The formulas and the oracle are python_ref/fednar.py.
 #pragma once
 
 #include <cmath>

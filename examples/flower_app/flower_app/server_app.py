@@ -36,7 +36,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy = make_strategy(algo, model, backend=backend, fraction_train=float(rc["fraction-train"]),
                              fraction_evaluate=0.0, weighting=str(rc.get("weighting", "auto")), **hyper)
 
-    # fedlaw: its proxy set comes from the test set, the accuracy from the rest (fedlaw.txt D.2)
+    # fedlaw: its proxy set comes from the test set, the accuracy from the rest ([FedLAW] D.2)
     x_test, y_test = test_data(seed, int(rc["proxy-size"]) if algo == "fedlaw" else 0)
     eval_model = make_model(seed, int(rc["hidden"]))
 

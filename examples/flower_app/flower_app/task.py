@@ -33,7 +33,7 @@ def client_data(seed: int, partition_id: int, num_partitions: int, alpha: float)
 
 def test_data(seed: int, proxy_size: int = 0):
     """The test examples the server evaluates on: all of them, or with ``proxy_size > 0``
-    those outside FedLAW's proxy set (fedlaw.txt appendix D.2, as ``fedopt simulate``)."""
+    those outside FedLAW's proxy set ([FedLAW] appendix D.2, as ``fedopt simulate``)."""
     ds = load_data(seed)
     if proxy_size <= 0:
         return ds.x_test, ds.y_test
@@ -50,7 +50,7 @@ def make_model(seed: int, hidden: int) -> torch.nn.Module:
 
 
 def proxy_loader(seed: int, size: int):
-    """FedLAW's server-side proxy set: ``size`` class-balanced TEST examples (fedlaw.txt
+    """FedLAW's server-side proxy set: ``size`` class-balanced TEST examples ([FedLAW]
     appendix D.2; the simulator's default ``proxy_source="test"``, the same draw)."""
     ds = load_data(seed)
     idx, _ = proxy_split(ds.y_test, size, seed, name="the test set")

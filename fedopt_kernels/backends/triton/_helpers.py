@@ -3,7 +3,7 @@ csrc/include/fedopt/math.h, plus the pointer-table and fixed-order-reduction idi
 every kernel of this backend uses.
 
 Everything that decides a *value* lives here (same split as math.h: kernels only move
-data).  Plain-Python reference of the math (DESIGN.md section 1, python_ref/fednar.py),
+data).  Plain-Python reference of the math (python_ref/fednar.py),
 everything in the acc dtype ``ACC`` (fp32; fp64 for fp64 data)::
 
     norm_term(x, g)   = g + wd * x            if MODE == co   else g

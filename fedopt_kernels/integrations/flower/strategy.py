@@ -395,7 +395,7 @@ class FusedStrategy(_FlowerFedAvg):
         return out
 
     def _fedlaw_step(self, X: torch.Tensor, weights: List[float], nodes: List[int]) -> Dict[str, object]:
-        # lambda starts from the replies' sizes (fedlaw.txt Algorithm 1 line 10), or 1/C
+        # lambda starts from the replies' sizes ([FedLAW] Algorithm 1 line 10), or 1/C
         gamma, lam = self.fedlaw.step(X, weights if self.weighting == "size" else [1.0] * len(weights))
         rnd = self.fedlaw.last_round
         self.last_stats = rnd
@@ -506,7 +506,7 @@ class FedExP(FusedStrategy):
 
 class ASNES(FusedStrategy):
     """ASNES: AdaScale gain ratio + Nesterov momentum (:class:`fedopt_kernels.server.ASNES`):
-    ``lr`` 1 (asnes.txt eq. 3-4c: the step is ``eta_t = r``), ``momentum`` 0.9
+    ``lr`` 1 ([ASNES] eq. 3-4c: the step is ``eta_t = r``), ``momentum`` 0.9
     (section 5.1), clients averaged uniformly by default (eq. 2)."""
 
     def __init__(self, model: nn.Module, *, lr: float = 1.0, momentum: float = 0.9, smoothing: float = 0.0,

@@ -22,14 +22,12 @@ then compare it with the library's public single-process path computed here:
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -38,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 import _fp64_oracle as fp64
+import _gloo as gloo
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -303,43 +302,18 @@ SCENARIOS = {"aggregate": _with_second_passes(_scenario_aggregate, False),
              "simulation": _scenario_simulation}
 
 
-def _worker(rank, world, init_file, out_dir, scenarios):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+def _run_scenarios(rank, world, scenarios):
     results = {}
-    try:
-        for name in scenarios:
-            t0 = time.perf_counter()
-            results[name] = SCENARIOS[name](rank, world)
-            results[f"{name}_seconds"] = time.perf_counter() - t0
-    except BaseException:
-        results["error"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    for name in scenarios:
+        t0 = time.perf_counter()
+        results[name] = SCENARIOS[name](rank, world)
+        results[f"{name}_seconds"] = time.perf_counter() - t0
+    return results
 
 
 def launch(tmp: Path, world: int, scenarios) -> list:
     """Run ``scenarios`` on ``world`` gloo processes; each rank's results, in rank order."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp), tuple(scenarios)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):  # raises, with the rank's traceback, if a rank failed
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world} gloo processes did not finish in {LAUNCH_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    out = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(out):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return out
+    return gloo.launch(tmp, world, _run_scenarios, tuple(scenarios), timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

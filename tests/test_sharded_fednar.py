@@ -12,13 +12,7 @@ comparison is to fp32 rounding.  The model's last layer has one output, so its b
 
 from __future__ import annotations
 
-import copy
-import datetime
-import os
-import time
-import traceback
-from pathlib import Path
-
+import _gloo as gloo
 import pytest
 import torch
 import torch.distributed as dist
@@ -135,45 +129,18 @@ def _scenario_errors(rank: int):
     return out
 
 
-def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+def _run_cases(rank: int, world: int):
     results = {}
-    try:
-        for case in CASES:
-            results[("fsdp", case)] = _scenario_fsdp(rank, case)
-            results[("ddp", case)] = _scenario_ddp(rank, case)
-        results["errors"] = _scenario_errors(rank)
-    except BaseException:
-        results["error"] = traceback.format_exc()
-        raise
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
+    for case in CASES:
+        results[("fsdp", case)] = _scenario_fsdp(rank, case)
+        results[("ddp", case)] = _scenario_ddp(rank, case)
+    results["errors"] = _scenario_errors(rank)
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    tmp: Path = tmp_path_factory.mktemp("sharded")
-    ctx = mp.start_processes(_worker, args=(WORLD, str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} gloo processes did not finish in {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    out = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    for r, res in enumerate(out):
-        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
-    return out
+    return gloo.launch(tmp_path_factory.mktemp("sharded"), WORLD, _run_cases, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.slow

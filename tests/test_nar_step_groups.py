@@ -456,6 +456,36 @@ def test_groups_on_two_cuda_devices():
         torch.testing.assert_close(p.cpu().double(), e, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("home", ["cpu", "cuda"])
+def test_groups_on_cpu_and_cuda(home):
+    """One norm over a CPU part and a CUDA part, either first (the home of the norm),
+    with GradScaler's CUDA scale and flag and a CUDA lr read by the CPU part: every
+    copy that lands on the CPU is complete before the CPU kernel reads it (a
+    non-blocking device-to-host copy would hand it memory still being filled)."""
+    torch.manual_seed(14)
+    devices = ["cpu", "cuda"] if home == "cpu" else ["cuda", "cpu"]
+    sizes = [300_001, 70_001]  # big enough that an unfinished copy would be visible
+    ps = [torch.randn(n, device=d) for n, d in zip(sizes, devices)]
+    gs = [torch.randn_like(p) * 4.0 for p in ps]
+    scale = torch.full((), 4.0, device="cuda")
+    oracle, n, s = fp64_step([dict(params=[ps[0].cpu()], grads=[gs[0].cpu()], lr=0.05, wd=0.1),
+                              dict(params=[ps[1].cpu()], grads=[gs[1].cpu()], lr=0.02, wd=0.0)],
+                             max_norm=1.0, grad_scale=4.0)
+    for _ in range(3):  # a queued copy is lost only sometimes: repeat
+        work = [p.clone() for p in ps]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(10_000_000)  # keep the stream busy, so an early read sees unfinished copies
+        st = ops.nar_step_groups_([ops.NarGroup([work[0]], [gs[0]], lr=torch.tensor(0.05, device="cuda"),
+                                                weight_decay=0.1),
+                                   ops.NarGroup([work[1]], [gs[1]], lr=0.02, weight_decay=0.0)],
+                                  max_norm=1.0, grad_scale=scale, found_inf=torch.zeros((), device="cuda"))
+        assert st.norm.device.type == home
+        assert math.isclose(float(st.norm), n, rel_tol=1e-5) and math.isclose(float(st.scale), s, rel_tol=1e-5)
+        for p, e in zip(work, [oracle[0][0], oracle[1][0]]):
+            torch.testing.assert_close(p.cpu().double(), e, rtol=2e-6, atol=2e-6)
+
+
 # ----------------------------------------------------------------------- bad input
 def test_bad_groups_name_the_argument_and_modify_nothing():
     ps = [torch.ones(4), torch.ones(3)]

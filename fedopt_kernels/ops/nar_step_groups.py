@@ -92,12 +92,24 @@ def _check_one_element(t, name: str) -> Optional[torch.Tensor]:
     return t.reshape(())
 
 
+def _moved(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``t`` on ``device`` in ``dtype``.  A copy TO a CUDA device is queued on the stream
+    (no host sync); a copy from CUDA to the CPU must block: a non-blocking one returns
+    before the data has landed, and the CPU kernel reading it next would see garbage.
+    A host value bound for CUDA is pinned first (from pageable memory CUDA may make
+    the copy wait for the stream)."""
+    t = t.to(dtype=dtype or t.dtype)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device=device, non_blocking=device.type == "cuda")
+
+
 def _to(h, device: torch.device, dtype: Optional[torch.dtype] = None):
-    """A tensor hyperparameter (or GradScaler flag) on ``device`` (queued copy, no host
-    sync); numbers and None pass through."""
+    """A tensor hyperparameter (or GradScaler flag) on ``device`` (see :func:`_moved`);
+    numbers and None pass through."""
     if not isinstance(h, torch.Tensor):
         return h
-    return h.to(device=device, dtype=dtype or h.dtype, non_blocking=True)
+    return _moved(h, device, dtype)
 
 
 def _add_parts(parts: List[_Part], params, grads, momentum_buffers, lr, wd, momentum: float, name: str,
@@ -205,7 +217,8 @@ def nar_step_groups_(
     Args:
         groups: :class:`NarGroup` s (or dicts with its fields).  A tensor ``lr`` or
             ``weight_decay`` may live on any device; it is copied to each part's device
-            without a host synchronisation.
+            without a host synchronisation (except a CUDA value a CPU part reads: that
+            copy waits for it).
         max_norm: the clip threshold ``A > 0`` (``inf`` disables clipping).
         mode: ``"co"``, ``"grad"`` or ``"none"``.
         grad_scale, found_inf: a GradScaler's scale and inf flag (one element each, any
@@ -253,7 +266,7 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
             sq = _library.nar_sq_norm_op(p.params, p.grads, wd, mode_id, gs, name)
         else:
             sq = backends.resolve(name, p.device).nar_sq_norm(p.params, p.grads, wd, mode_id, gs)
-        sq = sq.to(device=home, dtype=stat_dtype, non_blocking=True)
+        sq = _moved(sq, home, stat_dtype)
         if p.reduce_over:
             sharded[p.reduce_over] = sq if p.reduce_over not in sharded else sharded[p.reduce_over] + sq
         else:
@@ -264,7 +277,7 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
 
     result = None
     for p, acc, lr, wd, gs, fi, name in prepared:
-        sq = total.to(device=p.device, dtype=acc, non_blocking=True)
+        sq = _moved(total, p.device, acc)
         if compiling:
             stats = _library.nar_apply_op(p.params, p.grads, p.bufs, sq, lr, wd, max_norm, mode_id, p.momentum,
                                           gs, fi, name)
@@ -273,4 +286,4 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
                                                                 mode_id, p.momentum, gs, fi)
         if result is None and acc == stat_dtype:
             result = stats
-    return NarStats(*(t.to(home, non_blocking=True) for t in result))
+    return NarStats(*(_moved(t, home) for t in result))

@@ -75,6 +75,61 @@ def test_cache_is_bounded(dev):
     assert _tables.stats["misses"] == _tables.CACHE_SIZE * 3 + 1
 
 
+class _FakeStream:
+    def __init__(self, handle):
+        self.cuda_stream, self.waited = handle, []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class _FakeDeviceTensor:
+    """Stands for an uploaded table (this machine has no CUDA): records record_stream."""
+
+    def __init__(self):
+        self.recorded = []
+
+    def record_stream(self, stream):
+        self.recorded.append(stream.cuda_stream)
+
+
+class _PendingEvent:
+    def query(self):
+        return False  # the upload is still queued behind other work
+
+
+def test_other_streams_record_the_table_memory_once_each(monkeypatch):
+    """The cache's CUDA stream logic, driven by fakes: a table uploaded on stream 1 and
+    hit from streams 2 and 3 is recorded on each of them exactly once (so evicting it
+    cannot return its memory to stream 1's pool while their kernels still read it) and
+    each waits for the upload; hits from the upload's own stream record nothing."""
+    streams = {h: _FakeStream(h) for h in (1, 2, 3)}
+    current = {"h": 1}
+    uploaded = []
+
+    def fake_to_device(rows, device, cols):
+        t = _FakeDeviceTensor()
+        uploaded.append(t)
+        return t, _PendingEvent()
+
+    monkeypatch.setattr(_tables, "_to_device", fake_to_device)
+    monkeypatch.setattr(_tables, "_capturing", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[current["h"]])
+    device = torch.device("cuda", 0)
+
+    def build(upload):
+        return (upload([1, 2], 2), upload([3, 4], 2))
+
+    value = _tables._cached(("fake",), device, build)
+    assert len(uploaded) == 2 and value == tuple(uploaded)
+    for h in (1, 1, 2, 2, 3, 1, 3):
+        current["h"] = h
+        assert _tables._cached(("fake",), device, build) is value
+    assert [t.recorded for t in uploaded] == [[2, 3], [2, 3]]
+    assert len(streams[1].waited) == 0 and len(streams[2].waited) == 2 and len(streams[3].waited) == 2
+    assert _tables.stats["misses"] == 1 and _tables.stats["hits"] == 7
+
+
 def _expected_rows(params, grads):
     chunk = _chunks.chunk_size_for(sum(p.numel() for p in params))
     rows, _ = _chunks.build_rows([(p.data_ptr(), g.data_ptr(), 0) for p, g in zip(params, grads)],

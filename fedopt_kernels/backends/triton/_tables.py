@@ -15,7 +15,10 @@ stream or call site, so a hit can never be stale and any stream may use it:
 * a miss copies the table from pinned memory with a non-blocking copy on the current
   stream and records an event after it;
 * a hit on another stream first makes that stream wait for the event (no host sync;
-  once the event has completed it is dropped);
+  once the event has completed it is dropped), and the first hit from each such
+  stream records it on the table's memory (``Tensor.record_stream``), as the CUDA
+  extension's cache does: evicting the entry then cannot hand the memory back to the
+  upload stream's pool while a kernel queued on the other stream still reads it;
 * during CUDA-graph capture a hit needs no wait -- ``torch.cuda.graph`` (and the
   cudagraph trees of ``torch.compile(mode="reduce-overhead")``) synchronise the device
   before capture begins -- and the entry is pinned for the life of the process, since
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -54,6 +57,8 @@ class _Entry:
     value: object
     stream: Optional[int]  # cuda_stream of the upload (None on CPU)
     ready: Optional[object]  # torch.cuda.Event recorded after the upload, until known complete
+    tensors: tuple = ()  # the device tensors of the table (what other streams must record)
+    used_by: set = field(default_factory=set)  # other streams already recorded on them
 
 
 def clear_cache(captured: bool = False) -> None:
@@ -90,12 +95,19 @@ def _to_device(rows: list, device: torch.device, cols: int):
 
 
 def _order_for_current_stream(entry: _Entry, device: torch.device) -> None:
-    """Make the current stream see ``entry``'s upload (see the module docstring)."""
-    if entry.ready is None or _capturing(device):
+    """Make the current stream see ``entry``'s upload, and keep the table's memory
+    alive for it (see the module docstring)."""
+    if _capturing(device):
         return
     stream = torch.cuda.current_stream(device)
     if stream.cuda_stream == entry.stream:
-        return  # same stream: ordered already
+        return  # same stream: ordered already, and the allocator's own stream
+    if stream.cuda_stream not in entry.used_by:
+        for t in entry.tensors:
+            t.record_stream(stream)
+        entry.used_by.add(stream.cuda_stream)
+    if entry.ready is None:
+        return
     if entry.ready.query():
         entry.ready = None
         return
@@ -117,10 +129,11 @@ def _cached(key: tuple, device: torch.device, build):
                     _captured[key] = entry
             return entry.value
         stats["misses"] += 1
-        events = []
+        events, tensors = [], []
 
         def upload(rows, cols):
             dev, event = _to_device(rows, device, cols)
+            tensors.append(dev)
             if event is not None:
                 events.append(event)
             return dev
@@ -128,7 +141,7 @@ def _cached(key: tuple, device: torch.device, build):
         value = build(upload)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         # every upload of one build is on the same stream: the last event covers them all
-        _cache[key] = _Entry(value, stream, events[-1] if events else None)
+        _cache[key] = _Entry(value, stream, events[-1] if events else None, tuple(tensors))
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
         return value

@@ -145,9 +145,11 @@ def variants(quick: bool = False):
     for acc, warps in dict.fromkeys((TB.acc_dtype(dt), TB.launch_config(dt)[1])
                                     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)):
         a = "*" + TY[acc]
-        out.append(dict(kernel=N.group_sum_kernel, cx=dict(ACC=TB.TL_DTYPES[acc], PBLOCK=TB.PBLOCK),
-                        types=dict(groups_ptr="*i64", part_ptr=a, sums_ptr=a), warps=warps,
-                        dtype=acc, layout=None, ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
+        for rows in (False, True):  # the list forms' group table, the [C, N] form's rows
+            out.append(dict(kernel=N.group_sum_kernel, cx=dict(ACC=TB.TL_DTYPES[acc], PBLOCK=TB.PBLOCK, ROWS=rows),
+                            types=dict(groups_ptr=a if rows else "*i64", part_ptr=a, sums_ptr=a, row_chunks="i64"),
+                            warps=warps, dtype=acc, layout="rows" if rows else "table",
+                            ptrs=["groups_ptr", "part_ptr", "sums_ptr"]))
     for acc in (torch.float32, torch.float64):
         a = "*" + TY[acc]
         fn = A.row_sum_kernel

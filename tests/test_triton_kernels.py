@@ -216,6 +216,26 @@ def test_nar_step_finalize_path_same_bits(dev, monkeypatch):
     assert all(torch.equal(bits(x), bits(y)) for x, y in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]))
 
 
+def test_nar_step_batched_finalize_path_same_bits(dev, monkeypatch):
+    """The table-free [C, N] form through the finalize pass (each row's partials are
+    [r * row_chunks, (r + 1) * row_chunks): no group table exists) gives the bits of the
+    redundant combine, per-row lr included."""
+    X = make([(3, 9001)], torch.float32, dev, 28)[0]
+    G = make([(3, 9001)], torch.float32, dev, 29)[0]
+    lr = torch.tensor([0.01, 0.02, 0.03], device=dev)
+    runs = []
+    for limit in ("1000000", "0"):
+        monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", limit)
+        Xs, B = X.clone(), torch.zeros_like(X)
+        st = ops.nar_step_batched_(Xs, G, lr=lr, weight_decay=1e-3, max_norm=1.0, momentum=0.9,
+                                   momentum_buffers=B, backend="triton")
+        runs.append((Xs, B, st))
+    (x1, b1, s1), (x2, b2, s2) = runs
+    assert torch.equal(bits(s1.norm), bits(s2.norm)) and torch.equal(bits(s1.scale), bits(s2.scale))
+    assert torch.equal(bits(x1), bits(x2)) and torch.equal(bits(b1), bits(b2))
+    assert not torch.equal(x1, X) and (s1.scale < 1).all()  # stepped and clipped
+
+
 def test_nar_step_misaligned_view_only_costs_its_own_chunks(dev):
     """Vector width is decided per chunk: a view 4 bytes past a 16-byte boundary gets
     the scalar body on its chunks only; an aligned tensor of the same call keeps the

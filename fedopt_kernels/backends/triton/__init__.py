@@ -188,7 +188,8 @@ def _run_nar(w: _NarWork, dtype, device, lr, weight_decay, max_norm, mode, momen
             sums = torch.empty(G, dtype=acc, device=device)
             # num_warps=warps, as the update kernel's in-kernel sum: tl.sum's tree follows
             # the warp layout, so this keeps both paths (and nar_sq_norm) bitwise one sum.
-            group_sum_kernel[(G,)](w.groups, part, sums, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, num_warps=warps)
+            group_sum_kernel[(G,)](w.groups if w.groups is not None else part, part, sums, w.row_chunks,
+                                   ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, ROWS=w.rows, num_warps=warps)
             part = sums
     else:
         part, finalized = sq_in, True
@@ -237,7 +238,8 @@ def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
         wd_kind, wd_f, wd_t = _hyper(weight_decay, per_row=False)
         _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, int(mode), warps, block)
         # the update kernel's num_warps: the same reduction tree as nar_step_'s own sum
-        group_sum_kernel[(1,)](w.groups, part, sums, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, num_warps=warps)
+        group_sum_kernel[(1,)](w.groups, part, sums, w.row_chunks, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, ROWS=False,
+                               num_warps=warps)
     return sums.reshape(())
 
 

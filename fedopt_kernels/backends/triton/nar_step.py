@@ -127,16 +127,23 @@ def nar_norm_kernel(tab_ptr, groups_ptr, part_ptr, wd_ptr, gs_ptr, wd_value: tl.
     tl.store(part_ptr + pid, s)
 
 
-@triton.jit
-def group_sum_kernel(groups_ptr, part_ptr, sums_ptr, ACC: tl.constexpr, PBLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["row_chunks"])
+def group_sum_kernel(groups_ptr, part_ptr, sums_ptr, row_chunks: tl.int64, ACC: tl.constexpr, PBLOCK: tl.constexpr,
+                     ROWS: tl.constexpr):
     """``sums[g] = sum(part[pbegin_g:pend_g])`` in the fixed order of ``sum_range``.
 
     Only used when a group has too many partials to re-combine in every update program.
+    The range comes from the group table (list forms) or, for the table-free ``[C, N]``
+    form (``ROWS``), from the row: ``[g * row_chunks, (g + 1) * row_chunks)``.
     Grid: one program per group.
     """
     gid = tl.program_id(0).to(tl.int64)
-    begin = tl.load(groups_ptr + 2 * gid)
-    end = tl.load(groups_ptr + 2 * gid + 1)
+    if ROWS:
+        begin = gid * row_chunks
+        end = begin + row_chunks
+    else:
+        begin = tl.load(groups_ptr + 2 * gid)
+        end = tl.load(groups_ptr + 2 * gid + 1)
     tl.store(sums_ptr + gid, H.sum_range(part_ptr, begin, end, ACC, PBLOCK))
 
 

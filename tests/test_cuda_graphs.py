@@ -109,6 +109,30 @@ def test_cuda_list_form_capture_without_warm_up_fails_clearly():
         cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_host_weights_under_capture_are_refused_by_name(backend):
+    """Weights given as numbers (or a CPU tensor) need a host-to-device copy, which a
+    CUDA graph cannot record: the op says which argument to pass on the device, and
+    the same call with device weights captures and replays."""
+    _need(backend)
+    X = torch.randn(3, 5000, device="cuda")
+    for weights in ([1.0, 2.0, 3.0], torch.tensor([1.0, 2.0, 3.0])):
+        with pytest.raises(ValueError, match=r"weights is a CPU tensor .* pass weights as a tensor on cuda"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                ops.aggregate(X, weights, backend=backend)
+        torch.cuda.synchronize()
+    w = torch.tensor([1.0, 2.0, 3.0], device="cuda")
+    ops.aggregate(X, w, backend=backend)  # warm-up on the side stream's allocator
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = ops.aggregate(X, w, backend=backend)
+    w.copy_(torch.tensor([0.5, 0.0, 2.0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 0.5 * X[0] + 2.0 * X[2])
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_cuda_list_form_captures_after_warm_up_and_replays_with_new_lr(momentum):
     """nar_step_ on a list, captured after one eager warm-up call on the same tensors (on

@@ -88,10 +88,24 @@ def check_weights(weights, C: int, device, dtype, name: str = "weights") -> torc
     weights = as_weight_tensor(weights, C, name)
     if weights.device.type == "cpu":
         check_weight_values(weights, name)
-        return weights.to(dtype).contiguous().to(device, non_blocking=True)
+        return host_to_device(weights.to(dtype).contiguous(), device, name)
     if weights.device != device:
         raise ValueError(f"{name} is on {weights.device} but the clients are on {device}")
     return weights.to(dtype).contiguous()
+
+
+def host_to_device(t: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
+    """A host tensor argument on ``device``: a queued copy on CUDA (no host sync).  While
+    a CUDA graph is being captured such a copy cannot be recorded (the graph would
+    replay it from a host buffer long gone), so it is refused by name: pass the
+    argument as a CUDA tensor to capture the op.  The copy starts from pinned memory:
+    from pageable memory CUDA may make an asynchronous copy wait for the stream."""
+    if device.type != "cuda":
+        return t.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{name} is a CPU tensor (or a list of numbers), which cannot be copied to {device} while "
+                         f"a CUDA graph is being captured: pass {name} as a tensor on {device}")
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def check_weight_values(weights: torch.Tensor, name: str = "weights") -> None:

@@ -8,7 +8,7 @@ import torch
 
 from .. import backends
 from . import _library, _validation as V
-from .aggregate import Clients, as_weight_tensor, check_clients
+from .aggregate import Clients, as_weight_tensor, check_clients, host_to_device
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -56,7 +56,7 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
     if weights.device != device:
         if weights.device.type != "cpu" or weights.requires_grad:
             raise ValueError(f"weights must be on {device} (the clients' device), got {weights.device}")
-        weights = weights.to(device, non_blocking=True)
+        weights = host_to_device(weights, device, "weights")
     if isinstance(gamma, torch.Tensor):
         if gamma.numel() != 1 or gamma.device != device:
             raise ValueError(f"gamma as a tensor must have one element and live on {device}")

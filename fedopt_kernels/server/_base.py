@@ -52,7 +52,7 @@ from torch.optim import Optimizer
 from .. import backends
 from ..ops import aggregate, server_update_
 from ..ops._validation import acc_dtype
-from ..ops.aggregate import check_weight_values
+from ..ops.aggregate import check_weight_values, host_to_device
 from ..optim._eager_base import EagerOptimizer
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -353,8 +353,7 @@ class ServerOptimizer(EagerOptimizer):
             check_weight_values(w, "weights")  # reads values: free for host data
             w = w.to(dtype=torch.float64)
             w = w / w.max()  # so that the sum cannot overflow
-            # non_blocking: a blocking host-to-device copy would wait for the stream.
-            p = (w / w.sum()).to(acc).to(device, non_blocking=True)
+            p = host_to_device((w / w.sum()).to(acc), device, "weights")  # queued, from pinned memory
             return p, None
         # Device-resident weights: their values cannot be read without a sync.  A
         # non-positive or non-finite total makes the round a skip instead of NaNs.

@@ -145,6 +145,8 @@ def _bad_calls():
         (lambda o: ops.aggregate(X, w, out=torch.empty(9)), r"out must be a contiguous \[10\] tensor"),
         (lambda o: ops.aggregate(X, w, out=torch.empty(10, dtype=torch.float16)),
          r"dtype torch.float32, got \(10,\) torch.float16"),
+        (lambda o: ops.aggregate(X, w, out=X[1]), r"out shares memory with clients:"),
+        (lambda o: ops.aggregate([X[0], X[2]], w[:2], out=X[2]), r"out shares memory with clients\[1\]"),
         (lambda o: ops.aggregate(X, w, nonfinite="drop", out=o), r"nonfinite must be one of"),
         (lambda o: ops.aggregate(X, w, max_client_norm=-1.0, out=o), r"max_client_norm must satisfy"),
         (lambda o: ops.aggregate(X, w, backend="tpu", out=o), r"backend must be one of"),

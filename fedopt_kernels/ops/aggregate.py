@@ -217,6 +217,7 @@ def aggregate(
             raise ValueError(
                 f"out must be a contiguous [{N}] tensor on {device} with dtype {dtypes}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        _check_out_apart(out, rows)
     if backend is not None and backend not in backends.BACKENDS:
         raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
     run = _runner(backend, device)
@@ -230,6 +231,25 @@ def aggregate(
     else:
         eff, excluded = w, torch.zeros(C, dtype=torch.bool, device=device)
     return out, AggregateStats(q, Q, excluded, eff, excluded.all())
+
+
+def _byte_range(t: torch.Tensor) -> tuple:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _check_out_apart(out: torch.Tensor, rows) -> None:
+    """``out`` may not share memory with a client: the second pass (exclusion, norm
+    bounds) re-reads every client after the first one wrote ``out``."""
+    if torch.compiler.is_compiling() or out.numel() == 0:
+        return  # fake tensors have no addresses; an empty out writes nothing
+    lo, hi = _byte_range(out)
+    for i, r in enumerate([rows] if isinstance(rows, torch.Tensor) else rows):
+        a, b = _byte_range(r)
+        if a < hi and lo < b:
+            where = "clients" if isinstance(rows, torch.Tensor) else f"clients[{i}]"
+            raise ValueError(f"out shares memory with {where}: aggregate reads every client after writing out, so "
+                             "out must be a separate tensor")
 
 
 def _runner(backend, device):

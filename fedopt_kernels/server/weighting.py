@@ -34,6 +34,11 @@ line 6"), and keeping the server algorithm's own weighting makes ``fedavg:grad``
 versus ``fedavg:co`` differ in the local step alone.  To reproduce FedNAR's tables
 exactly, pass ``weighting="uniform"``.
 
+What a claimed size can buy: :func:`cap_weight_shares` caps one client's share of the
+round's total weight (``max_weight_share`` of the Flower strategies, the simulator and
+:class:`~fedopt_kernels.distributed.DistributedServerOptimizer`; this is the one
+implementation).  Off by default: a cap changes the estimator honest federations use.
+
 Floating buffers (BatchNorm running statistics) are averaged with the SAME weights as
 the parameters (:func:`average_buffers`: excluded clients left out), except for FedLAW,
 whose global model keeps the statistics of its proxy training (fedlaw.txt section 6
@@ -46,7 +51,8 @@ from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["WEIGHTINGS", "ALGORITHM_WEIGHTING", "resolve_weighting", "client_weights", "average_buffers"]
+__all__ = ["WEIGHTINGS", "ALGORITHM_WEIGHTING", "resolve_weighting", "client_weights", "average_buffers",
+           "cap_weight_shares", "check_max_weight_share"]
 
 WEIGHTINGS = ("auto", "size", "uniform")
 
@@ -88,6 +94,44 @@ def client_weights(weighting: str, sizes: Union[torch.Tensor, Sequence[float]]) 
     if isinstance(sizes, torch.Tensor):
         return sizes.detach().to("cpu", torch.float64)
     return torch.tensor([float(s) for s in sizes], dtype=torch.float64)
+
+
+def check_max_weight_share(value, name: str = "max_weight_share") -> Optional[float]:
+    """``value`` as a float in ``(0, 1]``, or None (no cap); anything else raises ``ValueError``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be None or a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def cap_weight_shares(weights: torch.Tensor, max_share: Optional[float]) -> torch.Tensor:
+    """``weights`` (``[C]``, >= 0, not all 0) as shares capped at ``max_share``: no
+    client gets more than ``max_share`` of the total, the others keep their proportions
+    (water-filling: the capped clients hold ``max_share`` each, the rest share what is
+    left as before).  ``None``: ``weights / weights.sum()``.  A cap below ``1 / (number
+    of clients with a positive weight)`` cannot be met and is raised to it (equal shares).
+
+    Reads the values (host tensors; a device tensor would synchronise).  Clients of
+    weight 0 keep share 0, so capping the weights of a round with left-out clients
+    (weight 0) gives the good clients exactly the shares of capping them alone."""
+    w = weights.to(torch.float64)
+    p = w / w.sum()
+    if max_share is None:
+        return p
+    positive = int((w > 0).sum())
+    cap = max(float(max_share), 1.0 / positive)
+    capped = torch.zeros_like(p, dtype=torch.bool)
+    for _ in range(len(p)):  # each pass caps at least one more client, or stops
+        over = (p > cap) & ~capped
+        if not bool(over.any()):
+            break
+        capped |= over
+        free = w.masked_fill(capped, 0.0)
+        if not bool(free.sum() > 0):
+            break
+        p = torch.where(capped, torch.full_like(p, cap), free / free.sum() * (1.0 - cap * int(capped.sum())))
+    return p
 
 
 @torch.no_grad()

@@ -17,7 +17,9 @@ be aggregated is left out with a reason, and the round goes on with the rest:
 
 Updates holding NaN/Inf pass here and are left out by the server optimizer's
 ``nonfinite="exclude"`` (counted as ``nonfinite``).  A size of 0 is a valid reply (its
-update gets weight 0).  :func:`cap_weight_shares` bounds what a claimed size can buy.
+update gets weight 0).  :func:`cap_weight_shares` (defined in
+:mod:`fedopt_kernels.server.weighting`, shared with the simulator and the distributed
+path) bounds what a claimed size can buy.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-import torch
 from flwr.app import Message
 
+from ...server.weighting import cap_weight_shares  # noqa: F401 - the one implementation, used from here
 from ...utils.flat import FlatLayout
 from .records import check_arrayrecord
 
@@ -111,28 +113,3 @@ def screen_train_replies(replies: Iterable[Message], *, server_round: int, layou
         else:
             out.kept.append(msg)
     return out
-
-
-def cap_weight_shares(weights: torch.Tensor, max_share: Optional[float]) -> torch.Tensor:
-    """``weights`` (``[C]``, >= 0, not all 0) as shares capped at ``max_share``: no
-    client gets more than ``max_share`` of the total, the others keep their proportions
-    (water-filling: the capped clients hold ``max_share`` each, the rest share what is
-    left as before).  ``None``: ``weights / weights.sum()``.  A cap below ``1 / (number
-    of clients with a positive weight)`` cannot be met and is raised to it (equal shares)."""
-    w = weights.to(torch.float64)
-    p = w / w.sum()
-    if max_share is None:
-        return p
-    positive = int((w > 0).sum())
-    cap = max(float(max_share), 1.0 / positive)
-    capped = torch.zeros_like(p, dtype=torch.bool)
-    for _ in range(len(p)):  # each pass caps at least one more client, or stops
-        over = (p > cap) & ~capped
-        if not bool(over.any()):
-            break
-        capped |= over
-        free = w.masked_fill(capped, 0.0)
-        if not bool(free.sum() > 0):
-            break
-        p = torch.where(capped, torch.full_like(p, cap), free / free.sum() * (1.0 - cap * int(capped.sum())))
-    return p

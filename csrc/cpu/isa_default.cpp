@@ -4,18 +4,11 @@
 // Why three builds of kernels.h.  An extension compiled with default flags gets
 // at::vec's generic DEFAULT code; this file is that build, isa_avx2.cpp and
 // isa_avx512.cpp compile the same kernels for torch's AVX2 and AVX512 levels (via
-// `#pragma GCC target`, see isa_prologue.h for what that takes).  Medians in ms,
-// Zen 5 EPYC VM, 2 threads, ResNet-18 step (11.2M) / aggregate of 20 x 5.6M:
-//
-//                  nar_step_ fp32  bf16  fp16    aggregate fp32  bf16  fp16
-//     DEFAULT                5.3  12.4    40               16.1  19.4    72
-//     AVX2                   4.3   2.8   2.4               14.7   7.0   6.8
-//     AVX512                 4.1   2.1   1.9               13.8   6.6   6.6
-//
-// fp32 is memory-bound in every build (the AVX builds gain ~20%); fp16/bf16 are not:
+// `#pragma GCC target`, see isa_prologue.h for what that takes).  What each build buys
+// (medians per ISA and dtype: docs/benchmarks.md, "CPU kernels"): fp32 is memory-bound in every build (the AVX builds gain ~20%); fp16/bf16 are not:
 // without F16C the DEFAULT build converts halves one at a time in software, 20x
 // slower.  AVX-512 over AVX2 gains 25% on bf16 and 20% on fp16 steps, so all three
-// stay.  The cost: three compilations of kernels.h (~15 s each) and the rules in
+// stay.  The cost: three compilations of the kernels (~15 s each) and the rules in
 // isa_prologue.h.  (GCC target_clones was the alternative; it cannot switch at::vec's
 // per-ISA classes, which are chosen by macros at preprocessing time.)
 #include "isa_prologue.h"

@@ -10,8 +10,8 @@
 // nar_sq_norm and nar_apply_ are steps 1-2 and 2-3 as separate ops: a norm shared by
 // several calls (param groups with their own lr/wd, dtypes, devices) is the sum of
 // their nar_sq_norm results, which each call's nar_apply_ then takes as its norm^2.
-// Traffic per element: mode co reads x, g then reads x, g and writes x (5 words, the
-// floor of DESIGN.md section 4); modes grad/none skip x in the norm pass (4 words).
+// Traffic per element: mode co reads x, g then reads x, g and writes x (5 words: the
+// least any two-pass step can move); modes grad/none skip x in the norm pass (4 words).
 #include <cmath>
 #include <string>
 #include <tuple>

@@ -1,6 +1,6 @@
 """Learning-rate schedulers for federated local training.
 
-* :class:`FedDecay` -- within-round decay ``lr_t = alpha_j * beta_k`` (feddecay.txt).
+* :class:`FedDecay` -- within-round decay ``lr_t = alpha_j * beta_k`` ([FedDecay]).
 * :class:`RoundAnnealing` -- FedNAR's per-round annealing ``lr_t = lr_0 * 0.998^t``
   with an optional extra per-round weight-decay factor.
 

@@ -1,4 +1,4 @@
-"""``FedDecay``: within-round learning-rate decay (feddecay.txt eq. 7 and appendix B.2)."""
+"""``FedDecay``: within-round learning-rate decay ([FedDecay] eq. 7 and appendix B.2)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _check_positive_int(value, name: str) -> int:
 
 
 class FedDecay(LRScheduler):
-    r"""Within-round learning-rate decay (Kim et al., FedDecay; ``feddecay.txt``).
+    r"""Within-round learning-rate decay (Kim et al.: [FedDecay]).
 
     Call :meth:`step` after every local optimizer step.  Scheduler step ``t`` belongs to
     round ``j = t // local_steps`` at position ``i = t % local_steps`` of the round, and::

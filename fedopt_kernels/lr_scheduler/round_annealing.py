@@ -20,7 +20,7 @@ class RoundAnnealing(LRScheduler):
     Call :meth:`step` once per communication round (after the round).  In round ``t``
     (0-based, ``t = last_epoch``)::
 
-        lr_t           = lr_0 * lr_decay ** t                  # fednar.txt section 5: 0.998
+        lr_t           = lr_0 * lr_decay ** t                  # [FedNAR] section 5: 0.998
         weight_decay_t = wd_0 * weight_decay_decay ** t        # optional extra factor
 
     With a :class:`~fedopt_kernels.lr_scheduler.FedDecay` on the same optimizer the two

@@ -87,8 +87,8 @@ def nar_step_(
 ) -> NarStats:
     r"""One fused FedNAR local step, in place, over all ``params`` taken as ONE vector.
 
-    With ``x`` the concatenation of ``params`` and ``g`` of ``grads`` (DESIGN.md 1,
-    fednar.txt eq. 3-5), ``eps = 1e-6``:
+    With ``x`` the concatenation of ``params`` and ``g`` of ``grads`` ([FedNAR]
+    eq. 3-5; python_ref/fednar.py), ``eps = 1e-6``:
 
     * ``mode="co"`` (FedNAR):  ``v = g + wd x``, ``s = min(1, A / (||v|| + eps))``,
       ``x <- x - lr * s * v``

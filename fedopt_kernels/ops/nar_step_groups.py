@@ -1,7 +1,7 @@
 """``nar_step_groups_``: one FedNAR step with ONE clip norm over several param groups,
 dtypes and devices (public functional op).
 
-The FedNAR authors clip once over ``model.parameters()`` (DESIGN.md section 1): every
+The FedNAR authors clip once over ``model.parameters()`` ([FedNAR]'s released code): every
 tensor of every group is one vector, while each group keeps its own lr, weight decay and
 momentum.  A call is cut into *parts*, one per (group, device, dtype) in first-seen
 order; then
@@ -197,8 +197,8 @@ def nar_step_groups_(
 ) -> NarStats:
     r"""One fused FedNAR step, in place, with ONE norm over all tensors of all ``groups``.
 
-    With group ``k``'s tensors flattened into ``x_k``, ``g_k`` (DESIGN.md section 1,
-    fednar.txt Algorithm 2; ``eps = 1e-6``)::
+    With group ``k``'s tensors flattened into ``x_k``, ``g_k`` ([FedNAR]
+    Algorithm 2; ``eps = 1e-6``; python_ref/fednar.py)::
 
         mode="co"   v_k = g_k + wd_k x_k ;  n = ||(v_1, ..., v_K)|| ;  s = min(1, A / (n + eps))
                     x_k <- x_k - lr_k s v_k

@@ -14,7 +14,7 @@ from .aggregate import Clients, as_weight_tensor, check_clients, host_to_device
 class _WeightedSum(torch.autograd.Function):
     """out = gamma * sum_i a_i X_i with the clients as constants.
 
-    Backward (DESIGN.md 1), with G = dL/d out and d_i = <G, X_i> computed for all
+    Backward (python_ref/aggregation.py), with G = dL/d out and d_i = <G, X_i> computed for all
     clients in ONE pass over the data (``client_dots``)::
 
         dL/da_i = gamma * d_i        dL/dgamma = <G, sum_i a_i X_i> = sum_i a_i d_i

@@ -19,8 +19,8 @@ class FedNAR(EagerOptimizer):
 
     All parameters of all param groups are ONE vector (``clip_scope="optimizer"``, the
     default), as the authors clip once over ``model.parameters()``; group ``k`` keeps its
-    own ``lr_k``, ``wd_k`` and momentum.  Per step, with ``eps = 1e-6`` (fednar.txt
-    Algorithm 2, eq. 3-5; DESIGN.md section 1)::
+    own ``lr_k``, ``wd_k`` and momentum.  Per step, with ``eps = 1e-6`` ([FedNAR]
+    Algorithm 2, eq. 3-5; python_ref/fednar.py)::
 
         mode="co"   (FedNAR)  v_k = g_k + wd_k x_k ;  n = ||(v_1, ..., v_K)||
                               s = min(1, A / (n + eps)) ;            d_k = s v_k

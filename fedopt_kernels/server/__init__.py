@@ -16,8 +16,8 @@ weights and the shrinking factor on a proxy dataset.
 ``FedAdam``     Reddi et al. 2021, Algorithm 2
 ``FedYogi``     Reddi et al. 2021, Algorithm 2
 ``FedExP``      adaptive extrapolated step size (Jhunjhunwala et al. 2023)
-``ASNES``       AdaScale gain ratio + Nesterov momentum (asnes.txt eq. 3, 4)
-``FedLAW``      learned gamma and lambda on a proxy set (fedlaw.txt eq. 3, 8)
+``ASNES``       AdaScale gain ratio + Nesterov momentum ([ASNES] eq. 3, 4)
+``FedLAW``      learned gamma and lambda on a proxy set ([FedLAW] eq. 3, 8)
 ==============  ==========================================================
 
 Shared by the simulator and the Flower strategies: :mod:`.weighting` (each algorithm's

@@ -12,7 +12,7 @@ SIGMA2_MIN = 1e-6  # AdaScale's floor on the variance estimate
 
 
 class ASNES(ServerOptimizer):
-    r"""ASNES (Wang, Feng and Luo; ``shared/papers/asnes.txt``, eq. 3 and 4a-4c).
+    r"""ASNES (Wang, Feng and Luo: [ASNES], eq. 3 and 4a-4c).
 
     From the statistics of the round's single fused aggregation (updates ``D_i``,
     normalised weights ``p_i``, ``D = sum_i p_i D_i``)::

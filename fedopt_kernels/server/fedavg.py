@@ -19,7 +19,7 @@ class FedAvg(ServerOptimizer):
 
     ``lr = gamma = 1`` is McMahan et al.'s FedAvg (``x <- sum_i p_i x_i``); ``lr`` is
     the server step size of Reddi et al. 2021 / Karimireddy et al. 2020; ``gamma < 1``
-    is the fixed global weight shrinking of Li et al. 2023 (fedlaw.txt eq. 3-4:
+    is the fixed global weight shrinking of Li et al. 2023 ([FedLAW] eq. 3-4:
     ``gamma * sum_i lambda_i w_i`` = ``x - gamma D - (1 - gamma) x`` for ``lr = 1``).
 
     Args:

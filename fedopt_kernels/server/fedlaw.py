@@ -56,7 +56,7 @@ def _check_models_not_updates(client_sq: torch.Tensor, global_sq: float) -> None
 
 
 class FedLAW:
-    r"""FedLAW's server step (Li et al., ICML 2023; ``shared/papers/fedlaw.txt``).
+    r"""FedLAW's server step (Li et al., ICML 2023: [FedLAW]).
 
     Each round the server receives the clients' full parameter vectors ``w_i`` and
     learns, on a small proxy dataset, ``gamma = exp(s)`` and ``lambda = softmax(x)`` of
@@ -101,7 +101,7 @@ class FedLAW:
         server_epochs: epochs over the proxy loader per round (20 in the code, 100 in
             the paper).
         lr, betas: Adam's (defaults 0.01, as the released code, and (0.5, 0.999),
-            fedlaw.txt appendix D.6).
+            [FedLAW] appendix D.6).
         swa, swa_start, swa_lr: SWA variant (see above).
         lr_step: ``(step_size, gamma)`` of the per-epoch StepLR, or None.
         train_mode: see Buffers.

@@ -101,6 +101,10 @@ SIM_OPTIONS: List[tuple] = [
     ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default both)"),
     ("--fedlaw-epochs", int, "FedLAW server epochs per round (default 20)"),
     ("--fedlaw-lr", float, "FedLAW's Adam lr (default 0.01)"),
+    ("--max-weight-share", _optional_float, "largest share of a round's total weight one client may get under "
+                                            "size weighting, in (0, 1] (default none: no cap)"),
+    ("--on-bad-client", str, "a client without samples or whose training raises: exclude (left out, counted as "
+                             "excluded_<reason>; the round goes on) or raise (the run stops) (default exclude)"),
     ("--proxy-size", int, "FedLAW's class-balanced proxy set size (default 100)"),
     ("--proxy-source", str, f"where FedLAW's proxy set comes from: {', '.join(PROXY_SOURCES)} (default test: held "
                             "out of the test set, accuracy measured on the rest, as [FedLAW] D.2)"),

@@ -49,11 +49,23 @@ both          one host-side ``all_gather_object`` of a few integers per rank (co
 
 No host sync on CUDA: counts and shapes travel on the host, every decision (exclusion,
 renormalisation, whether a second pass writes) is a device tensor, as in ``ops.aggregate``.
+
+Bad weights (``on_bad_client``): by default (``"raise"``, as ``ops.aggregate``) a
+negative or non-finite host weight on one rank raises there and every other rank raises
+:class:`~fedopt_kernels.distributed.RankInputError`.  ``"exclude"`` leaves such a client
+out instead: its rank drops its row before anything is summed, the other ranks learn
+which client and why in the host-side exchange that happens anyway, and the result is
+the aggregation of the good clients alone (bitwise, in ``"ordered"`` mode), with
+statistics of ALL the clients in the global order -- a left-out client is
+``excluded``, has weight 0 and ``client_sq_norms`` NaN (not read) -- and
+``stats.left_out`` lists ``(global index, "bad_weight", detail)``, the same on every
+rank.  Device weights are not read (that would sync) and are not screened.  No usable
+weight left on any rank: ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -64,9 +76,46 @@ from ..ops._validation import acc_dtype
 from . import _comm
 from ._comm import Plan
 
-__all__ = ["all_aggregate", "MODES"]
+__all__ = ["all_aggregate", "MODES", "BAD_CLIENT_POLICIES", "AllAggregateStats"]
 
 MODES = ("ordered", "all_reduce")
+BAD_CLIENT_POLICIES = ("raise", "exclude")
+
+
+class AllAggregateStats(AggregateStats):
+    """:class:`~fedopt_kernels.ops.AggregateStats` of :func:`all_aggregate`, plus
+    ``left_out``: ``(global index, reason, detail)`` of the clients left out for a bad
+    weight (``on_bad_client="exclude"``), the same list on every rank."""
+
+    left_out: Tuple[Tuple[int, str, str], ...] = ()
+
+
+def screen_host_weights(values: torch.Tensor) -> List[Tuple[int, str]]:
+    """``(index, detail)`` of the weights (a float64 CPU tensor) that are not a finite
+    number ``>= 0``."""
+    bad = ~torch.isfinite(values) | (values < 0)
+    return [(int(i), f"weight {values[i].item()!r}") for i in bad.nonzero().flatten().tolist()]
+
+
+def good_plan(plan: Plan, bad: Sequence[Sequence]) -> Plan:
+    """``plan`` without the clients each rank left out (``bad[r]``: rank r's list)."""
+    counts = tuple(c - len(b) for c, b in zip(plan.counts, bad))
+    return Plan(rank=plan.rank, world=plan.world, counts=counts, N=plan.N, extras=plan.extras)
+
+
+def left_out_list(plan: Plan, bad: Sequence[Sequence], reason: str = "bad_weight") -> List[Tuple[int, str, str]]:
+    """``(global index, reason, detail)`` of every rank's left-out clients, in the global order."""
+    out = []
+    for r, entries in enumerate(bad):
+        offset = sum(plan.counts[:r])
+        out += [(offset + int(i), reason, f"{detail} (rank {r}, local client {int(i)})") for i, detail in entries]
+    return out
+
+
+def kept_index(plan: Plan, left_out) -> List[int]:
+    """Global indices of the clients that were kept (ascending)."""
+    gone = {i for i, _, _ in left_out}
+    return [i for i in range(plan.C) if i not in gone]
 Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
@@ -90,18 +139,26 @@ def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
 _DEVICE_DECISIONS_ON_CPU = False
 
 
-def _local_weights(weights, C: int, device, acc):
-    """``(weights on device in acc, positive)``: any form ``ops.aggregate`` takes (a
+def _local_weights(weights, C: int, device, acc, exclude: bool = False):
+    """``(weights on device in acc, positive, bad)``: any form ``ops.aggregate`` takes (a
     tensor, integer tensors and lists of numbers included); host weights are checked by
     value (finite, ``>= 0``) and ``positive`` says whether any is ``> 0`` ("not all zero"
     is a property of the union, checked after the exchange); device weights are not
-    read (``positive`` None)."""
+    read (``positive`` None).  ``exclude``: a bad host weight does not raise but is
+    listed in ``bad`` (``(local index, detail)``) and left out of the returned weights."""
     weights = as_weight_tensor(weights, C, "local_weights")
     if weights.device.type != "cpu":
         if weights.device != device:
             raise ValueError(f"local_weights is on {weights.device} but the clients are on {device}")
-        return weights.detach().to(acc).contiguous(), None
+        return weights.detach().to(acc).contiguous(), None, []
     w = weights.detach().double()
+    if exclude and C:
+        bad = screen_host_weights(w)
+        if bad:
+            keep = sorted(set(range(C)) - {i for i, _ in bad})
+            weights, w = weights[keep], w[keep]
+            return (weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any()),
+                    bad)
     if C:
         bad = ~torch.isfinite(w)
         if bad.any():
@@ -109,7 +166,7 @@ def _local_weights(weights, C: int, device, acc):
         neg = w < 0
         if neg.any():
             raise ValueError(f"local_weights must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
-    return weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any())
+    return weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any()), []
 
 
 def _check_out(out, N, dtype, acc, device):
@@ -133,6 +190,7 @@ def all_aggregate(
     max_client_norm: Optional[float] = None,
     backend: Optional[str] = None,
     mode: str = "ordered",
+    on_bad_client: str = "raise",
 ):
     r"""Collective: :func:`fedopt_kernels.ops.aggregate` over the union of every rank's
     clients.  Call it on every rank of ``group`` (None: the default group).
@@ -151,20 +209,27 @@ def all_aggregate(
 
     Every rank validates its inputs before any collective on the data; if one rank's
     inputs are wrong, that rank raises its error and every other rank raises
-    :class:`RankInputError` (nobody hangs).
+    :class:`RankInputError` (nobody hangs).  ``on_bad_client="exclude"`` instead
+    leaves a client with a negative or non-finite (host) weight out on every rank and
+    lists it in ``stats.left_out`` (see the module docstring).
     """
     error = None
-    rows, C_r, N, dtype, device, acc, positive = [], 0, None, None, None, None, None
+    rows, C_r, N, dtype, device, acc, positive, bad = [], 0, None, None, None, None, None, []
     try:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if on_bad_client not in BAD_CLIENT_POLICIES:
+            raise ValueError(f"on_bad_client must be one of {BAD_CLIENT_POLICIES}, got {on_bad_client!r}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         if max_client_norm is not None:
             max_client_norm = V.check_real(max_client_norm, "max_client_norm", low=0.0, low_open=True)
         rows, C_r, N, dtype, device = _local_clients(local_clients, out)
         acc = acc_dtype(dtype)
-        w_local, positive = _local_weights(local_weights, C_r, device, acc)
+        w_local, positive, bad = _local_weights(local_weights, C_r, device, acc, on_bad_client == "exclude")
+        if bad:
+            gone = {i for i, _ in bad}
+            rows = [row for i, row in enumerate(rows) if i not in gone]
         gamma = check_gamma(gamma, device, acc)
         out = _check_out(out, N, dtype, acc, device)
         run = _runner(backend, device)  # raises here if the backend cannot run
@@ -173,13 +238,48 @@ def all_aggregate(
     # Host weights: whether any is positive ("not all zero" holds for the union, or fails
     # on every rank before any data moves); device weights are not read (no sync).
     if error is not None:
-        positive = None
+        positive, bad = None, []
     plan = _comm.exchange(group, what="all_aggregate", count=C_r, N=N, dtype=dtype,
-                          device_type=None if device is None else device.type, error=error, extra=positive)
-    if positive is not None and not any(plan.extras):
-        raise ValueError("all_aggregate: the weights of the clients of all ranks must not all be zero")
-    return _aggregate_planned(rows, w_local, gamma, out, plan, group, run=run, nonfinite=nonfinite,
-                              max_client_norm=max_client_norm, mode=mode, dtype=dtype, device=device)
+                          device_type=None if device is None else device.type, error=error,
+                          extra=(positive, bad))
+    bad_all = [b for _, b in plan.extras]
+    left_out = left_out_list(plan, bad_all)
+    if left_out and len(left_out) == plan.C:
+        raise ValueError(f"all_aggregate: no client of any rank has a usable weight ({len(left_out)} left out: "
+                         + "; ".join(f"client {i}: {d}" for i, _, d in left_out) + ")")
+    if positive is not None and not any(p for p, _ in plan.extras):
+        raise ValueError("all_aggregate: the weights of the clients of all ranks must not all be zero"
+                         + (f" (after leaving out {len(left_out)} with a bad weight)" if left_out else ""))
+    if not left_out:
+        out, st = _aggregate_planned(rows, w_local, gamma, out, plan, group, run=run, nonfinite=nonfinite,
+                                     max_client_norm=max_client_norm, mode=mode, dtype=dtype, device=device)
+        return out, AllAggregateStats(*st)
+    # the good clients alone, in the global order; the statistics then name every client
+    out, st = _aggregate_planned(rows, w_local, gamma, out, good_plan(plan, bad_all), group, run=run,
+                                 nonfinite=nonfinite, max_client_norm=max_client_norm, mode=mode, dtype=dtype,
+                                 device=device)
+    full = expand_stats(st, plan.C, kept_index(plan, left_out))
+    result = AllAggregateStats(*full)
+    result.left_out = tuple(left_out)
+    return out, result
+
+
+def expand_rows(C: int, kept: List[int], sq_norms: torch.Tensor, excluded: torch.Tensor, weights: torch.Tensor):
+    """Per-client statistics of the ``kept`` clients as ``[C]`` tensors of all the
+    clients (the others: ``sq_norms`` NaN -- their rows were not read --, excluded,
+    weight 0)."""
+    device = weights.device
+    index = torch.tensor(kept, dtype=torch.int64).to(device, non_blocking=True)
+    q = torch.full((C,), float("nan"), dtype=sq_norms.dtype, device=device).index_copy_(0, index, sq_norms)
+    ex = torch.ones(C, dtype=torch.bool, device=device).index_copy_(0, index, excluded)
+    w = torch.zeros(C, dtype=weights.dtype, device=device).index_copy_(0, index, weights)
+    return q, ex, w
+
+
+def expand_stats(st: AggregateStats, C: int, kept: List[int]) -> AggregateStats:
+    """``st`` of the kept clients as statistics of all ``C`` (:func:`expand_rows`)."""
+    q, excluded, weights = expand_rows(C, kept, st.client_sq_norms, st.excluded, st.weights)
+    return AggregateStats(q, st.sq_norm, excluded, weights, st.all_excluded)
 
 
 def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, nonfinite, max_client_norm, mode,

@@ -19,7 +19,7 @@ from ..server.weighting import WEIGHTINGS, resolve_weighting
 from .corruption import CORRUPT_KINDS
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
-           "CORRUPT_KINDS"]
+           "CORRUPT_KINDS", "BAD_CLIENT_POLICIES"]
 
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp", "asnes",
               "fedlaw")
@@ -27,6 +27,7 @@ PARTITIONS = ("auto", "dirichlet", "iid", "natural")
 ENGINES = ("auto", "batched", "sequential")
 PROXY_SOURCES = ("test", "train")
 FEDLAW_LEARN = ("both", "gamma", "lambda")
+BAD_CLIENT_POLICIES = ("exclude", "raise")  # as the Flower strategies' on_bad_reply
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,17 @@ class SimulationConfig:
     batched unless only one client trains per round.  ``client_batch``: the most
     clients the batched engine trains at once (0: chosen from the free memory); the
     result does not depend on it.
+
+    ``on_bad_client``: ``"exclude"`` (default) leaves a client that cannot take part
+    out of its round -- no samples (``no_data``), its local training raised
+    (``error``), a NaN/Inf update (``nonfinite``) -- counted per reason in the round's
+    record (``excluded_clients``, ``excluded_<reason>``); the round goes on with the
+    rest, and is skipped (``server_skipped``) only when none is left.  ``"raise"``: a
+    client without samples or whose training raises fails the round, as before
+    (NaN/Inf updates are still left out by the server step).  ``max_weight_share``:
+    the largest share of a round's total weight one client may get under
+    ``weighting="size"`` (None, the default: no cap;
+    :func:`fedopt_kernels.server.weighting.cap_weight_shares`).
     """
 
     # what runs
@@ -102,6 +114,8 @@ class SimulationConfig:
     fedlaw_lr: float = 0.01
     proxy_size: int = 100
     proxy_source: str = "test"
+    max_weight_share: Optional[float] = None
+    on_bad_client: str = "exclude"
     # data options
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
@@ -198,6 +212,7 @@ class SimulationConfig:
         choice("proxy_source", PROXY_SOURCES)
         choice("engine", ENGINES)
         choice("corrupt_kind", CORRUPT_KINDS)
+        choice("on_bad_client", BAD_CLIENT_POLICIES)
         integer("client_batch", 0)
         integer("clients", 1)
         integer("per_round", 1)
@@ -231,6 +246,7 @@ class SimulationConfig:
         real("test_fraction", 0.0, 1.0, low_open=True, high_open=True)
         real("corrupt_fraction", 0.0, 1.0)
         real("corrupt_noise_std", 0.0, low_open=True)
+        real("max_weight_share", 0.0, 1.0, low_open=True, allow_none=True)
         if self.corrupt_fraction > 0 and math.floor(self.corrupt_fraction * self.clients + 0.5) == 0:
             raise ConfigError(f"corrupt-fraction {self.corrupt_fraction:g} of {self.clients} clients corrupts no "
                               f"client (the count is rounded); use at least {0.5 / self.clients:.3g}")

@@ -21,7 +21,18 @@ as one process, with each round's clients trained on W ranks at once:
   aggregation weights on a proxy set over all client models, so its updates are
   all-gathered and every rank runs the single-process FedLAW step);
 * rank 0 evaluates the global model and (in the CLI) writes results and checkpoints;
-  the other ranks record ``None`` for the test metrics.
+  the other ranks record ``None`` for the test metrics;
+* clients that cannot take part (``on_bad_client="exclude"``: no samples, training
+  raised) are left out on their rank; the number each rank left out travels with the
+  round's statistics (no extra collective in a round without them), and only when
+  some rank left one out are the ``(client, reason, detail)`` lists exchanged, so every
+  rank records the same ``excluded_<reason>`` counts and ``left_out`` list and the
+  good clients keep the single-process order (the round equals one process's round
+  without those clients).  ``max_weight_share`` is applied by the
+  :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`, which sees every
+  rank's weights.  With ``on_bad_client="raise"`` a client that raises fails the round
+  on EVERY rank (the others raise :class:`~fedopt_kernels.distributed.RankInputError`)
+  instead of leaving them waiting in the next collective.
 
 Agreement with one process: the global model, server state and server statistics are
 bitwise identical (``mode="ordered"``, the default) -- the local training runs the same
@@ -42,7 +53,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedServerOptimizer
+from ..distributed import DistributedServerOptimizer, RankInputError
 from ..distributed import _comm
 from ..distributed._comm import Plan
 from .client import RoundStats
@@ -79,8 +90,12 @@ class DistributedSimulation(Simulation):
         config.validate()
         self._check_same_config(config)
         super().__init__(config, **kwargs)
-        if self.server.optimizer is not None:
-            self.server.optimizer = DistributedServerOptimizer(self.server.optimizer, group, mode=mode)
+        if self.server.optimizer is not None:  # the cap needs every rank's weights: the wrapper applies it
+            self.server.optimizer = DistributedServerOptimizer(self.server.optimizer, group, mode=mode,
+                                                               max_weight_share=self.server.max_weight_share,
+                                                               on_bad_client=config.on_bad_client)
+            self.server.max_weight_share = None
+        self._log_exclusions = self.rank == 0
         self.results.meta["distributed"] = {
             "world_size": self.world_size, "backend": str(dist.get_backend(group)), "mode": mode,
             "split": "contiguous blocks of the round's sorted clients"}
@@ -103,19 +118,47 @@ class DistributedSimulation(Simulation):
     def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
         plan = self._plan(len(clients))
         mine = clients[plan.start:plan.stop]
-        stats = super()._train_clients(round_number, mine) if mine else RoundStats(self.device)
-        stats = self._combine_stats(stats, plan)
+        error = None
+        try:
+            if mine:
+                stats = super()._train_clients(round_number, mine)
+            else:
+                stats, self._round_bad, self._round_kept = RoundStats(self.device), [], []
+        except Exception as exc:  # noqa: BLE001 - on_bad_client="raise": every rank must stop, not wait
+            error, stats = exc, RoundStats(self.device)
+            self._round_bad, self._round_kept = [], []
+        stats, bad_counts, failed = self._combine_stats(stats, plan, len(self._round_bad), error is not None)
+        if failed:
+            if error is not None:
+                raise error
+            raise RankInputError(f"round {round_number}: a client of rank {failed[0]} raised during its training "
+                                 "(on_bad_client='raise'); every rank stops")
+        if any(bad_counts):  # rare: only then the lists travel
+            lists: List[list] = [None] * self.world_size  # type: ignore[list-item]
+            dist.all_gather_object(lists, list(self._round_bad), group=_comm._object_group(self.group))
+            self._round_bad = [tuple(b) for part in lists for b in part]  # rank order = the round's order
+            left = {cid for cid, _, _ in self._round_bad}
+            self._round_kept = [cid for cid in clients if cid not in left]
+        else:
+            self._round_kept = list(clients)
+        kept_counts = tuple(c - b for c, b in zip(plan.counts, bad_counts))
+        self._kept_plan = kept_plan = Plan(rank=plan.rank, world=plan.world, counts=kept_counts, N=plan.N, extras=())
+        if kept_plan.C == 0:
+            return stats
         if self.scaffold is not None:
-            self._gather_scaffold(clients, plan)
+            self._gather_scaffold(self._round_kept, kept_plan)
         if self._has_buffers:
-            rows = _comm.gather_rows(self.buffer_rows[:len(mine)], plan, self.group)
-            self.buffer_rows[:len(clients)].copy_(rows)
+            rows = _comm.gather_rows(self.buffer_rows[:kept_plan.stop - kept_plan.start], kept_plan, self.group)
+            self.buffer_rows[:kept_plan.C].copy_(rows)
         return stats
 
-    def _combine_stats(self, local: RoundStats, plan: Plan) -> RoundStats:
-        """The round's statistics over every rank's steps (sums in rank order)."""
+    def _combine_stats(self, local: RoundStats, plan: Plan, num_bad: int = 0, failed: bool = False):
+        """The round's statistics over every rank's steps (sums in rank order), how many
+        clients each rank left out, and the ranks whose training raised."""
         row = torch.stack([local.loss_sum, local.clipped, local.clipped_norm_sum, local.skipped,
-                           torch.tensor(float(local.steps), dtype=local.loss_sum.dtype, device=self.device)])
+                           torch.tensor(float(local.steps), dtype=local.loss_sum.dtype, device=self.device),
+                           torch.tensor(float(num_bad), dtype=local.loss_sum.dtype, device=self.device),
+                           torch.tensor(float(failed), dtype=local.loss_sum.dtype, device=self.device)])
         one_each = Plan(plan.rank, plan.world, (1,) * plan.world, plan.N, ())
         rows = _comm.gather_rows(row[None], one_each, self.group)
         total = rows[0]
@@ -123,8 +166,9 @@ class DistributedSimulation(Simulation):
             total = total + rows[r]
         out = RoundStats(self.device, dtype=local.loss_sum.dtype)
         out.loss_sum, out.clipped, out.clipped_norm_sum, out.skipped = (total[i].clone() for i in range(4))
-        out.steps = int(total[4].item())
-        return out
+        per_rank = rows[:, 4:].cpu().tolist()  # one read: steps, clients left out, failed
+        out.steps = sum(int(steps) for steps, _, _ in per_rank)
+        return out, [int(b) for _, b, _ in per_rank], [r for r, (_, _, f) in enumerate(per_rank) if f]
 
     def _gather_scaffold(self, clients: List[int], plan: Plan) -> None:
         """Every rank gets every client's pending update and lr sum, in the global
@@ -143,7 +187,7 @@ class DistributedSimulation(Simulation):
         sc._pending = {cid: (rows[i], lr_sums[i]) for i, cid in enumerate(clients)}
 
     def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
-        plan = self._plan(len(clients))
+        plan = self._kept_plan  # this round's clients that took part, per rank
         if self.server.fedlaw is not None:  # FedLAW needs every client model on every rank
             rows = _comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
             self.updates[:len(clients)].copy_(rows)

@@ -18,6 +18,11 @@ client schedule, and one dict per evaluated round (round 0 is the untrained mode
 ``gain_ratio``         ASNES only, with ``sigma2`` and ``nu2``
 ``gamma``              FedLAW's learned shrinking factor (``lambda``: its weights)
 ``update_norm``        norm of the aggregated update D
+``excluded_clients``   clients left out of the round, all reasons; per reason
+                       ``excluded_no_data`` (no samples), ``excluded_error`` (its
+                       training raised), ``excluded_nonfinite`` (NaN/Inf update);
+                       ``left_out``: ``[client, reason]`` pairs, in rounds with any
+``server_skipped``     no client was left: the model and server state did not change
 ``clients``            the round's sampled client ids
 ``wall_time``          seconds since the start of the run
 =====================  ===========================================================
@@ -41,7 +46,8 @@ __all__ = ["Results", "CSV_COLUMNS", "write_atomic", "plot_comparison", "compari
 
 CSV_COLUMNS = ["round", "test_accuracy", "test_loss", "train_loss", "clip_frequency", "mean_clipped_norm",
                "clipped_steps", "skipped_steps", "local_lr", "weight_decay", "server_lr", "lr_scale", "gain_ratio",
-               "sigma2", "nu2", "gamma", "proxy_loss", "update_norm", "excluded_clients", "wall_time", "clients"]
+               "sigma2", "nu2", "gamma", "proxy_loss", "update_norm", "excluded_clients", "excluded_no_data",
+               "excluded_error", "excluded_nonfinite", "wall_time", "clients"]
 
 
 def write_atomic(path, text: str) -> None:

@@ -17,6 +17,11 @@ asnes         "                      :class:`~fedopt_kernels.server.ASNES`
 fedlaw        "                      :class:`~fedopt_kernels.server.FedLAW` (proxy set)
 ============  =====================  ==============================================
 
+A round's clients reach :meth:`ServerSide.step` only if they took part: a client left
+out before the step (``no_data``, ``error``: :mod:`.simulation`) has no row; the step
+itself leaves out NaN/Inf updates (``nonfinite``).  ``--max-weight-share`` caps a
+client's share of the round's weights (:func:`~fedopt_kernels.server.weighting.cap_weight_shares`).
+
 The local step is FedNAR in the mode ``--nar`` (``co``: FedNAR; ``grad``: gradient
 clipping, the papers' baselines; ``none``: plain SGD), so ``--algo fedadam --nar co``
 is "FedNAR + FedAdam" of [FedNAR] Table 1.
@@ -30,9 +35,14 @@ import torch
 from torch import nn
 
 from .. import server as S
+from ..server.weighting import cap_weight_shares
 from .config import SimulationConfig
 
-__all__ = ["SERVER_DEFAULTS", "ServerSide"]
+__all__ = ["SERVER_DEFAULTS", "ServerSide", "BAD_CLIENT_REASONS"]
+
+# Why a simulated client is left out of its round, in the order the record lists them:
+# no samples to train on, its local training raised, its update holds NaN/Inf.
+BAD_CLIENT_REASONS = ("no_data", "error", "nonfinite")
 
 # Server hyperparameters used when the config leaves them unset (server_lr=None ...):
 # the defaults of the classes of fedopt_kernels.server and of the Flower strategies
@@ -74,6 +84,10 @@ class ServerSide:
     (:mod:`fedopt_kernels.server.weighting`), updates the global model in place and
     returns its statistics as device tensors (read them once per round).
     :attr:`last_excluded` is the round's ``[C]`` mask of clients left out (NaN/Inf).
+    :attr:`max_weight_share` (``config.max_weight_share`` under ``weighting="size"``,
+    else None) caps each client's share of the weights; the distributed simulator
+    hands it to the :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`,
+    which sees every rank's weights, and sets it to None here.
     """
 
     def __init__(self, config: SimulationConfig, model: nn.Module, x_global: torch.Tensor, *,
@@ -88,6 +102,7 @@ class ServerSide:
             defaults["momentum"] = config.server_momentum
         self.hyper = defaults
         self.weighting = config.resolved_weighting
+        self.max_weight_share = config.max_weight_share if self.weighting == "size" else None
         self.last_excluded: Optional[torch.Tensor] = None
         params = [p for _, p in model.named_parameters()]
         b = config.backend
@@ -125,11 +140,13 @@ class ServerSide:
         """One server round.  ``updates`` ``[C, N]`` may be overwritten (FedLAW turns
         it into the client models ``x_global - D_i`` in place, without a copy)."""
         weights = S.client_weights(self.weighting, data_sizes)
+        if weights is not None and self.max_weight_share is not None:
+            weights = cap_weight_shares(weights, self.max_weight_share)  # shares: what a size can buy
         if self.fedlaw is not None:
             updates.neg_().add_(self.x_global)  # client models w_i = x - D_i, in place
             # lambda starts from the data-size weights ([FedLAW] Algorithm 1 line 10),
             # or from 1/C under weighting="uniform"
-            lam0 = data_sizes.tolist() if weights is not None else [1.0] * updates.shape[0]
+            lam0 = weights.tolist() if weights is not None else [1.0] * updates.shape[0]
             gamma, lam = self.fedlaw.step(updates, lam0)
             self.last_excluded = self.fedlaw.last_round.excluded
             losses = self.fedlaw.last_round.losses

@@ -19,6 +19,26 @@ side (:class:`~fedopt_kernels.fl.server.ServerSide`) and the :class:`Results`.  
 4. evaluate the global model on the test set (FedLAW with ``proxy_source="test"``: on
    the test examples outside its proxy set); append a record.
 
+Clients that cannot take part (``config.on_bad_client="exclude"``, the default): a
+client without samples (``no_data``, found before anything trains) or whose local
+training raises an ``Exception`` (``error``; Ctrl-C and other ``BaseException`` s still
+stop the run) is left out of its round -- its partial statistics undone, no row in the
+server step, no SCAFFOLD update -- and the server step leaves out NaN/Inf updates
+(``nonfinite``).  The round's record counts them (``excluded_clients`` and
+``excluded_<reason>`` for every reason of
+:data:`~fedopt_kernels.fl.server.BAD_CLIENT_REASONS`; ``left_out`` lists
+``[client, reason]`` when any), one warning per round names them (logger
+``fedopt_kernels.fl.simulation``), and the round equals the same round without those
+clients.  With no client left the round is skipped (``server_skipped``: model and
+server state unchanged), as when every update is NaN.  The batched engine trains
+groups of clients at once, so an error there names no client: that round is retrained
+client by client with the sequential engine (``results.meta["sequential_retrains"]``
+lists such rounds), which finds the failing clients -- except in the batched engine's
+first round, where any error already means "this model cannot be batched" and the run
+falls back to the sequential engine for good.  ``on_bad_client="raise"``: a client
+without samples raises before anything trains, and a raising client fails the round
+(nothing committed), as before.
+
 Determinism: every random draw comes from a generator seeded by a stable function of
 ``(seed, purpose, round, client)`` -- the model initialisation, the round's clients,
 each client's batch order (and dropout), FedLAW's proxy set and its batch order, the
@@ -40,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import platform
 import signal
 import threading
@@ -62,11 +83,12 @@ from .models import build_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results
 from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
-from .server import ServerSide
+from .server import BAD_CLIENT_REASONS, ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
 STATE_VERSION = 1
+_log = logging.getLogger(__name__)
 
 
 def load_config_dataset(config: SimulationConfig) -> FederatedDataset:
@@ -351,6 +373,8 @@ class Simulation:
     def _train_clients_batched(self, round_number: int, clients: List[int]) -> RoundStats:
         stats = RoundStats(self.device)
         C = len(clients)
+        if C == 0:
+            return stats
         self.batched.train_round(
             self.x_global, [self.partition.client_indices[cid] for cid in clients], round_index=round_number - 1,
             seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
@@ -362,22 +386,64 @@ class Simulation:
             self.results.meta["batched_trace_failure"] = self.batched.trace_failure
         return stats
 
+    def _screen_clients(self, clients: List[int]) -> List[tuple]:
+        """``(client, "no_data", detail)`` for the round's clients without samples;
+        ``on_bad_client="raise"``: raises before anything trains."""
+        empty = [cid for cid in clients if self.client_indices[cid].numel() == 0]
+        if empty and self.config.on_bad_client == "raise":
+            raise ValueError(f"client(s) {empty} hold no samples and cannot train (on_bad_client='raise'; "
+                             "'exclude' leaves them out of their rounds)")
+        return [(cid, "no_data", "holds no samples") for cid in empty]
+
     def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
+        """Train the round's ``clients``; the ones that take part write their rows
+        ``[:len(self._round_kept)]`` of :attr:`updates` (and :attr:`buffer_rows`) in
+        order, the others are listed in ``self._round_bad`` (``(client, reason,
+        detail)``, in the order of ``clients``)."""
+        bad = self._screen_clients(clients)
+        skip = {cid for cid, _, _ in bad}
+        todo = [cid for cid in clients if cid not in skip]
+        self._round_bad, self._round_kept = bad, todo
         if self.batched is not None:
             try:
-                return self._train_clients_batched(round_number, clients)
+                return self._train_clients_batched(round_number, todo)
             except BatchedUnsupported as exc:  # the first batched round failed: redo it sequentially
                 if self.scaffold is not None:
                     self.scaffold.discard_round()
                 self._fall_back(str(exc))
+            except Exception as exc:  # noqa: BLE001 - a group failed: find the client(s) one by one
+                if self.config.on_bad_client == "raise":
+                    raise
+                if self.scaffold is not None:
+                    self.scaffold.discard_round()
+                self.results.meta.setdefault("sequential_retrains", []).append(round_number)
+                _log.warning("round %d: the batched engine raised (%s: %s); retraining the round client by client "
+                             "to leave out the failing client(s)", round_number, type(exc).__name__, exc)
         stats = RoundStats(self.device)
         global_buffers = buffers_to_vector(self.global_model) if self._has_buffers else None
-        for row, cid in enumerate(clients):
-            self.trainer.train(
-                self.x_global, self.client_indices[cid], round_index=round_number - 1,
-                seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[row],
-                stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
-                out_buffers=self.buffer_rows[row] if self._has_buffers else None)
+        exclude = self.config.on_bad_client == "exclude"
+        kept, row = [], 0
+        for cid in todo:
+            saved = _snapshot(stats) if exclude else None
+            try:
+                self.trainer.train(
+                    self.x_global, self.client_indices[cid], round_index=round_number - 1,
+                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[row],
+                    stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
+                    out_buffers=self.buffer_rows[row] if self._has_buffers else None)
+            except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out
+                if not exclude:
+                    raise
+                _restore(stats, saved)  # its partial steps do not count
+                if self.scaffold is not None:
+                    self.scaffold._pending.pop(cid, None)
+                bad.append((cid, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+                continue
+            kept.append(cid)
+            row += 1
+        order = {cid: i for i, cid in enumerate(clients)}
+        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
+        self._round_kept = kept
         return stats
 
     def run_round(self) -> dict:
@@ -399,24 +465,32 @@ class Simulation:
                 self.scaffold.discard_round()
             raise
         with _deferred_interrupt():
-            sizes = self.client_sizes[clients]
-            C = len(clients)
+            kept = self._round_kept
+            sizes = self.client_sizes[kept]
+            C = len(kept)
             self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
-            server_stats = self._server_step(clients, sizes)
-            excluded = self.server.last_excluded
-            if self.scaffold is not None:  # after the step: without the clients it excluded
-                self.scaffold.server_update(excluded, clients=clients)
-            if self._has_buffers and self.server.fedlaw is None:
-                # floating buffers (BatchNorm statistics): weighted like the parameters.  FedLAW's
-                # model keeps the statistics of its proxy training ([FedLAW], released code).
-                current = buffers_to_vector(self.global_model)
-                vector_to_buffers(average_buffers(self.buffer_rows[:C], self.server.weighting, sizes, current,
-                                                  excluded), self.global_model)
+            if C:
+                server_stats = self._server_step(kept, sizes)
+                excluded = self.server.last_excluded
+                if self.scaffold is not None:  # after the step: without the clients it excluded
+                    self.scaffold.server_update(excluded, clients=kept)
+                if self._has_buffers and self.server.fedlaw is None:
+                    # floating buffers (BatchNorm statistics): weighted like the parameters.  FedLAW's
+                    # model keeps the statistics of its proxy training ([FedLAW], released code).
+                    current = buffers_to_vector(self.global_model)
+                    vector_to_buffers(average_buffers(self.buffer_rows[:C], self.server.weighting, sizes, current,
+                                                      excluded), self.global_model)
+            else:  # no client left: the round is skipped, as when every update is NaN/Inf
+                server_stats, excluded = {"server_skipped": True}, None
+                self.server.last_excluded = None
+                if self.scaffold is not None:
+                    self.scaffold.discard_round()
             record = {"round": r, "clients": clients}
             record.update(stats.summary())
             record["local_lr"] = self.local.lr_at(r - 1, 0)
             record["weight_decay"] = self.local.weight_decay_at(r - 1)
             record.update(_read_server_stats(server_stats))
+            self._record_exclusions(record, kept, excluded)
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
             self.round = r
@@ -425,9 +499,34 @@ class Simulation:
             self.results.append(record)
         return self.results.records[-1]
 
+    def _record_exclusions(self, record: dict, kept: List[int], excluded: Optional[torch.Tensor]) -> None:
+        """``excluded_clients`` (all reasons), ``excluded_<reason>`` and, when any,
+        ``left_out`` (``[client, reason]``, round order) into ``record``; one warning."""
+        bad = list(self._round_bad)
+        if record.get("excluded_clients"):  # the server step's NaN/Inf exclusions (one read, only then)
+            mask = excluded.detach().cpu().tolist()
+            bad += [(cid, "nonfinite", "NaN/Inf update") for cid, e in zip(kept, mask) if e]
+        counts = {reason: 0 for reason in BAD_CLIENT_REASONS}
+        for _, reason, _ in bad:
+            counts[reason] += 1
+        record["excluded_clients"] = sum(counts.values())
+        for reason in BAD_CLIENT_REASONS:
+            record[f"excluded_{reason}"] = counts[reason]
+        if bad:
+            order = {cid: i for i, cid in enumerate(record["clients"])}
+            bad.sort(key=lambda b: order[b[0]])
+            record["left_out"] = [[cid, reason] for cid, reason, _ in bad]
+            if self._log_exclusions:
+                _log.warning("round %d left out %d of %d client(s)%s: %s", record["round"], len(bad),
+                             len(record["clients"]), "; round skipped" if not kept else "",
+                             "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in bad))
+
+    _log_exclusions = True  # the distributed simulator logs on rank 0 only
+
     def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
-        """The round's server step on the updates in rows ``[:len(clients)]`` (``sizes``:
-        the clients' data sizes, used as weights under ``weighting="size"``).
+        """The round's server step on the updates in rows ``[:len(clients)]`` (``clients``:
+        the ones that took part; ``sizes``: their data sizes, used as weights under
+        ``weighting="size"``).
         :class:`~fedopt_kernels.fl.distributed.DistributedSimulation` spreads it over
         ranks."""
         return self.server.step(self.updates[:len(clients)], sizes)
@@ -471,12 +570,12 @@ class Simulation:
             "results": self.results.to_dict(),
         }
 
-    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch")
+    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client")
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
-        ``eval_every``, ``device``, ``backend``, ``engine`` and ``client_batch`` may
-        differ)."""
+        ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch`` and
+        ``on_bad_client`` may differ)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.config.to_dict()
@@ -517,6 +616,18 @@ def _deferred_interrupt():
                 previous(signal.SIGINT, None)
             elif previous != signal.SIG_IGN:
                 raise KeyboardInterrupt
+
+
+def _snapshot(stats: RoundStats) -> tuple:
+    return (stats.loss_sum.clone(), stats.clipped.clone(), stats.clipped_norm_sum.clone(), stats.skipped.clone(),
+            stats.steps)
+
+
+def _restore(stats: RoundStats, saved: tuple) -> None:
+    """Undo the steps added since :func:`_snapshot` (the same values: bitwise)."""
+    for t, v in zip((stats.loss_sum, stats.clipped, stats.clipped_norm_sum, stats.skipped), saved[:4]):
+        t.copy_(v)
+    stats.steps = saved[4]
 
 
 def _read_server_stats(stats: dict) -> dict:

@@ -177,21 +177,24 @@ def test_nonfinite_updates_are_counted_per_reason_beside_errors():
     assert rec["server_skipped"] is False
 
 
-def test_a_round_without_any_usable_client_is_skipped_and_the_run_goes_on():
+def test_a_round_in_which_no_client_can_train_raises_and_commits_nothing():
+    """Every client of round 2 raises: there is nothing to aggregate, so the round
+    fails naming each client (as Flower's AggregationError), and the run stands at
+    round 1 -- model, server state and records as they were."""
     a = _sim(algo="fedadam", engine="sequential", per_round=2)
     a.run_round()
     x1, state1 = a.x_global.clone(), {k: {n: t.clone() for n, t in v.items()}
                                       for k, v in a.server.optimizer.state.items()}
-    for c in a.sample_clients(2):
+    records = [dict(r) for r in a.results.records]
+    clients = a.sample_clients(2)
+    for c in clients:
         _fail_in_training(a, c, 2)  # the second wrapper wraps the first: both clients fail
-    rec = a.run_round()
-    assert rec["server_skipped"] is True and rec["excluded_error"] == 2 and rec["train_loss"] is None
-    assert "update_norm" not in rec and rec["test_accuracy"] == a.results.records[1]["test_accuracy"]
-    assert torch.equal(a.x_global, x1)
+    with pytest.raises(RuntimeError, match=r"round 2: none of its 2 client\(s\) could train") as info:
+        a.run_round()
+    assert all(f"client {c}: error" in str(info.value) for c in clients)
+    assert a.round == 1 and a.results.records == records and torch.equal(a.x_global, x1)
     for k, v in a.server.optimizer.state.items():
         assert all(torch.equal(t, state1[k][n]) for n, t in v.items())
-    rec3 = a.run_round()
-    assert rec3["server_skipped"] is False and not torch.equal(a.x_global, x1)
 
 
 def test_raise_keeps_the_old_behaviour_and_commits_nothing():

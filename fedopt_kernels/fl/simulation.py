@@ -29,8 +29,11 @@ server step, no SCAFFOLD update -- and the server step leaves out NaN/Inf update
 :data:`~fedopt_kernels.fl.server.BAD_CLIENT_REASONS`; ``left_out`` lists
 ``[client, reason]`` when any), one warning per round names them (logger
 ``fedopt_kernels.fl.simulation``), and the round equals the same round without those
-clients.  With no client left the round is skipped (``server_skipped``: model and
-server state unchanged), as when every update is NaN.  The batched engine trains
+clients.  A round in which no client could train at all raises ``RuntimeError``
+naming each client and why, and commits nothing (as Flower's ``AggregationError``: a
+failure that hits every client is rarely the clients' own, and a run of silently
+skipped rounds would hide it); a round whose every update is NaN/Inf is skipped
+(``server_skipped``: model and server state unchanged), as before.  The batched engine trains
 groups of clients at once, so an error there names no client: that round is retrained
 client by client with the sequential engine (``results.meta["sequential_retrains"]``
 lists such rounds), which finds the failing clients -- except in the batched engine's
@@ -460,6 +463,11 @@ class Simulation:
         clients = self.sample_clients(r)
         try:
             stats = self._train_clients(r, clients)
+            if clients and not self._round_kept:  # every client failed to train: nothing to aggregate
+                raise RuntimeError(
+                    f"round {r}: none of its {len(clients)} client(s) could train, so the round has nothing to "
+                    "aggregate (a failure that hits every client is rarely the clients' own): "
+                    + "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in self._round_bad))
         except BaseException:
             if self.scaffold is not None:
                 self.scaffold.discard_round()

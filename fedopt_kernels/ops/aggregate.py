@@ -34,8 +34,19 @@ class AggregateStats(NamedTuple):
 
 
 def check_clients(clients: Clients, name: str = "clients"):
-    """Validate ``clients``; return ``(rows_for_backend, C, N, dtype, device)``."""
+    """Validate ``clients``; return ``(rows_for_backend, C, N, dtype, device)``.
+
+    A ``DTensor`` is refused by name: aggregation averages whole client vectors (the
+    full, unsharded state), and the kernels would only see one rank's shard of it."""
+    from ._dtensor import is_dtensor
+
+    def refuse_dtensor(t, what):
+        if is_dtensor(t):
+            raise ValueError(f"{what} is a DTensor (placements {tuple(t.placements)}): aggregate works on the full, "
+                            f"unsharded state; pass {what}.full_tensor() instead")
+
     if isinstance(clients, torch.Tensor):
+        refuse_dtensor(clients, name)
         V.check_tensor(clients, name, dims=2)
         if not clients.is_contiguous():
             raise ValueError(f"{name} as a [C, N] tensor must be contiguous")
@@ -46,6 +57,8 @@ def check_clients(clients: Clients, name: str = "clients"):
     rows = V.check_tensor_list(clients, name)
     if not rows:
         raise ValueError(f"{name} must hold at least one client")
+    for i, r in enumerate(rows):
+        refuse_dtensor(r, f"{name}[{i}]")
     first = rows[0]
     for i, r in enumerate(rows):
         if r.dim() != 1:

@@ -51,6 +51,7 @@ from torch.optim import Optimizer
 
 from .. import backends
 from ..ops import aggregate, server_update_
+from ..ops._dtensor import is_dtensor
 from ..ops._validation import acc_dtype
 from ..ops.aggregate import check_weight_values, host_to_device
 from ..optim._eager_base import EagerOptimizer
@@ -155,6 +156,15 @@ def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[flo
         raise ValueError(f"{name} must satisfy {lo}{hi}, got {value}")
 
 
+def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead") -> None:
+    """A server optimizer works on the full, unsharded state: a ``DTensor`` (FSDP2,
+    tensor parallelism) holds one rank's shard of it, and mixing it with the plain
+    tensors of the aggregation would fail inside torch with no name attached."""
+    if is_dtensor(t):
+        raise ValueError(f"{name} is a DTensor (placements {tuple(t.placements)}): the server works on the full, "
+                         f"unsharded state; {what.format(name=name)}")
+
+
 class ServerOptimizer(EagerOptimizer):
     """Base class of the server optimizers (see the module docstring).
 
@@ -185,6 +195,10 @@ class ServerOptimizer(EagerOptimizer):
         super().add_param_group(param_group)
         try:
             params = self._params()
+            for i, p in enumerate(params):
+                refuse_dtensor(p, f"parameter {i} of the optimizer",
+                               "build it over the parameters of an unsharded copy of the global model "
+                               "(a DTensor's full_tensor())")
             for p in params:
                 first = params[0]
                 if p.layout != torch.strided:
@@ -294,6 +308,7 @@ class ServerOptimizer(EagerOptimizer):
         def check_one(t, name, dims):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            refuse_dtensor(t, name)
             if t.dim() != dims:
                 shape = "[C, N]" if dims == 2 else "[N]"
                 raise ValueError(f"{name} must be {dims}-D {shape}, got shape {tuple(t.shape)}")
@@ -308,6 +323,11 @@ class ServerOptimizer(EagerOptimizer):
                 raise ValueError(f"{name} must be contiguous: call .contiguous() first")
 
         if isinstance(updates, (list, tuple)) and updates and all(isinstance(u, Mapping) for u in updates):
+            index = {id(p): j for j, p in enumerate(self._params())}
+            for i, u in enumerate(updates):
+                for key, t in u.items():
+                    label = repr(key) if isinstance(key, str) else f"parameter {index.get(id(key), '?')}"
+                    refuse_dtensor(t, f"updates[{i}][{label}]")
             updates = [self.flatten_update(u) for u in updates]  # named updates, in this optimizer's order
         if isinstance(updates, torch.Tensor):
             if updates.dim() == 1:
@@ -331,6 +351,7 @@ class ServerOptimizer(EagerOptimizer):
         the weights were checked on the host, else a 0-d bool tensor)."""
         if weights is None:
             return torch.full((C,), 1.0 / C, dtype=acc, device=device), None
+        refuse_dtensor(weights, "weights")
         if isinstance(weights, torch.Tensor):
             if weights.is_complex() or weights.dtype == torch.bool:
                 raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")

@@ -7,6 +7,10 @@ must equal ``fedopt simulate`` on the same clients, data and seeds bit for bit (
 client every round, sequential engine): the strategy aggregates in partition-id
 order, so the order in which the replies arrive cannot matter.
 
+With faults (issue 16): one SuperNode is killed mid-round and one sends a malformed
+reply; the run finishes its rounds with the rest, and its global model is bit for bit
+that of ``fedopt``'s simulation without those clients in those rounds.
+
 Every process is started in its own session and stopped (SIGTERM, then SIGKILL) when
 the test ends, pass or fail; only 127.0.0.1 is used.  Skipped only on Python 3.10,
 where flwr 1.41 cannot be installed.
@@ -14,11 +18,16 @@ where flwr 1.41 cannot be installed.
 
 from __future__ import annotations
 
+import json
+import time
+import warnings
+
 import pytest
 import torch
 from _flwr import needs_flwr
 
 from fedopt_kernels.benchmarks import flower_run as FR
+from fedopt_kernels.fl import Simulation, SimulationConfig
 
 NODES = 3
 WORKLOAD = dict(clients=NODES, per_round=NODES, rounds=3, local_steps=3, hidden=16, batch_size=32, lr=0.05,
@@ -48,3 +57,66 @@ def test_superlink_and_supernodes_as_processes_equal_fedopt_simulate(tmp_path):
     x_fedopt = torch.load(tmp_path / "fedopt" / "checkpoint.pt", weights_only=True)["x_global"]
     assert torch.equal(x_flower, x_fedopt), (x_flower - x_fedopt).abs().max()
     assert len(set(flower.accuracy)) > 1  # the model moved: a run that trained nothing would also be "equal"
+
+
+def _simulation_without(workload, absent):
+    """``fedopt``'s simulation of the workload (the sequential engine, as the test
+    above), leaving ``absent[r]`` (client ids) out of round ``r``: the oracle of a run
+    that lost those clients' replies.  Returns the accuracy after rounds 0..R and the
+    final global vector."""
+    w = workload
+    cfg = SimulationConfig(dataset="digits", model="mlp", hidden=(w["hidden"], w["hidden"]), clients=w["clients"],
+                           per_round=w["per_round"], rounds=w["rounds"], partition="dirichlet", alpha=w["alpha"],
+                           weighting="auto", local_steps=w["local_steps"], batch_size=w["batch_size"], lr=w["lr"],
+                           lr_decay=w["lr_decay"], weight_decay=w["weight_decay"], max_norm=w["max_norm"],
+                           seed=w["seed"], eval_every=1, engine="sequential", algo="fedavg", nar="co")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim = Simulation(cfg)
+    sampled = sim.sample_clients
+    sim.sample_clients = lambda r: [c for c in sampled(r) if c not in absent.get(r, ())]
+    accuracy = [sim.evaluate()[0]]
+    for _ in range(w["rounds"]):
+        sim.run_round()
+        accuracy.append(sim.evaluate()[0])
+    return accuracy, sim.x_global.clone()
+
+
+@needs_flwr
+@pytest.mark.slow
+def test_a_killed_supernode_and_a_malformed_reply_cost_only_their_own_updates(tmp_path):
+    """Node 1's SuperNode is killed as its round-2 training starts (the example app's
+    ``fault="die@2"``: the process exits without a reply; the SuperLink answers for it
+    once its heartbeats stop) and node 2 leaves a layer out of its round-3 reply
+    (``fault="malformed@3"``).  The run completes all its rounds; round 2 aggregates
+    nodes 0 and 2, round 3 node 0 alone (node 1 is gone, node 2's reply is left out),
+    each counted under its reason; every round's accuracy and the final model equal the
+    simulation without those clients in those rounds, bit for bit."""
+    faults = {1: 'fault="die@2"', 2: 'fault="malformed@3"'}
+    link = FR.start_superlink(tmp_path, simulation=False)
+    nodes = []
+    try:
+        nodes = FR.start_supernodes(link, NODES, tmp_path, node_config=faults)
+        t0 = time.perf_counter()
+        flower = FR.run_flower(link, tmp_path / "flower", deployment=True, timeout=600, **WORKLOAD)
+        took = time.perf_counter() - t0
+        assert nodes[1].poll() is not None, "node 1 should have been killed in round 2"
+        assert nodes[0].poll() is None and nodes[2].poll() is None, "only node 1 should have died"
+    finally:
+        for proc in nodes:
+            FR.stop_process(proc)
+        link.stop()
+    assert all(p.poll() is not None for p in nodes + [link.proc])  # nothing left running
+    history = {h["round"]: h for h in json.loads((tmp_path / "flower" / "history.json").read_text())}
+    assert sorted(history) == list(range(WORKLOAD["rounds"] + 1)), f"rounds run: {sorted(history)} ({took:.0f} s)"
+    assert history[1].get("excluded_clients", 0) == 0
+    assert history[2]["excluded_clients"] == 1 and history[2]["excluded_error_reply"] == 1, history[2]
+    assert history[3]["excluded_clients"] == 1 and history[3]["excluded_bad_arrays"] == 1, history[3]
+    accuracy, x_oracle = _simulation_without(WORKLOAD, {2: (1,), 3: (1, 2)})
+    assert flower.accuracy == accuracy
+    state = torch.load(tmp_path / "flower" / "final_model.pt", weights_only=True)
+    x_flower = torch.cat([v.flatten() for v in state.values()])
+    assert torch.equal(x_flower, x_oracle), (x_flower - x_oracle).abs().max()
+    # the faults changed the result: the run with every client ends elsewhere
+    full, _ = _simulation_without(WORKLOAD, {})
+    assert full[-1] != accuracy[-1] or full[2] != accuracy[2]

@@ -192,11 +192,13 @@ def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeou
     raise AssertionError("unreachable")
 
 
-def start_supernodes(link: SuperLink, count: int, workdir) -> List[subprocess.Popen]:
+def start_supernodes(link: SuperLink, count: int, workdir,
+                     node_config: Optional[Dict[int, str]] = None) -> List[subprocess.Popen]:
     """Start ``count`` SuperNodes (Flower's deployment mode: one process each, on
     loopback) connected to ``link``, node ``i`` with ``partition-id=i
-    num-partitions=count``; each logs to ``workdir/supernode<i>.log``.  Stop them with
-    :func:`stop_process`."""
+    num-partitions=count`` (and ``node_config[i]``, more ``key=value`` entries, e.g. the
+    example app's ``fault="die@2"``); each logs to ``workdir/supernode<i>.log``.  Stop
+    them with :func:`stop_process`."""
     exe = _console_script("flower-supernode")
     if exe is None:
         raise SuperLinkError("flwr's console script flower-supernode is not on PATH")
@@ -207,7 +209,8 @@ def start_supernodes(link: SuperLink, count: int, workdir) -> List[subprocess.Po
             with open(workdir / f"supernode{i}.log", "w") as fh:
                 nodes.append(subprocess.Popen(
                     [exe, "--insecure", "--superlink", f"127.0.0.1:{link.port}", "--host", "127.0.0.1",
-                     "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={count}"],
+                     "--port", str(free_port()), "--node-config",
+                     " ".join([f"partition-id={i} num-partitions={count}", (node_config or {}).get(i, "")]).strip()],
                     stdout=fh, stderr=subprocess.STDOUT, env=link.env, cwd=workdir, start_new_session=True))
     except BaseException:
         for proc in nodes:

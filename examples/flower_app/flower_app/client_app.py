@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from flwr.app import Context
+import os
+import signal
+
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedopt_kernels.integrations.flower import FedNARClient, local_config_from_run_config
@@ -32,6 +35,50 @@ def _local_config(context: Context):
 
 client = FedNARClient(model_fn=_model, data_fn=_train_data, eval_data_fn=_test_data, config=_local_config)
 
+
+def _fault(context: Context):
+    """The node config's ``fault``, for trying a federation's fault handling:
+    ``"die@R"`` -- in round R this node's SuperNode is killed (SIGKILL) as its training
+    starts, so the round loses it mid-way; ``"malformed@R"`` -- in round R the node
+    trains but leaves one layer out of its reply.  ``(kind, round)`` or None (no
+    fault: the default)."""
+    spec = str(context.node_config.get("fault", ""))
+    if not spec:
+        return None
+    kind, _, rnd = spec.partition("@")
+    if kind not in ("die", "malformed") or not rnd.isdigit():
+        raise ValueError(f"node config fault must be 'die@ROUND' or 'malformed@ROUND', got {spec!r}")
+    return kind, int(rnd)
+
+
+def _supernode_pid() -> int:
+    """The ``flower-supernode`` process this ClientApp runs under (Flower 1.41: the
+    SuperNode starts a SuperExec, which starts this process)."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"flower-supernode" in f.read():
+                return pid
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
+    raise RuntimeError("fault 'die': this ClientApp does not run under a flower-supernode process")
+
+
 app = ClientApp()
-app.train()(client.train)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    fault = _fault(context)
+    server_round = int(msg.content[client.configrecord_key]["server-round"])
+    if fault == ("die", server_round):
+        os.kill(_supernode_pid(), signal.SIGKILL)  # the node goes silent: no reply, no heartbeat
+        os._exit(1)
+    reply = client.train(msg, context)
+    if fault == ("malformed", server_round):
+        arrays = reply.content[client.arrayrecord_key]
+        reply.content[client.arrayrecord_key] = ArrayRecord({k: arrays[k] for k in list(arrays.keys())[1:]})
+    return reply
+
+
 app.evaluate()(client.evaluate)

@@ -72,7 +72,7 @@ def test_eager_optimizer_methods_are_torch_optims_own():
     import torch
 
     from fedopt_kernels.optim import FedNAR
-    from fedopt_kernels.optim._eager_base import EagerOptimizer
+    from fedopt_kernels.optim.eager_base import EagerOptimizer
 
     for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad"):
         assert getattr(EagerOptimizer, name) is not getattr(torch.optim.Optimizer, name)

@@ -19,7 +19,7 @@ simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distr
 (:mod:`fedopt_kernels.fl.distributed`).  See ``docs/distributed.md``.
 """
 
-from ._comm import RankInputError
+from .comm import RankInputError
 from .aggregate import MODES, all_aggregate
 from .server import DistributedServerOptimizer
 

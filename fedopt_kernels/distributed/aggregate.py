@@ -44,7 +44,7 @@ ordered       W-1 point-to-point sends of N (rank r -> r+1), one gather of 2 * m
 all_reduce    one all_reduce of N + 2C; a second all_reduce of N under the same
               condition as ``ordered``'s second chain
 both          one host-side ``all_gather_object`` of a few integers per rank (counts,
-              shapes, errors: see ``_comm.exchange``)
+              shapes, errors: see ``comm.exchange``)
 ============  ==========================================================================
 
 No host sync on CUDA: counts and shapes travel on the host, every decision (exclusion,
@@ -69,12 +69,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..ops import _validation as V
-from ..ops.aggregate import (NONFINITE, AggregateStats, _runner, as_weight_tensor, check_clients, check_gamma,
-                             robust_weights)
-from ..ops._validation import acc_dtype
-from . import _comm
-from ._comm import Plan
+from ..ops import validation as V
+from ..ops.aggregate import (NONFINITE, AggregateStats, aggregate_runner, as_weight_tensor, check_clients,
+                             check_gamma, robust_weights)
+from ..ops.validation import acc_dtype
+from . import comm
+from .comm import Plan
 
 __all__ = ["all_aggregate", "MODES", "BAD_CLIENT_POLICIES", "AllAggregateStats"]
 
@@ -232,14 +232,14 @@ def all_aggregate(
             rows = [row for i, row in enumerate(rows) if i not in gone]
         gamma = check_gamma(gamma, device, acc)
         out = _check_out(out, N, dtype, acc, device)
-        run = _runner(backend, device)  # raises here if the backend cannot run
+        run = aggregate_runner(backend, device)  # raises here if the backend cannot run
     except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
         error = exc
     # Host weights: whether any is positive ("not all zero" holds for the union, or fails
     # on every rank before any data moves); device weights are not read (no sync).
     if error is not None:
         positive, bad = None, []
-    plan = _comm.exchange(group, what="all_aggregate", count=C_r, N=N, dtype=dtype,
+    plan = comm.exchange(group, what="all_aggregate", count=C_r, N=N, dtype=dtype,
                           device_type=None if device is None else device.type, error=error,
                           extra=(positive, bad))
     bad_all = [b for _, b in plan.extras]
@@ -297,7 +297,7 @@ def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, non
 
     q_local = result.first_pass(w_local)
     # [C, 2]: (||X_i||^2, w_i) of every client, in the global order
-    qw = _comm.gather_rows(torch.stack([q_local, w_local], dim=1), plan, group) if mode == "ordered" \
+    qw = comm.gather_rows(torch.stack([q_local, w_local], dim=1), plan, group) if mode == "ordered" \
         else result.gathered
     q, w = qw[:, 0].contiguous(), qw[:, 1].contiguous()
     if robust:
@@ -342,7 +342,7 @@ class _Ordered:
     def _pass(self, weights, skip, index: int):
         plan, group = self.plan, self.group
         if not self.first:
-            _comm.recv(self.prev, plan.rank - 1, group)
+            comm.recv(self.prev, plan.rank - 1, group)
             rows, w = [self.prev] + self.chain_rows, torch.cat([self.one, weights])
         else:
             rows, w = self.chain_rows, weights
@@ -354,7 +354,7 @@ class _Ordered:
         elif index == 0:  # rank 0 without clients: the running sum starts at +0
             self.target.zero_()
         if not self.last:
-            _comm.send(self.target, plan.rank + 1, group)
+            comm.send(self.target, plan.rank + 1, group)
         return q
 
     def first_pass(self, w_local):
@@ -376,8 +376,8 @@ class _Ordered:
             Q.copy_(self.Q[0] if redo is None else torch.where(redo, self.Q[1], self.Q[0]))
             if self.target is not out:
                 out.copy_(self.target)
-        _comm.broadcast(out, src, self.group)
-        _comm.broadcast(Q, src, self.group)
+        comm.broadcast(out, src, self.group)
+        comm.broadcast(Q, src, self.group)
         return Q.reshape(())
 
 
@@ -406,18 +406,18 @@ class _AllReduce:
         stats.zero_()
         stats[plan.start:plan.stop] = q
         stats[C + plan.start:C + plan.stop] = w_local
-        _comm.all_reduce(self.buf, self.group)  # partial sums + every rank's slots (x + 0 == x exactly)
+        comm.all_reduce(self.buf, self.group)  # partial sums + every rank's slots (x + 0 == x exactly)
         self.gathered = torch.stack([self.buf[N:N + C], self.buf[N + C:]], dim=1)
         return q
 
     def second_pass(self, eff_local, skip):
         if skip is None:
             self._local_sum(eff_local, self.partial, None)
-            _comm.all_reduce(self.partial, self.group)
+            comm.all_reduce(self.partial, self.group)
             return
         tmp = torch.zeros_like(self.partial) if not self.rows else torch.empty_like(self.partial)
         self._local_sum(eff_local, tmp, skip)
-        _comm.all_reduce(tmp, self.group)
+        comm.all_reduce(tmp, self.group)
         torch.where(skip, self.partial, tmp, out=self.partial)
 
     def finish(self, out, redo):

@@ -48,7 +48,7 @@ def check_initialized(what: str) -> None:
 _object_groups: dict = {}
 
 
-def _object_group(group):
+def object_group(group):
     """A group with the same ranks that carries CPU tensors (pickled objects).
 
     A group whose backend includes gloo (``"gloo"``, ``"cpu:gloo,cuda:nccl"``) is used as
@@ -108,7 +108,7 @@ def exchange(group, *, what: str, count: int, N: Optional[int], dtype, device_ty
     mine = {"count": int(count), "N": N, "dtype": str(dtype), "device": device_type,
             "error": None if error is None else f"{type(error).__name__}: {error}", "extra": extra}
     infos: List[dict] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(infos, mine, group=_object_group(group))
+    dist.all_gather_object(infos, mine, group=object_group(group))
     failed = [(r, info["error"]) for r, info in enumerate(infos) if info["error"] is not None]
     if failed:
         if error is not None:

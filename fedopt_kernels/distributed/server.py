@@ -8,10 +8,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..ops.aggregate import _runner, check_weight_values
+from ..ops.aggregate import aggregate_runner, check_weight_values
 from ..server import ServerOptimizer, ServerStats
 from ..server.weighting import cap_weight_shares, check_max_weight_share
-from . import _comm
+from . import comm
 from .aggregate import BAD_CLIENT_POLICIES, MODES, _aggregate_planned, expand_rows, good_plan, kept_index, left_out_list
 
 __all__ = ["DistributedServerOptimizer"]
@@ -117,10 +117,10 @@ class DistributedServerOptimizer:
             if bad:  # left out here, before anything is summed
                 gone = {i for i, _ in bad}
                 rows = [row for i, row in enumerate(rows) if i not in gone]
-            run = _runner(opt.backend, device)  # raises now, before any collective, if it cannot run
+            run = aggregate_runner(opt.backend, device)  # raises now, before any collective, if it cannot run
         except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
             error, bad = exc, []
-        plan = _comm.exchange(self.group, what="DistributedServerOptimizer.step", count=C_r, N=N, dtype=dtype,
+        plan = comm.exchange(self.group, what="DistributedServerOptimizer.step", count=C_r, N=N, dtype=dtype,
                               device_type=device.type, error=error,
                               extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad})
         kinds = [(e["kind"], e["dtype"]) for e in plan.extras]
@@ -147,7 +147,7 @@ class DistributedServerOptimizer:
         elif kind == "host":
             global_w = torch.tensor([v for e in plan.extras for v in e["values"]], dtype=torch.float64)
         else:
-            global_w = _comm.gather_rows(values.reshape(-1, 1), plan, self.group).reshape(-1)
+            global_w = comm.gather_rows(values.reshape(-1, 1), plan, self.group).reshape(-1)
         if self.max_weight_share is not None and global_w is not None:
             check_weight_values(global_w, "weights")  # on_bad_client="raise": a bad weight raises here
             global_w = cap_weight_shares(global_w, self.max_weight_share)  # shares of the union

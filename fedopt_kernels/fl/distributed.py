@@ -53,9 +53,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedServerOptimizer, RankInputError
-from ..distributed import _comm
-from ..distributed._comm import Plan
+from ..distributed import DistributedServerOptimizer, RankInputError, comm
+from ..distributed.comm import Plan
 from .client import RoundStats
 from .config import SimulationConfig
 from .simulation import Simulation
@@ -82,10 +81,10 @@ class DistributedSimulation(Simulation):
     """
 
     def __init__(self, config: SimulationConfig, *, group=None, mode: str = "ordered", **kwargs):
-        _comm.check_initialized("DistributedSimulation")
+        comm.check_initialized("DistributedSimulation")
         self.group = group
-        self.rank = _comm.group_rank(group)
-        self.world_size = _comm.group_size(group)
+        self.rank = comm.group_rank(group)
+        self.world_size = comm.group_size(group)
         self.mode = mode
         config.validate()
         self._check_same_config(config)
@@ -102,7 +101,7 @@ class DistributedSimulation(Simulation):
 
     def _check_same_config(self, config: SimulationConfig) -> None:
         configs: List[dict] = [None] * self.world_size  # type: ignore[list-item]
-        dist.all_gather_object(configs, config.to_dict(), group=_comm._object_group(self.group))
+        dist.all_gather_object(configs, config.to_dict(), group=comm.object_group(self.group))
         for r, other in enumerate(configs):
             diff = sorted(k for k in set(other) | set(configs[0]) if other.get(k) != configs[0].get(k))
             if diff:
@@ -135,7 +134,7 @@ class DistributedSimulation(Simulation):
                                  "(on_bad_client='raise'); every rank stops")
         if any(bad_counts):  # rare: only then the lists travel
             lists: List[list] = [None] * self.world_size  # type: ignore[list-item]
-            dist.all_gather_object(lists, list(self._round_bad), group=_comm._object_group(self.group))
+            dist.all_gather_object(lists, list(self._round_bad), group=comm.object_group(self.group))
             self._round_bad = [tuple(b) for part in lists for b in part]  # rank order = the round's order
             left = {cid for cid, _, _ in self._round_bad}
             self._round_kept = [cid for cid in clients if cid not in left]
@@ -148,7 +147,7 @@ class DistributedSimulation(Simulation):
         if self.scaffold is not None:
             self._gather_scaffold(self._round_kept, kept_plan)
         if self._has_buffers:
-            rows = _comm.gather_rows(self.buffer_rows[:kept_plan.stop - kept_plan.start], kept_plan, self.group)
+            rows = comm.gather_rows(self.buffer_rows[:kept_plan.stop - kept_plan.start], kept_plan, self.group)
             self.buffer_rows[:kept_plan.C].copy_(rows)
         return stats
 
@@ -160,7 +159,7 @@ class DistributedSimulation(Simulation):
                            torch.tensor(float(num_bad), dtype=local.loss_sum.dtype, device=self.device),
                            torch.tensor(float(failed), dtype=local.loss_sum.dtype, device=self.device)])
         one_each = Plan(plan.rank, plan.world, (1,) * plan.world, plan.N, ())
-        rows = _comm.gather_rows(row[None], one_each, self.group)
+        rows = comm.gather_rows(row[None], one_each, self.group)
         total = rows[0]
         for r in range(1, plan.world):
             total = total + rows[r]
@@ -182,14 +181,14 @@ class DistributedSimulation(Simulation):
             if pending is not None:
                 local[i] = pending[0]
                 local_lr[i, 0] = pending[1]
-        rows = _comm.gather_rows(local, plan, self.group)
-        lr_sums = _comm.gather_rows(local_lr, plan, self.group)[:, 0].tolist()
+        rows = comm.gather_rows(local, plan, self.group)
+        lr_sums = comm.gather_rows(local_lr, plan, self.group)[:, 0].tolist()
         sc._pending = {cid: (rows[i], lr_sums[i]) for i, cid in enumerate(clients)}
 
     def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
         plan = self._kept_plan  # this round's clients that took part, per rank
         if self.server.fedlaw is not None:  # FedLAW needs every client model on every rank
-            rows = _comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
+            rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
             self.updates[:len(clients)].copy_(rows)
             return super()._server_step(clients, sizes)
         return self.server.step(self.updates[:plan.stop - plan.start], sizes[plan.start:plan.stop])

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .. import backends
-from ._validation import acc_dtype
+from .validation import acc_dtype
 
 
 def _join(value: float, tensor: Optional[torch.Tensor]):

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from .. import backends
-from . import _library, _validation as V
+from . import _library, validation as V
 
 Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
 NONFINITE = ("exclude", "propagate")
@@ -231,9 +231,8 @@ def aggregate(
                 f"out must be a contiguous [{N}] tensor on {device} with dtype {dtypes}, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
         _check_out_apart(out, rows)
-    if backend is not None and backend not in backends.BACKENDS:
-        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
-    run = _runner(backend, device)
+    V.check_backend(backend)
+    run = aggregate_runner(backend, device)
 
     q, Q = run(rows, w, gamma, out, None)
     if nonfinite == "exclude" or max_client_norm is not None:
@@ -265,8 +264,12 @@ def _check_out_apart(out: torch.Tensor, rows) -> None:
                              "out must be a separate tensor")
 
 
-def _runner(backend, device):
-    """Call the backend directly in eager mode, through the custom op under compile."""
+def aggregate_runner(backend: Optional[str], device: torch.device):
+    """The aggregation kernel of ``backend`` on ``device`` as one callable
+    ``run(rows, weights, gamma, out, skip) -> (client_sq_norms, sq_norm)`` (inputs
+    already checked): the backend itself in eager mode, its custom op under
+    ``torch.compile``.  Resolving it raises if the backend cannot run there, so a
+    multi-pass caller (the distributed aggregation) learns that before any pass."""
     if torch.compiler.is_compiling():
         name = backends.resolve_name(backend, device.type)
         return lambda rows, w, gamma, out, skip: _library.aggregate_op(rows, w, gamma, out, skip, name)

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import backends
-from . import _dtensor, _library, _validation as V
+from . import _dtensor, _library, validation as V
 
 MODES = ("co", "grad", "none")
 
@@ -39,8 +39,7 @@ def _check_common(lr, weight_decay, max_norm, mode, momentum, backend, device, d
     weight_decay = V.check_hyper(weight_decay, "weight_decay", device, acc, sizes=lr_sizes)
     max_norm = V.check_real(max_norm, "max_norm", low=0.0, low_open=True, allow_inf=True)
     momentum = V.check_real(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-    if backend is not None and backend not in backends.BACKENDS:
-        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+    V.check_backend(backend)
     return lr, weight_decay, max_norm, mode_id, momentum
 
 

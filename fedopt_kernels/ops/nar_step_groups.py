@@ -28,7 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .. import backends
-from . import _library, _validation as V
+from . import _library, validation as V
 from . import _dtensor
 from .nar_step import NarStats, _check_mode, nar_step_
 
@@ -232,8 +232,7 @@ def nar_step_groups_(
     parts = _parts(groups, plain_names=_plain_names)
     mode_id = _check_mode(mode)
     max_norm = V.check_real(max_norm, "max_norm", low=0.0, low_open=True, allow_inf=True)
-    if backend is not None and backend not in backends.BACKENDS:
-        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+    V.check_backend(backend)
     grad_scale = _check_one_element(grad_scale, "grad_scale")
     found_inf = _check_one_element(found_inf, "found_inf")
     if len(parts) == 1 and not parts[0].reduce_over:

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import backends
-from . import _library, _validation as V
+from . import _library, validation as V
 
 RULES = ("sgd", "momentum", "adagrad", "adam", "yogi")
 _BUFFERS = {"sgd": (), "momentum": ("exp_avg",), "adagrad": ("exp_avg", "exp_avg_sq"),
@@ -120,8 +120,7 @@ def server_update_(
         skip = V.check_scalar_tensor(skip, "skip", device)
         if skip.dtype != torch.bool:
             raise ValueError(f"skip must be a bool tensor, got {skip.dtype}")
-    if backend is not None and backend not in backends.BACKENDS:
-        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+    V.check_backend(backend)
     rule_id = RULES.index(rule)
     if torch.compiler.is_compiling():
         _library.server_update_op(params, updates, m, v, rule_id, lr, gamma, beta1, beta2, tau, bool(nesterov),

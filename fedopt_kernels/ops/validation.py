@@ -1,4 +1,6 @@
-"""Argument checks shared by the public ops.
+"""Argument checks shared by the public ops, and by every layer above them (optimizers,
+schedulers, the simulator's settings): one place for what a valid number, tensor or
+backend name is, and how a refusal reads.
 
 Every check runs before any data is touched, so a rejected call modifies nothing, and
 every message names the argument and says what was expected.  Checks only read tensor
@@ -14,6 +16,17 @@ from typing import Optional, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_backend(backend: Optional[str], name: str = "backend") -> Optional[str]:
+    """``backend`` if it names a backend (``"reference"``, ``"cpu"``, ``"triton"``,
+    ``"cuda"``) or is None (chosen by device); else ``ValueError`` naming the choices.
+    Whether it can run on a given device is decided when it is resolved."""
+    from ..backends import BACKENDS
+
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

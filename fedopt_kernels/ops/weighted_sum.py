@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import backends
-from . import _library, _validation as V
+from . import _library, validation as V
 from .aggregate import Clients, as_weight_tensor, check_clients, host_to_device
 
 

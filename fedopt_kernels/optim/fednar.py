@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from ._eager_base import EagerOptimizer
+from .eager_base import EagerOptimizer
 
-from .. import backends
 from ..ops import MODES, NarGroup, NarStats, nar_step_, nar_step_groups_
-from ..ops import _validation as V
+from ..ops import validation as V
 
 CLIP_SCOPES = ("optimizer", "group")
 
@@ -238,8 +237,7 @@ def _check_hyperparameters(group: dict) -> None:
     if group["mode"] not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {group['mode']!r}")
     backend = group["backend"]
-    if backend is not None and backend not in backends.BACKENDS:
-        raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+    V.check_backend(backend)
 
 
 __all__ = ["FedNAR", "NarStats", "CLIP_SCOPES"]

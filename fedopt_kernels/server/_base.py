@@ -49,12 +49,11 @@ from typing import List, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
-from .. import backends
 from ..ops import aggregate, server_update_
 from ..ops._dtensor import is_dtensor
-from ..ops._validation import acc_dtype
+from ..ops.validation import acc_dtype, check_backend
 from ..ops.aggregate import check_weight_values, host_to_device
-from ..optim._eager_base import EagerOptimizer
+from ..optim.eager_base import EagerOptimizer
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
 NONFINITE = ("exclude", "propagate")
@@ -183,8 +182,7 @@ class ServerOptimizer(EagerOptimizer):
             if isinstance(max_client_norm, torch.Tensor):
                 raise TypeError("max_client_norm must be a Python number")
             max_client_norm = float(max_client_norm)
-        if backend is not None and backend not in backends.BACKENDS:
-            raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+        check_backend(backend)
         self.nonfinite = nonfinite
         self.max_client_norm = max_client_norm
         self.backend = backend

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .. import backends
 from ..ops import aggregate, weighted_sum
-from ..ops._validation import acc_dtype
+from ..ops.validation import acc_dtype, check_backend
 from ..ops.aggregate import check_weight_values
 from ..utils.flat import FlatLayout, parameters_layout
 
@@ -138,8 +137,7 @@ class FedLAW:
         if iter(proxy_loader) is proxy_loader:
             raise TypeError("proxy_loader must be re-iterable (a DataLoader or a list of batches), not an "
                             "iterator: it is read once per server epoch")
-        if backend is not None and backend not in backends.BACKENDS:
-            raise ValueError(f"backend must be one of {backends.BACKENDS} or None, got {backend!r}")
+        check_backend(backend)
         self.model, self.proxy_loader, self.loss_fn = model, proxy_loader, loss_fn
         self.learn, self.server_epochs, self.lr, self.betas = learn, server_epochs, float(lr), tuple(betas)
         self.swa, self.swa_start, self.swa_lr = bool(swa), swa_start, float(swa_lr)

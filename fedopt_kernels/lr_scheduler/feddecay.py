@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from ..ops.validation import check_real
 
 KINDS = ("exponential", "linear")
 PER = ("step", "epoch")
@@ -26,16 +27,6 @@ def within_round_factor(k: int, beta: float, kind: str = "exponential") -> float
     if kind == "linear":
         return max(1.0 - k * (1.0 - float(beta)), 0.0)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-
-
-def _check_real(value, name: str, low: float, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not (low <= value <= high):
-        hi = "" if high == math.inf else f" and <= {high}"
-        raise ValueError(f"{name} must be >= {low}{hi}, got {value}")
-    return value
 
 
 FACTORS_KEY = "lr_factors"  # param-group entry: {scheduler kind: its current factor}
@@ -117,11 +108,11 @@ class FedDecay(LRScheduler):
                  round_decay: float = 1.0, per: str = "step", steps_per_epoch: Optional[int] = None,
                  last_epoch: int = -1):
         self.local_steps = _check_positive_int(local_steps, "local_steps")
-        self.beta = _check_real(beta, "beta", 0.0, 1.0)
+        self.beta = check_real(beta, "beta", low=0.0, high=1.0)
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         self.kind = kind
-        self.round_decay = _check_real(round_decay, "round_decay", 0.0, 1.0)
+        self.round_decay = check_real(round_decay, "round_decay", low=0.0, high=1.0)
         if self.round_decay == 0.0:
             raise ValueError("round_decay must be > 0 (alpha_j = round_decay ** j)")
         if per not in PER:

@@ -6,7 +6,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .feddecay import _check_real, composed_lrs
+from ..ops.validation import check_real
+from .feddecay import composed_lrs
 
 
 def annealing_factor(round_index: int, decay: float) -> float:
@@ -42,8 +43,8 @@ class RoundAnnealing(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, lr_decay: float = 0.998, weight_decay_decay: float = 1.0,
                  last_epoch: int = -1):
-        self.lr_decay = _check_real(lr_decay, "lr_decay", 0.0, 1.0)
-        self.weight_decay_decay = _check_real(weight_decay_decay, "weight_decay_decay", 0.0, 1.0)
+        self.lr_decay = check_real(lr_decay, "lr_decay", low=0.0, high=1.0)
+        self.weight_decay_decay = check_real(weight_decay_decay, "weight_decay_decay", low=0.0, high=1.0)
         if self.lr_decay == 0.0 or self.weight_decay_decay == 0.0:
             raise ValueError("lr_decay and weight_decay_decay must be > 0")
         if not isinstance(optimizer, Optimizer):

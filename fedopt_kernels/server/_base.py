@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 
 from ..ops import aggregate, server_update_
 from ..ops._dtensor import is_dtensor
-from ..ops.validation import acc_dtype, check_backend
+from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values, host_to_device
 from ..optim.eager_base import EagerOptimizer
 
@@ -144,15 +144,7 @@ def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[flo
     """Constructor check of a hyperparameter (tensors are accepted unchecked)."""
     if isinstance(value, torch.Tensor):
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    bad = value != value or value in (float("inf"), float("-inf")) or (value <= 0 if low_open else value < 0)
-    if high is not None:
-        bad = bad or (value >= high if high_open else value > high)
-    if bad:
-        lo = f"{name} > 0" if low_open else f"{name} >= 0"
-        hi = "" if high is None else (f" and {name} < {high}" if high_open else f" and {name} <= {high}")
-        raise ValueError(f"{name} must satisfy {lo}{hi}, got {value}")
+    check_real(value, name, low=0, low_open=low_open, high=high, high_open=high_open)
 
 
 def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead") -> None:

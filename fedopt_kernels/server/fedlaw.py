@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..ops import aggregate, weighted_sum
-from ..ops.validation import acc_dtype, check_backend
+from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values
 from ..utils.flat import FlatLayout, parameters_layout
 
@@ -118,8 +118,7 @@ class FedLAW:
             raise ValueError(f"learn must be one of {LEARN}, got {learn!r}")
         if isinstance(server_epochs, bool) or not isinstance(server_epochs, int) or server_epochs < 1:
             raise ValueError(f"server_epochs must be an int >= 1, got {server_epochs!r}")
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        lr = check_real(lr, "lr", low=0, low_open=True)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if swa and learn == "gamma":
@@ -128,8 +127,7 @@ class FedLAW:
             raise ValueError("swa=True with learn='both' needs server_epochs >= 2 (one stage each)")
         if not (isinstance(swa_start, int) and swa_start >= 0):
             raise ValueError(f"swa_start must be an int >= 0, got {swa_start!r}")
-        if not (isinstance(swa_lr, (int, float)) and swa_lr > 0):
-            raise ValueError(f"swa_lr must be > 0, got {swa_lr!r}")
+        swa_lr = check_real(swa_lr, "swa_lr", low=0, low_open=True)
         if lr_step is not None and (len(lr_step) != 2 or int(lr_step[0]) < 1 or not lr_step[1] > 0):
             raise ValueError(f"lr_step must be None or (step_size >= 1, gamma > 0), got {lr_step!r}")
         if not callable(loss_fn):

@@ -82,6 +82,7 @@ import torch
 from torch import nn
 
 from ..ops import nar_step_batched_
+from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
 from .round_plan import Group, RoundPlanner
@@ -452,7 +453,7 @@ class BatchedTrainer:
             weights = w.to(device)
         lr_rows = None
         if step_lrs is None:
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            acc = acc_dtype(dtype)
             lr_rows = torch.tensor([[lrs[r][k] for r in rows] for k in range(cfg.steps)], dtype=torch.float64)
             lr_rows = lr_rows.to(device=device, dtype=acc)
         tmp = torch.empty_like(X) if cfg.prox_mu != 0.0 else None

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from ..backends.dtypes import FLOAT_DTYPES, acc_dtype  # noqa: F401 - re-exported: the one dtype rule
 
 
 def check_backend(backend: Optional[str], name: str = "backend") -> Optional[str]:
@@ -27,11 +27,6 @@ def check_backend(backend: Optional[str], name: str = "backend") -> Optional[str
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"{name} must be one of {BACKENDS} or None, got {backend!r}")
     return backend
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype of the kernels: float64 for float64 data, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def is_dense_non_overlapping(t: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ import torch
 import triton.language as tl
 
 from .. import _chunks
+from ..dtypes import acc_dtype
 from . import _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
 from .aggregate import aggregate_kernel, client_dots_kernel, row_sum_kernel
@@ -46,10 +47,6 @@ ESIZES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 
 EPS = 1e-6  # clip epsilon (torch.nn.utils.clip_grad_norm_), as in the kernels
 PBLOCK = 256  # width of the fixed-order partial-sum reductions
 SMALL_NUM_WARPS = 4  # the finalize kernels that have no in-kernel twin (aggregate's row sums)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def launch_config(dtype: torch.dtype):

@@ -71,7 +71,7 @@ import torch
 
 from ..ops import validation as V
 from ..ops.aggregate import (NONFINITE, AggregateStats, aggregate_runner, as_weight_tensor, check_clients,
-                             check_gamma, robust_weights)
+                             check_gamma, check_weight_values, robust_weights)
 from ..ops.validation import acc_dtype
 from . import comm
 from .comm import Plan
@@ -159,13 +159,7 @@ def _local_weights(weights, C: int, device, acc, exclude: bool = False):
             weights, w = weights[keep], w[keep]
             return (weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any()),
                     bad)
-    if C:
-        bad = ~torch.isfinite(w)
-        if bad.any():
-            raise ValueError(f"local_weights must be finite, got {w[bad][0].item()} at index {int(bad.nonzero()[0])}")
-        neg = w < 0
-        if neg.any():
-            raise ValueError(f"local_weights must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
+    check_weight_values(w, "local_weights", allow_all_zero=True)
     return weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any()), []
 
 

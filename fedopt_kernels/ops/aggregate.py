@@ -121,11 +121,13 @@ def host_to_device(t: torch.Tensor, device: torch.device, name: str) -> torch.Te
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def check_weight_values(weights: torch.Tensor, name: str = "weights") -> None:
-    """Host-side value checks of client weights (reads the values).  Under
-    ``torch.compile`` the same check is one ``_assert_async`` node in the graph (a
-    Python branch on the values would break the graph); it fails when the compiled
-    graph runs, with the same statement of what was expected."""
+def check_weight_values(weights: torch.Tensor, name: str = "weights", *, allow_all_zero: bool = False) -> None:
+    """Host-side value checks of client weights (reads the values): finite, ``>= 0``
+    and (unless ``allow_all_zero``: one rank's share of a distributed round, where "not
+    all zero" is a property of the union) not all zero.  Under ``torch.compile`` the
+    same check is one ``_assert_async`` node in the graph (a Python branch on the values
+    would break the graph); it fails when the compiled graph runs, with the same
+    statement of what was expected."""
     if torch.compiler.is_compiling():
         w = weights.detach()
         ok = torch.isfinite(w).all() & (w >= 0).all()
@@ -140,7 +142,7 @@ def check_weight_values(weights: torch.Tensor, name: str = "weights") -> None:
     neg = w < 0
     if neg.any():
         raise ValueError(f"{name} must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
-    if w.numel() and not (w > 0).any():
+    if w.numel() and not allow_all_zero and not (w > 0).any():
         raise ValueError(f"{name} must not all be zero")
 
 

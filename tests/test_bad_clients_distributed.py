@@ -137,7 +137,7 @@ def make_failing(sim, failing, round_number):
 
 def sim_run(config_kw, *, distributed, empty_client=True):
     from fedopt_kernels.fl import Simulation, SimulationConfig
-    from fedopt_kernels.fl.distributed import DistributedSimulation
+    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
 
     part = sim_partition()[0] if empty_client else None
     cls = DistributedSimulation if distributed else Simulation

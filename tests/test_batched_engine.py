@@ -329,7 +329,7 @@ def test_simulation_benchmark_runs():
 
 
 def test_a_clients_update_does_not_depend_on_the_other_clients_of_its_round():
-    """What lets a round be grouped for memory or split over ranks (fl/distributed.py)
+    """What lets a round be grouped for memory or split over ranks (fl/distributed_simulation.py)
     without changing a bit: padded lengths come from the whole population, a lone
     client is doubled."""
     from fedopt_kernels.fl.client import RoundStats

@@ -283,7 +283,7 @@ def _scenario_server(rank, world, passes=None):
 
 
 def _scenario_simulation(rank, world):
-    from fedopt_kernels.fl.distributed import DistributedSimulation
+    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
 
     got = {}
     for case in SIM_CASES:
@@ -605,7 +605,7 @@ def test_a_group_of_one_is_the_single_process_path(tmp_path):
 
 
 def test_rank_block_splits_contiguously_and_evenly():
-    from fedopt_kernels.fl.distributed import rank_block
+    from fedopt_kernels.fl.distributed_simulation import rank_block
 
     for n in range(0, 12):
         for world in range(1, 5):

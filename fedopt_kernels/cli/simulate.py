@@ -159,7 +159,7 @@ class _Progress:
 
 def _build_simulation(config: SimulationConfig, *, distributed: bool = False, **kwargs):
     if distributed:
-        from ..fl.distributed import DistributedSimulation as Simulation
+        from ..fl.distributed_simulation import DistributedSimulation as Simulation
     else:
         from ..fl.simulation import Simulation
 
@@ -207,7 +207,7 @@ def run_simulate(args) -> int:
     # a run option, not a setting of the simulation (build_settings would reject it)
     if not vars(args).pop("distributed", False):
         return _run_simulate(args)
-    from ..fl.distributed import shutdown
+    from ..fl.distributed_simulation import shutdown
 
     try:
         code = _run_simulate(args, distributed=True)
@@ -221,7 +221,7 @@ def run_simulate(args) -> int:
 
 
 def _init_distributed(config: SimulationConfig) -> int:
-    from ..fl.distributed import init_from_env
+    from ..fl.distributed_simulation import init_from_env
 
     try:
         rank, _ = init_from_env(config.device)

@@ -16,11 +16,11 @@ clients, then rank 1's, ...):
 gloo carries CPU tensors, NCCL CUDA tensors; the small host-side metadata exchange
 uses gloo (a gloo group over the same ranks is made for an NCCL-only group).  The
 simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distributed``
-(:mod:`fedopt_kernels.fl.distributed`).  See ``docs/distributed.md``.
+(:mod:`fedopt_kernels.fl.distributed_simulation`).  See ``docs/distributed.md``.
 """
 
 from .comm import RankInputError
 from .aggregate import MODES, all_aggregate
-from .server import DistributedServerOptimizer
+from .server_optimizer import DistributedServerOptimizer
 
 __all__ = ["all_aggregate", "DistributedServerOptimizer", "RankInputError", "MODES"]

@@ -14,7 +14,7 @@ Pieces: :mod:`~fedopt_kernels.fl.data` (digits, FedProx's Synthetic, your own da
 vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.batched` (all
 of a round's clients as one vmapped computation, the default engine) and
 :mod:`~fedopt_kernels.fl.round_plan` (which clients it trains together, at which shapes),
-:mod:`~fedopt_kernels.fl.server` (server optimizers and FedLAW),
+:mod:`~fedopt_kernels.fl.server_side` (server optimizers and FedLAW),
 :mod:`~fedopt_kernels.fl.simulation` (the round loop), :mod:`~fedopt_kernels.fl.results`
 (records, files, plots), :mod:`~fedopt_kernels.fl.seeds` (the seed of every random draw).
 """
@@ -27,7 +27,7 @@ from .models import MLP, SimpleCNN, build_model, model_names, register_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results, plot_comparison
 from .seeds import batch_seed, derive_seed, init_seed
-from .server import SERVER_DEFAULTS, ServerSide
+from .server_side import SERVER_DEFAULTS, ServerSide
 from .simulation import Simulation, make_partition, proxy_split, sample_clients
 
 __all__ = [

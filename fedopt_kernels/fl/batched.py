@@ -50,7 +50,8 @@ which padded batch length and in how many rows is decided before any arithmetic 
 :class:`~fedopt_kernels.fl.round_plan.RoundPlanner` (see :mod:`~fedopt_kernels.fl.round_plan`):
 a few padded lengths ("levels") chosen once from ALL clients' sizes, so a client's
 padded length -- and with it all of its arithmetic -- depends on its own size alone,
-never on which clients share its round, its group or (``fl.distributed``) its rank;
+never on which clients share its round, its group or (``fl.distributed_simulation``)
+its rank;
 group row counts from a fixed ladder, so a real run meets a few shapes, each traced
 once (``trace_counts``); groups bounded by ``client_batch`` or the free memory, with
 the same result as one group: every row's arithmetic depends only on its own client,

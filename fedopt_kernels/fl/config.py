@@ -41,7 +41,7 @@ class SimulationConfig:
     Defaults follow fednar.txt section 5 (Dirichlet alpha 0.3, 20 local steps, local lr
     decayed by 0.998 per round, max norm 10) scaled to the 1437 training images of
     ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
-    default (:data:`fedopt_kernels.fl.server.SERVER_DEFAULTS`).
+    default (:data:`fedopt_kernels.fl.server_side.SERVER_DEFAULTS`).
 
     ``weighting``: how the server weights the round's clients -- ``"auto"`` (default)
     each algorithm's own rule, as its paper states it

@@ -16,8 +16,8 @@ level that holds its batch, and the clients of one level form one batched call p
 local step.  A loss that cannot be masked, or a model with BatchNorm layers (batch
 statistics would see the padding), gets one level per batch size.  So a
 client's padded length -- and with it all of its arithmetic -- depends on its own size
-alone, never on which clients share its round, its group or (``fl.distributed``) its
-rank.
+alone, never on which clients share its round, its group or
+(``fl.distributed_simulation``) its rank.
 
 **Fixed shapes.**  A real run samples new clients every round, so the number of a
 round's clients at each level changes from round to round.  A group's rows are padded

@@ -3,7 +3,7 @@
 One :class:`Simulation` owns the data (tensors on the device), the partition, the
 global model (its parameters are views of ONE flat vector ``x_global``), one local
 model for all clients (:class:`~fedopt_kernels.fl.client.LocalTrainer`), the server
-side (:class:`~fedopt_kernels.fl.server.ServerSide`) and the :class:`Results`.  A round:
+side (:class:`~fedopt_kernels.fl.server_side.ServerSide`) and the :class:`Results`.  A round:
 
 1. sample ``per_round`` of the ``clients`` uniformly without replacement;
 2. train them (engine ``"batched"``: all together as one ``[C, N]`` computation,
@@ -26,7 +26,7 @@ stop the run) is left out of its round -- its partial statistics undone, no row 
 server step, no SCAFFOLD update -- and the server step leaves out NaN/Inf updates
 (``nonfinite``).  The round's record counts them (``excluded_clients`` and
 ``excluded_<reason>`` for every reason of
-:data:`~fedopt_kernels.fl.server.BAD_CLIENT_REASONS`; ``left_out`` lists
+:data:`~fedopt_kernels.fl.server_side.BAD_CLIENT_REASONS`; ``left_out`` lists
 ``[client, reason]`` when any), one warning per round names them (logger
 ``fedopt_kernels.fl.simulation``), and the round equals the same round without those
 clients.  A round in which no client could train at all raises ``RuntimeError``
@@ -86,7 +86,7 @@ from .models import build_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results
 from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
-from .server import BAD_CLIENT_REASONS, ServerSide
+from .server_side import BAD_CLIENT_REASONS, ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
@@ -535,7 +535,7 @@ class Simulation:
         """The round's server step on the updates in rows ``[:len(clients)]`` (``clients``:
         the ones that took part; ``sizes``: their data sizes, used as weights under
         ``weighting="size"``).
-        :class:`~fedopt_kernels.fl.distributed.DistributedSimulation` spreads it over
+        :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` spreads it over
         ranks."""
         return self.server.step(self.updates[:len(clients)], sizes)
 

@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 class SimulationConfig:
     """Settings of one simulated federated training run (defaults: a quick digits run).
 
-    Defaults follow fednar.txt section 5 (Dirichlet alpha 0.3, 20 local steps, local lr
+    Defaults follow [FedNAR] section 5 (Dirichlet alpha 0.3, 20 local steps, local lr
     decayed by 0.998 per round, max norm 10) scaled to the 1437 training images of
     ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
     default (:data:`fedopt_kernels.fl.server_side.SERVER_DEFAULTS`).
@@ -53,7 +53,7 @@ class SimulationConfig:
     training).  The resolved rule is ``results.meta["weighting"]``.
 
     ``proxy_source``: where FedLAW's class-balanced proxy set of ``proxy_size``
-    examples comes from -- ``"test"`` (default; fedlaw.txt appendix D.2: drawn from the
+    examples comes from -- ``"test"`` (default; [FedLAW] appendix D.2: drawn from the
     test set, the test accuracy then computed on the rest) or ``"train"`` (drawn from
     the pooled training data, the test set untouched).
 

@@ -194,7 +194,7 @@ def aggregate(
 
     ``clients`` is a ``[C, N]`` tensor or a sequence of ``C`` 1-D tensors of length
     ``N`` (no stacking copy is made); ``weights`` a ``[C]`` tensor (not required to sum
-    to 1); ``gamma`` (FedLAW's global weight shrinking, fedlaw.txt eq. 8) a number
+    to 1); ``gamma`` (FedLAW's global weight shrinking, [FedLAW] eq. 8) a number
     ``> 0`` or a one-element tensor (checked by value on the CPU; on an accelerator
     that would synchronise, so its value is the caller's contract).  In the same pass
     over the data it computes every ``||X_i||^2`` and ``||sum_i w_i X_i||^2``: each

@@ -21,14 +21,14 @@ fedadagrad                (google-research/federated ``optimization/shared/
                           weights by the client's examples, as FedAvg
 fedexp         uniform    Jhunjhunwala et al. 2023, Algorithm 1: ``1/|S| sum_i
                           Delta_i`` (the ``p_i`` of its eta_g are ``1/|S|``)
-asnes          uniform    asnes.txt eq. (2) and Algorithm 1 line 13: ``1/|S_t| sum``;
+asnes          uniform    [ASNES] eq. (2) and Algorithm 1 line 13: ``1/|S_t| sum``;
                           S_t = the participating clients (eq. 3)
-fedlaw         size       fedlaw.txt eq. (5) and Algorithm 1 line 10: lambda starts
+fedlaw         size       [FedLAW] eq. (5) and Algorithm 1 line 10: lambda starts
                           from ``|D_i| / |D|``
 =============  =========  ===========================================================
 
-``--nar co`` (FedNAR's local step under any server algorithm, fednar.txt Table 1)
-does NOT change the rule: fednar.txt Algorithm 2 line 11 averages uniformly, but
+``--nar co`` (FedNAR's local step under any server algorithm, [FedNAR] Table 1)
+does NOT change the rule: [FedNAR] Algorithm 2 line 11 averages uniformly, but
 FedNAR's contribution is the local update (its section 4.4: "we only need to change
 line 6"), and keeping the server algorithm's own weighting makes ``fedavg:grad``
 versus ``fedavg:co`` differ in the local step alone.  To reproduce FedNAR's tables
@@ -41,7 +41,7 @@ implementation).  Off by default: a cap changes the estimator honest federations
 
 Floating buffers (BatchNorm running statistics) are averaged with the SAME weights as
 the parameters (:func:`average_buffers`: excluded clients left out), except for FedLAW,
-whose global model keeps the statistics of its proxy training (fedlaw.txt section 6
+whose global model keeps the statistics of its proxy training ([FedLAW] section 6
 and the released code; see :class:`~fedopt_kernels.server.FedLAW`).
 """
 

@@ -21,6 +21,7 @@ simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distr
 
 from .comm import RankInputError
 from .aggregate import MODES, all_aggregate
+from .aggregator import DistributedAggregator
 from .server_optimizer import DistributedServerOptimizer
 
-__all__ = ["all_aggregate", "DistributedServerOptimizer", "RankInputError", "MODES"]
+__all__ = ["all_aggregate", "DistributedAggregator", "DistributedServerOptimizer", "RankInputError", "MODES"]

@@ -175,9 +175,16 @@ def robust_weights(w: torch.Tensor, q: torch.Tensor, exclude: bool, max_client_n
     ratio = torch.where(kept_total != 0, w.sum() / kept_total, zero)
     eff = kept * ratio
     if max_client_norm is not None:
-        norm = torch.where(excluded, zero, q).sqrt()
-        eff = eff * torch.clamp(max_client_norm / (norm + 1e-6), max=1.0)
+        eff = eff * norm_bound_factors(q, excluded, max_client_norm)
     return eff, excluded
+
+
+def norm_bound_factors(q: torch.Tensor, excluded: torch.Tensor, max_client_norm: float) -> torch.Tensor:
+    """Each client's norm-bound factor ``min(1, M / (||X_i|| + 1e-6))`` from its squared
+    norm ``q_i`` (an excluded client's, possibly NaN, is never read: its factor is 1)."""
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    norm = torch.where(excluded, zero, q).sqrt()
+    return torch.clamp(max_client_norm / (norm + 1e-6), max=1.0)
 
 
 def aggregate(

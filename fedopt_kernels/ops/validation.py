@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..backends.dtypes import FLOAT_DTYPES, acc_dtype  # noqa: F401 - re-exported: the one dtype rule
+from ._dtensor import is_dtensor  # noqa: F401 - re-exported: the layers above refuse or split DTensors
 
 
 def check_backend(backend: Optional[str], name: str = "backend") -> Optional[str]:

@@ -26,6 +26,7 @@ client weighting, ``weighting="auto"``, and the averaging of floating buffers) a
 """
 
 from ._base import RoundInfo, ServerOptimizer, ServerStats
+from .aggregation import Aggregator, LocalAggregator, RoundAggregate, normalize_weights
 from .asnes import ASNES
 from .fedadagrad import FedAdagrad
 from .fedadam import FedAdam
@@ -40,5 +41,6 @@ from .weighting import ALGORITHM_WEIGHTING, WEIGHTINGS, average_buffers, client_
 __all__ = [
     "ServerOptimizer", "ServerStats", "RoundInfo", "FedAvg", "FedAvgM", "FedAdagrad", "FedAdam", "FedYogi",
     "FedExP", "ASNES", "FedLAW", "FedLAWRound", "scaffold_control_update_", "WEIGHTINGS", "ALGORITHM_WEIGHTING",
-    "resolve_weighting", "client_weights", "average_buffers",
+    "resolve_weighting", "client_weights", "average_buffers", "Aggregator", "LocalAggregator", "RoundAggregate",
+    "normalize_weights",
 ]

@@ -39,10 +39,10 @@ class BetasServerOptimizer(AdaptiveServerOptimizer):
 
     def __init__(self, params, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-3, *,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(betas[0], "betas[0]", high=1.0, high_open=True)
         check_nonneg(betas[1], "betas[1]", high=1.0, high_open=True)
         check_nonneg(tau, "tau", low_open=True)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), tau=tau), nonfinite=nonfinite,
-                         max_client_norm=max_client_norm, backend=backend)
+                         max_client_norm=max_client_norm, backend=backend, aggregator=aggregator)

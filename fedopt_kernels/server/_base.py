@@ -26,11 +26,15 @@ FedExP and ASNES need -- and the robustness decisions, taken on the device:
   before averaging (norm bounding, a standard defence against poisoned updates; the
   weights are not renormalised afterwards, so bounding shrinks the step).
 
-Many processes (``torch.distributed``): :class:`fedopt_kernels.distributed.DistributedServerOptimizer`
-wraps a server optimizer so that ``step(local_updates, local_weights)`` on every rank
-aggregates the union of all ranks' updates (the same ``D``, statistics and decisions on
-every rank) and applies the identical step to every rank's copy of the global model.
-It plugs its aggregation into :meth:`ServerOptimizer._step`; this layer does not import it.
+Where the updates come from is the optimizer's *aggregator*
+(:mod:`fedopt_kernels.server.aggregation`): :class:`LocalAggregator` (the default)
+averages this process's clients;
+:class:`fedopt_kernels.distributed.DistributedAggregator` (or the
+:class:`~fedopt_kernels.distributed.DistributedServerOptimizer` wrapper) makes
+``step(local_updates, local_weights)`` on every rank aggregate the union of all ranks'
+updates (the same ``D``, statistics and decisions on every rank) and apply the
+identical step to every rank's copy of the global model.  This layer does not import
+the distributed one.
 
 The subclasses then apply their formula to the per-tensor views of ``D`` with ONE fused
 :func:`fedopt_kernels.ops.server_update_` per param group (one pass over params, ``D``
@@ -49,11 +53,10 @@ from typing import List, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
-from ..ops import aggregate, server_update_
-from ..ops._dtensor import is_dtensor
+from ..ops import server_update_
 from ..ops.validation import acc_dtype, check_backend, check_real
-from ..ops.aggregate import check_weight_values, host_to_device
 from ..optim.eager_base import EagerOptimizer
+from .aggregation import Aggregator, LocalAggregator, RoundAggregate, refuse_dtensor
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
 NONFINITE = ("exclude", "propagate")
@@ -147,26 +150,21 @@ def check_nonneg(value, name: str, *, low_open: bool = False, high: Optional[flo
     check_real(value, name, low=0, low_open=low_open, high=high, high_open=high_open)
 
 
-def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead") -> None:
-    """A server optimizer works on the full, unsharded state: a ``DTensor`` (FSDP2,
-    tensor parallelism) holds one rank's shard of it, and mixing it with the plain
-    tensors of the aggregation would fail inside torch with no name attached."""
-    if is_dtensor(t):
-        raise ValueError(f"{name} is a DTensor (placements {tuple(t.placements)}): the server works on the full, "
-                         f"unsharded state; {what.format(name=name)}")
-
-
 class ServerOptimizer(EagerOptimizer):
     """Base class of the server optimizers (see the module docstring).
 
     Subclasses implement :meth:`_server_step`.  Every hyperparameter that can differ
     per param group lives in ``param_groups`` (so LR schedulers and ``state_dict``
     see it); ``nonfinite``, ``max_client_norm`` and ``backend`` concern the one
-    aggregation of the round and are constructor options.
+    aggregation of the round and are constructor options, as is ``aggregator``
+    (:mod:`fedopt_kernels.server.aggregation`: None, this process's clients through
+    :class:`LocalAggregator`; a :class:`~fedopt_kernels.distributed.DistributedAggregator`
+    for the clients of every rank).
     """
 
     def __init__(self, params, defaults: dict, *, nonfinite: str = "exclude",
-                 max_client_norm: Optional[float] = None, backend: Optional[str] = None):
+                 max_client_norm: Optional[float] = None, backend: Optional[str] = None,
+                 aggregator: Optional[Aggregator] = None):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         if max_client_norm is not None:
@@ -175,10 +173,19 @@ class ServerOptimizer(EagerOptimizer):
                 raise TypeError("max_client_norm must be a Python number")
             max_client_norm = float(max_client_norm)
         check_backend(backend)
+        if aggregator is not None and not callable(aggregator):
+            raise TypeError(f"aggregator must be callable (see fedopt_kernels.server.aggregation), got "
+                            f"{type(aggregator).__name__}")
         self.nonfinite = nonfinite
         self.max_client_norm = max_client_norm
         self.backend = backend
+        self.aggregator: Aggregator = aggregator if aggregator is not None else LocalAggregator()
         super().__init__(params, defaults)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the parameters (and so of the updates ``step`` takes)."""
+        return self._params()[0].dtype
 
     # ------------------------------------------------------------------ params
     def add_param_group(self, param_group: dict) -> None:
@@ -291,10 +298,16 @@ class ServerOptimizer(EagerOptimizer):
         return out
 
     # ------------------------------------------------------------------ validation
-    def _check_updates(self, updates: Updates, N: int, dtype: torch.dtype, device: torch.device, *,
-                       allow_empty: bool = False):
-        """``(rows, C)`` of valid ``updates``; ``allow_empty``: ``C == 0`` is accepted (a rank
-        of a distributed round may hold no client: a ``[0, N]`` tensor or an empty list)."""
+    def check_updates(self, updates: Updates, *, allow_empty: bool = False):
+        """``(rows, C)`` of valid ``updates`` (as :meth:`step` documents them, named updates
+        flattened in this optimizer's order), for an aggregator; ``allow_empty``: ``C == 0``
+        is accepted (a rank of a distributed round may hold no client: a ``[0, N]`` tensor
+        or an empty list)."""
+        params = self._params()
+        if not params:
+            raise ValueError("the optimizer has no parameters")
+        dtype, device = params[0].dtype, params[0].device
+        N = sum(p.numel() for p in params)
         def check_one(t, name, dims):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -336,47 +349,9 @@ class ServerOptimizer(EagerOptimizer):
             check_one(u, f"updates[{i}]", 1)
         return list(updates), len(updates)
 
-    def _check_weights(self, weights, C: int, device: torch.device, acc: torch.dtype):
-        """Normalised ``p`` ([C], acc dtype, on ``device``) and a validity flag (None when
-        the weights were checked on the host, else a 0-d bool tensor)."""
-        if weights is None:
-            return torch.full((C,), 1.0 / C, dtype=acc, device=device), None
-        refuse_dtensor(weights, "weights")
-        if isinstance(weights, torch.Tensor):
-            if weights.is_complex() or weights.dtype == torch.bool:
-                raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
-            if weights.dim() != 1 or weights.numel() != C:
-                raise ValueError(f"weights has shape {tuple(weights.shape)} but there are {C} clients "
-                                 "(one weight per client)")
-            if weights.device.type != "cpu" and weights.device != device:
-                raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
-            host = weights.device.type == "cpu"
-            w = weights.detach()
-        else:
-            try:
-                values = [float(v) for v in weights]
-            except (TypeError, ValueError):
-                raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
-            if len(values) != C:
-                raise ValueError(f"weights has {len(values)} entries but there are {C} clients")
-            w, host = torch.tensor(values, dtype=torch.float64), True
-        if host:
-            check_weight_values(w, "weights")  # reads values: free for host data
-            w = w.to(dtype=torch.float64)
-            w = w / w.max()  # so that the sum cannot overflow
-            p = host_to_device((w / w.sum()).to(acc), device, "weights")  # queued, from pinned memory
-            return p, None
-        # Device-resident weights: their values cannot be read without a sync.  A
-        # non-positive or non-finite total makes the round a skip instead of NaNs.
-        w = w.to(acc)
-        total = w.sum()
-        valid = torch.isfinite(total) & (total > 0)
-        p = torch.where(valid, w / total, torch.zeros_like(w))
-        return p, valid
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, updates: Updates, weights=None) -> ServerStats:
+    def step(self, updates: Updates, weights=None, *, aggregator: Optional[Aggregator] = None) -> ServerStats:
         """Apply one round of client ``updates`` (``[C, N]`` or ``C`` flat vectors),
         weighted by ``weights`` (``[C]``; uniform if None).  Returns :class:`ServerStats`.
 
@@ -391,34 +366,18 @@ class ServerOptimizer(EagerOptimizer):
         an accelerator are not (that would synchronise): there, a total that is not a
         positive finite number skips the round (``stats.skipped``), and negative
         entries are the caller's responsibility.
-        """
-        return self._step(updates, weights, None)
 
-    def _step(self, updates: Updates, weights, aggregation) -> ServerStats:
-        """:meth:`step` with a pluggable aggregation (None: this process alone).
-
-        ``aggregation(optimizer, updates, weights, out) -> (p, valid, stats)`` validates
-        ``updates``/``weights`` as :meth:`step` documents, writes the mean update ``D``
-        into ``out`` (``[N]``, acc dtype) and returns the normalised weights ``p`` of ALL
-        the clients it averaged, the validity flag of :meth:`_check_weights` and their
-        :class:`~fedopt_kernels.ops.AggregateStats`.  The distributed layer passes one
-        that averages the union of every rank's updates.
+        ``aggregator`` (None: :attr:`aggregator`, set at construction) gathers and
+        averages the updates: see :mod:`fedopt_kernels.server.aggregation`.
         """
         params = self._params()
         if not params:
             raise ValueError("the optimizer has no parameters")
         dtype, device = params[0].dtype, params[0].device
-        acc = acc_dtype(dtype)
-        N = sum(p.numel() for p in params)
-        D = torch.empty(N, dtype=acc, device=device)
-        if aggregation is None:
-            rows, C = self._check_updates(updates, N, dtype, device)
-            p_in, valid = self._check_weights(weights, C, device, acc)
-            _, st = aggregate(rows, p_in, out=D, nonfinite=self.nonfinite, max_client_norm=self.max_client_norm,
-                              backend=self.backend)
-        else:
-            p_in, valid, st = aggregation(self, updates, weights, D)
-        info = self._round_info(p_in, st, valid)
+        D = torch.empty(sum(p.numel() for p in params), dtype=acc_dtype(dtype), device=device)
+        round_ = (aggregator if aggregator is not None else self.aggregator)(self, updates, weights, D)
+        st = round_.stats
+        info = self._round_info(round_)
         d_views, offset = [], 0
         for group in self.param_groups:
             views = []
@@ -432,18 +391,14 @@ class ServerOptimizer(EagerOptimizer):
             weights=st.weights, skipped=info.skip, num_clients=info.num_clients,
             mean_client_sq_norm=info.mean_sq, **extra)
 
-    def _round_info(self, p_in: torch.Tensor, st, valid: Optional[torch.Tensor]) -> RoundInfo:
-        zero = torch.zeros((), dtype=p_in.dtype, device=p_in.device)
-        kept = torch.where(st.excluded, zero, p_in)
-        total = kept.sum()
-        p = torch.where(total > 0, kept / torch.where(total > 0, total, torch.ones_like(total)), zero)
+    @staticmethod
+    def _round_info(round_: RoundAggregate) -> RoundInfo:
+        p, st = round_.p, round_.stats
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
         q = torch.where(p > 0, st.client_sq_norms.to(p.dtype), zero)  # excluded NaNs never multiply
-        if self.max_client_norm is not None:
-            # The bounded update is s_i D_i with s_i = eff_i / p_i: its squared norm s_i^2 q_i.
-            s = torch.where(p > 0, st.weights / torch.where(p > 0, p, torch.ones_like(p)), zero)
-            q = q * s * s
-        skip = st.all_excluded if valid is None else (st.all_excluded | ~valid)
-        return RoundInfo(p=p, skip=skip, sq_norm=st.sq_norm, mean_sq=(p * q).sum(), sum_p_sq=(p * p).sum(),
+        if round_.bound is not None:  # the bounded update is s_i D_i: its squared norm s_i^2 q_i
+            q = q * round_.bound * round_.bound
+        return RoundInfo(p=p, skip=round_.skip, sq_norm=st.sq_norm, mean_sq=(p * q).sum(), sum_p_sq=(p * p).sum(),
                          num_clients=(p > 0).sum())
 
     def _update(self, params: List[torch.Tensor], views: List[torch.Tensor], rule: str, skip: torch.Tensor, *,

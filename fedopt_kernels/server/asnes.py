@@ -51,17 +51,17 @@ class ASNES(ServerOptimizer):
         momentum (float): ``beta`` in ``[0, 1)`` (default 0.9, the paper's Fashion-MNIST
             value; 0.85 for CIFAR-10).
         smoothing (float): EMA factor in ``[0, 1)`` (default 0).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, *, smoothing: float = 0.0,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(momentum, "momentum", high=1.0, high_open=True)
         check_nonneg(smoothing, "smoothing", high=1.0, high_open=True)
         super().__init__(params, dict(lr=lr, momentum=momentum, smoothing=smoothing), nonfinite=nonfinite,
-                         max_client_norm=max_client_norm, backend=backend)
+                         max_client_norm=max_client_norm, backend=backend, aggregator=aggregator)
 
     def _gain_ratio(self, info):
         """``(r, sigma2, nu2)`` of this round, updating the EMA state (no host sync)."""

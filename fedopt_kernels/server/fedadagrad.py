@@ -30,19 +30,19 @@ class FedAdagrad(AdaptiveServerOptimizer):
             ``adaptive_federated_optimization``; the paper tunes it per task).
         momentum (float): ``beta1`` in ``[0, 1)`` (default 0, see above).
         tau (float): ``> 0`` (default 1e-3, as FedAdam and FedYogi here).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     rule = "adagrad"
 
     def __init__(self, params, lr: float = 0.1, momentum: float = 0.0, tau: float = 1e-3, *,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(momentum, "momentum", high=1.0, high_open=True)
         check_nonneg(tau, "tau", low_open=True)
         super().__init__(params, dict(lr=lr, momentum=momentum, tau=tau), nonfinite=nonfinite,
-                         max_client_norm=max_client_norm, backend=backend)
+                         max_client_norm=max_client_norm, backend=backend, aggregator=aggregator)
 
     def _betas(self, group):
         return group["momentum"], 0.0

@@ -21,7 +21,7 @@ class FedAdam(BetasServerOptimizer):
         lr (float): server lr (default 1e-2; the paper tunes it per task).
         betas (tuple): ``(beta1, beta2)`` (default ``(0.9, 0.99)``, the paper's).
         tau (float): ``> 0`` (default 1e-3, the paper's usual best).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     rule = "adam"

@@ -26,15 +26,15 @@ class FedAvg(ServerOptimizer):
         params: the global model's parameters (or param groups).
         lr (float): server learning rate (default 1).
         gamma (float): shrinking factor, ``> 0`` (default 1: no shrinking).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1.0, gamma: float = 1.0, *, nonfinite: str = "exclude",
-                 max_client_norm: Optional[float] = None, backend: Optional[str] = None):
+                 max_client_norm: Optional[float] = None, backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(gamma, "gamma", low_open=True)
         super().__init__(params, dict(lr=lr, gamma=gamma), nonfinite=nonfinite,
-                         max_client_norm=max_client_norm, backend=backend)
+                         max_client_norm=max_client_norm, backend=backend, aggregator=aggregator)
 
     def _server_step(self, d_views, info):
         for group, views in zip(self.param_groups, d_views):

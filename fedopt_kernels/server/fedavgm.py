@@ -22,16 +22,16 @@ class FedAvgM(ServerOptimizer):
         lr (float): server learning rate (default 1).
         momentum (float): in ``[0, 1)`` (default 0.9).
         nesterov (bool): Nesterov's form (default False).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, *, nesterov: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(momentum, "momentum", high=1.0, high_open=True)
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=bool(nesterov)), nonfinite=nonfinite,
-                         max_client_norm=max_client_norm, backend=backend)
+                         max_client_norm=max_client_norm, backend=backend, aggregator=aggregator)
 
     def _server_step(self, d_views, info):
         for group, views in zip(self.param_groups, d_views):

@@ -36,16 +36,16 @@ class FedExP(ServerOptimizer):
         lr (float): multiplier of ``eta_g`` (default 1).
         eps (float): ``>= 0`` (default 1e-3, the paper's CIFAR-10 value).
         scale_eps_by_clients (bool): use ``M * eps`` as the released code (default False).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     def __init__(self, params, lr: float = 1.0, eps: float = 1e-3, *, scale_eps_by_clients: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(eps, "eps")
         super().__init__(params, dict(lr=lr, eps=eps, scale_eps_by_clients=bool(scale_eps_by_clients)),
-                         nonfinite=nonfinite, max_client_norm=max_client_norm, backend=backend)
+                         nonfinite=nonfinite, max_client_norm=max_client_norm, backend=backend, aggregator=aggregator)
 
     @staticmethod
     def step_size(info, eps, scale_eps_by_clients: bool) -> torch.Tensor:

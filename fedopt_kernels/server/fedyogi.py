@@ -19,7 +19,7 @@ class FedYogi(BetasServerOptimizer):
         lr (float): server lr (default 1e-2; the paper tunes it per task).
         betas (tuple): ``(beta1, beta2)`` (default ``(0.9, 0.99)``, the paper's).
         tau (float): ``> 0`` (default 1e-3).
-        nonfinite, max_client_norm, backend: see :class:`ServerOptimizer`.
+        nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
     rule = "yogi"

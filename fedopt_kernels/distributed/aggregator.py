@@ -1,0 +1,160 @@
+"""``DistributedAggregator``: a server optimizer's aggregation over every rank's clients."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..ops.aggregate import aggregate_runner, check_weight_values
+from ..server.aggregation import RoundAggregate, normalize_weights
+from ..server.weighting import cap_weight_shares, check_max_weight_share
+from . import comm
+from .aggregate import BAD_CLIENT_POLICIES, MODES, _aggregate_planned, good_plan, kept_index, left_out_list
+
+__all__ = ["DistributedAggregator"]
+
+
+class DistributedAggregator:
+    """The :class:`~fedopt_kernels.server.aggregation.Aggregator` of a server optimizer
+    whose parameters are EVERY rank's copy of the global model: ``step(local_updates,
+    local_weights)`` -- called on every rank of ``group`` with that rank's clients (a
+    ``[C_r, N]`` tensor or ``C_r`` flat vectors, ``C_r >= 0``, and their ``C_r`` weights
+    or None) -- averages the union of all ranks' clients (rank 0's first), with the
+    weights normalised over all ranks (:func:`~fedopt_kernels.server.aggregation.normalize_weights`
+    on the union) and every statistic, exclusion and skip decision global
+    (:func:`~fedopt_kernels.distributed.all_aggregate`'s exchange and passes): the same
+    ``D`` and :class:`~fedopt_kernels.server.aggregation.RoundAggregate` on every rank,
+    bitwise those of one process with all the clients in ``mode="ordered"``.
+
+    Use it as ``FedAdam(params, aggregator=DistributedAggregator(group))``, or through
+    :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`, which also restores
+    the statistics of clients left out for a bad weight.  ``mode``, ``on_bad_client``
+    and ``max_weight_share``: see there.  After each round, :attr:`last_left_out` lists
+    ``(global index, "bad_weight", detail)`` of the clients left out (the same on every
+    rank) and :attr:`last_kept` is None, or ``(C, global indices of the clients kept)``
+    when some were left out (the round's statistics then name the kept clients only).
+    """
+
+    def __init__(self, group=None, *, mode: str = "ordered", on_bad_client: str = "exclude",
+                 max_weight_share: Optional[float] = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if on_bad_client not in BAD_CLIENT_POLICIES:
+            raise ValueError(f"on_bad_client must be one of {BAD_CLIENT_POLICIES}, got {on_bad_client!r}")
+        self.group = group
+        self.mode = mode
+        self.on_bad_client = on_bad_client
+        self.max_weight_share = check_max_weight_share(max_weight_share)
+        self.last_left_out: Tuple[Tuple[int, str, str], ...] = ()
+        self.last_kept: Optional[Tuple[int, List[int]]] = None
+
+    def __repr__(self) -> str:
+        return f"DistributedAggregator(mode={self.mode!r}, on_bad_client={self.on_bad_client!r})"
+
+    def __call__(self, opt, updates, weights, out: torch.Tensor) -> RoundAggregate:
+        """Collective: this rank's ``updates`` and ``weights`` into the global mean ``out``."""
+        self.last_left_out, self.last_kept = (), None
+        dtype, device = opt.param_dtype, out.device
+        acc, N = out.dtype, out.numel()
+        error, rows, C_r, kind, values, wdtype, bad = None, [], 0, None, None, None, []
+        try:
+            rows, C_r = opt.check_updates(updates, allow_empty=True)
+            rows = list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else list(rows)
+            kind, values, wdtype, bad = _local_weights(weights, C_r, device, self.on_bad_client == "exclude")
+            if bad:  # left out here, before anything is summed
+                gone = {i for i, _ in bad}
+                rows = [row for i, row in enumerate(rows) if i not in gone]
+            run = aggregate_runner(opt.backend, device)  # raises now, before any collective, if it cannot run
+        except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
+            error, bad = exc, []
+        plan = comm.exchange(self.group, what="DistributedAggregator (a server step)", count=C_r, N=N, dtype=dtype,
+                              device_type=device.type, error=error,
+                              extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad})
+        kinds = [(e["kind"], e["dtype"]) for e in plan.extras]
+        if any(k != kinds[0] for k in kinds):
+            raise ValueError("distributed server step: the ranks pass different kinds of weights (all None, "
+                             "all host numbers, or all device tensors of one dtype): " + ", ".join(
+                                 f"rank {r}: {k}" for r, k in enumerate(kinds)))
+        if self.max_weight_share is not None and kind == "device":
+            raise ValueError("max_weight_share needs host weights (numbers or a CPU "
+                             "tensor): capping device weights would read them on the host")
+        bad_all = [e["bad"] for e in plan.extras]
+        left_out = left_out_list(plan, bad_all)
+        if left_out:
+            if len(left_out) == plan.C:
+                raise ValueError(f"distributed server step: no client of any rank has a usable weight "
+                                 f"({len(left_out)} left out: " + "; ".join(
+                                     f"client {i}: {d}" for i, _, d in left_out) + ")")
+            self.last_left_out = tuple(left_out)
+            self.last_kept = (plan.C, kept_index(plan, left_out))
+            plan = good_plan(plan, bad_all)  # the step over the good clients alone, in the global order
+        C = plan.C
+        if kind == "uniform":
+            global_w = None
+        elif kind == "host":
+            global_w = torch.tensor([v for e in plan.extras for v in e["values"]], dtype=torch.float64)
+        else:
+            global_w = comm.gather_rows(values.reshape(-1, 1), plan, self.group).reshape(-1)
+        if self.max_weight_share is not None and global_w is not None:
+            check_weight_values(global_w, "weights")  # on_bad_client="raise": a bad weight raises here
+            global_w = cap_weight_shares(global_w, self.max_weight_share)  # shares of the union
+        # The single-process normalisation, on the union: same p, same validity flag.
+        p, valid = normalize_weights(global_w, C, device, acc)
+        _, st = _aggregate_planned(rows, p[plan.start:plan.stop].contiguous(), 1.0, out, plan, self.group,
+                                   run=run, nonfinite=opt.nonfinite, max_client_norm=opt.max_client_norm,
+                                   mode=self.mode, dtype=dtype, device=device)
+        return RoundAggregate.of(p, st, valid, opt.max_client_norm)
+
+
+
+def _screen(values: List, exclude: bool):
+    """``(values, bad)``: with ``exclude``, the entries that are not a finite number
+    ``>= 0`` move from ``values`` to ``bad`` (``(index, detail)``)."""
+    if not exclude:
+        return values, []
+    good, bad = [], []
+    for i, v in enumerate(values):
+        if isinstance(v, float) and math.isfinite(v) and v >= 0:
+            good.append(v)
+        else:
+            bad.append((i, f"weight {v!r}"))
+    return good, bad
+
+
+def _local_weights(weights, C: int, device: torch.device, exclude: bool = False):
+    """``(kind, values, dtype, bad)``: ``("uniform", None, None, [])``, ``("host",
+    [floats], None, bad)`` (numbers or a CPU tensor: exact as float64; ``exclude``: the
+    entries that are not a finite number ``>= 0`` are left out of ``values`` and listed in
+    ``bad`` as ``(local index, detail)``) or ``("device", tensor, dtype, [])``."""
+    if weights is None:
+        return "uniform", None, None, []
+    if isinstance(weights, torch.Tensor):
+        if weights.is_complex() or weights.dtype == torch.bool:
+            raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
+        if weights.dim() != 1 or weights.numel() != C:
+            raise ValueError(f"weights has shape {tuple(weights.shape)} but this rank has {C} clients "
+                             "(one weight per local client)")
+        if weights.device.type == "cpu":
+            values, bad = _screen(weights.detach().to(torch.float64).tolist(), exclude)
+            return "host", values, None, bad
+        if weights.device != device:
+            raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
+        return "device", weights.detach(), str(weights.dtype), []
+    if exclude and hasattr(weights, "__len__") and not isinstance(weights, (str, bytes)):
+        values = []
+        for v in weights:  # one client's entry that is not a number is that client's problem
+            try:
+                values.append(float(v))
+            except (TypeError, ValueError):
+                values.append(v)
+    else:
+        try:
+            values = [float(v) for v in weights]
+        except (TypeError, ValueError):
+            raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
+    if len(values) != C:
+        raise ValueError(f"weights has {len(values)} entries but this rank has {C} clients")
+    values, bad = _screen(values, exclude)
+    return "host", values, None, bad

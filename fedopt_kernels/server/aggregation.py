@@ -1,0 +1,144 @@
+"""The aggregation seam of the server optimizers.
+
+A server optimizer's round has two halves: *aggregation* -- validate the clients'
+updates and weights, normalise the weights, average the updates into ``D`` with every
+``||D_i||^2`` and the robustness decisions (NaN/Inf clients excluded, norm bounds) --
+and the *step* its subclass applies to ``D``.  The first half is an
+:class:`Aggregator`: a callable that fills ``D`` and returns a
+:class:`RoundAggregate`.  :class:`LocalAggregator` (the default) averages this
+process's clients with one fused :func:`fedopt_kernels.ops.aggregate`;
+:class:`fedopt_kernels.distributed.DistributedAggregator` averages the union of every
+rank's clients.  Both normalise the weights with :func:`normalize_weights` and describe
+the round with :meth:`RoundAggregate.of`, so a step cannot tell which one ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol, Tuple
+
+import torch
+
+from ..ops.aggregate import AggregateStats, aggregate, check_weight_values, host_to_device, norm_bound_factors
+from ..ops.validation import is_dtensor
+
+if TYPE_CHECKING:  # pragma: no cover - for the annotations only
+    from ._base import ServerOptimizer
+
+__all__ = ["Aggregator", "LocalAggregator", "RoundAggregate", "normalize_weights", "refuse_dtensor"]
+
+
+@dataclass(frozen=True)
+class RoundAggregate:
+    """What an aggregator hands the server step (the mean update ``D`` is in its ``out``).
+
+    * ``stats``: the :class:`~fedopt_kernels.ops.AggregateStats` of the round's clients
+      (``client_sq_norms``, ``sq_norm = ||D||^2``, ``excluded``, the effective
+      ``weights`` of the mean, ``all_excluded``);
+    * ``p`` ``[C]``: the normalised weights of the clients that entered the mean (0 for
+      an excluded one; they sum to 1, or are all 0);
+    * ``bound`` ``[C]`` or None: each client's norm-bound factor ``min(1, M / (||D_i||
+      + 1e-6))`` (None without ``max_client_norm``); the mean is ``sum_i p_i s_i D_i``;
+    * ``skip``: 0-d bool, apply nothing (every client excluded, or device-resident
+      weights whose total is not a positive finite number).
+    """
+
+    stats: AggregateStats
+    p: torch.Tensor
+    bound: Optional[torch.Tensor]
+    skip: torch.Tensor
+
+    @classmethod
+    def of(cls, weights: torch.Tensor, stats: AggregateStats, valid: Optional[torch.Tensor],
+           max_client_norm: Optional[float]) -> "RoundAggregate":
+        """The round described from the normalised ``weights`` the clients were averaged
+        with, the aggregation's ``stats`` and the validity flag of
+        :func:`normalize_weights`: the excluded clients' weights dropped and the rest
+        renormalised, and the bound factors of the clients kept."""
+        zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+        kept = torch.where(stats.excluded, zero, weights)
+        total = kept.sum()
+        p = torch.where(total > 0, kept / torch.where(total > 0, total, torch.ones_like(total)), zero)
+        bound = None
+        if max_client_norm is not None:
+            bound = torch.where(p > 0, norm_bound_factors(stats.client_sq_norms.to(p.dtype), stats.excluded,
+                                                          max_client_norm), zero)
+        skip = stats.all_excluded if valid is None else (stats.all_excluded | ~valid)
+        return cls(stats=stats, p=p, bound=bound, skip=skip)
+
+
+class Aggregator(Protocol):
+    """``aggregator(optimizer, updates, weights, out) -> RoundAggregate``: validate
+    ``updates`` and ``weights`` as :meth:`ServerOptimizer.step` documents (through
+    ``optimizer.check_updates`` and :func:`normalize_weights`), write the mean update into
+    ``out`` (``[N]``, the accumulation dtype, on the parameters' device) and describe the
+    round.  Nothing may be written before every check passed."""
+
+    def __call__(self, optimizer: "ServerOptimizer", updates, weights, out: torch.Tensor) -> RoundAggregate:
+        ...
+
+
+class LocalAggregator:
+    """This process's clients: one fused :func:`~fedopt_kernels.ops.aggregate` pass (and
+    its exclusion / norm-bound pass, decided on the device)."""
+
+    def __call__(self, optimizer: "ServerOptimizer", updates, weights, out: torch.Tensor) -> RoundAggregate:
+        rows, C = optimizer.check_updates(updates)
+        p, valid = normalize_weights(weights, C, out.device, out.dtype)
+        _, stats = aggregate(rows, p, out=out, nonfinite=optimizer.nonfinite,
+                             max_client_norm=optimizer.max_client_norm, backend=optimizer.backend)
+        return RoundAggregate.of(p, stats, valid, optimizer.max_client_norm)
+
+    def __repr__(self) -> str:
+        return "LocalAggregator()"
+
+
+def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead") -> None:
+    """A server optimizer works on the full, unsharded state: a ``DTensor`` (FSDP2,
+    tensor parallelism) holds one rank's shard of it, and mixing it with the plain
+    tensors of the aggregation would fail inside torch with no name attached."""
+    if is_dtensor(t):
+        raise ValueError(f"{name} is a DTensor (placements {tuple(t.placements)}): the server works on the full, "
+                         f"unsharded state; {what.format(name=name)}")
+
+
+def normalize_weights(weights, C: int, device: torch.device, acc: torch.dtype
+                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The one weights normaliser of the server side: ``(p, valid)`` for ``C`` clients,
+    ``p`` ``[C]`` in ``acc`` on ``device`` summing to 1.
+
+    ``weights``: None (uniform), a sequence of numbers or a CPU tensor (checked by value:
+    finite, ``>= 0``, not all zero -- free for host data -- then normalised in float64
+    and copied without waiting; ``valid`` None), or a tensor on ``device`` (its values
+    cannot be read without a sync: a total that is not a positive finite number gives
+    ``p = 0`` and ``valid`` False, which skips the round instead of producing NaNs)."""
+    if weights is None:
+        return torch.full((C,), 1.0 / C, dtype=acc, device=device), None
+    refuse_dtensor(weights, "weights")
+    if isinstance(weights, torch.Tensor):
+        if weights.is_complex() or weights.dtype == torch.bool:
+            raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
+        if weights.dim() != 1 or weights.numel() != C:
+            raise ValueError(f"weights has shape {tuple(weights.shape)} but there are {C} clients "
+                             "(one weight per client)")
+        if weights.device.type != "cpu" and weights.device != device:
+            raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
+        host = weights.device.type == "cpu"
+        w = weights.detach()
+    else:
+        try:
+            values = [float(v) for v in weights]
+        except (TypeError, ValueError):
+            raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
+        if len(values) != C:
+            raise ValueError(f"weights has {len(values)} entries but there are {C} clients")
+        w, host = torch.tensor(values, dtype=torch.float64), True
+    if host:
+        check_weight_values(w, "weights")  # reads values: free for host data
+        w = w.to(dtype=torch.float64)
+        w = w / w.max()  # so that the sum cannot overflow
+        return host_to_device((w / w.sum()).to(acc), device, "weights"), None  # queued, from pinned memory
+    w = w.to(acc)
+    total = w.sum()
+    valid = torch.isfinite(total) & (total > 0)
+    return torch.where(valid, w / total, torch.zeros_like(w)), valid

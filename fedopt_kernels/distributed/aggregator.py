@@ -62,7 +62,7 @@ class DistributedAggregator:
         try:
             rows, C_r = opt.check_updates(updates, allow_empty=True)
             rows = list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else list(rows)
-            kind, values, wdtype, bad = _local_weights(weights, C_r, device, self.on_bad_client == "exclude")
+            kind, values, wdtype, bad = _weights_to_exchange(weights, C_r, device, self.on_bad_client == "exclude")
             if bad:  # left out here, before anything is summed
                 gone = {i for i, _ in bad}
                 rows = [row for i, row in enumerate(rows) if i not in gone]
@@ -123,8 +123,11 @@ def _screen(values: List, exclude: bool):
     return good, bad
 
 
-def _local_weights(weights, C: int, device: torch.device, exclude: bool = False):
-    """``(kind, values, dtype, bad)``: ``("uniform", None, None, [])``, ``("host",
+def _weights_to_exchange(weights, C: int, device: torch.device, exclude: bool = False):
+    """What this rank's ``weights`` contribute to the ranks' host-side exchange (the
+    union is then normalised once, by :func:`normalize_weights`; ``all_aggregate``'s
+    ``_local_weights`` instead keeps a rank's weights as given, a weighted SUM being its
+    contract).  ``(kind, values, dtype, bad)``: ``("uniform", None, None, [])``, ``("host",
     [floats], None, bad)`` (numbers or a CPU tensor: exact as float64; ``exclude``: the
     entries that are not a finite number ``>= 0`` are left out of ``values`` and listed in
     ``bad`` as ``(local index, detail)``) or ``("device", tensor, dtype, [])``."""

@@ -83,6 +83,12 @@ def test_aggregate_refuses_a_dtensor_naming_the_client(mesh, shard):
         ops.weighted_sum(rows, w)
     with pytest.raises(ValueError, match=r"clients is a DTensor"):
         ops.client_dots(dtensor(X, mesh, shard), X[0].clone())
+    # weights and out are refused the same way, before anything is written
+    with pytest.raises(ValueError, match=r"weights is a DTensor .*" + FULL.format("weights")):
+        ops.aggregate(X, dtensor(w, mesh, shard), out=out)
+    with pytest.raises(ValueError, match=r"out is a DTensor .*" + FULL.format("out")):
+        ops.aggregate(X, w, out=dtensor(out.clone(), mesh, shard))
+    assert torch.equal(out, torch.full((N,), 7.0, dtype=torch.float64))
     # what the message says to do works, and equals the plain call
     got, _ = ops.aggregate([r.full_tensor() if hasattr(r, "full_tensor") else r for r in rows], w)
     want, _ = ops.aggregate(X, w)

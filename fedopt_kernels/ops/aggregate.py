@@ -38,15 +38,8 @@ def check_clients(clients: Clients, name: str = "clients"):
 
     A ``DTensor`` is refused by name: aggregation averages whole client vectors (the
     full, unsharded state), and the kernels would only see one rank's shard of it."""
-    from ._dtensor import is_dtensor
-
-    def refuse_dtensor(t, what):
-        if is_dtensor(t):
-            raise ValueError(f"{what} is a DTensor (placements {tuple(t.placements)}): aggregate works on the full, "
-                            f"unsharded state; pass {what}.full_tensor() instead")
-
     if isinstance(clients, torch.Tensor):
-        refuse_dtensor(clients, name)
+        V.refuse_dtensor(clients, name, who="aggregate")
         V.check_tensor(clients, name, dims=2)
         if not clients.is_contiguous():
             raise ValueError(f"{name} as a [C, N] tensor must be contiguous")
@@ -58,7 +51,7 @@ def check_clients(clients: Clients, name: str = "clients"):
     if not rows:
         raise ValueError(f"{name} must hold at least one client")
     for i, r in enumerate(rows):
-        refuse_dtensor(r, f"{name}[{i}]")
+        V.refuse_dtensor(r, f"{name}[{i}]", who="aggregate")
     first = rows[0]
     for i, r in enumerate(rows):
         if r.dim() != 1:
@@ -74,6 +67,7 @@ def as_weight_tensor(weights, C: int, name: str = "weights") -> torch.Tensor:
     (floating or integer), a list or tuple of numbers, a NumPy array -- as a ``[C]``
     real tensor: sequences become CPU float64, integer tensors float64 on their
     device, floating tensors stay as they are (autograd included)."""
+    V.refuse_dtensor(weights, name, who="aggregate")
     if not isinstance(weights, torch.Tensor):
         if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
             raise TypeError(f"{name} must be a tensor or a sequence of {C} numbers, got {type(weights).__name__}")
@@ -233,6 +227,7 @@ def aggregate(
     if out is None:
         out = torch.empty(N, dtype=dtype, device=device)
     else:
+        V.refuse_dtensor(out, "out", who="aggregate")
         V.check_tensor(out, "out", dims=1)
         if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
             dtypes = str(dtype) if dtype == acc else f"{dtype} or {acc}"

@@ -19,6 +19,15 @@ from ..backends.dtypes import FLOAT_DTYPES, acc_dtype  # noqa: F401 - re-exporte
 from ._dtensor import is_dtensor  # noqa: F401 - re-exported: the layers above refuse or split DTensors
 
 
+def refuse_dtensor(t, name: str, *, who: str = "this op", what: str = "pass {name}.full_tensor() instead") -> None:
+    """Refuse a ``DTensor`` (FSDP2, tensor parallelism) by name where ``who`` works on
+    the full, unsharded state: it holds one rank's shard of that state, and mixed with
+    plain tensors it would fail inside torch with no name attached."""
+    if is_dtensor(t):
+        raise ValueError(f"{name} is a DTensor (placements {tuple(t.placements)}): {who} works on the full, "
+                         f"unsharded state; {what.format(name=name)}")
+
+
 def check_backend(backend: Optional[str], name: str = "backend") -> Optional[str]:
     """``backend`` if it names a backend (``"reference"``, ``"cpu"``, ``"triton"``,
     ``"cuda"``) or is None (chosen by device); else ``ValueError`` naming the choices.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Tuple
 import torch
 
 from ..ops.aggregate import AggregateStats, aggregate, check_weight_values, host_to_device, norm_bound_factors
-from ..ops.validation import is_dtensor
+from ..ops import validation as V
 
 if TYPE_CHECKING:  # pragma: no cover - for the annotations only
     from ._base import ServerOptimizer
@@ -94,12 +94,9 @@ class LocalAggregator:
 
 
 def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead") -> None:
-    """A server optimizer works on the full, unsharded state: a ``DTensor`` (FSDP2,
-    tensor parallelism) holds one rank's shard of it, and mixing it with the plain
-    tensors of the aggregation would fail inside torch with no name attached."""
-    if is_dtensor(t):
-        raise ValueError(f"{name} is a DTensor (placements {tuple(t.placements)}): the server works on the full, "
-                         f"unsharded state; {what.format(name=name)}")
+    """A server optimizer works on the full, unsharded state
+    (:func:`fedopt_kernels.ops.validation.refuse_dtensor`)."""
+    V.refuse_dtensor(t, name, who="the server", what=what)
 
 
 def normalize_weights(weights, C: int, device: torch.device, acc: torch.dtype

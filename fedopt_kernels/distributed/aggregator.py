@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..ops.aggregate import aggregate_runner, check_weight_values
-from ..server.aggregation import RoundAggregate, normalize_weights
+from ..server.aggregation import RoundAggregate, check_weight_tensor, normalize_weights, weight_numbers
 from ..server.weighting import cap_weight_shares, check_max_weight_share
 from . import comm
 from .aggregate import BAD_CLIENT_POLICIES, MODES, _aggregate_planned, good_plan, kept_index, left_out_list
@@ -133,31 +133,14 @@ def _weights_to_exchange(weights, C: int, device: torch.device, exclude: bool = 
     ``bad`` as ``(local index, detail)``) or ``("device", tensor, dtype, [])``."""
     if weights is None:
         return "uniform", None, None, []
+    rank = "this rank has {C} clients"
     if isinstance(weights, torch.Tensor):
-        if weights.is_complex() or weights.dtype == torch.bool:
-            raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
-        if weights.dim() != 1 or weights.numel() != C:
-            raise ValueError(f"weights has shape {tuple(weights.shape)} but this rank has {C} clients "
-                             "(one weight per local client)")
+        check_weight_tensor(weights, C, device, clients=rank)
         if weights.device.type == "cpu":
             values, bad = _screen(weights.detach().to(torch.float64).tolist(), exclude)
             return "host", values, None, bad
-        if weights.device != device:
-            raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
         return "device", weights.detach(), str(weights.dtype), []
-    if exclude and hasattr(weights, "__len__") and not isinstance(weights, (str, bytes)):
-        values = []
-        for v in weights:  # one client's entry that is not a number is that client's problem
-            try:
-                values.append(float(v))
-            except (TypeError, ValueError):
-                values.append(v)
-    else:
-        try:
-            values = [float(v) for v in weights]
-        except (TypeError, ValueError):
-            raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
-    if len(values) != C:
-        raise ValueError(f"weights has {len(values)} entries but this rank has {C} clients")
+    # one client's entry that is not a number is that client's problem (exclude)
+    values = weight_numbers(weights, C, clients=rank, lenient=exclude)
     values, bad = _screen(values, exclude)
     return "host", values, None, bad

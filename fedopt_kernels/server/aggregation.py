@@ -25,7 +25,8 @@ from ..ops import validation as V
 if TYPE_CHECKING:  # pragma: no cover - for the annotations only
     from ._base import ServerOptimizer
 
-__all__ = ["Aggregator", "LocalAggregator", "RoundAggregate", "normalize_weights", "refuse_dtensor"]
+__all__ = ["Aggregator", "LocalAggregator", "RoundAggregate", "normalize_weights", "check_weight_tensor",
+           "weight_numbers", "refuse_dtensor"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,41 @@ def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead"
     V.refuse_dtensor(t, name, who="the server", what=what)
 
 
+def check_weight_tensor(weights: torch.Tensor, C: int, device: torch.device, *,
+                        clients: str = "there are {C} clients") -> None:
+    """The shape, dtype and device of client weights given as a tensor (one real number
+    per client, on the CPU or the parameters' device); ``clients`` says whose ``C``
+    clients they are (a rank of a distributed round: ``"this rank has {C} clients"``)."""
+    if weights.is_complex() or weights.dtype == torch.bool:
+        raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
+    if weights.dim() != 1 or weights.numel() != C:
+        raise ValueError(f"weights has shape {tuple(weights.shape)} but {clients.format(C=C)} "
+                         "(one weight per client)")
+    if weights.device.type != "cpu" and weights.device != device:
+        raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
+
+
+def weight_numbers(weights, C: int, *, clients: str = "there are {C} clients", lenient: bool = False) -> list:
+    """Client weights given as a sequence, as a list of ``C`` floats (``lenient``: an
+    entry that is not a number is kept as it is, for the caller to leave that client
+    out, instead of refusing the whole sequence)."""
+    if lenient and hasattr(weights, "__len__") and not isinstance(weights, (str, bytes)):
+        values = []
+        for v in weights:
+            try:
+                values.append(float(v))
+            except (TypeError, ValueError):
+                values.append(v)
+    else:
+        try:
+            values = [float(v) for v in weights]
+        except (TypeError, ValueError):
+            raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
+    if len(values) != C:
+        raise ValueError(f"weights has {len(values)} entries but {clients.format(C=C)}")
+    return values
+
+
 def normalize_weights(weights, C: int, device: torch.device, acc: torch.dtype
                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The one weights normaliser of the server side: ``(p, valid)`` for ``C`` clients,
@@ -113,23 +149,11 @@ def normalize_weights(weights, C: int, device: torch.device, acc: torch.dtype
         return torch.full((C,), 1.0 / C, dtype=acc, device=device), None
     refuse_dtensor(weights, "weights")
     if isinstance(weights, torch.Tensor):
-        if weights.is_complex() or weights.dtype == torch.bool:
-            raise TypeError(f"weights must be real numbers, got dtype {weights.dtype}")
-        if weights.dim() != 1 or weights.numel() != C:
-            raise ValueError(f"weights has shape {tuple(weights.shape)} but there are {C} clients "
-                             "(one weight per client)")
-        if weights.device.type != "cpu" and weights.device != device:
-            raise ValueError(f"weights is on {weights.device} but the parameters are on {device}")
+        check_weight_tensor(weights, C, device)
         host = weights.device.type == "cpu"
         w = weights.detach()
     else:
-        try:
-            values = [float(v) for v in weights]
-        except (TypeError, ValueError):
-            raise TypeError(f"weights must be a tensor or a sequence of numbers, got {weights!r}") from None
-        if len(values) != C:
-            raise ValueError(f"weights has {len(values)} entries but there are {C} clients")
-        w, host = torch.tensor(values, dtype=torch.float64), True
+        w, host = torch.tensor(weight_numbers(weights, C), dtype=torch.float64), True
     if host:
         check_weight_values(w, "weights")  # reads values: free for host data
         w = w.to(dtype=torch.float64)

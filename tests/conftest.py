@@ -72,6 +72,15 @@ def backend(request):
     return request.param, require_backend(request.param)
 
 
+@pytest.fixture
+def backend_impl(backend):
+    """Every backend's module (``backends.resolve``), as the contract suite calls it:
+    a tests/_contract.py ``Backend`` (its functions, name and device)."""
+    from _contract import Backend
+
+    return Backend(*backend)
+
+
 @pytest.fixture(scope="module")
 def cpu_extension():
     """The C++ CPU extension, loaded: its absence fails (CI always builds it)."""

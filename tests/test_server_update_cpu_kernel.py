@@ -1,10 +1,11 @@
-"""The CPU kernel of fedopt_C::server_update_ (csrc/cpu/server_update.cpp, kernels.h),
-called through torch.ops directly.
+"""What is specific to the CPU kernel of fedopt_C::server_update_
+(csrc/cpu/server_update.cpp): its results do not depend on the thread count nor on the
+instruction set the kernels were dispatched to, the raw op routes a call without tensors
+by its skip flag, and it refuses what would be memory-unsafe.
 
-The oracle is the op's contract evaluated exactly (tests/_server_update_oracle.py: one
-torch op per operation in the acc dtype, math.h's order, an IEEE sqrt), the results
-stored to the params' dtype.  The kernel must match it BIT FOR BIT in every dtype:
-fp16/bf16 too, since the acc values agree and so do their roundings.
+That it matches the contract's formulas BIT FOR BIT (tests/_server_update_oracle.py) in
+every dtype, with every load path, skip flag and special value, is checked for every
+backend by tests/test_contract_server_update.py.
 """
 
 from __future__ import annotations
@@ -13,17 +14,14 @@ import pytest
 import torch
 
 from _cpu_isa import results_per_isa, x86_only
-from _server_update_oracle import server_update_exact
 from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (rule, nesterov): 0 sgd, 1 momentum (heavy ball / nesterov), 2 adagrad, 3 adam, 4 yogi
 RULES = [(0, False), (1, False), (1, True), (2, False), (3, False), (4, False)]
-RULE_IDS = ["sgd", "momentum", "nesterov", "adagrad", "adam", "yogi"]
 # > 2 * 2**18 elements in all (kMinElementsPerThread): two threads get work; 300007
 # and 278011 end in ragged chunks of 64Ki, and an empty tensor sits in the middle.
 LIST = [(300007,), (0,), (5,), (64, 32, 3, 3), (1025,), (1,), (278011,)]
-SHAPES = {"0": [(0,)], "1": [(1,)], "5": [(5,)], "1025": [(1025,)], "70001": [(70001,)], "list": LIST}
 HYPER = dict(lr=0.03, gamma=0.9, beta1=0.9, beta2=0.99, tau=1e-3)
 
 pytestmark = pytest.mark.usefixtures("cpu_extension")
@@ -45,7 +43,7 @@ def assert_bitwise(a, b):
 
 
 # --------------------------------------------------------------------------------------
-# data and oracle
+# data
 
 
 def make(shapes, dtype, *, seed=0, exact=False):
@@ -81,22 +79,6 @@ def make(shapes, dtype, *, seed=0, exact=False):
     return params, updates, exp_avg, exp_avg_sq
 
 
-def formulas(params, updates, exp_avg, exp_avg_sq, rule, nesterov, *, lr, gamma, beta1, beta2, tau):
-    """The contract's step, out of place: (params, exp_avg, exp_avg_sq) as new lists."""
-    xs, ms, vs = [], [], []
-    for i, (p, D) in enumerate(zip(params, updates)):
-        m = exp_avg[i] if rule >= 1 else None
-        v = exp_avg_sq[i] if rule >= 2 else None
-        x, m, v = server_update_exact(rule, nesterov, p, D, m, v, lr=lr, gamma=gamma, beta1=beta1, beta2=beta2,
-                                      tau=tau)
-        xs.append(x.to(p.dtype))
-        if m is not None:
-            ms.append(m.to(p.dtype))
-        if v is not None:
-            vs.append(v.to(p.dtype))
-    return xs, ms, vs
-
-
 def run(params, updates, exp_avg, exp_avg_sq, rule, nesterov, *, lr, gamma, beta1, beta2, tau, skip=None):
     """torch.ops.fedopt_C.server_update_ on copies; lr / gamma: float or 0-d tensor.
     Returns the copies (params, the state lists the rule has)."""
@@ -108,61 +90,6 @@ def run(params, updates, exp_avg, exp_avg_sq, rule, nesterov, *, lr, gamma, beta
     torch.ops.fedopt_C.server_update_(x, updates, m, v, rule, lr_f, lr_t, gamma_f, gamma_t, beta1, beta2, tau,
                                       nesterov, skip)
     return x, m, v
-
-
-# --------------------------------------------------------------------------------------
-# values
-
-
-@pytest.mark.parametrize("shapes", list(SHAPES.values()), ids=list(SHAPES))
-@pytest.mark.parametrize("rule,nesterov", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_bitwise_the_formulas(dtype, rule, nesterov, shapes):
-    data = make(shapes, dtype, seed=rule)
-    acc = acc_of(dtype)
-    expected = formulas(*data, rule, nesterov, **HYPER)
-    as_floats = run(*data, rule, nesterov, **HYPER)
-    tensors = dict(HYPER, lr=torch.tensor(HYPER["lr"], dtype=acc), gamma=torch.tensor(HYPER["gamma"], dtype=acc))
-    as_tensors = run(*data, rule, nesterov, **tensors)
-    for got in (as_floats, as_tensors):
-        for ours, ref in zip(got, expected):
-            assert_bitwise(ours, ref)
-
-
-@pytest.mark.parametrize("rule,nesterov", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_skip(dtype, rule, nesterov):
-    """skip=True writes nothing (even with NaN updates); False is the same as None."""
-    data = make(LIST, dtype, seed=10)
-    before = [t.clone() for t in data[0] + data[2] + data[3]]
-    nan_updates = [torch.full_like(d, float("nan")) for d in data[1]]
-    x, m, v = run(data[0], nan_updates, data[2], data[3], rule, nesterov, skip=torch.tensor(True), **HYPER)
-    assert_bitwise(x + m + v, data[0] + data[2][:len(m)] + data[3][:len(v)])
-    assert_bitwise(data[0] + data[2] + data[3], before)
-    stepped = run(*data, rule, nesterov, skip=torch.tensor(False), **HYPER)
-    none = run(*data, rule, nesterov, skip=None, **HYPER)
-    for a, b in zip(stepped, none):
-        assert_bitwise(a, b)
-
-
-@pytest.mark.parametrize("rule,nesterov", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nonfinite_values_propagate_like_the_formulas(dtype, rule, nesterov):
-    """inf / NaN in x, D, m, v: the same values, NaN where the formulas give NaN (a NaN's
-    payload bits are not compared)."""
-    params, updates, exp_avg, exp_avg_sq = make([(1025,), (77,)], dtype, seed=11)
-    bad = [float("nan"), float("inf"), -float("inf")]
-    for k, val in enumerate(bad):
-        params[0][10 + k] = val
-        updates[0][40 + k] = val
-        exp_avg[0][70 + k] = val
-        exp_avg_sq[1][k] = abs(val)  # v = +inf, and v = +inf with D = +-inf below
-        updates[1][k] = val
-    got = run(params, updates, exp_avg, exp_avg_sq, rule, nesterov, **HYPER)
-    expected = formulas(params, updates, exp_avg, exp_avg_sq, rule, nesterov, **HYPER)
-    for ours, ref in zip(got, expected):
-        for a, b in zip(ours, ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -201,16 +128,11 @@ def test_independent_of_instruction_set():
 # edge cases and checks
 
 
-def test_no_tensors_and_empty_tensors():
-    # With no tensor at all the dispatcher has no device to go by (ops.server_update_
-    # returns before the call); a CPU skip flag routes it here.
+def test_raw_op_without_tensors_goes_by_the_skip_flag():
+    # With no tensor at all the dispatcher has no device to go by (the backend and
+    # ops.server_update_ return before the call); a CPU skip flag routes it here.
     torch.ops.fedopt_C.server_update_([], [], [], [], 3, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False,
                                       torch.tensor(False))
-    for dtype in DTYPES:
-        params = [torch.empty(0, dtype=dtype), torch.empty(3, 0, dtype=dtype)]
-        updates = [torch.empty(0, dtype=acc_of(dtype)), torch.empty(3, 0, dtype=acc_of(dtype))]
-        for rule, nesterov in RULES:
-            run(params, updates, [t.clone() for t in params], [t.clone() for t in params], rule, nesterov, **HYPER)
 
 
 def test_raw_op_checks_what_would_be_memory_unsafe():

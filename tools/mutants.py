@@ -56,9 +56,9 @@ class Mutant:
         return self.file.startswith("csrc/")
 
 
-NAR_TESTS = ("tests/test_nar_step.py", "tests/test_nar_step_batched.py", "tests/test_cpu_kernels.py")
+NAR_TESTS = ("tests/test_nar_step.py", "tests/test_nar_step_batched.py", "tests/test_contract_nar_step.py")
 AGG_TESTS = ("tests/test_aggregate.py", "tests/test_weighted_sum.py")
-SRV_TESTS = ("tests/test_server_update.py", "tests/test_server_update_cpu_kernel.py", "tests/test_server_optimizers.py")
+SRV_TESTS = ("tests/test_server_update.py", "tests/test_contract_server_update.py", "tests/test_server_optimizers.py")
 
 MUTANTS: List[Mutant] = [
     # ---------------------------------------------------------------- FedNAR's clip

@@ -3,8 +3,10 @@ against the fp64 oracle of tests/_fp64_oracle.py: the client counts of a real
 round (1, 2, 20, 100), odd and large N, every dtype, the clients as ``[C, N]`` or as a
 list, and the robustness contract (non-finite clients, norm bounding).
 
-Backend-specific cases (chunk tails, bitwise results, thread and ISA independence)
-live in test_cpu_kernels.py, test_triton_kernels.py and test_cuda_extension.py.
+The backend contract's own cases (chunk tails, bitwise results, the skip flag) are in
+test_contract_aggregate.py; what only one backend has (thread and ISA independence,
+table layouts, launch rules) in test_cpu_kernels.py, test_triton_kernels.py and
+test_cuda_extension.py.
 """
 
 from __future__ import annotations

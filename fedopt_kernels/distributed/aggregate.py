@@ -234,8 +234,8 @@ def all_aggregate(
     if error is not None:
         positive, bad = None, []
     plan = comm.exchange(group, what="all_aggregate", count=C_r, N=N, dtype=dtype,
-                          device_type=None if device is None else device.type, error=error,
-                          extra=(positive, bad))
+                         device_type=None if device is None else device.type, error=error,
+                         extra=(positive, bad))
     bad_all = [b for _, b in plan.extras]
     left_out = left_out_list(plan, bad_all)
     if left_out and len(left_out) == plan.C:

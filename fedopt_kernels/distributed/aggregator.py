@@ -70,8 +70,8 @@ class DistributedAggregator:
         except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
             error, bad = exc, []
         plan = comm.exchange(self.group, what="DistributedAggregator (a server step)", count=C_r, N=N, dtype=dtype,
-                              device_type=device.type, error=error,
-                              extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad})
+                             device_type=device.type, error=error,
+                             extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad})
         kinds = [(e["kind"], e["dtype"]) for e in plan.extras]
         if any(k != kinds[0] for k in kinds):
             raise ValueError("distributed server step: the ranks pass different kinds of weights (all None, "

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from . import hyper
 
-def _split(h):
-    """A hyperparameter as the (float, Tensor?) pair of the schemas."""
-    if isinstance(h, torch.Tensor):
-        return 0.0, h
-    return float(h), None
+
+_split = hyper.split  # a hyperparameter as the (value, Tensor?) pair of the schemas
 
 
 def nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode, momentum,

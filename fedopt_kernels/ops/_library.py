@@ -14,15 +14,12 @@ from typing import Optional
 import torch
 
 from .. import backends
+from ..backends import hyper
 from .validation import acc_dtype
 
 
-def _join(value: float, tensor: Optional[torch.Tensor]):
-    return value if tensor is None else tensor
-
-
-def _split(h):
-    return (0.0, h) if isinstance(h, torch.Tensor) else (float(h), None)
+# A hyperparameter crosses the custom-op boundary as backends.hyper's (value, tensor) pair.
+_split, _join = hyper.split, hyper.join
 
 
 @torch.library.custom_op("fedopt::nar_step_", mutates_args=("params", "momentum_buffers"))

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from .. import _chunks
+from .. import _chunks, hyper
 from ..dtypes import acc_dtype
 from . import _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
@@ -91,13 +91,16 @@ def _on(device: torch.device):
     return contextlib.nullcontext()
 
 
+# The kernels' HYPER_* constexprs are backends.hyper's kinds.
+assert (HYPER_FLOAT.value, HYPER_SCALAR.value, HYPER_ROW.value) == (hyper.FLOAT, hyper.SCALAR, hyper.ROW)
+
+
 def _hyper(value, per_row: bool):
-    """(kind, float value, tensor or None) of a float / 0-d / [C] hyperparameter."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return HYPER_SCALAR.value, 0.0, value
-        return (HYPER_ROW.value if per_row else HYPER_SCALAR.value), 0.0, value.contiguous()
-    return HYPER_FLOAT.value, float(value), None
+    """(kind, value, tensor or None) of a number / 0-d / [C] hyperparameter: the
+    ``(value, tensor)`` pair of :mod:`~fedopt_kernels.backends.hyper` plus the kernels'
+    compile-time kind."""
+    v, t = hyper.split(value)
+    return hyper.kind(value, per_row), v, (t.contiguous() if t is not None and t.dim() != 0 else t)
 
 
 def _empty_stats(G, acc, device, max_norm, mode, found_inf, norm=None):

@@ -71,7 +71,7 @@ import torch
 
 from ..ops import validation as V
 from ..ops.aggregate import (NONFINITE, AggregateStats, aggregate_runner, as_weight_tensor, check_clients,
-                             check_gamma, check_weight_values, robust_weights)
+                             check_gamma, check_weight_values, host_to_device, robust_weights)
 from ..ops.validation import acc_dtype
 from . import comm
 from .comm import Plan
@@ -157,10 +157,10 @@ def _local_weights(weights, C: int, device, acc, exclude: bool = False):
         if bad:
             keep = sorted(set(range(C)) - {i for i, _ in bad})
             weights, w = weights[keep], w[keep]
-            return (weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any()),
-                    bad)
+            w_dev = host_to_device(weights.detach().to(acc).contiguous(), device, "local_weights")
+            return w_dev, bool((w > 0).any()), bad
     check_weight_values(w, "local_weights", allow_all_zero=True)
-    return weights.detach().to(acc).contiguous().to(device, non_blocking=True), bool((w > 0).any()), []
+    return host_to_device(weights.detach().to(acc).contiguous(), device, "local_weights"), bool((w > 0).any()), []
 
 
 def _check_out(out, N, dtype, acc, device):

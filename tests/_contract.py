@@ -31,6 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from fedopt_kernels import backends
+from fedopt_kernels.backends.hyper import split
 
 MODES = {"co": 0, "grad": 1, "none": 2}  # the contract's integer modes
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -63,6 +64,27 @@ class Backend:
 
     def __getattr__(self, attr):
         return getattr(self.module, attr)
+
+    # The suite's cases give a hyperparameter as a number or a tensor, as the public ops
+    # take it; these split it into the contract's (value, tensor) pair exactly as the
+    # ops layer does (backends.hyper.split) and call the backend with the pairs.
+    def nar_step_(self, params, grads, bufs, lr, wd, *rest):
+        return self.module.nar_step_(params, grads, bufs, *split(lr), *split(wd), *rest)
+
+    def nar_sq_norm(self, params, grads, wd, *rest):
+        return self.module.nar_sq_norm(params, grads, *split(wd), *rest)
+
+    def nar_apply_(self, params, grads, bufs, sq, lr, wd, *rest):
+        return self.module.nar_apply_(params, grads, bufs, sq, *split(lr), *split(wd), *rest)
+
+    def nar_step_batched_(self, X, G, B, lr, wd, *rest):
+        return self.module.nar_step_batched_(X, G, B, *split(lr), *split(wd), *rest)
+
+    def aggregate(self, clients, weights, gamma, out, skip):
+        return self.module.aggregate(clients, weights, *split(gamma), out, skip)
+
+    def server_update_(self, params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, *rest):
+        return self.module.server_update_(params, updates, exp_avg, exp_avg_sq, rule, *split(lr), *split(gamma), *rest)
 
     def __repr__(self):
         return f"Backend({self.name!r}, {self.device})"

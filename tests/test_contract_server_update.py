@@ -28,6 +28,7 @@ import torch
 from _contract import DTYPES, acc_of, assert_bitwise, bits, same_bits
 from _server_update_oracle import server_update_exact, sqrt_rn
 from fedopt_kernels import backends
+from fedopt_kernels.backends.hyper import split
 
 
 @pytest.fixture
@@ -364,7 +365,8 @@ def test_server_update_matches_the_cpu_backend(be, dtype, rule):
     host = [[t.detach().cpu().clone() for t in ts] for ts in (case.params, case.updates, case.exp_avg, case.exp_avg_sq)]
     cpu = backends.resolve("cpu", torch.device("cpu"))
     h = HYPER
-    cpu.server_update_(*host, case.code, h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], case.nesterov, None)
+    cpu.server_update_(*host, case.code, *split(h["lr"]), *split(h["gamma"]), h["beta1"], h["beta2"], h["tau"],
+                       case.nesterov, None)
     case.run()
     if be.name == "reference" or (be.interpreted and dtype == torch.bfloat16):
         case.check(expected, "oracle")

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import python_ref.aggregation as ref_agg
+from fedopt_kernels.backends.hyper import split
 
 OPS = ("nar_step_", "nar_step_batched_", "aggregate", "client_dots", "server_update_")
 
@@ -265,7 +266,7 @@ def make_clients(C, N, dtype, seed=0, as_2d=False):
 def run_aggregate(cuda, clients, weights, gamma, out_dtype, skip=None):
     N = clients.shape[1] if isinstance(clients, torch.Tensor) else clients[0].numel()
     out = torch.full((N,), 7.0, dtype=out_dtype, device="cuda")
-    q, Q = cuda.aggregate(clients, weights, gamma, out, skip)
+    q, Q = cuda.aggregate(clients, weights, *split(gamma), out, skip)
     return out, q, Q
 
 
@@ -314,9 +315,9 @@ def test_server_update_empty_calls_launch_nothing(cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA graph is empty"
         with torch.cuda.graph(g):
-            cuda.server_update_([], [], [], [], 3, 0.1, 1.0, 0.9, 0.99, 1e-3, False, None)
-            cuda.server_update_(*empty, 4, lr, 1.0, 0.9, 0.99, 1e-3, False, skip)
-            cuda.server_update_(empty[0], empty[1], [], [], 0, 0.1, lr, 0.9, 0.99, 1e-3, False, None)
+            cuda.server_update_([], [], [], [], 3, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, None)
+            cuda.server_update_(*empty, 4, 0.0, lr, 1.0, None, 0.9, 0.99, 1e-3, False, skip)
+            cuda.server_update_(empty[0], empty[1], [], [], 0, 0.1, None, 0.0, lr, 0.9, 0.99, 1e-3, False, None)
 
 
 @needs_cuda
@@ -333,8 +334,8 @@ def test_server_update_rejects_memory_unsafe_arguments(cuda):
     def call(params=None, updates=None, exp_avg=None, exp_avg_sq=None, rule=3):
         cuda.server_update_(case.params if params is None else params, case.updates if updates is None else updates,
                             case.exp_avg if exp_avg is None else exp_avg,
-                            case.exp_avg_sq if exp_avg_sq is None else exp_avg_sq, rule, 0.1, 1.0, 0.8, 0.95, 1e-2,
-                            False, None)
+                            case.exp_avg_sq if exp_avg_sq is None else exp_avg_sq, rule, 0.1, None, 1.0, None, 0.8,
+                            0.95, 1e-2, False, None)
 
     with pytest.raises(RuntimeError, match=r"updates\[0\] has dtype"):  # params' dtype instead of acc
         call(updates=[u.half() for u in case.updates])

@@ -95,18 +95,19 @@ def test_cuda_list_form_capture_without_warm_up_fails_clearly():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match=MISS_DURING_CAPTURE):
         with torch.cuda.graph(graph):
-            cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
+            cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
     torch.cuda.synchronize()
     assert all(_bits_equal(p, b) for p, b in zip(params, before))
     # The same call eagerly (the warm-up) works, and then so does the capture.
-    cuda.nar_step_([p.clone() for p in params], grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)  # other tensors
+    cuda.nar_step_([p.clone() for p in params], grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None,
+                   None)  # other tensors
     with pytest.raises(RuntimeError, match=MISS_DURING_CAPTURE):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
-    cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
+            cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
+    cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
     torch.cuda.synchronize()
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
-        cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
+        cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -147,13 +148,13 @@ def test_cuda_list_form_captures_after_warm_up_and_replays_with_new_lr(momentum)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # the warm-up: caches the table
-        cuda.nar_step_(params, grads, b_arg, lr, wd, 1.0, 0, momentum, None, None)
+        cuda.nar_step_(params, grads, b_arg, 0.0, lr, 0.0, wd, 1.0, 0, momentum, None, None)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     captured_before = _cache_info()["captured"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        norm, scale, skipped = cuda.nar_step_(params, grads, b_arg, lr, wd, 1.0, 0, momentum, None, None)
+        norm, scale, skipped = cuda.nar_step_(params, grads, b_arg, 0.0, lr, 0.0, wd, 1.0, 0, momentum, None, None)
     assert _cache_info()["captured"] == captured_before + 1  # pinned: the graph replays its address
     torch.ops.fedopt_C._cuda_table_cache_clear()  # must not free it
     for p, b, p0, b0 in zip(params, bufs, start_p, start_b):
@@ -163,7 +164,8 @@ def test_cuda_list_form_captures_after_warm_up_and_replays_with_new_lr(momentum)
     for value in (0.1, 0.05, 0.2):
         lr.fill_(value)
         graph.replay()
-        ref = cuda.nar_step_(exp_p, grads, exp_b if momentum else [], value, 0.01, 1.0, 0, momentum, None, None)
+        ref = cuda.nar_step_(exp_p, grads, exp_b if momentum else [], value, None, 0.01, None, 1.0, 0, momentum,
+                             None, None)
         torch.cuda.synchronize()
         assert _bits_equal(norm, ref[0]) and _bits_equal(scale, ref[1]) and not bool(skipped)
         for a, e in zip(params + (bufs if momentum else []), exp_p + (exp_b if momentum else [])):
@@ -175,18 +177,18 @@ def test_cuda_sq_norm_and_apply_capture_after_warm_up():
     cuda = _cuda_backend()
     params, grads, _ = _lists([(5000,), (17,)], seed=3)
     start = [p.clone() for p in params]
-    cuda.nar_apply_(params, grads, [], cuda.nar_sq_norm(params, grads, 0.01, 0, None), 0.1, 0.01, 1.0, 0, 0.0,
-                    None, None)  # warm-up: one table serves both (same content)
+    cuda.nar_apply_(params, grads, [], cuda.nar_sq_norm(params, grads, 0.01, None, 0, None), 0.1, None, 0.01, None,
+                    1.0, 0, 0.0, None, None)  # warm-up: one table serves both (same content)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        sq = cuda.nar_sq_norm(params, grads, 0.01, 0, None)
-        cuda.nar_apply_(params, grads, [], sq, 0.1, 0.01, 1.0, 0, 0.0, None, None)
+        sq = cuda.nar_sq_norm(params, grads, 0.01, None, 0, None)
+        cuda.nar_apply_(params, grads, [], sq, 0.1, None, 0.01, None, 1.0, 0, 0.0, None, None)
     for p, s in zip(params, start):
         p.copy_(s)
     graph.replay()
     expected = [s.clone() for s in start]
-    cuda.nar_step_(expected, grads, [], 0.1, 0.01, 1.0, 0, 0.0, None, None)
+    cuda.nar_step_(expected, grads, [], 0.1, None, 0.01, None, 1.0, 0, 0.0, None, None)
     torch.cuda.synchronize()
     assert all(_bits_equal(a, e) for a, e in zip(params, expected))
 
@@ -205,7 +207,7 @@ def test_cuda_server_update_captures_after_warm_up():
     start = [t.clone() for t in state]
     lr = torch.tensor(0.3, device="cuda")
     skip = torch.tensor(False, device="cuda")
-    args = (3, lr, 1.0, 0.8, 0.95, 1e-2, False)
+    args = (3, 0.0, lr, 1.0, None, 0.8, 0.95, 1e-2, False)
     cuda.server_update_(params, updates, exp_avg, exp_avg_sq, *args, skip)  # warm-up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -218,8 +220,8 @@ def test_cuda_server_update_captures_after_warm_up():
     for value in (0.3, 0.1):
         lr.fill_(value)
         graph.replay()
-        cuda.server_update_(expected[:T], updates, expected[T:2 * T], expected[2 * T:], 3, value, 1.0, 0.8, 0.95,
-                            1e-2, False, None)
+        cuda.server_update_(expected[:T], updates, expected[T:2 * T], expected[2 * T:], 3, value, None, 1.0, None,
+                            0.8, 0.95, 1e-2, False, None)
         torch.cuda.synchronize()
         assert all(_bits_equal(a, e) for a, e in zip(state, expected))
     skip.fill_(True)  # read on the device at replay: nothing is written
@@ -237,17 +239,17 @@ def test_cuda_list_form_aggregate_and_client_dots_capture_after_warm_up():
     weights = torch.rand(C, generator=gen).cuda()
     out = torch.empty(N, device="cuda")
     g = torch.randn(N, generator=gen).cuda()
-    cuda.aggregate(clients, weights, 1.0, out, None)  # warm-up: caches the address table
+    cuda.aggregate(clients, weights, 1.0, None, out, None)  # warm-up: caches the address table
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q, Q = cuda.aggregate(clients, weights, 1.0, out, None)
+        q, Q = cuda.aggregate(clients, weights, 1.0, None, out, None)
         d = cuda.client_dots(clients, g)  # the same addresses: the same table
     for k in range(2):
         weights.copy_(torch.rand(C, generator=gen).cuda())
         graph.replay()
         out_e = torch.empty(N, device="cuda")
-        q_e, Q_e = cuda.aggregate(clients, weights, 1.0, out_e, None)
+        q_e, Q_e = cuda.aggregate(clients, weights, 1.0, None, out_e, None)
         d_e = cuda.client_dots(clients, g)
         torch.cuda.synchronize()
         assert _bits_equal(out, out_e) and _bits_equal(q, q_e) and _bits_equal(Q, Q_e) and _bits_equal(d, d_e)
@@ -257,16 +259,16 @@ def test_cuda_table_cache_hits_by_content_and_is_bounded():
     cuda = _cuda_backend()
     params, grads, _ = _lists([(100,), (7, 3)], seed=6)
     torch.ops.fedopt_C._cuda_table_cache_clear()
-    cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
-    cuda.nar_step_(params, grads, [], 0.1, 0.0, 1.0, 0, 0.0, None, None)
-    cuda.nar_sq_norm(params, grads, 0.0, 0, None)  # the same rows: the same entry
+    cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
+    cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
+    cuda.nar_sq_norm(params, grads, 0.0, None, 0, None)  # the same rows: the same entry
     info = _cache_info()
     assert (info["misses"], info["hits"], info["entries"]) == (1, 2, 1)
     keep = []
     for k in range(info["capacity"] + 10):  # distinct tables: at most `capacity` stay
         ps = [torch.randn(100 + k, device="cuda")]
         keep.append(ps)
-        cuda.nar_sq_norm(ps, ps, 0.0, 0, None)
+        cuda.nar_sq_norm(ps, ps, 0.0, None, 0, None)
     info = _cache_info()
     assert info["entries"] == info["capacity"]
     assert info["misses"] == 1 + info["capacity"] + 10
@@ -287,10 +289,10 @@ def test_cuda_table_uploaded_on_one_stream_used_on_another():
     A, B = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(A):
         torch.cuda._sleep(100_000_000)
-        sq_a = cuda.nar_sq_norm(params, grads, 0.01, 0, None)  # misses: uploads on A, behind the sleep
+        sq_a = cuda.nar_sq_norm(params, grads, 0.01, None, 0, None)  # misses: uploads on A, behind the sleep
         d_a = cuda.client_dots(clients, g)
     with torch.cuda.stream(B):
-        sq_b = cuda.nar_sq_norm(params, grads, 0.01, 0, None)  # hits, from B
+        sq_b = cuda.nar_sq_norm(params, grads, 0.01, None, 0, None)  # hits, from B
         d_b = cuda.client_dots(clients, g)
     info = _cache_info()
     assert (info["misses"], info["hits"]) == (2, 2)

@@ -210,9 +210,9 @@ def test_two_phase_equals_single_op_with_hundreds_of_partials(backend):
                                                                                 .to(dtype)]
         gs = [torch.randn_like(p) for p in ps]
         a, b = [p.clone() for p in ps], [p.clone() for p in ps]
-        one = impl.nar_step_(a, gs, [], 0.1, 0.3, 2.0, 0, 0.0, None, None)
-        sq = impl.nar_sq_norm(b, gs, 0.3, 0, None)
-        two = impl.nar_apply_(b, gs, [], sq, 0.1, 0.3, 2.0, 0, 0.0, None, None)
+        one = impl.nar_step_(a, gs, [], 0.1, None, 0.3, None, 2.0, 0, 0.0, None, None)
+        sq = impl.nar_sq_norm(b, gs, 0.3, None, 0, None)
+        two = impl.nar_apply_(b, gs, [], sq, 0.1, None, 0.3, None, 2.0, 0, 0.0, None, None)
         assert all(torch.equal(x, y) for x, y in zip(a, b)), (name, dtype)
         assert all(torch.equal(s1, s2) for s1, s2 in zip(one, two)), (name, dtype)
 
@@ -233,9 +233,9 @@ def test_two_phase_ops_equal_nar_step_bitwise(backend):
         ba, bb = [t.clone() for t in bs], [t.clone() for t in bs]
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         gsc = torch.tensor(4.0, dtype=acc, device=device)
-        one = impl.nar_step_(a, gs, ba, 0.1, 0.3, 2.0, 0, 0.9, gsc, None)
-        sq = impl.nar_sq_norm(b, gs, 0.3, 0, gsc)
-        two = impl.nar_apply_(b, gs, bb, sq, 0.1, 0.3, 2.0, 0, 0.9, gsc, None)
+        one = impl.nar_step_(a, gs, ba, 0.1, None, 0.3, None, 2.0, 0, 0.9, gsc, None)
+        sq = impl.nar_sq_norm(b, gs, 0.3, None, 0, gsc)
+        two = impl.nar_apply_(b, gs, bb, sq, 0.1, None, 0.3, None, 2.0, 0, 0.9, gsc, None)
         for x, y in zip(a + ba, b + bb):
             assert torch.equal(x, y), (name, dtype)
         for s1, s2 in zip(one, two):

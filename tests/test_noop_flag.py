@@ -36,11 +36,11 @@ def test_nar_step_found_inf(backend):
     bufs = [torch.randn_like(p) for p in params]
     off, on = _flags(dev, torch.float32)
     before = _bits(params + bufs)
-    _, _, skipped = impl.nar_step_(params, grads, bufs, 0.1, 0.01, 1.0, 0, 0.9, None, on)
+    _, _, skipped = impl.nar_step_(params, grads, bufs, 0.1, None, 0.01, None, 1.0, 0, 0.9, None, on)
     assert bool(skipped) and _equal(params + bufs, before)
     expected_p, expected_b = _bits(params), _bits(bufs)
-    impl.nar_step_(expected_p, grads, expected_b, 0.1, 0.01, 1.0, 0, 0.9, None, None)
-    _, _, skipped = impl.nar_step_(params, grads, bufs, 0.1, 0.01, 1.0, 0, 0.9, None, off)
+    impl.nar_step_(expected_p, grads, expected_b, 0.1, None, 0.01, None, 1.0, 0, 0.9, None, None)
+    _, _, skipped = impl.nar_step_(params, grads, bufs, 0.1, None, 0.01, None, 1.0, 0, 0.9, None, off)
     assert not bool(skipped) and _equal(params + bufs, expected_p + expected_b)
 
 
@@ -54,12 +54,12 @@ def test_aggregate_skip(backend, form):
     w = torch.tensor([0.1, 0.2, 0.3, 0.4], device=dev)
     off, on = _flags(dev, torch.bool)
     out = torch.full((2051,), 7.0, device=dev)
-    q, Q = impl.aggregate(clients, w, 1.0, out, on)
+    q, Q = impl.aggregate(clients, w, 1.0, None, out, on)
     assert torch.equal(out, torch.full((2051,), 7.0, device=dev))  # not touched
     assert torch.count_nonzero(q) == 0 and float(Q) == 0.0
     plain = torch.empty(2051, device=dev)
-    q_plain, Q_plain = impl.aggregate(clients, w, 1.0, plain, None)
-    q, Q = impl.aggregate(clients, w, 1.0, out, off)
+    q_plain, Q_plain = impl.aggregate(clients, w, 1.0, None, plain, None)
+    q, Q = impl.aggregate(clients, w, 1.0, None, out, off)
     assert torch.equal(out, plain) and torch.equal(q, q_plain) and torch.equal(Q, Q_plain)
     # the oracle of the values themselves: python_ref's weighted sum
     torch.testing.assert_close(out, (w[:, None] * X).sum(0), rtol=1e-5, atol=1e-5)
@@ -76,10 +76,10 @@ def test_server_update_skip(backend, rule):
     v = [torch.rand_like(p) for p in params] if rule == 3 else []
     off, on = _flags(dev, torch.bool)
     before = _bits(params + m + v)
-    impl.server_update_(params, updates, m, v, rule, 0.1, 1.0, 0.9, 0.99, 1e-3, False, on)
+    impl.server_update_(params, updates, m, v, rule, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, on)
     assert _equal(params + m + v, before)
     ep, em, ev = _bits(params), _bits(m), _bits(v)
-    impl.server_update_(ep, updates, em, ev, rule, 0.1, 1.0, 0.9, 0.99, 1e-3, False, None)
+    impl.server_update_(ep, updates, em, ev, rule, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, None)
     assert not _equal(ep, params)
-    impl.server_update_(params, updates, m, v, rule, 0.1, 1.0, 0.9, 0.99, 1e-3, False, off)
+    impl.server_update_(params, updates, m, v, rule, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, off)
     assert _equal(params + m + v, ep + em + ev)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import import_triton_module
+from fedopt_kernels.backends.hyper import split
 
 TB = import_triton_module("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
@@ -100,8 +101,8 @@ class Case:
         """Run the backend on copies; returns (params, exp_avg, exp_avg_sq) after."""
         h = dict(HYPER, **hyper)
         p, m, v = ([_copy(t) for t in ts] for ts in (self.params, self.exp_avg, self.exp_avg_sq))
-        TB.server_update_(p, self.updates, m, v, self.rule, h["lr"], h["gamma"], h["beta1"], h["beta2"],
-                          h["tau"], nesterov, skip)
+        TB.server_update_(p, self.updates, m, v, self.rule, *split(h["lr"]), *split(h["gamma"]), h["beta1"],
+                          h["beta2"], h["tau"], nesterov, skip)
         return p, m, v
 
     def aligned(self):
@@ -138,12 +139,12 @@ def test_empty_calls_launch_nothing(dev, monkeypatch):
     empty = torch.empty(0, device=dev)
     acc = acc_of(torch.float32)
     for rule in range(5):
-        TB.server_update_([], [], [], [], rule, 0.1, 1.0, 0.9, 0.99, 1e-3, False, None)
+        TB.server_update_([], [], [], [], rule, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, None)
         p = [empty.clone(), torch.empty(0, 3, device=dev)]
         d = [torch.empty(0, dtype=acc, device=dev), torch.empty(0, 3, dtype=acc, device=dev)]
         m = [t.clone() for t in p] if rule >= 1 else []
         v = [t.clone() for t in p] if rule >= 2 else []
-        TB.server_update_(p, d, m, v, rule, 0.1, 1.0, 0.9, 0.99, 1e-3, False, torch.tensor(False, device=dev))
+        TB.server_update_(p, d, m, v, rule, 0.1, None, 1.0, None, 0.9, 0.99, 1e-3, False, torch.tensor(False, device=dev))
 
 
 def test_params_and_state_as_misaligned_views_take_the_unaligned_variant(dev):

@@ -81,7 +81,7 @@ def test_nar_step_batched_builds_no_table(dev):
     X, G = torch.randn(3, 20000, device=dev), torch.randn(3, 20000, device=dev)
     wd = torch.tensor([0.0, 0.1, 1.0], device=dev)
     _tables.clear_cache()
-    TB.nar_step_batched_(X.clone(), G, None, 0.1, wd, 50.0, 0, 0.0, None, None)
+    TB.nar_step_batched_(X.clone(), G, None, 0.1, None, 0.0, wd, 50.0, 0, 0.0, None, None)
     assert _tables.stats["hits"] == 0 and _tables.stats["misses"] == 0
 
 
@@ -149,16 +149,16 @@ def test_no_host_sync_on_cuda(dev):
     w = torch.tensor([0.2, 0.3, 0.5], device=dev)
     lr, flag, g = torch.tensor(0.2, device=dev), torch.tensor(False, device=dev), torch.randn(1000, device=dev)
     # warm up (compiles the kernels and builds the tables), then no call may synchronise
-    TB.nar_step_(params, grads, [], 0.1, 0.01, 1.0, 0, 0.0, None, None)
-    TB.nar_step_(params, grads, [], lr, 0.01, 1.0, 0, 0.0, None, None)
-    TB.aggregate(X, w, 1.0, torch.empty(1000, device=dev), flag)
+    TB.nar_step_(params, grads, [], 0.1, None, 0.01, None, 1.0, 0, 0.0, None, None)
+    TB.nar_step_(params, grads, [], 0.0, lr, 0.01, None, 1.0, 0, 0.0, None, None)
+    TB.aggregate(X, w, 1.0, None, torch.empty(1000, device=dev), flag)
     TB.client_dots(X, g)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        TB.nar_step_(params, grads, [], lr, 0.01, 1.0, 0, 0.0, None, None)
-        TB.nar_step_(params, grads, [], 0.3, 0.01, 1.0, 0, 0.0, None, None)
-        TB.aggregate(X, w, 1.0, torch.empty(1000, device=dev), flag)
+        TB.nar_step_(params, grads, [], 0.0, lr, 0.01, None, 1.0, 0, 0.0, None, None)
+        TB.nar_step_(params, grads, [], 0.3, None, 0.01, None, 1.0, 0, 0.0, None, None)
+        TB.aggregate(X, w, 1.0, None, torch.empty(1000, device=dev), flag)
         TB.client_dots(X, g)
     finally:
         torch.cuda.set_sync_debug_mode(0)

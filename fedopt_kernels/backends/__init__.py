@@ -1,36 +1,39 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
 Every backend is a module exposing the same seven functions, with the same contract
-(the ops layer has validated every argument before they are called; ``lr`` and
-``weight_decay`` are floats or tensors already in the acc dtype on the data's device;
-``mode`` is 0 co / 1 grad / 2 none):
+(the ops layer has validated every argument before they are called; ``mode`` is 0 co /
+1 grad / 2 none).  A hyperparameter that may be a number or a tensor (``lr``,
+``weight_decay``, ``gamma``) comes as the pair ``h, h_tensor`` of :mod:`.hyper`: a
+float and None, or 0.0 and a tensor already in the acc dtype on the data's device --
+split once by the ops layer, the same pairs as the ``fedopt::`` custom ops' and the
+``fedopt_C`` ops' schemas:
 
-``nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode, momentum,
-grad_scale, found_inf) -> (norm, scale, skipped)``
+``nar_step_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor,
+max_norm, mode, momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
     One FedNAR step over the list of tensors taken as one vector; 0-d stats.
     ``momentum_buffers`` is an empty list when ``momentum == 0``.
 
-``nar_sq_norm(params, grads, weight_decay, mode, grad_scale) -> sq``
+``nar_sq_norm(params, grads, weight_decay, weight_decay_tensor, mode, grad_scale) -> sq``
     The first pass of ``nar_step_`` alone: the 0-d sum of squares of the clipped-on
     vector (``g / grad_scale + wd x`` in mode co, ``g / grad_scale`` otherwise), partials
     combined in the fixed order ``nar_step_`` uses.
 
-``nar_apply_(params, grads, momentum_buffers, sq_norm, lr, weight_decay, max_norm, mode,
-momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
+``nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_decay,
+weight_decay_tensor, max_norm, mode, momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
     The second pass of ``nar_step_`` alone, with ``norm = sqrt(sq_norm)`` (a one-element
     tensor on the data's device): ``nar_apply_(..., nar_sq_norm(...))`` equals
     ``nar_step_`` bitwise.  Together they give one norm over several calls
     (``ops.nar_step_groups_``).
 
-``nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale,
-found_inf) -> (norm, scale, skipped)``
+``nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
+momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
     Row-wise FedNAR on ``[C, N]`` tensors (``B`` is None without momentum); stats
-    ``[C]``; ``lr``/``weight_decay`` may also be ``[C]`` tensors.
+    ``[C]``; ``lr_tensor``/``weight_decay_tensor`` may also be ``[C]`` tensors.
 
-``aggregate(clients, weights, gamma, out, skip) -> (client_sq_norms, sq_norm)``
+``aggregate(clients, weights, gamma, gamma_tensor, out, skip) -> (client_sq_norms, sq_norm)``
     ``out = gamma * sum_i weights[i] * clients[i]`` with the norms in the same pass;
-    ``clients`` is a list of 1-D tensors or a 2-D tensor; ``gamma`` a float or 0-d
-    tensor; ``skip`` None or a 0-d bool tensor (true: ``out`` untouched, zero stats).
+    ``clients`` is a list of 1-D tensors or a 2-D tensor; ``gamma_tensor`` None or
+    0-d; ``skip`` None or a 0-d bool tensor (true: ``out`` untouched, zero stats).
 
 One "do nothing" convention for every op: an optional one-element device tensor read by
 the kernels (no host sync), nonzero = the op writes nothing -- ``found_inf`` of the
@@ -39,12 +42,12 @@ FedNAR ops (GradScaler's own flag), ``skip`` of ``aggregate`` and ``server_updat
 ``client_dots(clients, g) -> [C]``
     ``<clients[i], g>`` for every client in one pass.
 
-``server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau,
-nesterov, skip) -> None``
+``server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor,
+beta1, beta2, tau, nesterov, skip) -> None``
     The elementwise step of a server optimizer (``rule`` 0 sgd / 1 momentum / 2 adagrad /
     3 adam / 4 yogi, see :func:`fedopt_kernels.ops.server_update_`) in one pass over
     lists of tensors; ``updates`` in the acc dtype; ``exp_avg``/``exp_avg_sq`` possibly
-    empty lists; ``lr``/``gamma`` floats or 0-d tensors; ``skip`` None or a 0-d bool
+    empty lists; ``lr_tensor``/``gamma_tensor`` None or 0-d; ``skip`` None or a 0-d bool
     tensor (true: nothing written).
 
 Choice: the ``backend=`` argument, else the ``FEDOPT_BACKEND`` environment variable,

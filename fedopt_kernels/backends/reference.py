@@ -1,4 +1,8 @@
-"""The ``reference`` backend: python_ref behind the backend contract (see __init__)."""
+"""The ``reference`` backend: python_ref behind the backend contract (see __init__).
+
+python_ref, the oracle, keeps the plain API -- a hyperparameter is a number or a
+tensor -- so this is the one backend that joins the contract's ``(value, tensor)``
+pairs back (:func:`~fedopt_kernels.backends.hyper.join`)."""
 
 from __future__ import annotations
 
@@ -8,38 +12,41 @@ import python_ref.aggregation as _agg
 import python_ref.fednar as _nar
 import python_ref.server_optimizers as _srv
 
+from .hyper import join
+
 _MODE_NAMES = _nar.MODES  # index = the integer mode of the contract
 
 
-def nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode, momentum,
-              grad_scale, found_inf):
+def nar_step_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
+              momentum, grad_scale, found_inf):
     return tuple(_nar.nar_step_(
-        params, grads, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
-        mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=momentum_buffers or None,
+        params, grads, lr=join(lr, lr_tensor), weight_decay=join(weight_decay, weight_decay_tensor),
+        max_norm=max_norm, mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=momentum_buffers or None,
         grad_scale=grad_scale, found_inf=found_inf))
 
 
-def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
-    return _nar.nar_sq_norm(params, grads, weight_decay=weight_decay, mode=_MODE_NAMES[mode],
-                            grad_scale=grad_scale)
+def nar_sq_norm(params, grads, weight_decay, weight_decay_tensor, mode, grad_scale):
+    return _nar.nar_sq_norm(params, grads, weight_decay=join(weight_decay, weight_decay_tensor),
+                            mode=_MODE_NAMES[mode], grad_scale=grad_scale)
 
 
-def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, weight_decay, max_norm, mode, momentum,
-               grad_scale, found_inf):
+def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_decay, weight_decay_tensor,
+               max_norm, mode, momentum, grad_scale, found_inf):
     return tuple(_nar.nar_apply_(
-        params, grads, sq_norm, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
-        mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=momentum_buffers or None,
+        params, grads, sq_norm, lr=join(lr, lr_tensor), weight_decay=join(weight_decay, weight_decay_tensor),
+        max_norm=max_norm, mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=momentum_buffers or None,
         grad_scale=grad_scale, found_inf=found_inf))
 
 
-def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf):
+def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
+                      grad_scale, found_inf):
     return tuple(_nar.nar_step_batched_(
-        X, G, lr=lr, weight_decay=weight_decay, max_norm=max_norm, mode=_MODE_NAMES[mode],
-        momentum=momentum, momentum_buffers=B, grad_scale=grad_scale, found_inf=found_inf))
+        X, G, lr=join(lr, lr_tensor), weight_decay=join(weight_decay, weight_decay_tensor), max_norm=max_norm,
+        mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=B, grad_scale=grad_scale, found_inf=found_inf))
 
 
-def aggregate(clients, weights, gamma, out, skip):
-    result, q, Q = _agg.aggregate(clients, weights, gamma)
+def aggregate(clients, weights, gamma, gamma_tensor, out, skip):
+    result, q, Q = _agg.aggregate(clients, weights, join(gamma, gamma_tensor))
     if skip is not None:
         skip = skip.reshape(()) != 0
         out.copy_(torch.where(skip, out, result.to(out.dtype)))
@@ -65,7 +72,9 @@ def _server_rule(rule, x, d, m, v, lr, gamma, beta1, beta2, tau, nesterov):
     return step(x, d, m, v, lr=lr, betas=(beta1, beta2), tau=tau)
 
 
-def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau, nesterov, skip):
+def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor, beta1, beta2,
+                   tau, nesterov, skip):
+    lr, gamma = join(lr, lr_tensor), join(gamma, gamma_tensor)
     for i, (p, d) in enumerate(zip(params, updates)):
         d = d.reshape(-1)
         acc = d.dtype

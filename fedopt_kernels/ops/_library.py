@@ -5,6 +5,11 @@ Under ``torch.compile`` the ops layer calls these custom ops instead: Dynamo rec
 each as one opaque node (no graph break), the fake kernels give it output shapes, and
 ``mutates_args`` tells AOTAutograd which inputs are written in place.  Hyperparameters
 that are tensors stay graph inputs, so a new lr does not recompile.
+
+Each op's schema is the backend contract (:mod:`fedopt_kernels.backends`) plus the
+backend's name: hyperparameters arrive as the ``(value, tensor)`` pairs the ops layer
+split them into (:mod:`fedopt_kernels.backends.hyper`) and go on to the backend as
+they are.
 """
 
 from __future__ import annotations
@@ -14,29 +19,23 @@ from typing import Optional
 import torch
 
 from .. import backends
-from ..backends import hyper
 from .validation import acc_dtype
 
 
-# A hyperparameter crosses the custom-op boundary as backends.hyper's (value, tensor) pair.
-_split, _join = hyper.split, hyper.join
-
-
 @torch.library.custom_op("fedopt::nar_step_", mutates_args=("params", "momentum_buffers"))
-def _nar_step(
+def nar_step_op(
     params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
     lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
     weight_decay_tensor: Optional[torch.Tensor], max_norm: float, nar_mode: int, momentum: float,
     grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, params[0].device)
-    norm, scale, skipped = impl.nar_step_(
-        params, grads, momentum_buffers, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor),
-        max_norm, nar_mode, momentum, grad_scale, found_inf)
+    norm, scale, skipped = impl.nar_step_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay,
+                                          weight_decay_tensor, max_norm, nar_mode, momentum, grad_scale, found_inf)
     return norm, scale, skipped
 
 
-@_nar_step.register_fake
+@nar_step_op.register_fake
 def _(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
       nar_mode, momentum, grad_scale, found_inf, backend):
     acc = acc_dtype(params[0].dtype)
@@ -45,44 +44,34 @@ def _(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay
             params[0].new_empty((), dtype=torch.bool, device=dev))
 
 
-def nar_step_op(params, grads, bufs, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf, backend):
-    return _nar_step(params, grads, bufs, *_split(lr), *_split(weight_decay), max_norm, mode, momentum,
-                     grad_scale, found_inf, backend)
-
-
 @torch.library.custom_op("fedopt::nar_sq_norm", mutates_args=())
-def _nar_sq_norm(
+def nar_sq_norm_op(
     params: list[torch.Tensor], grads: list[torch.Tensor], weight_decay: float,
     weight_decay_tensor: Optional[torch.Tensor], nar_mode: int, grad_scale: Optional[torch.Tensor], backend: str,
 ) -> torch.Tensor:
     impl = backends.resolve(backend, params[0].device)
-    return impl.nar_sq_norm(params, grads, _join(weight_decay, weight_decay_tensor), nar_mode, grad_scale)
+    return impl.nar_sq_norm(params, grads, weight_decay, weight_decay_tensor, nar_mode, grad_scale)
 
 
-@_nar_sq_norm.register_fake
+@nar_sq_norm_op.register_fake
 def _(params, grads, weight_decay, weight_decay_tensor, nar_mode, grad_scale, backend):
     return params[0].new_empty((), dtype=acc_dtype(params[0].dtype))
 
 
-def nar_sq_norm_op(params, grads, weight_decay, mode, grad_scale, backend):
-    return _nar_sq_norm(params, grads, *_split(weight_decay), mode, grad_scale, backend)
-
-
 @torch.library.custom_op("fedopt::nar_apply_", mutates_args=("params", "momentum_buffers"))
-def _nar_apply(
+def nar_apply_op(
     params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
     sq_norm: torch.Tensor, lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
     weight_decay_tensor: Optional[torch.Tensor], max_norm: float, nar_mode: int, momentum: float,
     grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, params[0].device)
-    norm, scale, skipped = impl.nar_apply_(
-        params, grads, momentum_buffers, sq_norm, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor),
-        max_norm, nar_mode, momentum, grad_scale, found_inf)
+    norm, scale, skipped = impl.nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_decay,
+                                           weight_decay_tensor, max_norm, nar_mode, momentum, grad_scale, found_inf)
     return norm, scale, skipped
 
 
-@_nar_apply.register_fake
+@nar_apply_op.register_fake
 def _(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
       nar_mode, momentum, grad_scale, found_inf, backend):
     acc = acc_dtype(params[0].dtype)
@@ -90,37 +79,25 @@ def _(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_decay, wei
             params[0].new_empty((), dtype=torch.bool))
 
 
-def nar_apply_op(params, grads, bufs, sq_norm, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf,
-                 backend):
-    return _nar_apply(params, grads, bufs, sq_norm, *_split(lr), *_split(weight_decay), max_norm, mode, momentum,
-                      grad_scale, found_inf, backend)
-
-
 @torch.library.custom_op("fedopt::nar_step_batched_", mutates_args=("X", "B"))
-def _nar_step_batched(
+def nar_step_batched_op(
     X: torch.Tensor, G: torch.Tensor, B: Optional[torch.Tensor],
     lr: float, lr_tensor: Optional[torch.Tensor], weight_decay: float,
     weight_decay_tensor: Optional[torch.Tensor], max_norm: float, nar_mode: int, momentum: float,
     grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, X.device)
-    norm, scale, skipped = impl.nar_step_batched_(
-        X, G, B, _join(lr, lr_tensor), _join(weight_decay, weight_decay_tensor), max_norm, nar_mode,
-        momentum, grad_scale, found_inf)
+    norm, scale, skipped = impl.nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor,
+                                                  max_norm, nar_mode, momentum, grad_scale, found_inf)
     return norm, scale, skipped
 
 
-@_nar_step_batched.register_fake
+@nar_step_batched_op.register_fake
 def _(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, nar_mode, momentum,
       grad_scale, found_inf, backend):
     acc = acc_dtype(X.dtype)
     C = X.shape[0]
     return (X.new_empty((C,), dtype=acc), X.new_empty((C,), dtype=acc), X.new_empty((C,), dtype=torch.bool))
-
-
-def nar_step_batched_op(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf, backend):
-    return _nar_step_batched(X, G, B, *_split(lr), *_split(weight_decay), max_norm, mode, momentum,
-                             grad_scale, found_inf, backend)
 
 
 @torch.library.custom_op("fedopt::aggregate", mutates_args=("out",))
@@ -130,7 +107,7 @@ def _aggregate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, out.device)
     rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
-    q, Q = impl.aggregate(rows, weights, _join(gamma, gamma_tensor), out, skip)
+    q, Q = impl.aggregate(rows, weights, gamma, gamma_tensor, out, skip)
     return q, Q
 
 
@@ -141,9 +118,10 @@ def _(clients, weights, gamma, gamma_tensor, out, skip, backend):
     return out.new_empty((C,), dtype=acc), out.new_empty((), dtype=acc)
 
 
-def aggregate_op(clients, weights, gamma, out, skip, backend):
+def aggregate_op(clients, weights, gamma, gamma_tensor, out, skip, backend):
+    """``fedopt::aggregate`` on the contract's clients (a list, or one ``[C, N]`` tensor)."""
     rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
-    return _aggregate(rows, weights, *_split(gamma), out, skip, backend)
+    return _aggregate(rows, weights, gamma, gamma_tensor, out, skip, backend)
 
 
 @torch.library.custom_op("fedopt::client_dots", mutates_args=())
@@ -165,27 +143,21 @@ def client_dots_op(clients, g, backend):
 
 
 @torch.library.custom_op("fedopt::server_update_", mutates_args=("params", "exp_avg", "exp_avg_sq"))
-def _server_update(
+def server_update_op(
     params: list[torch.Tensor], updates: list[torch.Tensor], exp_avg: list[torch.Tensor],
     exp_avg_sq: list[torch.Tensor], rule: int, lr: float, lr_tensor: Optional[torch.Tensor], gamma: float,
     gamma_tensor: Optional[torch.Tensor], beta1: float, beta2: float, tau: float, nesterov: bool,
     skip: Optional[torch.Tensor], backend: str,
 ) -> None:
     impl = backends.resolve(backend, params[0].device)
-    impl.server_update_(params, updates, exp_avg, exp_avg_sq, rule, _join(lr, lr_tensor), _join(gamma, gamma_tensor),
-                        beta1, beta2, tau, nesterov, skip)
+    impl.server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor, beta1, beta2,
+                        tau, nesterov, skip)
 
 
-@_server_update.register_fake
+@server_update_op.register_fake
 def _(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor, beta1, beta2, tau,
       nesterov, skip, backend):
     return None
-
-
-def server_update_op(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau, nesterov, skip,
-                     backend):
-    _server_update(params, updates, exp_avg, exp_avg_sq, rule, *_split(lr), *_split(gamma), beta1, beta2, tau,
-                   nesterov, skip, backend)
 
 
 # ``weighted_sum`` (FedLAW's differentiable aggregation): forward is the backend's
@@ -198,7 +170,7 @@ def _weighted_sum(clients: list[torch.Tensor], weights: torch.Tensor, gamma: tor
     first = clients[0]
     impl = backends.resolve(backend, first.device)
     out = torch.empty(first.shape[-1], dtype=first.dtype, device=first.device)
-    impl.aggregate(rows, weights, gamma, out, None)
+    impl.aggregate(rows, weights, 0.0, gamma, out, None)
     return out
 
 

@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from .. import backends
+from ..backends.hyper import split
 from . import _library, validation as V
 
 Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -271,13 +272,15 @@ def _check_out_apart(out: torch.Tensor, rows) -> None:
 def aggregate_runner(backend: Optional[str], device: torch.device):
     """The aggregation kernel of ``backend`` on ``device`` as one callable
     ``run(rows, weights, gamma, out, skip) -> (client_sq_norms, sq_norm)`` (inputs
-    already checked): the backend itself in eager mode, its custom op under
+    already checked; ``gamma`` a number or a 0-d tensor, split here into the
+    contract's pair): the backend itself in eager mode, its custom op under
     ``torch.compile``.  Resolving it raises if the backend cannot run there, so a
     multi-pass caller (the distributed aggregation) learns that before any pass."""
     if torch.compiler.is_compiling():
         name = backends.resolve_name(backend, device.type)
-        return lambda rows, w, gamma, out, skip: _library.aggregate_op(rows, w, gamma, out, skip, name)
-    return backends.resolve(backend, device).aggregate
+        return lambda rows, w, gamma, out, skip: _library.aggregate_op(rows, w, *split(gamma), out, skip, name)
+    impl = backends.resolve(backend, device)
+    return lambda rows, w, gamma, out, skip: impl.aggregate(rows, w, *split(gamma), out, skip)
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .. import backends
+from ..backends.hyper import split
 from . import _dtensor, _library, validation as V
 
 MODES = ("co", "grad", "none")
@@ -154,12 +155,12 @@ def nar_step_(
     found_inf = V.check_scalar_tensor(found_inf, "found_inf", device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(V.acc_dtype(dtype))
+    args = (params, grads, bufs, *split(lr), *split(weight_decay), max_norm, mode_id, momentum, grad_scale,
+            found_inf)
     if torch.compiler.is_compiling():
-        result = _library.nar_step_op(params, grads, bufs, lr, weight_decay, max_norm, mode_id, momentum,
-                                      grad_scale, found_inf, backends.resolve_name(backend, device.type))
+        result = _library.nar_step_op(*args, backends.resolve_name(backend, device.type))
     else:
-        result = backends.resolve(backend, device).nar_step_(
-            params, grads, bufs, lr, weight_decay, max_norm, mode_id, momentum, grad_scale, found_inf)
+        result = backends.resolve(backend, device).nar_step_(*args)
     return NarStats(*result)
 
 
@@ -205,10 +206,9 @@ def nar_step_batched_(
     found_inf = V.check_scalar_tensor(found_inf, "found_inf", X.device)
     if grad_scale is not None:
         grad_scale = grad_scale.to(V.acc_dtype(X.dtype))
+    args = (X, G, B, *split(lr), *split(weight_decay), max_norm, mode_id, momentum, grad_scale, found_inf)
     if torch.compiler.is_compiling():
-        result = _library.nar_step_batched_op(X, G, B, lr, weight_decay, max_norm, mode_id, momentum, grad_scale,
-                                              found_inf, backends.resolve_name(backend, X.device.type))
+        result = _library.nar_step_batched_op(*args, backends.resolve_name(backend, X.device.type))
     else:
-        result = backends.resolve(backend, X.device).nar_step_batched_(
-            X, G, B, lr, weight_decay, max_norm, mode_id, momentum, grad_scale, found_inf)
+        result = backends.resolve(backend, X.device).nar_step_batched_(*args)
     return NarStats(*result)

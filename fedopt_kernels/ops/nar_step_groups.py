@@ -28,6 +28,7 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .. import backends
+from ..backends.hyper import split
 from . import _library, validation as V
 from . import _dtensor
 from .nar_step import NarStats, _check_mode, nar_step_
@@ -253,7 +254,7 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
     prepared = []
     for p in parts:
         acc = V.acc_dtype(p.dtype)
-        lr, wd = _to(p.lr, p.device, acc), _to(p.weight_decay, p.device, acc)
+        lr, wd = split(_to(p.lr, p.device, acc)), split(_to(p.weight_decay, p.device, acc))
         gs, fi = _to(grad_scale, p.device, acc), _to(found_inf, p.device)
         name = backends.resolve_name(backend, p.device.type)
         prepared.append((p, acc, lr, wd, gs, fi, name))
@@ -261,10 +262,11 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
     total = None
     sharded: dict = {}  # the sums of the sharded parts' squares, by process groups: reduced below
     for p, acc, lr, wd, gs, fi, name in prepared:
+        args = (p.params, p.grads, *wd, mode_id, gs)
         if compiling:
-            sq = _library.nar_sq_norm_op(p.params, p.grads, wd, mode_id, gs, name)
+            sq = _library.nar_sq_norm_op(*args, name)
         else:
-            sq = backends.resolve(name, p.device).nar_sq_norm(p.params, p.grads, wd, mode_id, gs)
+            sq = backends.resolve(name, p.device).nar_sq_norm(*args)
         sq = _moved(sq, home, stat_dtype)
         if p.reduce_over:
             sharded[p.reduce_over] = sq if p.reduce_over not in sharded else sharded[p.reduce_over] + sq
@@ -277,12 +279,11 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
     result = None
     for p, acc, lr, wd, gs, fi, name in prepared:
         sq = _moved(total, p.device, acc)
+        args = (p.params, p.grads, p.bufs, sq, *lr, *wd, max_norm, mode_id, p.momentum, gs, fi)
         if compiling:
-            stats = _library.nar_apply_op(p.params, p.grads, p.bufs, sq, lr, wd, max_norm, mode_id, p.momentum,
-                                          gs, fi, name)
+            stats = _library.nar_apply_op(*args, name)
         else:
-            stats = backends.resolve(name, p.device).nar_apply_(p.params, p.grads, p.bufs, sq, lr, wd, max_norm,
-                                                                mode_id, p.momentum, gs, fi)
+            stats = backends.resolve(name, p.device).nar_apply_(*args)
         if result is None and acc == stat_dtype:
             result = stats
     return NarStats(*(_moved(t, home) for t in result))

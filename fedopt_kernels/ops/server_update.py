@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import backends
+from ..backends.hyper import split
 from . import _library, validation as V
 
 RULES = ("sgd", "momentum", "adagrad", "adam", "yogi")
@@ -122,9 +123,8 @@ def server_update_(
             raise ValueError(f"skip must be a bool tensor, got {skip.dtype}")
     V.check_backend(backend)
     rule_id = RULES.index(rule)
+    args = (params, updates, m, v, rule_id, *split(lr), *split(gamma), beta1, beta2, tau, bool(nesterov), skip)
     if torch.compiler.is_compiling():
-        _library.server_update_op(params, updates, m, v, rule_id, lr, gamma, beta1, beta2, tau, bool(nesterov),
-                                  skip, backends.resolve_name(backend, device.type))
+        _library.server_update_op(*args, backends.resolve_name(backend, device.type))
         return
-    backends.resolve(backend, device).server_update_(
-        params, updates, m, v, rule_id, lr, gamma, beta1, beta2, tau, bool(nesterov), skip)
+    backends.resolve(backend, device).server_update_(*args)

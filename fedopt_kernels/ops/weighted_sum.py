@@ -25,7 +25,7 @@ class _WeightedSum(torch.autograd.Function):
         first = rows if isinstance(rows, torch.Tensor) else rows[0]
         N = first.shape[-1]
         out = torch.empty(N, dtype=first.dtype, device=first.device)
-        impl.aggregate(rows, weights.detach(), gamma.detach(), out, None)
+        impl.aggregate(rows, weights.detach(), 0.0, gamma.detach(), out, None)  # gamma: the pair's tensor half
         ctx.impl, ctx.rows = impl, rows
         ctx.save_for_backward(weights, gamma)
         return out

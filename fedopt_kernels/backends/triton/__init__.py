@@ -95,12 +95,12 @@ def _on(device: torch.device):
 assert (HYPER_FLOAT.value, HYPER_SCALAR.value, HYPER_ROW.value) == (hyper.FLOAT, hyper.SCALAR, hyper.ROW)
 
 
-def _hyper(value, per_row: bool):
-    """(kind, value, tensor or None) of a number / 0-d / [C] hyperparameter: the
-    ``(value, tensor)`` pair of :mod:`~fedopt_kernels.backends.hyper` plus the kernels'
-    compile-time kind."""
-    v, t = hyper.split(value)
-    return hyper.kind(value, per_row), v, (t.contiguous() if t is not None and t.dim() != 0 else t)
+def _hyper(value: float, tensor, per_row: bool):
+    """``(kind, value, tensor or None)``: a hyperparameter's ``(value, tensor)`` pair
+    (:mod:`~fedopt_kernels.backends.hyper`) plus the kernels' compile-time kind; a
+    ``[C]`` tensor made contiguous for the per-row load."""
+    t = tensor.contiguous() if tensor is not None and tensor.dim() != 0 else tensor
+    return hyper.kind(tensor, per_row), float(value), t
 
 
 def _empty_stats(G, acc, device, max_norm, mode, found_inf, norm=None):
@@ -165,8 +165,8 @@ def _esize(dtype: torch.dtype) -> int:
     return ESIZES[dtype]
 
 
-def _run_nar(w: _NarWork, dtype, device, lr, weight_decay, max_norm, mode, momentum, grad_scale,
-             found_inf, per_row, sq_in=None):
+def _run_nar(w: _NarWork, dtype, device, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
+             momentum, grad_scale, found_inf, per_row, sq_in=None):
     """The two launches of a FedNAR step (``sq_in``: ``nar_apply_``'s given sum of
     squares replaces the norm launch and the combine)."""
     acc = acc_dtype(dtype)
@@ -178,8 +178,8 @@ def _run_nar(w: _NarWork, dtype, device, lr, weight_decay, max_norm, mode, momen
     norm = torch.empty(G, dtype=acc, device=device)
     scale = torch.empty(G, dtype=acc, device=device)
     skipped = torch.empty(G, dtype=torch.bool, device=device)
-    lr_kind, lr_f, lr_t = _hyper(lr, per_row)
-    wd_kind, wd_f, wd_t = _hyper(weight_decay, per_row)
+    lr_kind, lr_f, lr_t = _hyper(lr, lr_tensor, per_row)
+    wd_kind, wd_f, wd_t = _hyper(weight_decay, weight_decay_tensor, per_row)
     if sq_in is None:
         part = torch.empty(w.n_chunks, dtype=acc, device=device)
         _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, mode, warps, block)
@@ -208,20 +208,20 @@ def _run_nar(w: _NarWork, dtype, device, lr, weight_decay, max_norm, mode, momen
     return norm, scale, skipped
 
 
-def nar_step_(params, grads, momentum_buffers, lr, weight_decay, max_norm, mode, momentum,
-              grad_scale, found_inf):
+def nar_step_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
+              momentum, grad_scale, found_inf):
     """One FedNAR step over ``params`` taken as one vector; 0-d stats (contract)."""
     params, grads = list(params), list(grads)
     bufs = list(momentum_buffers) if momentum != 0.0 else []
     device = params[0].device
     with _on(device):
         norm, scale, skipped = _run_nar(
-            _list_work(params, grads, bufs), params[0].dtype, device, lr, weight_decay, max_norm, int(mode),
-            float(momentum), grad_scale, found_inf, per_row=False)
+            _list_work(params, grads, bufs), params[0].dtype, device, lr, lr_tensor, weight_decay,
+            weight_decay_tensor, max_norm, int(mode), float(momentum), grad_scale, found_inf, per_row=False)
     return norm.reshape(()), scale.reshape(()), skipped.reshape(())
 
 
-def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
+def nar_sq_norm(params, grads, weight_decay, weight_decay_tensor, mode, grad_scale):
     """0-d sum of squares of the clipped-on vector of ``params`` (contract): the norm
     kernel, then ``group_sum_kernel`` over the one group, the same fixed-order sum the
     update kernel would compute."""
@@ -235,7 +235,7 @@ def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
             return sums.reshape(())
         block, warps = launch_config(dtype)
         part = torch.empty(w.n_chunks, dtype=acc, device=device)
-        wd_kind, wd_f, wd_t = _hyper(weight_decay, per_row=False)
+        wd_kind, wd_f, wd_t = _hyper(weight_decay, weight_decay_tensor, per_row=False)
         _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, int(mode), warps, block)
         # the update kernel's num_warps: the same reduction tree as nar_step_'s own sum
         group_sum_kernel[(1,)](w.groups, part, sums, w.row_chunks, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, ROWS=False,
@@ -243,8 +243,8 @@ def nar_sq_norm(params, grads, weight_decay, mode, grad_scale):
     return sums.reshape(())
 
 
-def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, weight_decay, max_norm, mode, momentum,
-               grad_scale, found_inf):
+def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_decay, weight_decay_tensor,
+               max_norm, mode, momentum, grad_scale, found_inf):
     """The update kernel of :func:`nar_step_` with ``norm = sqrt(sq_norm)`` (the
     ``FINALIZED`` variant reading the one group's sum); 0-d stats (contract)."""
     params, grads = list(params), list(grads)
@@ -252,17 +252,19 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, weight_decay, max_n
     dtype, device = params[0].dtype, params[0].device
     sq = sq_norm.reshape(1).to(acc_dtype(dtype))
     with _on(device):
-        stats = _run_nar(_list_work(params, grads, bufs), dtype, device, lr, weight_decay, max_norm, int(mode),
-                         float(momentum), grad_scale, found_inf, per_row=False, sq_in=sq)
+        stats = _run_nar(_list_work(params, grads, bufs), dtype, device, lr, lr_tensor, weight_decay,
+                         weight_decay_tensor, max_norm, int(mode), float(momentum), grad_scale, found_inf,
+                         per_row=False, sq_in=sq)
     return tuple(t.reshape(()) for t in stats)
 
 
-def nar_step_batched_(X, G, B, lr, weight_decay, max_norm, mode, momentum, grad_scale, found_inf):
+def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
+                      grad_scale, found_inf):
     """Row-wise FedNAR on contiguous ``[C, N]`` tensors (no table); ``[C]`` stats (contract)."""
     B = B if momentum != 0.0 else None
     with _on(X.device):
-        return _run_nar(_rows_work(X, G, B), X.dtype, X.device, lr, weight_decay, max_norm, int(mode),
-                        float(momentum), grad_scale, found_inf, per_row=True)
+        return _run_nar(_rows_work(X, G, B), X.dtype, X.device, lr, lr_tensor, weight_decay, weight_decay_tensor,
+                        max_norm, int(mode), float(momentum), grad_scale, found_inf, per_row=True)
 
 
 def _clients_meta(clients):
@@ -272,10 +274,10 @@ def _clients_meta(clients):
     return len(clients), clients[0].numel(), clients[0].dtype, clients[0].device
 
 
-def aggregate(clients, weights, gamma, out, skip):
+def aggregate(clients, weights, gamma, gamma_tensor, out, skip):
     """``out = gamma * sum_i weights[i] * clients[i]``; returns ``(q [C], Q [])`` (contract)."""
     with _on(out.device):
-        return _aggregate(clients, weights, gamma, out, skip)
+        return _aggregate(clients, weights, gamma, gamma_tensor, out, skip)
 
 
 def _clients_work(clients):
@@ -293,14 +295,14 @@ def aggregate_tiling(N: int, dtype: torch.dtype):
     return block, max(1, block // 256), -(-N // block)
 
 
-def _aggregate(clients, weights, gamma, out, skip):
+def _aggregate(clients, weights, gamma, gamma_tensor, out, skip):
     C, N, dtype, device = _clients_meta(clients)
     acc = acc_dtype(dtype)
     block, warps, nblk = aggregate_tiling(N, dtype)
     q = torch.empty(C, dtype=acc, device=device)
     total = torch.empty((), dtype=acc, device=device)
     part = torch.empty((C + 1) * nblk, dtype=acc, device=device)
-    g_kind, g_f, g_t = _hyper(gamma, per_row=False)
+    g_kind, g_f, g_t = _hyper(gamma, gamma_tensor, per_row=False)
     has_skip = skip is not None
     weights = weights.contiguous()
     if nblk > 0:
@@ -340,12 +342,13 @@ def _client_dots(clients, g):
     return res
 
 
-def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1, beta2, tau,
-                   nesterov, skip):
+def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor, beta1, beta2,
+                   tau, nesterov, skip):
     """One server optimizer step (math.h ``ServerRule`` ``rule``) over ``params`` in place,
     one launch for all tensors (contract; validated by the ops layer).
 
-    ``lr`` / ``gamma``: floats or 0-d acc tensors on the device (read in the kernel);
+    ``lr`` / ``gamma``: ``(value, tensor)`` pairs, the tensor None or 0-d acc on the
+    device (read in the kernel);
     ``skip``: None or a 0-d bool tensor, read in the kernel (true: nothing written).
     """
     rule = int(rule)
@@ -360,10 +363,11 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, gamma, beta1,
     with _on(device):
         table = _tables.server_table(params, updates, exp_avg, exp_avg_sq)
         block, warps = server_launch_config(dtype, rule)
-        lr_kind, lr_f, lr_t = _hyper(lr, per_row=False)
+        lr_kind, lr_f, lr_t = _hyper(lr, lr_tensor, per_row=False)
         # Only sgd reads gamma: elsewhere a gamma tensor is not even passed (its pointer
         # type would select another compiled variant for nothing).
-        g_kind, g_f, g_t = _hyper(gamma, per_row=False) if rule == 0 else (HYPER_FLOAT.value, 0.0, None)
+        g_kind, g_f, g_t = (_hyper(gamma, gamma_tensor, per_row=False) if rule == 0
+                            else (HYPER_FLOAT.value, 0.0, None))
         if table.n_chunks == 0:
             return
         dummy = table.chunks  # stands for absent optional pointers (never read)

@@ -287,10 +287,17 @@ def _clients(data: _Data, C: int, N: int, dtype, as_list: bool):
     return (list(X.unbind(0)) if as_list else X), list(X.unbind(0))
 
 
-def _agg_cases(ctx: Ctx):
+def _agg_cases(ctx: Ctx, data: _Data):
+    """The cases of the aggregation ops in every dtype, as ``(dtype, C, N, gamma as a
+    tensor?, clients, rows, tag)``: C=3 as one [C, N] tensor, C=33 as a list, C=1.  A
+    case's clients are drawn from ``data`` when the loop reaches it, so the caller's
+    draws for a case come right after them."""
     big = 257 if ctx.quick else 4099
-    # (C, N, clients as a list?, gamma as a tensor?)
-    return ((3, 257, False, False), (33, big, True, True), (1, 1, False, False))
+    for dtype in DTYPES:
+        # (C, N, clients as a list?, gamma as a tensor?)
+        for C, N, as_list, gamma_tensor in ((3, 257, False, False), (33, big, True, True), (1, 1, False, False)):
+            clients, rows = _clients(data, C, N, dtype, as_list)
+            yield dtype, C, N, gamma_tensor, clients, rows, f"{_dt(dtype)} C={C} N={N}{' list' if as_list else ''}"
 
 
 def _check_aggregate(rec: Record, tag: str, dtype, got, ref, rows, w_used, gamma: float, excluded_expected):
@@ -322,18 +329,15 @@ def _run_aggregate(ctx: Ctx, clients, w, gamma, backend):
 @check("aggregate", "C=3 [C,N], C=33 list with tensor gamma, C=1, 4 dtypes")
 def aggregate_matrix(ctx: Ctx, rec: Record) -> None:
     data = _Data(ctx, 6)
-    for dtype in DTYPES:
+    for dtype, C, N, gamma_tensor, clients, rows, tag in _agg_cases(ctx, data):
         acc = acc_dtype(dtype)
-        for C, N, as_list, gamma_tensor in _agg_cases(ctx):
-            clients, rows = _clients(data, C, N, dtype, as_list)
-            w = torch.rand(C, generator=data.gen, dtype=torch.float64) + 0.05  # not normalised
-            w_used = [float(x) for x in w.to(acc).double()]  # the op works with acc-dtype weights
-            gamma = torch.tensor(1.1, dtype=acc, device=ctx.device) if gamma_tensor else 0.9
-            gamma_used = float(gamma.double()) if gamma_tensor else gamma
-            tag = f"{_dt(dtype)} C={C} N={N}{' list' if as_list else ''}"
-            got = _run_aggregate(ctx, clients, w, gamma, ctx.backend)
-            ref = _run_aggregate(ctx, clients, w, gamma, REFERENCE) if ctx.backend != REFERENCE else None
-            _check_aggregate(rec, tag, dtype, got, ref, rows, w_used, gamma_used, [False] * C)
+        w = torch.rand(C, generator=data.gen, dtype=torch.float64) + 0.05  # not normalised
+        w_used = [float(x) for x in w.to(acc).double()]  # the op works with acc-dtype weights
+        gamma = torch.tensor(1.1, dtype=acc, device=ctx.device) if gamma_tensor else 0.9
+        gamma_used = float(gamma.double()) if gamma_tensor else gamma
+        got = _run_aggregate(ctx, clients, w, gamma, ctx.backend)
+        ref = _run_aggregate(ctx, clients, w, gamma, REFERENCE) if ctx.backend != REFERENCE else None
+        _check_aggregate(rec, tag, dtype, got, ref, rows, w_used, gamma_used, [False] * C)
 
 
 @check("aggregate", "NaN/Inf client excluded, all clients excluded, N=0")
@@ -361,17 +365,14 @@ def aggregate_edges(ctx: Ctx, rec: Record) -> None:
 @check("client_dots", "C=3 [C,N], C=33 list, 4 dtypes")
 def client_dots(ctx: Ctx, rec: Record) -> None:
     data = _Data(ctx, 8)
-    for dtype in DTYPES:
-        for C, N, as_list, _ in _agg_cases(ctx):
-            clients, rows = _clients(data, C, N, dtype, as_list)
-            g = data.randn((N,), acc_dtype(dtype))
-            want = F.client_dots(rows, g)
-            tol = dot_tol(dtype, float(max((F.f64(r).abs() * F.f64(g).abs()).sum() for r in rows)))
-            tag = f"{_dt(dtype)} C={C} N={N}{' list' if as_list else ''}"
-            got = ops.client_dots(clients, g, backend=ctx.backend)
-            rec.close(f"dots {tag} vs fp64 formula", got, want, tol)
-            if ctx.backend != REFERENCE:
-                rec.close(f"dots {tag} vs python_ref", got, ops.client_dots(clients, g, backend=REFERENCE), tol)
+    for dtype, C, N, _, clients, rows, tag in _agg_cases(ctx, data):
+        g = data.randn((N,), acc_dtype(dtype))
+        want = F.client_dots(rows, g)
+        tol = dot_tol(dtype, float(max((F.f64(r).abs() * F.f64(g).abs()).sum() for r in rows)))
+        got = ops.client_dots(clients, g, backend=ctx.backend)
+        rec.close(f"dots {tag} vs fp64 formula", got, want, tol)
+        if ctx.backend != REFERENCE:
+            rec.close(f"dots {tag} vs python_ref", got, ops.client_dots(clients, g, backend=REFERENCE), tol)
 
 
 # ----------------------------------------------------------------- weighted_sum
@@ -379,36 +380,33 @@ def client_dots(ctx: Ctx, rec: Record) -> None:
 @check("weighted_sum", "forward and grads w.r.t. weights and gamma, C=3/33, 4 dtypes")
 def weighted_sum(ctx: Ctx, rec: Record) -> None:
     data = _Data(ctx, 9)
-    for dtype in DTYPES:
+    for dtype, C, N, _, clients, rows, tag in _agg_cases(ctx, data):
         acc = acc_dtype(dtype)
-        for C, N, as_list, _ in _agg_cases(ctx):
-            clients, rows = _clients(data, C, N, dtype, as_list)
-            w0 = data.rand((C,), acc, 0.05, 1.0)
-            G = data.randn((N,), dtype)
+        w0 = data.rand((C,), acc, 0.05, 1.0)
+        G = data.randn((N,), dtype)
 
-            def run(backend):
-                w = w0.clone().requires_grad_(True)
-                gamma = torch.tensor(0.9, dtype=acc, device=ctx.device, requires_grad=True)
-                out = ops.weighted_sum(clients, w, gamma, backend=backend)
-                out.backward(G)
-                return out.detach(), w.grad, gamma.grad
+        def run(backend):
+            w = w0.clone().requires_grad_(True)
+            gamma = torch.tensor(0.9, dtype=acc, device=ctx.device, requires_grad=True)
+            out = ops.weighted_sum(clients, w, gamma, backend=backend)
+            out.backward(G)
+            return out.detach(), w.grad, gamma.grad
 
-            out, gw, gg = run(ctx.backend)
-            a = [float(x) for x in w0.cpu().double()]
-            gamma = float(torch.tensor(0.9, dtype=acc).double())
-            want_w, want_gamma = F.weighted_sum_grads(rows, a, gamma, G)
-            mags = [float((F.f64(r).abs() * F.f64(G).abs()).sum()) for r in rows]
-            tol_w = dot_tol(dtype, gamma * max(mags))
-            tol_gamma = dot_tol(dtype, sum(x * m for x, m in zip(a, mags)))
-            tag = f"{_dt(dtype)} C={C} N={N}{' list' if as_list else ''}"
-            rec.close(f"out {tag} vs fp64 formula", out, F.aggregate(rows, a, gamma).out, data_tol(dtype))
-            rec.close(f"d/dweights {tag} vs fp64 formula", gw, want_w, tol_w)
-            rec.close(f"d/dgamma {tag} vs fp64 formula", gg, want_gamma, tol_gamma)
-            if ctx.backend != REFERENCE:
-                rout, rgw, rgg = run(REFERENCE)
-                rec.close(f"out {tag} vs python_ref", out, rout, data_tol(dtype))
-                rec.close(f"d/dweights {tag} vs python_ref", gw, rgw, tol_w)
-                rec.close(f"d/dgamma {tag} vs python_ref", gg, rgg, tol_gamma)
+        out, gw, gg = run(ctx.backend)
+        a = [float(x) for x in w0.cpu().double()]
+        gamma = float(torch.tensor(0.9, dtype=acc).double())
+        want_w, want_gamma = F.weighted_sum_grads(rows, a, gamma, G)
+        mags = [float((F.f64(r).abs() * F.f64(G).abs()).sum()) for r in rows]
+        tol_w = dot_tol(dtype, gamma * max(mags))
+        tol_gamma = dot_tol(dtype, sum(x * m for x, m in zip(a, mags)))
+        rec.close(f"out {tag} vs fp64 formula", out, F.aggregate(rows, a, gamma).out, data_tol(dtype))
+        rec.close(f"d/dweights {tag} vs fp64 formula", gw, want_w, tol_w)
+        rec.close(f"d/dgamma {tag} vs fp64 formula", gg, want_gamma, tol_gamma)
+        if ctx.backend != REFERENCE:
+            rout, rgw, rgg = run(REFERENCE)
+            rec.close(f"out {tag} vs python_ref", out, rout, data_tol(dtype))
+            rec.close(f"d/dweights {tag} vs python_ref", gw, rgw, tol_w)
+            rec.close(f"d/dgamma {tag} vs python_ref", gg, rgg, tol_gamma)
 
 
 # ---------------------------------------------------------------- server_update_

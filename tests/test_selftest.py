@@ -53,6 +53,20 @@ def _failing(doc):
     return {(r["op"], r["backend"]) for r in doc["results"] if r["status"] == "FAIL"}
 
 
+def _selftest_with_lr_off(capsys, tmp_path, monkeypatch, backend):
+    """The quick selftest of reference and cpu with ``backend``'s nar_step_ taking an lr
+    1% too large."""
+    require_backend("cpu")
+    impl = backends.resolve(backend, torch.device("cpu"))
+    real = impl.nar_step_
+
+    def lr_off_by_one_percent(params, grads, bufs, lr, *rest):
+        return real(params, grads, bufs, lr * 1.01, *rest)
+
+    monkeypatch.setattr(impl, "nar_step_", lr_off_by_one_percent)
+    return _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")
+
+
 @pytest.fixture(scope="module")
 def healthy_run(tmp_path_factory):
     """One full ``fedopt selftest --device cpu`` run (about 15 s here), shared."""
@@ -114,15 +128,7 @@ def test_the_rows_report_errors_within_their_tolerance(healthy_run):
 
 
 def test_a_kernel_with_a_wrong_lr_fails_its_row_only(capsys, tmp_path, monkeypatch):
-    require_backend("cpu")
-    cpu = backends.resolve("cpu", torch.device("cpu"))
-    real = cpu.nar_step_
-
-    def lr_off_by_one_percent(params, grads, bufs, lr, *rest):
-        return real(params, grads, bufs, lr * 1.01, *rest)
-
-    monkeypatch.setattr(cpu, "nar_step_", lr_off_by_one_percent)
-    rc, doc, out, _ = _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")
+    rc, doc, out, _ = _selftest_with_lr_off(capsys, tmp_path, monkeypatch, "cpu")
     assert rc == 1 and doc["exit_status"] == 1
     assert _failing(doc) == {("nar_step_", "cpu")}
     row = next(r for r in doc["results"] if r["status"] == "FAIL")
@@ -157,15 +163,7 @@ def test_an_aggregation_that_drops_a_client_fails_aggregate_and_weighted_sum(cap
 def test_a_wrong_python_ref_is_caught_by_the_fp64_formula(capsys, tmp_path, monkeypatch):
     """A python_ref bug fails the reference backend against the fp64 formula, and the
     correct kernels against python_ref only -- which says where the bug is."""
-    require_backend("cpu")
-    ref = backends.resolve("reference", torch.device("cpu"))
-    real = ref.nar_step_
-
-    def lr_off(params, grads, bufs, lr, *rest):
-        return real(params, grads, bufs, lr * 1.01, *rest)
-
-    monkeypatch.setattr(ref, "nar_step_", lr_off)
-    rc, doc, _, _ = _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")
+    rc, doc, _, _ = _selftest_with_lr_off(capsys, tmp_path, monkeypatch, "reference")
     assert rc == 1
     assert _failing(doc) == {("nar_step_", "reference"), ("nar_step_", "cpu")}
     errors = {r["backend"]: r["errors"] for r in doc["results"] if r["status"] == "FAIL"}

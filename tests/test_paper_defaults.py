@@ -215,11 +215,14 @@ def test_asnes_averages_uniformly_with_S_the_participating_clients_and_steps_r()
 
 # --------------------------------------------------------------------------- buffers
 class BNNet(nn.Module):
-    def __init__(self):
+    """Linear - BatchNorm - ReLU - Linear: a model with buffers (digits' 8x8 images into
+    10 classes by default)."""
+
+    def __init__(self, inputs=64, hidden=12, classes=10):
         super().__init__()
-        self.fc1 = nn.Linear(64, 12)
-        self.bn = nn.BatchNorm1d(12)
-        self.fc2 = nn.Linear(12, 10)
+        self.fc1 = nn.Linear(inputs, hidden)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, classes)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.bn(self.fc1(x.flatten(1)))))
@@ -476,20 +479,9 @@ def test_flower_aggregation_weights_follow_the_rule(algo):
     torch.testing.assert_close(s.x_global.double(), want, rtol=0, atol=5e-6)
 
 
-class _BNFlat(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 5)
-        self.bn = nn.BatchNorm1d(5)
-        self.fc2 = nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.bn(self.fc1(x))))
-
-
 def _bn_net():
     torch.manual_seed(0)
-    return _BNFlat()
+    return BNNet(inputs=6, hidden=5, classes=3)
 
 
 @needs_flwr

@@ -13,6 +13,7 @@ change what the suite tests:
 """
 
 import importlib
+import math
 import os
 import signal
 
@@ -64,6 +65,29 @@ def import_triton_module(name: str):
         if torch.version.cuda is None:
             pytest.skip(f"{name} needs triton, which CPU-only torch does not ship: {e}", allow_module_level=True)
         raise
+
+
+def assert_same_tree(a, b, what="", *, nan_equal=False):
+    """Nested dicts, lists and tuples of tensors and plain values equal: tensors of the
+    same dtype and shape element by element (+0.0 == -0.0), the rest by ``==``.  NaN
+    equals NaN (in a tensor or a float) only with ``nan_equal``."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, what
+        same = a == b
+        if nan_equal and a.is_floating_point():
+            same = same | (torch.isnan(a) & torch.isnan(b))
+        assert bool(same.all()), f"{what}: {a} vs {b}"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{what}: {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{what}.{k}", nan_equal=nan_equal)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{what}[{i}]", nan_equal=nan_equal)
+    else:
+        assert a == b or (nan_equal and isinstance(a, float) and math.isnan(a) and math.isnan(b)), \
+            f"{what}: {a!r} vs {b!r}"
 
 
 @pytest.fixture(params=list(backends.BACKENDS))

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import _gloo as gloo
+from conftest import assert_same_tree
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -223,20 +224,8 @@ def ranks(tmp_path_factory):
 
 # ============================================================================ checks
 def assert_same(a, b, what):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, what
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
-        assert bool(same.all()), f"{what}: {a} vs {b}"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{what}: {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{what}[{i}]")
-    else:
-        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{what}: {a!r} vs {b!r}"
+    """Equal, NaN in the same places counting as equal (the cases feed NaN and Inf)."""
+    assert_same_tree(a, b, what, nan_equal=True)
 
 
 def check_expanded(per_client, ref_per_client, good, C, what):

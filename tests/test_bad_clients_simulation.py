@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from conftest import assert_same_tree
 from fedopt_kernels.fl import ConfigError, Simulation, SimulationConfig
 from fedopt_kernels.fl.partition import Partition, iid_partition
 from fedopt_kernels.fl.simulation import sample_clients
@@ -64,24 +65,9 @@ def _strip(record):
     return {k: v for k, v in record.items() if k not in EXCLUSION_KEYS}
 
 
-def _assert_same_tree(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same_tree(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same_tree(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def _assert_same_run(a, b):
     assert torch.equal(a.x_global, b.x_global)
-    _assert_same_tree(a.server.state_dict(), b.server.state_dict())
+    assert_same_tree(a.server.state_dict(), b.server.state_dict(), "state")
     if a.scaffold is not None:
         assert torch.equal(a.scaffold.c, b.scaffold.c) and torch.equal(a.scaffold.c_clients, b.scaffold.c_clients)
     assert [_strip(r) for r in a.results.records] == [_strip(r) for r in b.results.records]

@@ -60,8 +60,8 @@ def _selftest_with_lr_off(capsys, tmp_path, monkeypatch, backend):
     impl = backends.resolve(backend, torch.device("cpu"))
     real = impl.nar_step_
 
-    def lr_off_by_one_percent(params, grads, bufs, lr, *rest):
-        return real(params, grads, bufs, lr * 1.01, *rest)
+    def lr_off_by_one_percent(params, grads, bufs, lr, lr_tensor, *rest):  # either half of the lr pair
+        return real(params, grads, bufs, lr * 1.01, None if lr_tensor is None else lr_tensor * 1.01, *rest)
 
     monkeypatch.setattr(impl, "nar_step_", lr_off_by_one_percent)
     return _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")
@@ -144,10 +144,10 @@ def test_an_aggregation_that_drops_a_client_fails_aggregate_and_weighted_sum(cap
     cpu = backends.resolve("cpu", torch.device("cpu"))
     real = cpu.aggregate
 
-    def drops_the_last_client(clients, weights, gamma, out, skip):
+    def drops_the_last_client(clients, weights, *rest):
         weights = weights.clone()
         weights[-1] = 0
-        return real(clients, weights, gamma, out, skip)
+        return real(clients, weights, *rest)
 
     monkeypatch.setattr(cpu, "aggregate", drops_the_last_client)
     rc, doc, out, _ = _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")

@@ -374,6 +374,22 @@ void check_vector(const char* op, const char* name, const at::Tensor& t, const C
               " must have dtype ", c.dtype, " or ", acc_type_of(c.dtype), ", got ", t.scalar_type());
 }
 
+// The RowsArgs fields both launchers fill alike: where the clients are, the tiling, whether
+// the clients and the [N] companion `other` (out or g) allow 16-byte accesses, the partials.
+template <typename acc_t>
+RowsArgs<acc_t> make_rows_args(const Clients& c, const AggTiling& tiling, const void* other, acc_t* partials) {
+  RowsArgs<acc_t> a{};
+  a.ptrs = c.ptrs;
+  a.base = c.base;
+  a.row_stride = c.row_stride;
+  a.C = c.C;
+  a.N = c.N;
+  a.num_tiles = tiling.tiles;
+  a.aligned = c.aligned && aligned16(other);
+  a.partials = partials;
+  return a;
+}
+
 template <typename scalar_t, typename other_t, bool kDots>
 void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, const AggTiling& t, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(t.blocks));
@@ -383,6 +399,16 @@ void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, const AggTiling& 
   else
     rows_kernel<scalar_t, other_t, 1, kDots><<<grid, block, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// launch_rows with other_t = the dtype of the companion (out or g): the clients' dtype or acc.
+template <typename scalar_t, bool kDots>
+void launch_rows_for(const RowsArgs<at::opmath_type<scalar_t>>& a, at::ScalarType other, at::ScalarType clients,
+                     const AggTiling& t, cudaStream_t stream) {
+  if (other == clients)
+    launch_rows<scalar_t, scalar_t, kDots>(a, t, stream);
+  else
+    launch_rows<scalar_t, at::opmath_type<scalar_t>, kDots>(a, t, stream);
 }
 
 }  // namespace
@@ -421,24 +447,13 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
     const int64_t nb = tiling.blocks;
     at::Tensor partials = at::empty({(c.C + 1) * nb}, opts);
     if (nb > 0) {
-      RowsArgs<acc_t> a{};
-      a.ptrs = c.ptrs;
-      a.base = c.base;
-      a.row_stride = c.row_stride;
-      a.C = c.C;
-      a.N = c.N;
-      a.num_tiles = tiling.tiles;
-      a.aligned = c.aligned && aligned16(out.data_ptr());
+      RowsArgs<acc_t> a = make_rows_args<acc_t>(c, tiling, out.data_ptr(), partials.data_ptr<acc_t>());
       a.weights = w.data_ptr<acc_t>();
       a.gamma = static_cast<acc_t>(gamma);
       a.gamma_ptr = static_cast<const acc_t*>(gamma_h.ptr);
       a.skip = skip_ptr;
       a.out = out.data_ptr();
-      a.partials = partials.data_ptr<acc_t>();
-      if (out.scalar_type() == c.dtype)
-        launch_rows<scalar_t, scalar_t, false>(a, tiling, stream);
-      else
-        launch_rows<scalar_t, acc_t, false>(a, tiling, stream);
+      launch_rows_for<scalar_t, false>(a, out.scalar_type(), c.dtype, tiling, stream);
     }
     // C + 1 rows: the clients' ||X_i||^2, then ||sum_i w_i X_i||^2 (all 0 when N == 0).
     finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C + 1)), kThreads, 0, stream>>>(
@@ -467,20 +482,9 @@ at::Tensor client_dots(at::TensorList clients, const at::Tensor& g) {
     const int64_t nb = tiling.blocks;
     at::Tensor partials = at::empty({c.C * nb}, opts);
     if (nb > 0) {
-      RowsArgs<acc_t> a{};
-      a.ptrs = c.ptrs;
-      a.base = c.base;
-      a.row_stride = c.row_stride;
-      a.C = c.C;
-      a.N = c.N;
-      a.num_tiles = tiling.tiles;
-      a.aligned = c.aligned && aligned16(g.data_ptr());
+      RowsArgs<acc_t> a = make_rows_args<acc_t>(c, tiling, g.data_ptr(), partials.data_ptr<acc_t>());
       a.g = g.data_ptr();
-      a.partials = partials.data_ptr<acc_t>();
-      if (g.scalar_type() == c.dtype)
-        launch_rows<scalar_t, scalar_t, true>(a, tiling, stream);
-      else
-        launch_rows<scalar_t, acc_t, true>(a, tiling, stream);
+      launch_rows_for<scalar_t, true>(a, g.scalar_type(), c.dtype, tiling, stream);
     }
     finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C)), kThreads, 0, stream>>>(
         partials.data_ptr<acc_t>(), nb, c.C, dots.data_ptr<acc_t>(), nullptr, nullptr);

@@ -475,12 +475,9 @@ ListLayout list_layout(const char* op, at::TensorList params, at::TensorList gra
   TORCH_CHECK(!use_mom || momentum_buffers.size() == params.size(), op, ": momentum = ", momentum,
               " needs one momentum buffer per param, got ", momentum_buffers.size(), " for ", params.size(),
               " params");
-  const at::Tensor& p0 = params[0];
-  TORCH_CHECK(p0.defined() && p0.is_cuda(), op, ": params must be CUDA tensors, got ",
-              p0.defined() ? p0.device().str() : std::string("an undefined tensor"));
-  const at::Device device = p0.device();
-  const at::ScalarType dtype = p0.scalar_type();
-  check_supported_float(op, "params", dtype);
+  const FirstTensor first = check_first_tensor(op, "params", params[0]);
+  const at::Device device = first.device;
+  const at::ScalarType dtype = first.dtype;
   const c10::cuda::CUDAGuard guard(device);
 
   const size_t T = params.size();

@@ -200,12 +200,9 @@ void server_update_(at::TensorList params, at::TensorList updates, at::TensorLis
               exp_avg_sq.size(), " for ", T, " params");
   if (T == 0) return;
 
-  const at::Tensor& p0 = params[0];
-  TORCH_CHECK(p0.defined() && p0.is_cuda(), op, ": params must be CUDA tensors, got ",
-              p0.defined() ? p0.device().str() : std::string("an undefined tensor"));
-  const at::Device device = p0.device();
-  const at::ScalarType dtype = p0.scalar_type();
-  check_supported_float(op, "params", dtype);
+  const FirstTensor first = check_first_tensor(op, "params", params[0]);
+  const at::Device device = first.device;
+  const at::ScalarType dtype = first.dtype;
   const at::ScalarType acc = acc_type_of(dtype);
   const c10::cuda::CUDAGuard guard(device);
 

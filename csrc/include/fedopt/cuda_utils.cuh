@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -252,6 +253,21 @@ inline bool is_supported_float(at::ScalarType t) {
 inline void check_supported_float(const char* op, const char* name, at::ScalarType t) {
   TORCH_CHECK(is_supported_float(t), op, ": ", name, " has unsupported dtype ", t,
               " (expected float16, bfloat16, float32 or float64)");
+}
+
+// The device and dtype of a list op's data, taken from its first tensor (`name`[0]),
+// which must be a defined CUDA tensor of a supported float dtype.
+struct FirstTensor {
+  at::Device device;
+  at::ScalarType dtype;
+};
+
+inline FirstTensor check_first_tensor(const char* op, const char* name, const at::Tensor& t0) {
+  TORCH_CHECK(t0.defined() && t0.is_cuda(), op, ": ", name, " must be CUDA tensors, got ",
+              t0.defined() ? t0.device().str() : std::string("an undefined tensor"));
+  const FirstTensor first{t0.device(), t0.scalar_type()};
+  check_supported_float(op, name, first.dtype);
+  return first;
 }
 
 // True when the tensor's elements fill [data_ptr, data_ptr + numel) exactly once (some

@@ -167,10 +167,7 @@ NarTensors list_tensors(TensorList params, TensorList grads, TensorList momentum
     t.numels.push_back(params[i].numel());
     t.x.push_back(params[i].data_ptr());
     t.g.push_back(grads[i].const_data_ptr());
-    if (use_momentum) {
-      check_partner(momentum_buffers[i], params[i], "momentum_buffers");
-      t.b.push_back(momentum_buffers[i].data_ptr());
-    }
+    if (use_momentum) push_state(t.b, momentum_buffers[i], params[i], "momentum_buffers");
   }
   return t;
 }

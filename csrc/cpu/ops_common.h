@@ -1,6 +1,6 @@
-// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp): tensor checks that
-// guard memory safety, hyperparameter reads, and the split of a chunk table among
-// threads.
+// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp, server_update.cpp):
+// tensor checks that guard memory safety, hyperparameter reads, and the split of a
+// chunk table among threads.
 #pragma once
 
 #include <algorithm>
@@ -63,6 +63,14 @@ inline void check_partner(const at::Tensor& t, const at::Tensor& ref, const char
   TORCH_CHECK(t.numel() == ref.numel(), "fedopt_C: ", what, " has ", t.numel(), " elements, expected ", ref.numel());
   TORCH_CHECK(t.numel() <= 1 || t.strides() == ref.strides(), "fedopt_C: ", what,
               " must have the same strides as its param, got ", t.strides(), " and ", ref.strides());
+}
+
+// An optional state tensor of a list op (momentum_buffers, exp_avg, exp_avg_sq), read
+// and written alongside its param: checked as its partner, then its pointer appended
+// to the op's list for the kernels.
+inline void push_state(std::vector<void*>& ptrs, const at::Tensor& t, const at::Tensor& param, const char* what) {
+  check_partner(t, param, what);
+  ptrs.push_back(t.data_ptr());
 }
 
 // A hyperparameter given as a float or as a floating-point CPU tensor of one value or

@@ -78,14 +78,8 @@ void server_update_cpu(TensorList params, TensorList updates, TensorList exp_avg
     t.numels.push_back(params[i].numel());
     t.x.push_back(params[i].data_ptr());
     t.d.push_back(updates[i].const_data_ptr());
-    if (has_m) {
-      check_partner(exp_avg[i], params[i], "exp_avg");
-      t.m.push_back(exp_avg[i].data_ptr());
-    }
-    if (has_v) {
-      check_partner(exp_avg_sq[i], params[i], "exp_avg_sq");
-      t.v.push_back(exp_avg_sq[i].data_ptr());
-    }
+    if (has_m) push_state(t.m, exp_avg[i], params[i], "exp_avg");
+    if (has_v) push_state(t.v, exp_avg_sq[i], params[i], "exp_avg_sq");
   }
   // CPU tensors: reading them is a plain memory read, not a device sync.  The
   // hyperparameters are checked even when the step is skipped (as on CUDA).

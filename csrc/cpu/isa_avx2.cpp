@@ -1,31 +1,5 @@
 // AVX2 build of the CPU kernels (torch's AVX2 level: AVX2 + FMA + F16C; Haswell, Zen
-// and later).  Selected at run time by kernels() (isa_default.cpp).
-#include "isa_prologue.h"
-
-#if FEDOPT_X86_ISA
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-// GCC's C++ front end does not define the feature macros of `#pragma GCC target`;
-// sleef.h (included by at::vec) declares its vector entry points only under them.
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#include "kernels.h"
-#pragma GCC pop_options
-
-const fedopt::cpu::KernelTable* fedopt::cpu::kernels_avx2() { return &AVX2::kTable; }
-#else
-#include "kernel_api.h"
-const fedopt::cpu::KernelTable* fedopt::cpu::kernels_avx2() { return nullptr; }
-#endif
+// and later).  Selected at run time by kernels() (isa_default.cpp).  The build itself
+// is isa_avx.h, shared with isa_avx512.cpp.
+#define FEDOPT_AVX512 0
+#include "isa_avx.h"

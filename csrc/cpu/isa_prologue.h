@@ -6,11 +6,12 @@
 //    (SSE2 has no FMA) give bitwise identical results and an unclipped step matches
 //    python_ref exactly.  The kernels are memory-bound: FMA would buy no speed.
 // 2. Headers whose inline functions are shared with the rest of the library are
-//    included here, before isa_avx*.cpp switch the compiler's target: an out-of-line
-//    copy of, say, c10::Half's conversion compiled for AVX2 could otherwise be the copy
-//    the linker keeps for every caller (a crash on a CPU without AVX2).  The kernels
-//    themselves have internal linkage, and at::vec's per-ISA code lives in its own
-//    inline namespace (at::vec::AVX2, ...), so nothing else can collide.
+//    included here, before isa_avx.h (isa_avx2.cpp, isa_avx512.cpp) switches the
+//    compiler's target: an out-of-line copy of, say, c10::Half's conversion compiled
+//    for AVX2 could otherwise be the copy the linker keeps for every caller (a crash on
+//    a CPU without AVX2).  The kernels themselves have internal linkage, and
+//    at::vec's per-ISA code lives in its own inline namespace (at::vec::AVX2, ...), so
+//    nothing else can collide.
 //    tests/test_cpu_kernels.py checks the built library for VEX/EVEX instructions
 //    outside those namespaces.
 #pragma once

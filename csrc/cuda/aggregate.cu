@@ -172,16 +172,7 @@ __device__ __forceinline__ void store_tile(T* p, int64_t tile0, int64_t n, bool 
 // block_sum, with the warp count of this launch (fixed by the tiling rule).
 template <typename T>
 __device__ __forceinline__ T block_sum_dyn(T v, T* smem) {
-  const int nwarps = static_cast<int>(blockDim.x) / kWarpSize;
-  v = warp_sum(v);
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  T total = smem[0];
-  for (int w = 1; w < nwarps; ++w) total += smem[w];
-  __syncthreads();
-  return total;
+  return block_sum_warps(v, smem, static_cast<int>(blockDim.x) / kWarpSize);
 }
 
 // kDots = false: aggregate (other_t = out's dtype).  kDots = true: client_dots

@@ -109,25 +109,30 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-// Sum over a block of kBlock threads (blockDim.x == kBlock, a multiple of 32); EVERY
-// thread returns the same value (each thread adds the kBlock / 32 warp sums in the same
-// order, so all threads, and all blocks given the same inputs, get bitwise the same
-// total).  `smem` holds kBlock / 32 values; the trailing barrier makes it reusable at
-// once.  The tree depends only on the values and kBlock.
-template <int kBlock, typename T>
-__device__ __forceinline__ T block_sum_n(T v, T* smem) {
-  static_assert(kBlock % kWarpSize == 0 && kBlock >= kWarpSize, "whole warps");
-  constexpr int kW = kBlock / kWarpSize;
+// Sum over a block of `nwarps` whole warps (blockDim.x == 32 * nwarps); EVERY thread
+// returns the same value (each thread adds the warp sums in the same order, 0, 1, ...,
+// so all threads, and all blocks given the same inputs, get bitwise the same total).
+// `smem` holds nwarps values; the trailing barrier makes it reusable at once.  The tree
+// depends only on the values and nwarps: compile-time (block_sum_n) or launch-time
+// (aggregate.cu's tiling rule); the same adds in the same order either way.
+template <typename T>
+__device__ __forceinline__ T block_sum_warps(T v, T* smem, int nwarps) {
   v = warp_sum(v);
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   if (lane == 0) smem[warp] = v;
   __syncthreads();
   T total = smem[0];
-#pragma unroll
-  for (int w = 1; w < kW; ++w) total += smem[w];
+  for (int w = 1; w < nwarps; ++w) total += smem[w];
   __syncthreads();
   return total;
+}
+
+// block_sum_warps over a block of kBlock threads (blockDim.x == kBlock, a multiple of 32).
+template <int kBlock, typename T>
+__device__ __forceinline__ T block_sum_n(T v, T* smem) {
+  static_assert(kBlock % kWarpSize == 0 && kBlock >= kWarpSize, "whole warps");
+  return block_sum_warps(v, smem, kBlock / kWarpSize);
 }
 
 // block_sum_n for the extension's usual blocks of kThreads; `smem` holds kWarps values.

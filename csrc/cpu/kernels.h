@@ -15,7 +15,10 @@
 // to +0 before they are summed.  The TUs are compiled without floating-point
 // contraction (no FMA; isa_*.cpp), so the elementwise math is the separately rounded
 // math of python_ref: every ISA gives bitwise the same results, and when the clip scale
-// is exactly 1 the updated params match python_ref bit for bit.
+// is exactly 1 the updated params match python_ref bit for bit.  One exception, NaN
+// payloads: a NaN stored as bfloat16 is 0x7fc0 in the baseline build (c10's scalar
+// conversion) and 0xffff in the AVX2/AVX-512 builds (at::vec's vector conversion);
+// both are NaN (the cross-build test, tests/test_cpu_kernels.py, compares finite data).
 //
 // The kernels are written one family per header (vec_block.h: the shared block and
 // dispatch; nar_kernels.h, client_rows_kernels.h, server_update_kernels.h); this file

@@ -65,6 +65,7 @@ weight left on any rank: ``ValueError`` on every rank.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -90,11 +91,17 @@ class AllAggregateStats(AggregateStats):
     left_out: Tuple[Tuple[int, str, str], ...] = ()
 
 
-def screen_host_weights(values: torch.Tensor) -> List[Tuple[int, str]]:
-    """``(index, detail)`` of the weights (a float64 CPU tensor) that are not a finite
-    number ``>= 0``."""
-    bad = ~torch.isfinite(values) | (values < 0)
-    return [(int(i), f"weight {values[i].item()!r}") for i in bad.nonzero().flatten().tolist()]
+def screen_weights(values: Sequence) -> Tuple[list, List[Tuple[int, str]]]:
+    """``(good, bad)`` of host client weights (a list of floats, or entries that did not
+    convert to one): the finite numbers ``>= 0`` in order, and ``(index, detail)`` of
+    the rest -- the clients ``on_bad_client="exclude"`` leaves out."""
+    good, bad = [], []
+    for i, v in enumerate(values):
+        if isinstance(v, float) and math.isfinite(v) and v >= 0:
+            good.append(v)
+        else:
+            bad.append((i, f"weight {v!r}"))
+    return good, bad
 
 
 def good_plan(plan: Plan, bad: Sequence[Sequence]) -> Plan:
@@ -152,15 +159,12 @@ def _local_weights(weights, C: int, device, acc, exclude: bool = False):
             raise ValueError(f"local_weights is on {weights.device} but the clients are on {device}")
         return weights.detach().to(acc).contiguous(), None, []
     w = weights.detach().double()
-    if exclude and C:
-        bad = screen_host_weights(w)
-        if bad:
-            keep = sorted(set(range(C)) - {i for i, _ in bad})
-            weights, w = weights[keep], w[keep]
-            w_dev = host_to_device(weights.detach().to(acc).contiguous(), device, "local_weights")
-            return w_dev, bool((w > 0).any()), bad
-    check_weight_values(w, "local_weights", allow_all_zero=True)
-    return host_to_device(weights.detach().to(acc).contiguous(), device, "local_weights"), bool((w > 0).any()), []
+    bad = screen_weights(w.tolist())[1] if exclude else []
+    if bad:
+        keep = sorted(set(range(C)) - {i for i, _ in bad})
+        weights, w = weights[keep], w[keep]
+    check_weight_values(w, "local_weights", allow_all_zero=True)  # what is left passes the screen
+    return host_to_device(weights.detach().to(acc).contiguous(), device, "local_weights"), bool((w > 0).any()), bad
 
 
 def _check_out(out, N, dtype, acc, device):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -11,7 +10,8 @@ from ..ops.aggregate import aggregate_runner, check_weight_values
 from ..server.aggregation import RoundAggregate, check_weight_tensor, normalize_weights, weight_numbers
 from ..server.weighting import cap_weight_shares, check_max_weight_share
 from . import comm
-from .aggregate import BAD_CLIENT_POLICIES, MODES, _aggregate_planned, good_plan, kept_index, left_out_list
+from .aggregate import (BAD_CLIENT_POLICIES, MODES, _aggregate_planned, good_plan, kept_index, left_out_list,
+                        screen_weights)
 
 __all__ = ["DistributedAggregator"]
 
@@ -108,19 +108,10 @@ class DistributedAggregator:
         return RoundAggregate.of(p, st, valid, opt.max_client_norm)
 
 
-
 def _screen(values: List, exclude: bool):
     """``(values, bad)``: with ``exclude``, the entries that are not a finite number
-    ``>= 0`` move from ``values`` to ``bad`` (``(index, detail)``)."""
-    if not exclude:
-        return values, []
-    good, bad = [], []
-    for i, v in enumerate(values):
-        if isinstance(v, float) and math.isfinite(v) and v >= 0:
-            good.append(v)
-        else:
-            bad.append((i, f"weight {v!r}"))
-    return good, bad
+    ``>= 0`` move from ``values`` to ``bad`` (``(index, detail)``, :func:`.aggregate.screen_weights`)."""
+    return screen_weights(values) if exclude else (values, [])
 
 
 def _weights_to_exchange(weights, C: int, device: torch.device, exclude: bool = False):

@@ -18,6 +18,7 @@ import subprocess
 import pytest
 import torch
 
+from _contract import assert_bitwise, clone
 from _cpu_isa import results_per_isa, x86_only
 from fedopt_kernels import ops
 
@@ -25,29 +26,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 MODES = ["co", "grad", "none"]
 
 pytestmark = pytest.mark.usefixtures("cpu_extension")
-
-
-# --------------------------------------------------------------------------------------
-# helpers
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits (so -0.0 != 0.0 and NaN payloads count)."""
-    if t.dtype == torch.bool:
-        return t
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_bitwise(a, b):
-    a, b = list(a), list(b)
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(bits(x), bits(y)), f"not bitwise equal: max diff {(x.double() - y.double()).abs().max()}"
-
-
-def clone(ts):
-    return [t.clone() for t in ts]
 
 
 # --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import python_ref.aggregation as ref_agg
+from _contract import same_bits
 from fedopt_kernels.backends.hyper import split
 
 OPS = ("nar_step_", "nar_step_batched_", "aggregate", "client_dots", "server_update_")
@@ -231,15 +232,6 @@ def cuda():
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def bits(t):
-    """Raw bits, so -0.0 != 0.0 and NaN payloads count."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def same_bits(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
 
 def randn(shape, dtype, gen, scale=1.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).cuda()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _contract import assert_bitwise
 from _cpu_isa import results_per_isa, x86_only
 from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 
@@ -25,21 +26,6 @@ LIST = [(300007,), (0,), (5,), (64, 32, 3, 3), (1025,), (1,), (278011,)]
 HYPER = dict(lr=0.03, gamma=0.9, beta1=0.9, beta2=0.99, tau=1e-3)
 
 pytestmark = pytest.mark.usefixtures("cpu_extension")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits (so -0.0 != 0.0)."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_bitwise(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        if not torch.equal(bits(x), bits(y)):
-            diff = (x.double() - y.double()).abs()
-            raise AssertionError(f"not bitwise equal: {int((bits(x) != bits(y)).sum())} of {x.numel()} elements, "
-                                 f"max diff {float(diff.max())}")
 
 
 # --------------------------------------------------------------------------------------

@@ -3,17 +3,19 @@
 See :func:`nar_step_`, :func:`nar_step_groups_`, :func:`nar_step_batched_`, :func:`aggregate`,
 :func:`weighted_sum`, :func:`client_dots` and :func:`server_update_`.  Under
 ``torch.compile`` each op is one opaque ``torch.library`` custom op
-(``torch.ops.fedopt.*``).
+(``torch.ops.fedopt.*``).  :func:`ragged_bmm` is the batched simulator's matrix
+product over ragged batches (CPU; it runs inside the engine's traced graphs).
 """
 
 from .aggregate import AggregateStats, aggregate, client_dots
 from .nar_step import MODES, NarStats, nar_step_, nar_step_batched_
 from .nar_step_groups import NarGroup, nar_step_groups_
+from .ragged_bmm import ragged_bmm, ragged_bmm_uses_blas
 from .server_update import RULES, server_update_
 from .weighted_sum import weighted_sum
 
 __all__ = [
     "MODES", "NarStats", "NarGroup", "AggregateStats", "nar_step_", "nar_step_groups_", "nar_step_batched_",
     "aggregate",
-    "client_dots", "weighted_sum", "RULES", "server_update_",
+    "client_dots", "weighted_sum", "RULES", "server_update_", "ragged_bmm", "ragged_bmm_uses_blas",
 ]

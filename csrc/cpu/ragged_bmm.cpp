@@ -1,0 +1,217 @@
+// Batched matrix products over clients whose batches have different lengths.
+//
+// The batched simulation engine pads every client's batch to one length B, so that a
+// round's clients train as one [C, B, ...] computation; its matrix products then
+// spend half their arithmetic on padding (digits: 14 real samples of 32 on average).
+// ragged_bmm computes only the real part: client i's product uses the first
+// lengths[i] rows of the sample dimension, which is one of
+//   dim 1: the rows of a and of the result  (forward and input-gradient products),
+//   dim 2: the contraction                  (weight-gradient products),
+//   dim 3: the columns of b and of the result.
+// For dims 1 and 3 the padded rows (columns) of the result are zeros (`zero_fill`,
+// where the padded rows of the sample-dimension operand are zeros: gradients) or
+// copies of row (column) 0 (where they are copies of the client's first sample: the
+// forward pass).  Either way the result equals torch.bmm of the padded operands in
+// value, element for element, up to the rounding of a different kernel.
+//
+// Each client's product is one BLAS GEMM of its own shape (sgemm_/dgemm_, which
+// torch's CPU build links in and exports), run single-threaded (MKL's
+// MKL_Set_Num_Threads_Local), the clients spread over torch's threads.  So a client's
+// bits depend on its own shape and data alone -- never on which clients share the
+// call, how many there are or how many threads run: the batched engine promises that
+// grouping never changes a client's arithmetic.  (MKL's grouped GEMM,
+// cblas_sgemm_batch, is as fast here but splits the work of unequal groups among its
+// threads, so a client's bits there follow its neighbours: measured, 2 threads.)
+// The BLAS symbols are declared weak: a torch without them (built without a BLAS)
+// leaves them null, and the op then loops at::mm per client -- correct, but slower
+// than the padded bmm, so callers ask ragged_bmm_blas() before choosing this op.
+#include <algorithm>
+#include <climits>
+#include <type_traits>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+extern "C" {
+// Fortran BLAS (column-major; the hidden string-length arguments are not read by the
+// BLAS libraries torch links, as torch's own declarations assume) and MKL's
+// per-thread thread count.
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) __attribute__((weak));
+// (MKL's header maps mkl_set_num_threads_local to this C entry point; the lower-case
+// symbol itself is the Fortran one, which takes a pointer.)
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
+}
+
+namespace fedopt::cpu {
+namespace {
+
+bool blas_for(at::ScalarType t) {
+  if (t == at::kFloat) return sgemm_ != nullptr;
+  if (t == at::kDouble) return dgemm_ != nullptr;
+  return false;
+}
+
+// One [C, R, S] operand as C row-major R x S matrices for BLAS: as stored ('N') with
+// leading dimension stride(1) when its rows are contiguous, transposed ('T': the
+// storage of its transpose) with stride(2) when its columns are; anything else is
+// copied.  The batch stride is free, so transposed and expanded views need no copy.
+struct BlasOperand {
+  at::Tensor t;
+  char trans;
+  int64_t ld;
+};
+
+BlasOperand blas_operand(const at::Tensor& x) {
+  const int64_t R = x.size(1), S = x.size(2);
+  if (x.stride(2) == 1 && x.stride(1) >= std::max<int64_t>(S, 1)) return {x, 'N', x.stride(1)};
+  if (x.stride(1) == 1 && x.stride(2) >= std::max<int64_t>(R, 1)) return {x, 'T', x.stride(2)};
+  at::Tensor c = x.contiguous();
+  return {c, 'N', std::max<int64_t>(S, 1)};
+}
+
+// The (m, n, k) of client i's product for a sample dimension `dim` of length L.
+struct Dims {
+  int64_t m, n, k;
+};
+inline Dims client_dims(int64_t dim, int64_t L, int64_t M, int64_t N, int64_t K) {
+  return {dim == 1 ? L : M, dim == 3 ? L : N, dim == 2 ? L : K};
+}
+
+// Row-major out[m x n] = A[m x k] B[k x n] is column-major out^T = B^T A^T: the
+// operands swap, each keeping its own transpose flag.
+template <typename T>
+void gemm_row_major(const BlasOperand& A, const BlasOperand& B, const T* a, const T* b, T* c, const Dims& d,
+                    int64_t ldc) {
+  const int m = static_cast<int>(d.n), n = static_cast<int>(d.m), k = static_cast<int>(d.k);
+  const int lda = static_cast<int>(B.ld), ldb = static_cast<int>(A.ld), ldcc = static_cast<int>(ldc);
+  const T one = 1, zero = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(&B.trans, &A.trans, &m, &n, &k, &one, b, &lda, a, &ldb, &zero, c, &ldcc);
+  } else {
+    dgemm_(&B.trans, &A.trans, &m, &n, &k, &one, b, &lda, a, &ldb, &zero, c, &ldcc);
+  }
+}
+
+template <typename T>
+void blas_products(const BlasOperand& A, const BlasOperand& B, at::Tensor& out, const int64_t* L, int64_t dim) {
+  const int64_t C = out.size(0), M = out.size(1), N = out.size(2), K = A.t.size(2);
+  const T* a0 = A.t.const_data_ptr<T>();
+  const T* b0 = B.t.const_data_ptr<T>();
+  T* c0 = out.data_ptr<T>();
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    // one thread per GEMM, whether or not this runs inside a parallel region
+    const int previous = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
+    for (int64_t i = begin; i < end; ++i) {
+      const Dims d = client_dims(dim, L[i], M, N, K);
+      if (d.m == 0 || d.n == 0 || d.k == 0) continue;  // zeros: fill_padding
+      gemm_row_major<T>(A, B, a0 + i * A.t.stride(0), b0 + i * B.t.stride(0), c0 + i * M * N, d, N);
+    }
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
+  });
+}
+
+// What the products did not write: a client whose product is empty (no real samples,
+// or K = 0) is all zeros; the padded rows (dim 1) or columns (dim 3) of the others are
+// zeros or copies of row (column) 0.
+template <typename T>
+void fill_padding(T* out, const int64_t* L, int64_t C, int64_t M, int64_t N, int64_t K, int64_t dim, bool zero_fill) {
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* o = out + i * M * N;
+      const Dims d = client_dims(dim, L[i], M, N, K);
+      if (d.m == 0 || d.n == 0 || d.k == 0) {
+        std::fill(o, o + M * N, T(0));
+      } else if (dim == 1) {
+        for (int64_t r = L[i]; r < M; ++r) {
+          if (zero_fill) std::fill(o + r * N, o + (r + 1) * N, T(0));
+          else std::copy(o, o + N, o + r * N);
+        }
+      } else if (dim == 3) {
+        for (int64_t r = 0; r < M; ++r) {
+          T* row = o + r * N;
+          std::fill(row + L[i], row + N, zero_fill ? T(0) : row[0]);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor ragged_bmm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& lengths, int64_t dim,
+                          bool zero_fill, bool use_blas) {
+  constexpr const char* op = "fedopt_C: ragged_bmm: ";
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3, op, "a and b must be 3-D [C, M, K] and [C, K, N], got ", a.sizes(),
+              " and ", b.sizes());
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && lengths.device().is_cpu(), op,
+              "a, b and lengths must be CPU tensors");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), op, "a and b must have one dtype, got ", a.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1), op, "shapes ", a.sizes(), " and ", b.sizes(),
+              " cannot be multiplied batch by batch");
+  TORCH_CHECK(dim >= 1 && dim <= 3, op, "dim must be 1 (rows), 2 (contraction) or 3 (columns), got ", dim);
+  const int64_t C = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  const int64_t full = dim == 1 ? M : dim == 2 ? K : N;
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == C, op,
+              "lengths must be an int64 tensor of shape [", C, "], got ", lengths.scalar_type(), " ",
+              lengths.sizes());
+  const at::Tensor Lt = lengths.contiguous();
+  const int64_t* L = Lt.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < C; ++i) {
+    TORCH_CHECK(L[i] >= 0 && L[i] <= full, op, "lengths[", i, "] = ", L[i], " is outside [0, ", full, "]");
+  }
+  at::Tensor out = at::empty({C, M, N}, a.options());
+  if (out.numel() == 0) return out;
+
+  const bool fits_int = std::max({M, N, K, a.stride(1), a.stride(2), b.stride(1), b.stride(2)}) < INT_MAX;
+  if (use_blas && blas_for(a.scalar_type()) && fits_int) {
+    const BlasOperand A = blas_operand(a), B = blas_operand(b);
+    if (a.scalar_type() == at::kFloat) {
+      blas_products<float>(A, B, out, L, dim);
+    } else {
+      blas_products<double>(A, B, out, L, dim);
+    }
+  } else {  // no BLAS here: one at::mm per client, on the same slices
+    for (int64_t i = 0; i < C; ++i) {
+      const Dims d = client_dims(dim, L[i], M, N, K);
+      if (d.m == 0 || d.n == 0 || d.k == 0) continue;
+      at::Tensor ai = a[i], bi = b[i], oi = out[i];
+      if (dim == 1) {
+        ai = ai.narrow(0, 0, L[i]);
+        oi = oi.narrow(0, 0, L[i]);
+      } else if (dim == 2) {
+        ai = ai.narrow(1, 0, L[i]);
+        bi = bi.narrow(0, 0, L[i]);
+      } else {
+        bi = bi.narrow(1, 0, L[i]);
+        oi = oi.narrow(1, 0, L[i]);
+      }
+      oi.copy_(at::mm(ai, bi));
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "ragged_bmm_fill", [&] {
+    fill_padding<scalar_t>(out.data_ptr<scalar_t>(), L, C, M, N, K, dim, zero_fill);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace fedopt::cpu
+
+// An addition to the namespace (no existing schema changes).  ragged_bmm(a [C, M, K],
+// b [C, K, N], lengths [C] int64, dim, zero_fill, use_blas) -> [C, M, N]: see the top
+// of this file.  use_blas=False forces the per-client at::mm loop (tests);
+// ragged_bmm_blas(dtype): whether the BLAS path serves dtype.
+TORCH_LIBRARY_FRAGMENT(fedopt_C, m) {
+  m.def("ragged_bmm(Tensor a, Tensor b, Tensor lengths, int dim, bool zero_fill, bool use_blas=True) -> Tensor");
+  m.def("ragged_bmm_blas(ScalarType dtype) -> bool", [](c10::ScalarType t) { return fedopt::cpu::blas_for(t); });
+}
+
+TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) { m.impl("ragged_bmm", &fedopt::cpu::ragged_bmm_cpu); }

@@ -1,0 +1,94 @@
+"""Batched matrix products over clients whose batches have different lengths.
+
+The batched simulation engine pads every client's batch to one length ``B``; its
+matrix products would spend the padded part of their arithmetic on samples that do
+not count.  :func:`ragged_bmm` multiplies only the real part: for client ``i`` with
+``L_i = lengths[i]`` real samples and the sample dimension ``dim`` of ``a @ b``
+(``a``: ``[C, M, K]``, ``b``: ``[C, K, N]``)::
+
+    dim 1 (rows):         out[i, :L_i]    = a[i, :L_i] @ b[i]
+    dim 2 (contraction):  out[i]          = a[i, :, :L_i] @ b[i, :L_i]
+    dim 3 (columns):      out[i, :, :L_i] = a[i] @ b[i, :, :L_i]
+
+and, for dims 1 and 3, the padded rows (columns) of ``out`` are zeros
+(``zero_fill=True``) or copies of row (column) 0.  With operands whose padding is
+zeros (gradients) or copies of the first sample (the forward pass), this equals
+``torch.bmm`` of the padded operands value for value, up to rounding.
+
+On CPU with a torch linked to a BLAS (MKL in the PyPI builds) each client's product is
+one single-threaded BLAS GEMM of its own shape, the clients spread over torch's
+threads (``csrc/cpu/ragged_bmm.cpp``): fewer operations than the padded ``bmm``, and
+a client's bits depend on its own shape and data alone -- never on which clients share
+the call or on the number of threads.  Elsewhere a loop of ``torch.mm`` per client
+gives the same values (slower than the padded ``bmm``: :func:`ragged_bmm_uses_blas`
+says which applies, so callers can keep ``bmm``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ragged_bmm", "ragged_bmm_uses_blas"]
+
+_DIMS = (1, 2, 3)
+
+
+def _has_cpu_op() -> bool:
+    from ..backends import _extensions
+
+    return _extensions.load("_C") is None
+
+
+def ragged_bmm_uses_blas(dtype: torch.dtype, device) -> bool:
+    """Whether :func:`ragged_bmm` runs on BLAS for ``dtype`` on ``device`` (CPU
+    float32/float64 with the CPU extension and a torch linked to a BLAS)."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64) and _has_cpu_op()
+            and bool(torch.ops.fedopt_C.ragged_bmm_blas(dtype)))
+
+
+def _reference(a, b, lengths, dim, zero_fill):
+    out = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    for i, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        if dim == 1:
+            out[i, :n] = a[i, :n] @ b[i]
+            if not zero_fill:
+                out[i, n:] = out[i, :1]
+        elif dim == 2:
+            out[i] = a[i, :, :n] @ b[i, :n]
+        else:
+            out[i, :, :n] = a[i] @ b[i, :, :n]
+            if not zero_fill:
+                out[i, :, n:] = out[i, :, :1]
+    return out
+
+
+def ragged_bmm(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, dim: int, *,
+               zero_fill: bool = True) -> torch.Tensor:
+    """``a @ b`` batch by batch over the first ``lengths[i]`` entries of the sample
+    dimension ``dim`` (see the module docstring).  Returns a new contiguous
+    ``[C, M, N]`` tensor."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            raise TypeError(f"ragged_bmm: {name} must be a 3-D floating point tensor, got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}")
+    if a.dtype != b.dtype or a.device != b.device:
+        raise TypeError(f"ragged_bmm: a and b must share dtype and device, got {a.dtype} on {a.device} and "
+                        f"{b.dtype} on {b.device}")
+    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"ragged_bmm: a {tuple(a.shape)} and b {tuple(b.shape)} cannot be multiplied batch by batch")
+    if dim not in _DIMS:
+        raise ValueError(f"ragged_bmm: dim must be 1 (rows), 2 (contraction) or 3 (columns), got {dim!r}")
+    if (not isinstance(lengths, torch.Tensor) or lengths.dtype != torch.int64 or lengths.shape != (a.shape[0],)
+            or lengths.device.type != "cpu"):
+        raise TypeError(f"ragged_bmm: lengths must be a CPU int64 tensor of shape [{a.shape[0]}], got "
+                        f"{lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__}"
+                        f"{'' if not isinstance(lengths, torch.Tensor) else ' ' + str(tuple(lengths.shape))}")
+    full = (a.shape[1], a.shape[2], b.shape[2])[dim - 1]
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > full):
+        raise ValueError(f"ragged_bmm: lengths must lie in [0, {full}] (the size of dim {dim}), got "
+                         f"{lengths.tolist()}")
+    if a.device.type == "cpu" and _has_cpu_op():
+        return torch.ops.fedopt_C.ragged_bmm(a, b, lengths, dim, bool(zero_fill))
+    return _reference(a, b, lengths, dim, zero_fill)

@@ -13,11 +13,17 @@ after another.  The batched engine trains the round's ``C`` clients together:
   order), batched over the clients.
 * **gradients**: ``vmap(grad(loss of functional_call(model, views, batch)))`` over the
   clients (:mod:`torch.func`); the per-parameter gradients are concatenated into a
-  preallocated ``[C, N]`` buffer ``G``.  When a group's shapes come back (a later
-  round, another group; see *Fixed shapes*) that vmapped gradient is traced once with ``make_fx`` into a
-  graph of the plain ATen ops the transforms dispatch to (batched matmuls ...) and the
-  graph runs instead: the same ops, the same bits (tested), without the per-op cost
-  of the transforms -- a third of a small model's step.  ``trainer.trace = False``
+  preallocated ``[C, N]`` buffer ``G``.  From the second round on (the first runs
+  eagerly, verifying that the model can be batched) a group's vmapped gradient is
+  traced once per shape (see *Fixed shapes*) with ``make_fx`` into a graph of the
+  plain ATen ops the transforms dispatch to (batched matmuls ...) and the graph runs
+  instead: the same ops, the same bits (tested), without the per-op cost of the
+  transforms -- a third of a small model's step.  In padded groups on CPU its
+  matrix products then run on each client's real samples only
+  (:func:`~fedopt_kernels.fl.graph_passes.ragged_products`; ``trainer.ragged =
+  False`` keeps the padded ``bmm``): half the arithmetic of the MLP on digits, the
+  same values up to a GEMM's rounding, and a client's bits still its own (tested).
+  ``trainer.trace = False``
   turns it off (a model whose Python ``forward`` changes with state outside its
   tensors would need that); a failed trace turns it off and is recorded in
   ``trainer.trace_failure``.
@@ -86,7 +92,7 @@ from ..ops import nar_step_batched_
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
-from .graph_passes import channels_last_pools, drop_identity_ops
+from .graph_passes import RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, ragged_products
 from .round_plan import Group, RoundPlanner
 from .seeds import dropout_seed
 
@@ -243,8 +249,8 @@ class BatchedTrainer:
             "plain": vmap(grad(self._plain_loss, has_aux=True), in_dims=(0, 0, None, 0, 0), randomness="different"),
         }
         self.trace = True  # see _traced_grad
+        self.ragged = True  # padded groups' traced products on the real samples only (see _traced_grad)
         self._traced: Dict[tuple, object] = {}
-        self._sightings: Dict[tuple, int] = {}
         self.trace_counts: Dict[tuple, int] = {}  # times each shape (mode, rows, batch) was traced
         self.trace_failure: Optional[str] = None
 
@@ -275,16 +281,18 @@ class BatchedTrainer:
 
     def _traced_grad(self, key: tuple, mode: str, example: tuple):
         """The vmapped gradient of ``mode`` for the shapes ``key``, traced once into a
-        graph of plain ATen ops (``make_fx``) when these shapes come back (a second
-        group of the same shapes, usually the next round): running that graph skips
-        the per-op dispatch of the torch.func transforms -- about a third of a small
-        model's step -- and gives the same bits.  None: run the transforms eagerly
-        (first sighting, before the first round completed, tracing off or failed)."""
+        graph of plain ATen ops (``make_fx``): running that graph skips the per-op
+        dispatch of the torch.func transforms -- about a third of a small model's step
+        -- and gives the same bits, except where :func:`~.graph_passes.ragged_products`
+        (``self.ragged``, padded groups) runs the matrix products on the real samples
+        only: the same values up to a GEMM's rounding.  Traced at a shape's first
+        sighting after the first round (which runs eagerly, to verify that the model
+        can be batched), so every group of a shape runs the same code whichever round
+        or group meets it first.  None: run the transforms eagerly (the first round,
+        tracing off or failed)."""
         fn = self._traced.get(key)
         if fn is not None or not self.trace or not self.verified:
             return fn
-        if self._sightings.get(key, 0) < 2:
-            return None
         try:
             from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -294,6 +302,10 @@ class BatchedTrainer:
                 return vmapped(*args)
 
             fn = make_fx(step, tracing_mode="fake")(*example)
+            if self.ragged and mode != "plain":
+                B = key[2]
+                longer = (*example[:3], *(torch.cat([t, t[:, :1]], 1) for t in example[3:]))
+                ragged_products(fn, make_fx(step, tracing_mode="fake")(*longer), B)
             drop_identity_ops(fn)
             channels_last_pools(fn)
         except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager
@@ -382,10 +394,11 @@ class BatchedTrainer:
                 idx[:, j, b.shape[1]:] = b[:, :1]
         idx = idx.view(cfg.steps, c * B).to(device)
         weights = None
+        lengths = torch.full((c,), B, dtype=torch.int64)  # the real samples of each row's batches
         if group.mode != "plain":  # 1/b_i on a client's real samples, 0 on padding
             w = torch.zeros(c, B, dtype=dtype)
             for j, r in enumerate(rows):
-                b = min(cfg.batch_size, sizes[r])
+                b = lengths[j] = min(cfg.batch_size, sizes[r])
                 w[j, :b] = 1.0 / b
             weights = w.to(device)
         lr_rows = None
@@ -403,7 +416,6 @@ class BatchedTrainer:
         frozen = {n: X[:, o:o + k].view(c, *s).detach() for n, o, k, s, t in self._slots if not t}
         grad_fn = self._grad[group.mode]
         key = (group.mode, c, B)
-        self._sightings[key] = self._sightings.get(key, 0) + 1
         traced = None
         G_parts = [G[:, o:o + k] for _, o, k, _, _ in self._slots]
         in_shape, y_shape = self.x_train.shape[1:], self.y_train.shape[1:]
@@ -426,6 +438,8 @@ class BatchedTrainer:
                     args = (params, frozen, self.buffers, xb, yb.view(c, B, *y_shape))
                 if k == 0:
                     traced = self._traced_grad(key, group.mode, args)
+                    if hasattr(traced, RAGGED_LENGTHS):
+                        setattr(traced, RAGGED_LENGTHS, lengths)
                 grads, loss = (traced or grad_fn)(*args)
                 with torch.no_grad():
                     self._gather(grads, G, G_parts, c)

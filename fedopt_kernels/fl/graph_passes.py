@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["drop_identity_ops", "channels_last_pools"]
+__all__ = ["drop_identity_ops", "channels_last_pools", "ragged_products", "RAGGED_LENGTHS"]
 
 
 def drop_identity_ops(gm) -> int:
@@ -72,6 +72,101 @@ def channels_last_pools(gm) -> int:
             with graph.inserting_after(user):
                 back = graph.call_function(aten.clone.default, (user,), {"memory_format": torch.contiguous_format})
             user.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+#: The attribute of a graph rewritten by :func:`ragged_products` that holds the group's
+#: real batch lengths (an int64 CPU tensor ``[rows]``), set before each call.
+RAGGED_LENGTHS = "ragged_lengths"
+
+
+def _depends_on(graph, source) -> set:
+    """The nodes of ``graph`` computed from ``source`` (itself included)."""
+    seen, todo = {source}, [source]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def ragged_products(gm, longer, batch: int) -> int:
+    """Run the graph's batched matrix products on the clients' real samples only.
+
+    ``gm`` is a group's gradient graph traced with padded batch length ``batch``;
+    ``longer`` the same function traced with ``batch + 1``.  A ``bmm`` whose one
+    dimension grows with the batch (and nothing else) multiplies along the samples; it
+    becomes :func:`~fedopt_kernels.ops.ragged_bmm.ragged_bmm` over each client's
+    ``lengths[i]`` real samples (the graph attribute :data:`RAGGED_LENGTHS`, set by the
+    caller before each run).  Which fill its padded rows get follows from the graph:
+
+    * the gradient's nodes are those computed from the loss weights (the graph's last
+      input: the soft targets or the per-sample weights, zero on padding).  Backprop is
+      linear in them, so in every gradient tensor the padded samples' rows are exactly
+      zero: such a product's padded rows are zeros, and a contraction over the samples
+      (a weight gradient) may skip them;
+    * every other tensor (the forward pass) holds, in a padded sample's rows, copies of
+      the client's first sample (the engine pads with it): the product's padded rows
+      are copies of its row 0.  A forward contraction over the samples would mix them
+      (no per-sample model does that) and is left alone.
+
+    So every value a real sample sees is the padded graph's, up to the rounding of a
+    different GEMM; the padded rows stay finite copies, as before.  Applied only where
+    the products run on BLAS (CPU float32/float64), where they are faster than the
+    padded ``bmm``.  Returns the number of products rewritten (0 when
+    the two traces do not line up node for node).
+    """
+    from ..ops.ragged_bmm import ragged_bmm_uses_blas
+
+    aten = torch.ops.aten
+    nodes, others = list(gm.graph.nodes), list(longer.graph.nodes)
+    if len(nodes) != len(others) or any(n.op != o.op or n.target != o.target for n, o in zip(nodes, others)):
+        return 0
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if not inputs:
+        return 0
+    gradient = _depends_on(gm.graph, inputs[-1])
+    graph = gm.graph
+    lengths = None
+    rewritten = 0
+    for node, other in zip(nodes, others):
+        if node.op != "call_function" or node.target is not aten.bmm.default:
+            continue
+        a, b = node.args
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        oa, ob = other.args[0].meta.get("val"), other.args[1].meta.get("val")
+        if not all(isinstance(v, torch.Tensor) for v in (va, vb, oa, ob)):
+            continue
+        if va.device.type != "cpu" or not ragged_bmm_uses_blas(va.dtype, va.device):
+            continue
+        sizes = (va.shape[1], va.shape[2], vb.shape[2])
+        grown = (oa.shape[1], oa.shape[2], ob.shape[2])
+        if va.shape[0] != oa.shape[0] or vb.shape[0] != ob.shape[0]:  # the clients' dimension
+            continue
+        changed = [d for d in range(3) if sizes[d] != grown[d]]
+        if len(changed) != 1 or sizes[changed[0]] != batch or grown[changed[0]] != batch + 1:
+            continue
+        dim = changed[0] + 1
+        if dim == 2:  # a sum over the samples: only where one factor is zero on padding
+            if a not in gradient and b not in gradient:
+                continue
+            zero_fill = True
+        else:
+            zero_fill = (a if dim == 1 else b) in gradient
+        if lengths is None:
+            gm.register_buffer(RAGGED_LENGTHS, torch.zeros(va.shape[0], dtype=torch.int64), persistent=False)
+            with graph.inserting_before(nodes[len(inputs)]):
+                lengths = graph.get_attr(RAGGED_LENGTHS)
+        with graph.inserting_before(node):
+            ragged = graph.call_function(torch.ops.fedopt_C.ragged_bmm.default, (a, b, lengths, dim, zero_fill))
+        ragged.meta.update(node.meta)
+        node.replace_all_uses_with(ragged)
+        graph.erase_node(node)
         rewritten += 1
     if rewritten:
         graph.lint()

@@ -27,7 +27,7 @@ group's first client whose results are dropped.  So the shapes of a run come fro
 small fixed set -- a few per level -- and each is traced once (by the engine,
 :mod:`~fedopt_kernels.fl.batched`) and then serves
 every round that meets it, whatever clients are drawn (``trace_counts`` records
-this; a shape met once stays eager: tracing costs about two eager rounds).
+this; tracing costs a few eager rounds, once per shape).
 
 **Groups (memory).**  ``C`` copies of the model, their gradients, batches and
 activations must fit.  ``client_batch`` bounds how many clients are trained at once

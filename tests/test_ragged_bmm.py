@@ -1,0 +1,237 @@
+"""ops.ragged_bmm (csrc/cpu/ragged_bmm.cpp) and the engine's ragged products pass.
+
+Oracle: each client's product computed alone in float64 from the sliced operands
+(``_oracle``), and for the engine the same run with ``trainer.ragged = False`` (the
+padded ``bmm``) within the batched engine's tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedopt_kernels.fl import Simulation, SimulationConfig
+from fedopt_kernels.fl.graph_passes import RAGGED_LENGTHS
+from fedopt_kernels.ops.ragged_bmm import ragged_bmm, ragged_bmm_uses_blas
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLAS = ragged_bmm_uses_blas(torch.float32, "cpu")
+RAW = torch.ops.fedopt_C.ragged_bmm if hasattr(torch.ops.fedopt_C, "ragged_bmm") else None
+
+
+def _oracle(a, b, lengths, dim, zero_fill):
+    a, b = a.double(), b.double()
+    out = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float64)
+    for i, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        if dim == 1:
+            out[i, :n] = a[i, :n] @ b[i]
+            out[i, n:] = 0 if zero_fill else out[i, :1]
+        elif dim == 2:
+            out[i] = a[i, :, :n] @ b[i, :n]
+        else:
+            out[i, :, :n] = a[i] @ b[i, :, :n]
+            out[i, :, n:] = 0 if zero_fill else out[i, :, :1]
+    return out
+
+
+def _operands(C, M, K, N, dtype, layout, gen):
+    """a [C, M, K] and b [C, K, N] as contiguous, transposed or expanded views."""
+    if layout == "contiguous":
+        a, b = torch.randn(C, M, K, generator=gen), torch.randn(C, K, N, generator=gen)
+    elif layout == "transposed":  # what a traced graph passes: W^T and dY^T views
+        a, b = torch.randn(C, K, M, generator=gen).transpose(1, 2), torch.randn(C, N, K, generator=gen).transpose(1, 2)
+    else:  # one matrix for every client (batch stride 0), and a sliced, strided one
+        a = torch.randn(1, M, K, generator=gen).expand(C, M, K)
+        b = torch.randn(C, K, 2 * N + 1, generator=gen)[:, :, 1:2 * N + 1:2]
+    return a.to(dtype), b.to(dtype)
+
+
+def _lengths(C, full, gen):
+    lengths = torch.randint(0, full + 1, (C,), generator=gen)
+    if C >= 3:
+        lengths[0], lengths[1], lengths[2] = 0, full, 1
+    return lengths
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.float16: (2e-3, 2e-3),
+       torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded"])
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("zero_fill", [True, False])
+def test_ragged_bmm_equals_each_clients_product(dtype, layout, dim, zero_fill):
+    gen = torch.Generator().manual_seed(dim * 10 + int(zero_fill))
+    C, M, K, N = 7, 13, 11, 9  # odd sizes
+    a, b = _operands(C, M, K, N, dtype, layout, gen)
+    lengths = _lengths(C, (M, K, N)[dim - 1], gen)
+    expected = _oracle(a, b, lengths, dim, zero_fill)
+    out = ragged_bmm(a, b, lengths, dim, zero_fill=zero_fill)
+    assert out.dtype == dtype and out.shape == (C, M, N) and out.is_contiguous()
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol * K)
+    if RAW is not None and dtype in (torch.float32, torch.float64):  # the per-client mm loop, same values
+        looped = RAW(a, b, lengths, dim, zero_fill, use_blas=False)
+        torch.testing.assert_close(looped.double(), expected, rtol=rtol, atol=atol * K)
+    # the padding is exactly zeros or exactly row/column 0
+    for i, n in enumerate(lengths.tolist()):
+        if dim == 1 and n:
+            pad = out[i, n:]
+            assert torch.equal(pad, torch.zeros_like(pad) if zero_fill else out[i, :1].expand_as(pad))
+        if dim == 3 and n:
+            pad = out[i, :, n:]
+            assert torch.equal(pad, torch.zeros_like(pad) if zero_fill else out[i, :, :1].expand_as(pad))
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+
+
+@pytest.mark.skipif(RAW is None, reason="needs the CPU extension")
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_a_clients_bits_do_not_depend_on_who_shares_the_call(dim):
+    """Client i's product is one single-threaded GEMM of its own shape: computed with 9
+    other clients, with 3 others, beside a copy of itself or alone, on 1 or 2 threads,
+    the same bits (the engine's promise that grouping never changes a client's
+    arithmetic).  MKL's grouped GEMM failed this on 2 threads (it splits unequal
+    groups' work among its threads)."""
+    gen = torch.Generator().manual_seed(3)
+    C, M, K, N = 10, 32, 200, 64
+    a, b = _operands(C, M, K, N, torch.float32, "transposed", gen)
+    lengths = _lengths(C, (M, K, N)[dim - 1], gen)
+    together = ragged_bmm(a, b, lengths, dim, zero_fill=False)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for i in range(C):
+            for rows in ([i], [i, i], [i, (i + 3) % C, (i + 5) % C, (i + 7) % C], list(range(i, C))):
+                part = ragged_bmm(a[rows], b[rows], lengths[rows], dim, zero_fill=False)
+                assert torch.equal(part[0], together[i]), (threads, i, rows)
+
+
+def test_empty_and_degenerate_shapes():
+    for C, M, K, N in [(0, 4, 3, 2), (3, 0, 3, 2), (3, 4, 0, 2), (3, 4, 3, 0)]:
+        for dim in (1, 2, 3):
+            full = (M, K, N)[dim - 1]
+            lengths = torch.full((C,), full, dtype=torch.int64)
+            a, b = torch.randn(C, M, K), torch.randn(C, K, N)
+            out = ragged_bmm(a, b, lengths, dim)
+            assert out.shape == (C, M, N)
+            assert torch.equal(out, torch.bmm(a, b))  # K = 0: zeros, as bmm
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda a, b, n: ragged_bmm(a[0], b, n, 1), "a must be a 3-D floating point tensor"),
+    (lambda a, b, n: ragged_bmm(a, b.long(), n, 1), "b must be a 3-D floating point tensor"),
+    (lambda a, b, n: ragged_bmm(a, b.double(), n, 1), "must share dtype and device"),
+    (lambda a, b, n: ragged_bmm(a, b[:, :2], n, 1), "cannot be multiplied"),
+    (lambda a, b, n: ragged_bmm(a, b, n, 0), "dim must be 1 .rows., 2 .contraction. or 3"),
+    (lambda a, b, n: ragged_bmm(a, b, n.int(), 1), "lengths must be a CPU int64 tensor of shape \\[3\\]"),
+    (lambda a, b, n: ragged_bmm(a, b, n[:2], 1), "lengths must be a CPU int64 tensor of shape \\[3\\]"),
+    (lambda a, b, n: ragged_bmm(a, b, n + 5, 1), "lengths must lie in \\[0, 4\\]"),
+    (lambda a, b, n: ragged_bmm(a, b, n - 5, 2), "lengths must lie in \\[0, 5\\]"),
+])
+def test_bad_input_names_the_argument(call, match):
+    a, b, n = torch.randn(3, 4, 5), torch.randn(3, 5, 6), torch.tensor([1, 2, 3])
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(a, b, n)
+
+
+@pytest.mark.skipif(RAW is None, reason="needs the CPU extension")
+def test_raw_op_checks_what_would_be_memory_unsafe():
+    a, b = torch.randn(3, 4, 5), torch.randn(3, 5, 6)
+    with pytest.raises(RuntimeError, match="outside \\[0, 4\\]"):
+        RAW(a, b, torch.tensor([1, 9, 2]), 1, True)
+    with pytest.raises(RuntimeError, match="lengths must be an int64 tensor of shape \\[3\\]"):
+        RAW(a, b, torch.tensor([1, 2]), 1, True)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        RAW(a, b[:, :4], torch.tensor([1, 2, 3]), 1, True)
+
+
+# ---------------------------------------------------------------- the engine's pass
+SMALL = dict(dataset="digits", hidden=(32,), clients=30, per_round=6, rounds=3, local_steps=8, batch_size=32,
+             lr=0.05, weight_decay=1e-3, max_norm=1.0)
+
+
+def _pair(module=None, loss_fn=None, **kw):
+    """The same batched run with the ragged products and with the padded bmm."""
+    cfg = SimulationConfig(**{**SMALL, **kw})
+    ragged, padded = Simulation(cfg, model=module, loss_fn=loss_fn), Simulation(cfg, model=module, loss_fn=loss_fn)
+    padded.batched.ragged = False
+    ragged.run()
+    padded.run()
+    return ragged, padded
+
+
+def _products(sim):
+    nodes = [n for gm in sim.batched._traced.values() for n in gm.graph.nodes if n.op == "call_function"]
+    ragged = [n for n in nodes if n.target is torch.ops.fedopt_C.ragged_bmm.default]
+    return ragged, [n for n in nodes if n.target is torch.ops.aten.bmm.default]
+
+
+def _assert_close(a, b):
+    assert float((a - b).norm() / b.norm()) <= 1e-5
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not BLAS, reason="the BLAS path (CPU extension, torch with a BLAS) is unavailable")
+def test_ragged_products_replace_every_bmm_of_a_padded_mlp():
+    """A 2-layer MLP's step has 5 products: 2 forward (padded rows = copies of row 0),
+    1 input gradient (zeros) and 2 weight gradients (contractions over the samples);
+    all become ragged, and the run equals the padded one within the engine's
+    tolerance."""
+    ragged, padded = _pair(algo="scaffold", momentum=0.5, per_round=7)
+    nodes, left = _products(ragged)
+    assert not left and ragged.batched.trace_failure is None
+    per_graph = len(ragged.batched._traced)
+    assert len(nodes) == 5 * per_graph
+    fills = sorted((n.args[3], n.args[4]) for n in nodes[:5])
+    assert fills == [(1, False), (1, False), (1, True), (2, True), (2, True)]
+    assert all(hasattr(gm, RAGGED_LENGTHS) for gm in ragged.batched._traced.values())
+    assert _products(padded)[0] == []
+    _assert_close(ragged.x_global, padded.x_global)
+    _assert_close(ragged.scaffold.c, padded.scaffold.c)
+
+
+@pytest.mark.skipif(not BLAS, reason="the BLAS path (CPU extension, torch with a BLAS) is unavailable")
+@pytest.mark.parametrize("case", ["masked-nll", "dropout", "cnn"])
+def test_ragged_products_in_other_models_and_losses(case):
+    """Per-sample losses (masked mode: the weights are the graph's last input), random
+    layers (padded rows of other masks: still finite copies), and a CNN's classifier."""
+    if case == "masked-nll":
+        def make():
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10), nn.LogSoftmax(-1))
+        ragged, padded = _pair(module=make, loss_fn=nn.NLLLoss())
+        assert {k[0] for k in ragged.batched._traced} == {"masked"}
+    elif case == "dropout":
+        def make():
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
+        ragged, padded = _pair(module=make, clients=12, per_round=12)
+    else:
+        ragged, padded = _pair(model="cnn", rounds=3, local_steps=2, clients=8, per_round=8)
+    nodes, left = _products(ragged)
+    assert nodes and not left
+    _assert_close(ragged.x_global, padded.x_global)
+
+
+@pytest.mark.skipif(not BLAS, reason="the BLAS path (CPU extension, torch with a BLAS) is unavailable")
+def test_a_forward_contraction_over_the_samples_is_left_alone():
+    """A product that sums over a batch's samples outside the gradient (a model that
+    mixes its samples) would count the padding: it stays a bmm."""
+    class Gram(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 10)
+
+        def forward(self, x):
+            h = self.lin(x.flatten(1))
+            g = h.T @ h  # [10, 10]: a sum over the samples
+            return h + g.sum() * 0
+
+    cfg = SimulationConfig(**SMALL)
+    sim = Simulation(cfg, model=Gram)
+    sim.run()
+    nodes, left = _products(sim)
+    assert nodes and left, "the forward Gram product must stay a padded bmm"

@@ -26,6 +26,8 @@ says which applies, so callers can keep ``bmm``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 __all__ = ["ragged_bmm", "ragged_bmm_uses_blas"]
@@ -65,10 +67,12 @@ def _reference(a, b, lengths, dim, zero_fill):
 
 
 def ragged_bmm(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, dim: int, *,
-               zero_fill: bool = True) -> torch.Tensor:
+               zero_fill: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``a @ b`` batch by batch over the first ``lengths[i]`` entries of the sample
     dimension ``dim`` (see the module docstring).  Returns a new contiguous
-    ``[C, M, N]`` tensor."""
+    ``[C, M, N]`` tensor, or ``out``: a ``[C, M, N]`` tensor of ``a``'s dtype and
+    device whose rows are contiguous and whose matrices do not overlap (e.g. a slice
+    of each row of a wider buffer, viewed as a matrix)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
             raise TypeError(f"ragged_bmm: {name} must be a 3-D floating point tensor, got "
@@ -89,6 +93,20 @@ def ragged_bmm(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, dim: int
     if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > full):
         raise ValueError(f"ragged_bmm: lengths must lie in [0, {full}] (the size of dim {dim}), got "
                          f"{lengths.tolist()}")
+    C, M, N = a.shape[0], a.shape[1], b.shape[2]
+    if out is not None:
+        ok = (isinstance(out, torch.Tensor) and out.shape == (C, M, N) and out.dtype == a.dtype
+              and out.device == a.device)
+        if ok and out.numel():
+            s0, s1, s2 = out.stride()
+            ok = (s2 == 1 or N == 1) and (s1 >= N or M == 1) and (s0 >= (M - 1) * s1 + N or C == 1)
+        if not ok:
+            raise ValueError(f"ragged_bmm: out must be a {a.dtype} tensor of shape {(C, M, N)} on {a.device} with "
+                             f"contiguous, non-overlapping rows and matrices, got "
+                             f"{(out.dtype, tuple(out.shape), out.stride()) if isinstance(out, torch.Tensor) else out}")
     if a.device.type == "cpu" and _has_cpu_op():
-        return torch.ops.fedopt_C.ragged_bmm(a, b, lengths, dim, bool(zero_fill))
-    return _reference(a, b, lengths, dim, zero_fill)
+        if out is None:
+            return torch.ops.fedopt_C.ragged_bmm(a, b, lengths, dim, bool(zero_fill))
+        return torch.ops.fedopt_C.ragged_bmm.out(a, b, lengths, dim, bool(zero_fill), out=out)
+    result = _reference(a, b, lengths, dim, zero_fill)
+    return result if out is None else out.copy_(result)

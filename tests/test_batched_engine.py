@@ -28,6 +28,7 @@ from fedopt_kernels.fl import ALGORITHMS, Simulation, SimulationConfig
 from fedopt_kernels.fl import batched as B
 from fedopt_kernels.fl import round_plan as P
 from fedopt_kernels.fl.client import LocalConfig, LocalTrainer
+from fedopt_kernels.fl.graph_passes import GRADIENT_BUFFER
 
 # 30 clients of digits with Dirichlet(0.3): several hold fewer than 32 samples, so the
 # padded/masked batches are exercised in every test.
@@ -208,6 +209,26 @@ def test_label_smoothing_and_frozen_parameters():
     bat = _run(module=make, loss_fn=loss_fn, engine="batched")
     assert_close_models(seq.x_global, bat.x_global)
     assert_same_records(seq, bat)
+
+
+def test_traced_graphs_write_gradients_into_the_buffer_frozen_parameters_included():
+    """The traced graph writes each gradient into its part of the group's buffer G
+    (graph_passes.gradients_into_buffer; the frozen parameters' parts are zeroed once
+    per group): the same bits as the transforms run eagerly, whose gradients are
+    concatenated into G every step."""
+    def make():
+        m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        m[1].bias.requires_grad_(False)
+        return m
+
+    traced, eager = _sim(module=make, engine="batched"), _sim(module=make, engine="batched")
+    traced.batched.ragged = False
+    eager.batched.trace = False
+    traced.run()
+    eager.run()
+    graphs = list(traced.batched._traced.values())
+    assert graphs and all(isinstance(getattr(gm, GRADIENT_BUFFER), torch.Tensor) for gm in graphs)
+    assert torch.equal(traced.x_global, eager.x_global)
 
 
 def test_client_batches_are_the_sequential_batches():

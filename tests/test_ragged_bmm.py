@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.graph_passes import RAGGED_LENGTHS
+from fedopt_kernels.fl.graph_passes import GRADIENT_BUFFER, RAGGED_LENGTHS
 from fedopt_kernels.ops.ragged_bmm import ragged_bmm, ragged_bmm_uses_blas
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,6 +111,29 @@ def test_a_clients_bits_do_not_depend_on_who_shares_the_call(dim):
                 assert torch.equal(part[0], together[i]), (threads, i, rows)
 
 
+@pytest.mark.skipif(RAW is None, reason="needs the CPU extension")
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_out_writes_into_a_strided_view_with_the_same_bits(dim):
+    """ragged_bmm.out into the clients' rows of a wider buffer (the engine's gradient
+    buffer G: each matrix a slice of a row of G) gives the bits of the plain op, and
+    touches nothing else of the buffer."""
+    gen = torch.Generator().manual_seed(5)
+    C, M, K, N = 6, 13, 11, 9
+    a, b = _operands(C, M, K, N, torch.float32, "transposed", gen)
+    lengths = _lengths(C, (M, K, N)[dim - 1], gen)
+    G = torch.full((C, 7 + M * N + 5), 3.25)
+    view = G[:, 7:7 + M * N].view(C, M, N)
+    for zero_fill in (True, False):
+        got = ragged_bmm(a, b, lengths, dim, zero_fill=zero_fill, out=view)
+        assert got.data_ptr() == view.data_ptr()
+        assert torch.equal(view, ragged_bmm(a, b, lengths, dim, zero_fill=zero_fill))
+        assert (G[:, :7] == 3.25).all() and (G[:, 7 + M * N:] == 3.25).all()
+    with pytest.raises(ValueError, match="out must be"):
+        ragged_bmm(a, b, lengths, dim, out=G[:, :M * N].view(C, N, M))
+    with pytest.raises(ValueError, match="out must be"):
+        ragged_bmm(a, b, lengths, dim, out=torch.empty(C, N, M).transpose(1, 2))
+
+
 def test_empty_and_degenerate_shapes():
     for C, M, K, N in [(0, 4, 3, 2), (3, 0, 3, 2), (3, 4, 0, 2), (3, 4, 3, 0)]:
         for dim in (1, 2, 3):
@@ -167,7 +190,7 @@ def _pair(module=None, loss_fn=None, **kw):
 
 def _products(sim):
     nodes = [n for gm in sim.batched._traced.values() for n in gm.graph.nodes if n.op == "call_function"]
-    ragged = [n for n in nodes if n.target is torch.ops.fedopt_C.ragged_bmm.default]
+    ragged = [n for n in nodes if n.target in (torch.ops.fedopt_C.ragged_bmm.default, torch.ops.fedopt_C.ragged_bmm.out)]
     return ragged, [n for n in nodes if n.target is torch.ops.aten.bmm.default]
 
 
@@ -189,7 +212,9 @@ def test_ragged_products_replace_every_bmm_of_a_padded_mlp():
     assert len(nodes) == 5 * per_graph
     fills = sorted((n.args[3], n.args[4]) for n in nodes[:5])
     assert fills == [(1, False), (1, False), (1, True), (2, True), (2, True)]
-    assert all(hasattr(gm, RAGGED_LENGTHS) for gm in ragged.batched._traced.values())
+    # the two weight gradients are computed straight into the gradient buffer
+    assert sorted(n.args[3] for n in nodes[:5] if n.target is torch.ops.fedopt_C.ragged_bmm.out) == [2, 2]
+    assert all(hasattr(gm, RAGGED_LENGTHS) and hasattr(gm, GRADIENT_BUFFER) for gm in ragged.batched._traced.values())
     assert _products(padded)[0] == []
     _assert_close(ragged.x_global, padded.x_global)
     _assert_close(ragged.scaffold.c, padded.scaffold.c)

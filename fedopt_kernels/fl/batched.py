@@ -23,6 +23,9 @@ after another.  The batched engine trains the round's ``C`` clients together:
   (:func:`~fedopt_kernels.fl.graph_passes.ragged_products`; ``trainer.ragged =
   False`` keeps the padded ``bmm``): half the arithmetic of the MLP on digits, the
   same values up to a GEMM's rounding, and a client's bits still its own (tested).
+  The graph writes its gradients into ``G`` itself
+  (:func:`~fedopt_kernels.fl.graph_passes.gradients_into_buffer`: the weight
+  gradients computed there, no fresh tensor and no concatenation; the same bits).
   ``trainer.trace = False``
   turns it off (a model whose Python ``forward`` changes with state outside its
   tensors would need that); a failed trace turns it off and is recorded in
@@ -92,7 +95,8 @@ from ..ops import nar_step_batched_
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
-from .graph_passes import RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, ragged_products
+from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops,
+                           gradients_into_buffer, ragged_products)
 from .round_plan import Group, RoundPlanner
 from .seeds import dropout_seed
 
@@ -308,6 +312,7 @@ class BatchedTrainer:
                 ragged_products(fn, make_fx(step, tracing_mode="fake")(*longer), B)
             drop_identity_ops(fn)
             channels_last_pools(fn)
+            gradients_into_buffer(fn, [(o, k, s) for _, o, k, s, t in self._slots if t], self.numel)
         except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager
             self.trace = False
             self.trace_failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
@@ -440,9 +445,16 @@ class BatchedTrainer:
                     traced = self._traced_grad(key, group.mode, args)
                     if hasattr(traced, RAGGED_LENGTHS):
                         setattr(traced, RAGGED_LENGTHS, lengths)
+                    in_buffer = hasattr(traced, GRADIENT_BUFFER)
+                    if in_buffer:  # the graph writes the gradients into G itself
+                        setattr(traced, GRADIENT_BUFFER, G)
+                        for (*_, t), part in zip(self._slots, G_parts):
+                            if not t:  # frozen: zero, as _gather gives them
+                                part.zero_()
                 grads, loss = (traced or grad_fn)(*args)
                 with torch.no_grad():
-                    self._gather(grads, G, G_parts, c)
+                    if not in_buffer:
+                        self._gather(grads, G, G_parts, c)
                     if tmp is not None:  # FedProx: g += mu (x - x0)
                         torch.sub(X, x_global, out=tmp)
                         G.add_(tmp, alpha=cfg.prox_mu)

@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from ..ops import nar_step_batched_
+from ..ops.ragged_bmm import ragged_bmm_uses_blas
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
@@ -306,7 +307,9 @@ class BatchedTrainer:
                 return vmapped(*args)
 
             fn = make_fx(step, tracing_mode="fake")(*example)
-            if self.ragged and mode != "plain":
+            bmm = torch.ops.aten.bmm.default
+            if (self.ragged and mode != "plain" and ragged_bmm_uses_blas(self.layout.dtype, example[3].device)
+                    and any(n.target is bmm for n in fn.graph.nodes)):  # else no second trace
                 B = key[2]
                 longer = (*example[:3], *(torch.cat([t, t[:, :1]], 1) for t in example[3:]))
                 ragged_products(fn, make_fx(step, tracing_mode="fake")(*longer), B)

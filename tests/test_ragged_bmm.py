@@ -190,7 +190,8 @@ def _pair(module=None, loss_fn=None, **kw):
 
 def _products(sim):
     nodes = [n for gm in sim.batched._traced.values() for n in gm.graph.nodes if n.op == "call_function"]
-    ragged = [n for n in nodes if n.target in (torch.ops.fedopt_C.ragged_bmm.default, torch.ops.fedopt_C.ragged_bmm.out)]
+    ops = (torch.ops.fedopt_C.ragged_bmm.default, torch.ops.fedopt_C.ragged_bmm.out)
+    ragged = [n for n in nodes if n.target in ops]
     return ragged, [n for n in nodes if n.target is torch.ops.aten.bmm.default]
 
 
@@ -260,3 +261,39 @@ def test_a_forward_contraction_over_the_samples_is_left_alone():
     sim.run()
     nodes, left = _products(sim)
     assert nodes and left, "the forward Gram product must stay a padded bmm"
+
+
+class _Forgetful(dict):
+    """A cache that keeps nothing: every graph finds its own sample dimensions."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.mark.skipif(not BLAS, reason="the BLAS path (CPU extension, torch with a BLAS) is unavailable")
+def test_sample_dimensions_are_found_once_per_padded_length(monkeypatch):
+    """Graphs of one loss and padded length but different row counts share their
+    products' sample dimensions: one second trace per (mode, batch), not per shape,
+    and the same bits as every graph tracing its own."""
+    from fedopt_kernels.fl import batched as B
+
+    kw = dict(clients=100, per_round=25, rounds=6, local_steps=3)
+    calls = []
+    real = B.sample_dims
+    monkeypatch.setattr(B, "sample_dims", lambda *a: calls.append(a[2]) or real(*a))
+    def several_levels(sim):  # a cheap batched call: the population's several padded lengths
+        sim.batched.planner.call_cost_flops = 2e6
+        sim.batched.planner.set_population(sim.partition.sizes)
+        return sim
+
+    shared = several_levels(Simulation(SimulationConfig(**{**SMALL, **kw})))
+    shared.run()
+    traced = shared.batched.trace_counts
+    per_length = {(mode, batch) for mode, _, batch in traced}
+    assert len(traced) > len(per_length)  # several row counts at one padded length
+    assert sorted(calls) == sorted(batch for _, batch in per_length)
+    own = several_levels(Simulation(SimulationConfig(**{**SMALL, **kw})))
+    own.batched._sample_dims = _Forgetful()
+    own.run()
+    assert len(calls) == len(per_length) + len(own.batched.trace_counts)
+    assert torch.equal(shared.x_global, own.x_global)

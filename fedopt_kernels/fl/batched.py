@@ -96,8 +96,8 @@ from ..ops.ragged_bmm import ragged_bmm_uses_blas
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
-from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops,
-                           gradients_into_buffer, ragged_products)
+from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, graph_signature,
+                           gradients_into_buffer, ragged_products, sample_dims)
 from .round_plan import Group, RoundPlanner
 from .seeds import dropout_seed
 
@@ -256,6 +256,7 @@ class BatchedTrainer:
         self.trace = True  # see _traced_grad
         self.ragged = True  # padded groups' traced products on the real samples only (see _traced_grad)
         self._traced: Dict[tuple, object] = {}
+        self._sample_dims: Dict[tuple, tuple] = {}  # (mode, batch) -> (graph_signature, sample_dims)
         self.trace_counts: Dict[tuple, int] = {}  # times each shape (mode, rows, batch) was traced
         self.trace_failure: Optional[str] = None
 
@@ -311,8 +312,15 @@ class BatchedTrainer:
             if (self.ragged and mode != "plain" and ragged_bmm_uses_blas(self.layout.dtype, example[3].device)
                     and any(n.target is bmm for n in fn.graph.nodes)):  # else no second trace
                 B = key[2]
-                longer = (*example[:3], *(torch.cat([t, t[:, :1]], 1) for t in example[3:]))
-                ragged_products(fn, make_fx(step, tracing_mode="fake")(*longer), B)
+                # the products' sample dimensions: from a second trace at B + 1, once per
+                # loss and padded length (graphs of other row counts share them)
+                signature = graph_signature(fn)
+                found = self._sample_dims.get((mode, B))
+                if found is None or found[0] != signature:
+                    longer = (*example[:3], *(torch.cat([t, t[:, :1]], 1) for t in example[3:]))
+                    found = (signature, sample_dims(fn, make_fx(step, tracing_mode="fake")(*longer), B))
+                    self._sample_dims[(mode, B)] = found
+                ragged_products(fn, found[1], B)
             drop_identity_ops(fn)
             channels_last_pools(fn)
             gradients_into_buffer(fn, [(o, k, s) for _, o, k, s, t in self._slots if t], self.numel)

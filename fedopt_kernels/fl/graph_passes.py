@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["drop_identity_ops", "channels_last_pools", "ragged_products", "RAGGED_LENGTHS", "gradients_into_buffer",
-           "GRADIENT_BUFFER"]
+__all__ = ["drop_identity_ops", "channels_last_pools", "graph_signature", "sample_dims", "ragged_products",
+           "RAGGED_LENGTHS", "gradients_into_buffer", "GRADIENT_BUFFER"]
 
 
 def drop_identity_ops(gm) -> int:
@@ -96,13 +96,55 @@ def _depends_on(graph, source) -> set:
     return seen
 
 
-def ragged_products(gm, longer, batch: int) -> int:
+def _products(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.bmm.default]
+
+
+def _operand_shapes(node):
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:2]]
+    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals)
+
+
+def graph_signature(gm) -> tuple:
+    """What must match for two traces of one function to share :func:`sample_dims`:
+    the sequence of ops and the shapes of every ``bmm``'s operands but for their first
+    (clients') dimension -- graphs of one loss and padded length that differ only in
+    their number of rows."""
+    ops = tuple(n.target for n in gm.graph.nodes if n.op == "call_function")
+    shapes = tuple(tuple(s[1:] if s is not None else None for s in _operand_shapes(n)) for n in _products(gm))
+    return ops, shapes
+
+
+def sample_dims(gm, longer, batch: int):
+    """For each ``bmm`` of ``gm`` (traced with padded batch length ``batch``), in graph
+    order, the dimension of ``a @ b`` that runs over the samples -- 1 (rows), 2
+    (contraction), 3 (columns) -- or None: the one dimension that grows from ``batch``
+    to ``batch + 1`` in ``longer``, the same function traced with ``batch + 1``.  None
+    when the two traces do not line up node for node."""
+    if graph_signature(gm)[0] != graph_signature(longer)[0]:
+        return None
+    dims = []
+    for node, other in zip(_products(gm), _products(longer)):
+        sa, sb = _operand_shapes(node)
+        oa, ob = _operand_shapes(other)
+        if None in (sa, sb, oa, ob) or sa[0] != oa[0] or sb[0] != ob[0]:  # the clients' dimension
+            dims.append(None)
+            continue
+        sizes, grown = (sa[1], sa[2], sb[2]), (oa[1], oa[2], ob[2])
+        changed = [d for d in range(3) if sizes[d] != grown[d]]
+        ok = len(changed) == 1 and sizes[changed[0]] == batch and grown[changed[0]] == batch + 1
+        dims.append(changed[0] + 1 if ok else None)
+    return dims
+
+
+def ragged_products(gm, dims, batch: int) -> int:
     """Run the graph's batched matrix products on the clients' real samples only.
 
     ``gm`` is a group's gradient graph traced with padded batch length ``batch``;
-    ``longer`` the same function traced with ``batch + 1``.  A ``bmm`` whose one
-    dimension grows with the batch (and nothing else) multiplies along the samples; it
-    becomes :func:`~fedopt_kernels.ops.ragged_bmm.ragged_bmm` over each client's
+    ``dims`` its products' sample dimensions (:func:`sample_dims`, found with a second
+    trace at ``batch + 1``, or those of a graph of the same :func:`graph_signature`).
+    A ``bmm`` that multiplies along the samples becomes
+    :func:`~fedopt_kernels.ops.ragged_bmm.ragged_bmm` over each client's
     ``lengths[i]`` real samples (the graph attribute :data:`RAGGED_LENGTHS`, set by the
     caller before each run).  Which fill its padded rows get follows from the graph:
 
@@ -119,40 +161,29 @@ def ragged_products(gm, longer, batch: int) -> int:
     So every value a real sample sees is the padded graph's, up to the rounding of a
     different GEMM; the padded rows stay finite copies, as before.  Applied only where
     the products run on BLAS (CPU float32/float64), where they are faster than the
-    padded ``bmm``.  Returns the number of products rewritten (0 when
-    the two traces do not line up node for node).
+    padded ``bmm``.  Returns the number of products rewritten (0 when ``dims`` does not
+    fit the graph).
     """
     from ..ops.ragged_bmm import ragged_bmm_uses_blas
 
-    aten = torch.ops.aten
-    nodes, others = list(gm.graph.nodes), list(longer.graph.nodes)
-    if len(nodes) != len(others) or any(n.op != o.op or n.target != o.target for n, o in zip(nodes, others)):
-        return 0
-    inputs = [n for n in nodes if n.op == "placeholder"]
-    if not inputs:
-        return 0
-    gradient = _depends_on(gm.graph, inputs[-1])
     graph = gm.graph
+    products = _products(gm)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    if dims is None or len(dims) != len(products) or not inputs:
+        return 0
+    gradient = _depends_on(graph, inputs[-1])
+    first = next(n for n in graph.nodes if n.op != "placeholder")
     lengths = None
     rewritten = 0
-    for node, other in zip(nodes, others):
-        if node.op != "call_function" or node.target is not aten.bmm.default:
-            continue
+    for node, dim in zip(products, dims):
         a, b = node.args
         va, vb = a.meta.get("val"), b.meta.get("val")
-        oa, ob = other.args[0].meta.get("val"), other.args[1].meta.get("val")
-        if not all(isinstance(v, torch.Tensor) for v in (va, vb, oa, ob)):
+        if dim is None or not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
             continue
         if va.device.type != "cpu" or not ragged_bmm_uses_blas(va.dtype, va.device):
             continue
-        sizes = (va.shape[1], va.shape[2], vb.shape[2])
-        grown = (oa.shape[1], oa.shape[2], ob.shape[2])
-        if va.shape[0] != oa.shape[0] or vb.shape[0] != ob.shape[0]:  # the clients' dimension
+        if (va.shape[1], va.shape[2], vb.shape[2])[dim - 1] != batch:
             continue
-        changed = [d for d in range(3) if sizes[d] != grown[d]]
-        if len(changed) != 1 or sizes[changed[0]] != batch or grown[changed[0]] != batch + 1:
-            continue
-        dim = changed[0] + 1
         if dim == 2:  # a sum over the samples: only where one factor is zero on padding
             if a not in gradient and b not in gradient:
                 continue
@@ -161,7 +192,7 @@ def ragged_products(gm, longer, batch: int) -> int:
             zero_fill = (a if dim == 1 else b) in gradient
         if lengths is None:
             gm.register_buffer(RAGGED_LENGTHS, torch.zeros(va.shape[0], dtype=torch.int64), persistent=False)
-            with graph.inserting_before(nodes[len(inputs)]):
+            with graph.inserting_before(first):
                 lengths = graph.get_attr(RAGGED_LENGTHS)
         with graph.inserting_before(node):
             ragged = graph.call_function(torch.ops.fedopt_C.ragged_bmm.default, (a, b, lengths, dim, zero_fill))

@@ -23,13 +23,17 @@
 // cblas_sgemm_batch, was slower here -- 782 against 647 us for the 8 products of an
 // MLP step of 20 digits clients, 2 threads -- and splits the work of unequal groups
 // among its threads, so a client's bits there follow its neighbours.)
+// With another BLAS (OpenBLAS on some platforms) there is no per-thread count to set:
+// each GEMM runs as that library threads it.  Its bits should still be the client's
+// own as long as it splits rows and columns but not the contraction -- not checked
+// here, where only MKL was measured.
 // The BLAS symbols are declared weak: a torch without them (built without a BLAS)
 // leaves them null, and the op then loops at::mm per client -- correct, but slower
 // than the padded bmm, so callers ask ragged_bmm_blas() before choosing this op.
 #include <algorithm>
 #include <climits>
-#include <type_traits>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/ATen.h>

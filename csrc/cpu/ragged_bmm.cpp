@@ -201,7 +201,8 @@ at::Tensor& ragged_bmm_out_cpu(const at::Tensor& a, const at::Tensor& b, const a
                   (out.stride(0) >= (M - 1) * out.stride(1) + N || C == 1),
               op, "out must have contiguous, non-overlapping rows and matrices, got strides ", out.strides());
 
-  const bool fits_int = std::max({M, N, K, a.stride(1), a.stride(2), b.stride(1), b.stride(2)}) < INT_MAX;
+  const bool fits_int =
+      std::max({M, N, K, a.stride(1), a.stride(2), b.stride(1), b.stride(2), out.stride(1)}) < INT_MAX;
   if (use_blas && blas_for(a.scalar_type()) && fits_int) {
     const BlasOperand A = blas_operand(a), B = blas_operand(b);
     if (a.scalar_type() == at::kFloat) {

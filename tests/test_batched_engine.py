@@ -392,7 +392,7 @@ def test_batch_statistics_see_no_padding():
                                 dict(clients=100, per_round=25, batch_size=16, client_batch=4)],
                          ids=["mlp-scaffold", "cnn", "many-small-grouped"])
 def test_traced_steps_equal_the_torch_func_transforms(kw):
-    """After the first round the vmapped gradient runs as a traced graph of ATen ops:
+    """The vmapped gradient runs as a traced graph of ATen ops from the first round:
     the same bits as the transforms run eagerly (the ragged products, which change the
     rounding, are tested apart: test_ragged_products_*)."""
     traced = _sim(engine="batched", **kw)
@@ -429,7 +429,7 @@ def test_real_run_benchmark_times_consecutive_rounds_with_new_clients():
     cases = [r["case"] for r in rows]
     assert cases[0].endswith("rounds 2-3, median") and cases[1] == "hand-written loop, same clients, median"
     assert cases[2].startswith("engine, rounds 2-3, mean (") and cases[3:] == [
-        "first round (eager; the process's first torch.func call)", "evaluation (test set, apart)"]
+        "first round (the process's first torch.func call, its traces)", "evaluation (test set, apart)"]
     assert all(r["ms"] > 0 for r in rows)
     # the hand loop trains only the chosen clients: one client with weight 1 moves the
     # model exactly as that client's own data-size weight of 1 says
@@ -479,8 +479,8 @@ def _shapes_of_rounds(sim, rounds):
 
 def test_real_run_shapes_come_from_a_fixed_set_and_are_traced_once():
     """New clients every round: group rows follow the ladder, so a 12-round run meets a
-    few shapes, each traced once (at its first sighting after the first round, which
-    runs eagerly to verify the model), never once per round."""
+    few shapes, each traced once (at its first sighting, the first round included),
+    never once per round."""
     sim = _several_levels(_sim(engine="batched", clients=100, per_round=25, rounds=12, local_steps=3))
     rounds = _shapes_of_rounds(sim, 12)
     assert len({frozenset(s) for s in rounds}) > 1  # the rounds' compositions differ
@@ -494,8 +494,8 @@ def test_real_run_shapes_come_from_a_fixed_set_and_are_traced_once():
     assert sum(sightings.values()) > len(sightings)  # shapes come back
     traced = sim.batched.trace_counts
     assert traced and set(traced.values()) == {1}
-    # traced = exactly the shapes met after the first round (which runs eagerly to verify the model)
-    assert set(traced) == {(mode, rows, batch) for groups in rounds[1:] for mode, rows, _, batch in groups}
+    # traced = exactly the shapes met, each at its first sighting
+    assert set(traced) == {(mode, rows, batch) for groups in rounds for mode, rows, _, batch in groups}
     assert sum(traced.values()) < 12
 
 

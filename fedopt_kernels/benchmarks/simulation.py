@@ -204,10 +204,9 @@ def bench_real_run(model: str, clients: int, per_round: int, *, label: str, devi
     """ms per round of ``rounds`` consecutive rounds of one run (``per_round`` of
     ``clients`` clients sampled anew each round, the default engine), each round timed
     beside the authors' loop over the round's clients (alternating): the median and the
-    mean of rounds 2.. (the mean with the traces of new group shapes: what a run
-    costs), the first round (eager, verifying that the model can be batched, and in a
-    fresh process paying torch.func's one-time imports) and one test-set evaluation on
-    rows of their own."""
+    mean of rounds 2.. (the mean with the traces of group shapes first met there), the
+    first round (tracing the shapes it meets, and in a fresh process paying torch.func's
+    one-time imports) and one test-set evaluation on rows of their own."""
     import statistics
     import time
 
@@ -245,7 +244,8 @@ def bench_real_run(model: str, clients: int, per_round: int, *, label: str, devi
          "vs hand loop": 1.0, "time / batched": hand_t / steady},
         {"benchmark": name, "case": f"engine, rounds 2-{rounds + 1}, mean ({traces} shapes traced)",
          "ms": mean * 1e3, "vs hand loop": hand_mean / mean, "time / batched": mean / steady},
-        {"benchmark": name, "case": "first round (eager; the process's first torch.func call)", "ms": first * 1e3,
+        {"benchmark": name, "case": "first round (the process's first torch.func call, its traces)",
+         "ms": first * 1e3,
          "vs hand loop": loop[0] / first, "time / batched": first / steady},
         {"benchmark": name, "case": "evaluation (test set, apart)", "ms": evaluation * 1e3,
          "vs hand loop": float("nan"), "time / batched": evaluation / steady},

@@ -292,12 +292,12 @@ class BatchedTrainer:
         (``self.ragged``, padded groups) runs the matrix products on the real samples
         only: the same values up to a GEMM's rounding.  Traced at a shape's first
         sighting, so every group of a shape runs the same code whichever round or group
-        meets it first, and the first round too runs traced: its 20-odd local steps
-        repay the trace (MLP on digits: 0.2 s of tracing against ~0.3 s more for an
-        eager round).  A model the transforms cannot batch fails its trace as it would
-        fail eagerly: tracing is then off and the round runs eagerly, whose failure is
-        the first round's :class:`BatchedUnsupported`.  None: run the transforms
-        eagerly (tracing off or failed)."""
+        meets it first; the first round too, so that the shapes it meets are traced
+        there and a run's later rounds run at their steady speed (over a run this moves
+        the traces' cost rather than saving it).  A model the transforms cannot batch
+        fails its trace as it would fail eagerly: tracing is then off and the round
+        runs eagerly, whose failure is the first round's :class:`BatchedUnsupported`.
+        None: run the transforms eagerly (tracing off or failed)."""
         fn = self._traced.get(key)
         if fn is not None or not self.trace:
             return fn

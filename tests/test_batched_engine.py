@@ -211,17 +211,18 @@ def test_label_smoothing_and_frozen_parameters():
     assert_same_records(seq, bat)
 
 
-def test_traced_graphs_write_gradients_into_the_buffer_frozen_parameters_included():
+@pytest.mark.parametrize("algo", ["fedavg", "fedprox", "scaffold"])
+def test_traced_graphs_write_gradients_into_the_buffer_frozen_parameters_included(algo):
     """The traced graph writes each gradient into its part of the group's buffer G
-    (graph_passes.gradients_into_buffer; the frozen parameters' parts are zeroed once
-    per group): the same bits as the transforms run eagerly, whose gradients are
-    concatenated into G every step."""
+    (graph_passes.gradients_into_buffer; the frozen parameters' parts are zeroed every
+    step, as FedProx and SCAFFOLD add their terms to all of G): the same bits as the
+    transforms run eagerly, whose gradients are concatenated into G every step."""
     def make():
         m = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
         m[1].bias.requires_grad_(False)
         return m
 
-    traced, eager = _sim(module=make, engine="batched"), _sim(module=make, engine="batched")
+    traced, eager = _sim(module=make, engine="batched", algo=algo), _sim(module=make, engine="batched", algo=algo)
     traced.batched.ragged = False
     eager.batched.trace = False
     traced.run()

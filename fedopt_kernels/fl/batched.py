@@ -459,15 +459,11 @@ class BatchedTrainer:
                     if hasattr(traced, RAGGED_LENGTHS):
                         setattr(traced, RAGGED_LENGTHS, lengths)
                     in_buffer = hasattr(traced, GRADIENT_BUFFER)
-                    if in_buffer:  # the graph writes the gradients into G itself
+                    if in_buffer:  # the graph writes the trainable parameters' gradients into G itself
                         setattr(traced, GRADIENT_BUFFER, G)
-                        for (*_, t), part in zip(self._slots, G_parts):
-                            if not t:  # frozen: zero, as _gather gives them
-                                part.zero_()
                 grads, loss = (traced or grad_fn)(*args)
                 with torch.no_grad():
-                    if not in_buffer:
-                        self._gather(grads, G, G_parts, c)
+                    self._gather(grads, G, G_parts, c, written=in_buffer)
                     if tmp is not None:  # FedProx: g += mu (x - x0)
                         torch.sub(X, x_global, out=tmp)
                         G.add_(tmp, alpha=cfg.prox_mu)
@@ -497,14 +493,18 @@ class BatchedTrainer:
                 ids = torch.tensor(rows[:real], device=device)
                 out.index_copy_(0, ids, torch.sub(x_global, X[:real]))
 
-    def _gather(self, grads, G, G_parts, c) -> None:
+    def _gather(self, grads, G, G_parts, c, *, written: bool = False) -> None:
         """The per-parameter gradients into the flat ``[c, N]`` buffer (frozen
-        parameters get zero, as in the sequential engine, where they get no gradient)."""
+        parameters get zero, as in the sequential engine, where they get no gradient),
+        every step: the FedProx and SCAFFOLD terms are added to all of ``G``.
+        ``written``: a traced graph already wrote the trainable parameters' parts
+        (:func:`~fedopt_kernels.fl.graph_passes.gradients_into_buffer`)."""
         if not self._frozen:
-            torch.cat([grads[n].reshape(c, -1) for n, *_ in self._slots], dim=1, out=G)
+            if not written:
+                torch.cat([grads[n].reshape(c, -1) for n, *_ in self._slots], dim=1, out=G)
             return
         for (n, _, _, _, t), part in zip(self._slots, G_parts):
-            if t:
-                part.copy_(grads[n].reshape(c, -1))
-            else:
+            if not t:
                 part.zero_()
+            elif not written:
+                part.copy_(grads[n].reshape(c, -1))

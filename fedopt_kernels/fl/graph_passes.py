@@ -105,14 +105,17 @@ def _operand_shapes(node):
     return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals)
 
 
+def _ops(gm) -> tuple:
+    return tuple(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
 def graph_signature(gm) -> tuple:
     """What must match for two traces of one function to share :func:`sample_dims`:
     the sequence of ops and the shapes of every ``bmm``'s operands but for their first
     (clients') dimension -- graphs of one loss and padded length that differ only in
     their number of rows."""
-    ops = tuple(n.target for n in gm.graph.nodes if n.op == "call_function")
     shapes = tuple(tuple(s[1:] if s is not None else None for s in _operand_shapes(n)) for n in _products(gm))
-    return ops, shapes
+    return _ops(gm), shapes
 
 
 def sample_dims(gm, longer, batch: int):
@@ -121,7 +124,7 @@ def sample_dims(gm, longer, batch: int):
     (contraction), 3 (columns) -- or None: the one dimension that grows from ``batch``
     to ``batch + 1`` in ``longer``, the same function traced with ``batch + 1``.  None
     when the two traces do not line up node for node."""
-    if graph_signature(gm)[0] != graph_signature(longer)[0]:
+    if _ops(gm) != _ops(longer):
         return None
     dims = []
     for node, other in zip(_products(gm), _products(longer)):
@@ -210,18 +213,6 @@ def ragged_products(gm, dims, batch: int) -> int:
 #: ``[rows, N]`` gradient buffer ``G``, set before each call.
 GRADIENT_BUFFER = "gradient_buffer"
 
-_VIEWS = None
-
-
-def _view_ops():
-    global _VIEWS
-    if _VIEWS is None:
-        aten = torch.ops.aten
-        _VIEWS = (aten.transpose.int, aten.view.default, aten._unsafe_view.default, aten.permute.default,
-                  aten.alias.default, aten.t.default)
-    return _VIEWS
-
-
 def gradients_into_buffer(gm, slots, numel: int) -> int:
     """Have the graph write its gradients straight into the group's flat buffer ``G``
     (the graph attribute :data:`GRADIENT_BUFFER`, set by the caller before each run),
@@ -251,6 +242,8 @@ def gradients_into_buffer(gm, slots, numel: int) -> int:
     if any(tuple(v.shape) != (rows, *shape) or v.numel() != rows * k for v, (_, k, shape) in zip(vals, slots)):
         return 0
     ragged_out = torch.ops.fedopt_C.ragged_bmm.out
+    views = (aten.transpose.int, aten.view.default, aten._unsafe_view.default, aten.permute.default,
+             aten.alias.default, aten.t.default)
     gm.register_buffer(GRADIENT_BUFFER, torch.zeros(rows, numel, dtype=vals[0].dtype), persistent=False)
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
@@ -258,7 +251,7 @@ def gradients_into_buffer(gm, slots, numel: int) -> int:
     in_place = 0
     for j, (grad, val, (offset, k, shape)) in enumerate(zip(grads, vals, slots)):
         producer = grad
-        while producer.op == "call_function" and producer.target in _view_ops() and len(producer.users) == 1:
+        while producer.op == "call_function" and producer.target in views and len(producer.users) == 1:
             producer = producer.args[0]
         pval = producer.meta.get("val") if isinstance(producer, torch.fx.Node) else None
         direct = (producer.op == "call_function" and producer.target is torch.ops.fedopt_C.ragged_bmm.default

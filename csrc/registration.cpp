@@ -72,6 +72,15 @@ TORCH_LIBRARY(fedopt_C, m) {
   m.def(
       "aggregate(Tensor[] clients, Tensor weights, float gamma, Tensor? gamma_tensor, "
       "Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
+  // aggregate over clients read in place from pieces (CPU only: replies to a server
+  // held in host memory, each a list of per-layer arrays): `pieces` holds client 0's
+  // `pieces_per_client` pieces, then client 1's, ...; client i's vector is the
+  // concatenation of its pieces (piece p of every client has the same numel), or, with
+  // `subtract_from` ([N]), subtract_from minus that.  Same results, bit for bit, as
+  // aggregate over the [C, N] rows those pieces would be copied into.
+  m.def(
+      "aggregate_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, Tensor weights, "
+      "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
   // [<clients[i], g> for each i] in one pass over the data (the backward of the
   // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");

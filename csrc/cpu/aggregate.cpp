@@ -87,7 +87,7 @@ bool check_vector(const Tensor& t, const Clients& cl, const char* what) {
 
 template <typename acc_t>
 std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weights, acc_t gamma, const Tensor& out,
-                                         bool out_is_acc) {
+                                         bool out_is_acc, const PieceTable* pieces = nullptr) {
   const int64_t C = cl.C;
   const ChunkTable table = build_chunk_table({cl.N}, {0}, 1, kAggChunk);
   const int64_t nc = static_cast<int64_t>(table.chunks.size());
@@ -99,6 +99,7 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
   args.out_is_acc = out_is_acc;
   args.num_clients = C;
   args.clients = cl.rows.data();
+  args.pieces = pieces;
   args.weights = w.const_data_ptr<acc_t>();
   args.gamma = gamma;
   args.out = out.data_ptr();
@@ -123,25 +124,73 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
   return {q, Q};
 }
 
-std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weights, double gamma,
-                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip) {
-  const Clients cl = unpack_clients(clients, "fedopt_C::aggregate");
+// The checks and the skip convention both forms of aggregate share, then the pass.
+std::tuple<Tensor, Tensor> aggregate_checked(const char* op, const Clients& cl, const Tensor& weights, double gamma,
+                                             const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip,
+                                             const PieceTable* pieces) {
   const at::ScalarType acc = acc_type(cl.dtype);
-  TORCH_CHECK(weights.device().is_cpu() && weights.numel() == cl.C, "fedopt_C::aggregate: weights must be a CPU "
-              "tensor of ", cl.C, " elements, got ", weights.numel(), " on ", weights.device());
+  TORCH_CHECK(weights.device().is_cpu() && weights.numel() == cl.C, op, ": weights must be a CPU tensor of ", cl.C,
+              " elements, got ", weights.numel(), " on ", weights.device());
   check_hyper_dtype(weights, "weights");
   const bool out_is_acc = check_vector(out, cl, "out");
   if (skip.has_value()) {
-    TORCH_CHECK(skip->numel() == 1 && skip->device().is_cpu(), "fedopt_C::aggregate: skip must be a "
-                "one-element CPU tensor");
+    TORCH_CHECK(skip->numel() == 1 && skip->device().is_cpu(), op, ": skip must be a one-element CPU tensor");
     if (skip->item<bool>()) {
       return {at::zeros({cl.C}, at::TensorOptions().dtype(acc)), at::zeros({}, at::TensorOptions().dtype(acc))};
     }
   }
   const double g = gamma_tensor.has_value() ? read_hyper_scalar(*gamma_tensor, "gamma_tensor") : gamma;
-  if (acc == at::kDouble) return run_aggregate<double>(cl, weights, g, out, out_is_acc);
+  if (acc == at::kDouble) return run_aggregate<double>(cl, weights, g, out, out_is_acc, pieces);
   // Rounded like python_ref's torch.as_tensor(gamma, dtype=float32).
-  return run_aggregate<float>(cl, weights, static_cast<float>(g), out, out_is_acc);
+  return run_aggregate<float>(cl, weights, static_cast<float>(g), out, out_is_acc, pieces);
+}
+
+std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weights, double gamma,
+                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip) {
+  const Clients cl = unpack_clients(clients, "fedopt_C::aggregate");
+  return aggregate_checked("fedopt_C::aggregate", cl, weights, gamma, gamma_tensor, out, skip, nullptr);
+}
+
+// aggregate over clients given as pieces, read in place (kernel_api.h, PieceTable):
+// `pieces` lists client 0's pieces, then client 1's, ...; every client has
+// `pieces_per_client` of them, piece p of every client having the same number of
+// elements; `subtract_from` (optional, [N]) makes client i's row subtract_from - x_i.
+std::tuple<Tensor, Tensor> aggregate_pieces_cpu(TensorList pieces, int64_t pieces_per_client,
+                                                const OptTensor& subtract_from, const Tensor& weights, double gamma,
+                                                const OptTensor& gamma_tensor, const Tensor& out,
+                                                const OptTensor& skip) {
+  const char* op = "fedopt_C::aggregate_pieces";
+  const int64_t L = pieces_per_client;
+  const int64_t total = static_cast<int64_t>(pieces.size());
+  TORCH_CHECK(L >= 1 && total >= L && total % L == 0, op, ": pieces must hold pieces_per_client (", L,
+              ") pieces for each of at least one client, got ", total, " pieces");
+  Clients cl;
+  cl.dtype = pieces[0].scalar_type();
+  check_supported_float(op, "pieces", cl.dtype);
+  cl.C = total / L;
+  std::vector<int64_t> starts(L + 1, 0);
+  for (int64_t p = 0; p < L; ++p) starts[p + 1] = starts[p] + pieces[p].numel();
+  cl.N = starts[L];
+  std::vector<const void*> ptrs(total);
+  for (int64_t i = 0; i < cl.C; ++i) {
+    for (int64_t p = 0; p < L; ++p) {
+      const Tensor& t = pieces[i * L + p];
+      check_flat(t, cl.dtype, "pieces");
+      TORCH_CHECK(t.is_contiguous(), op, ": pieces must be contiguous (client ", i, ", piece ", p, ")");
+      TORCH_CHECK(t.numel() == starts[p + 1] - starts[p], op, ": piece ", p, " of client ", i, " has ", t.numel(),
+                  " elements, client 0's has ", starts[p + 1] - starts[p]);
+      ptrs[i * L + p] = t.const_data_ptr();
+    }
+  }
+  const void* base = nullptr;
+  if (subtract_from.has_value()) {
+    check_flat(*subtract_from, cl.dtype, "subtract_from");
+    TORCH_CHECK(subtract_from->is_contiguous() && subtract_from->numel() == cl.N, op, ": subtract_from must be a "
+                "contiguous tensor of ", cl.N, " elements, got ", subtract_from->numel());
+    base = subtract_from->const_data_ptr();
+  }
+  const PieceTable table{L, starts.data(), ptrs.data(), base};
+  return aggregate_checked(op, cl, weights, gamma, gamma_tensor, out, skip, &table);
 }
 
 template <typename acc_t>
@@ -184,5 +233,6 @@ Tensor client_dots_cpu(TensorList clients, const Tensor& g) {
 
 TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
   m.impl("aggregate", &fedopt::cpu::aggregate_cpu);
+  m.impl("aggregate_pieces", &fedopt::cpu::aggregate_pieces_cpu);
   m.impl("client_dots", &fedopt::cpu::client_dots_cpu);
 }

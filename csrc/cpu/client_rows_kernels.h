@@ -101,16 +101,52 @@ C10_ALWAYS_INLINE void walk_rows(const scalar_t* const* x, int64_t m, const Body
 template <int R>
 using Rows = std::integral_constant<int, R>;
 
+// Client i's row over the columns [start, start + len) of a PieceTable (kernel_api.h):
+// read in place where those columns lie inside one piece and there is no base, else
+// staged into `buf` (len <= kAggChunk elements) -- copied piece by piece, or base - x
+// with one subtraction rounded to scalar_t (c10::Half and c10::BFloat16 subtract in
+// float and round once, as torch.sub and NumPy's float16 do).  Staging costs a write
+// and a read of a cache-resident buffer per element, against the row's one read from
+// memory; a reply's layers are rarely a multiple of the chunk, so most chunks of a
+// model with biases straddle two pieces.
+template <typename scalar_t>
+const scalar_t* stage_chunk(const PieceTable& t, int64_t i, int64_t start, int64_t len, scalar_t* buf) {
+  const int64_t L = t.num_pieces;
+  // the piece holding column `start`: the last p with starts[p] <= start (so never an
+  // empty piece: those share their start with the next one)
+  int64_t p = std::upper_bound(t.starts, t.starts + L + 1, start) - t.starts - 1;
+  const void* const* ptrs = t.ptrs + i * L;
+  const scalar_t* base = t.base != nullptr ? static_cast<const scalar_t*>(t.base) + start : nullptr;
+  if (base == nullptr && start + len <= t.starts[p + 1]) {
+    return static_cast<const scalar_t*>(ptrs[p]) + (start - t.starts[p]);
+  }
+  for (int64_t j = 0; j < len;) {
+    while (start + j >= t.starts[p + 1]) ++p;
+    const int64_t n = std::min(len - j, t.starts[p + 1] - (start + j));
+    const scalar_t* src = static_cast<const scalar_t*>(ptrs[p]) + (start + j - t.starts[p]);
+    if (base != nullptr) {
+      for (int64_t k = 0; k < n; ++k) buf[j + k] = static_cast<scalar_t>(base[j + k] - src[k]);
+    } else {
+      std::copy(src, src + n, buf + j);
+    }
+    j += n;
+  }
+  return buf;
+}
+
 // The C clients over the stripe of chunks [c, c + nk): in groups of four where
 // `four(i)` (clients i .. i + 3) allows, else one at a time.  run(Rows<R>, i, m, k, x,
 // q) adds clients [i, i + R) over chunk k of the stripe (m columns): x[r] is client
-// i + r's row at the chunk's start, q[r] its kN lanes, whose sum goes to
-// partials[(c + k) * C + i + r].
+// i + r's row at the chunk's start (`clients[i + r]`, or staged from `pieces` when
+// given), q[r] its kN lanes, whose sum goes to partials[(c + k) * C + i + r].
 template <typename scalar_t, typename acc_t, typename Four, typename Run>
-C10_ALWAYS_INLINE void stream_clients(const void* const* clients, const Chunk* chunks, int64_t c, int64_t nk,
-                                      int64_t C, acc_t* partials, const Four& four, const Run& run) {
+C10_ALWAYS_INLINE void stream_clients(const void* const* clients, const PieceTable* pieces, const Chunk* chunks,
+                                      int64_t c, int64_t nk, int64_t C, acc_t* partials, const Four& four,
+                                      const Run& run) {
   using B = Block<acc_t>;
   alignas(64) acc_t lanes[4 * B::kN];
+  // one staging buffer per client of a group (4 x 16 KiB of fp32)
+  std::unique_ptr<scalar_t[]> staging(pieces != nullptr ? new scalar_t[4 * kAggChunk] : nullptr);
   auto group = [&](int64_t i, auto rows) {
     constexpr int R = decltype(rows)::value;
     acc_t* q[R];
@@ -118,7 +154,10 @@ C10_ALWAYS_INLINE void stream_clients(const void* const* clients, const Chunk* c
     for (int64_t k = 0; k < nk; ++k) {
       const Chunk& ch = chunks[c + k];
       const scalar_t* x[R];
-      for (int r = 0; r < R; ++r) x[r] = static_cast<const scalar_t*>(clients[i + r]) + ch.start;
+      for (int r = 0; r < R; ++r) {
+        x[r] = pieces == nullptr ? static_cast<const scalar_t*>(clients[i + r]) + ch.start
+                                 : stage_chunk(*pieces, i + r, ch.start, ch.len, staging.get() + r * kAggChunk);
+      }
       std::fill(lanes, lanes + R * B::kN, acc_t(0));
       run(rows, i, ch.len, k, x, q);
       for (int r = 0; r < R; ++r) partials[(c + k) * C + i + r] = B::reduce_lanes(q[r]);
@@ -230,7 +269,7 @@ void aggregate_chunks(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
     for (int64_t k = 0; k < nk; ++k) {
       std::fill(buffer.slot(k), buffer.slot(k) + padded<acc_t>(a.chunks[c + k].len), acc_t(0));
     }
-    stream_clients<scalar_t>(a.clients, a.chunks, c, nk, a.num_clients, a.client_partials, nonzero_four,
+    stream_clients<scalar_t>(a.clients, a.pieces, a.chunks, c, nk, a.num_clients, a.client_partials, nonzero_four,
                              [&](auto rows, int64_t i, int64_t m, int64_t k, const scalar_t* const* x,
                                  acc_t* const* q) {
       if constexpr (decltype(rows)::value == 4) {
@@ -315,7 +354,8 @@ void client_dots_chunks(const DotsArgs<acc_t>& a, int64_t c0, int64_t c1) {
       const Chunk& ch = a.chunks[c + k];
       gs[k] = g_blocks(g + ch.start, ch.len, buffer.slot(k));
     }
-    stream_clients<scalar_t>(a.clients, a.chunks, c, nk, a.num_clients, a.partials, [](int64_t) { return true; },
+    stream_clients<scalar_t>(a.clients, nullptr, a.chunks, c, nk, a.num_clients, a.partials,
+                             [](int64_t) { return true; },
                              [&](auto rows, int64_t, int64_t m, int64_t k, const scalar_t* const* x,
                                  acc_t* const* d) { dots_rows<decltype(rows)::value>(x, m, gs[k], d); });
   });

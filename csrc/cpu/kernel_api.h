@@ -50,6 +50,20 @@ struct NarArgs {
   const uint8_t* skip;              // update pass input: 1 = leave the group untouched
 };
 
+// Clients read in place from pieces (aggregate_pieces): client i's row is the
+// concatenation of its `num_pieces` pieces, piece p covering the columns [starts[p],
+// starts[p + 1]) from ptrs[i * num_pieces + p] -- the per-layer arrays of a reply, say
+// -- and, with `base`, the row is base - that (one subtraction in the clients' type,
+// as a [C, N] copy of base - x_i would hold).  The kernels stage a chunk of such a row
+// into a buffer of kAggChunk elements (L1/L2-resident) and walk it as they walk a row,
+// so every chunk sees exactly the values of the copied row: the same bits.
+struct PieceTable {
+  int64_t num_pieces;
+  const int64_t* starts;            // [num_pieces + 1], starts[0] = 0, starts[num_pieces] = N
+  const void* const* ptrs;          // [C * num_pieces]
+  const void* base;                 // [N] in the clients' type, or nullptr
+};
+
 // out = gamma * sum_i w_i X_i over column chunks, with per-chunk partials of
 // ||X_i||^2 and ||sum_i w_i X_i||^2.
 template <typename acc_t>
@@ -57,7 +71,8 @@ struct AggregateArgs {
   ScalarKind kind;                  // clients' element type
   bool out_is_acc;                  // out holds acc_t (else the clients' type)
   int64_t num_clients;
-  const void* const* clients;       // per client: the first element of its row
+  const void* const* clients;       // per client: the first element of its row (unused with pieces)
+  const PieceTable* pieces = nullptr;  // the clients as pieces instead of rows
   const acc_t* weights;             // [C]
   acc_t gamma;
   void* out;                        // [N]

@@ -1,6 +1,7 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
-Every backend is a module exposing the same seven functions, with the same contract
+Every backend is a module exposing the same seven functions (and optionally an eighth,
+``aggregate_pieces``), with the same contract
 (the ops layer has validated every argument before they are called; ``mode`` is 0 co /
 1 grad / 2 none).  A hyperparameter that may be a number or a tensor (``lr``,
 ``weight_decay``, ``gamma``) comes as the pair ``h, h_tensor`` of :mod:`.hyper`: a
@@ -34,6 +35,14 @@ momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
     ``out = gamma * sum_i weights[i] * clients[i]`` with the norms in the same pass;
     ``clients`` is a list of 1-D tensors or a 2-D tensor; ``gamma_tensor`` None or
     0-d; ``skip`` None or a 0-d bool tensor (true: ``out`` untouched, zero stats).
+
+``aggregate_pieces(pieces, pieces_per_client, subtract_from, weights, gamma, gamma_tensor, out,
+skip) -> (client_sq_norms, sq_norm)`` (optional: the ``cpu`` backend)
+    ``aggregate`` over clients read in place from their pieces
+    (:class:`~fedopt_kernels.ops.ClientPieces`: client ``i``'s vector is its
+    ``pieces_per_client`` pieces of the flat list ``pieces`` concatenated, subtracted
+    from ``subtract_from`` when given), bit for bit ``aggregate`` over the rows they
+    would be copied into.  Without it the ops layer stacks the rows.
 
 One "do nothing" convention for every op: an optional one-element device tensor read by
 the kernels (no host sync), nonzero = the op writes nothing -- ``found_inf`` of the

@@ -42,6 +42,11 @@ def aggregate(clients, weights, gamma, gamma_tensor, out, skip):
     return torch.ops.fedopt_C.aggregate(clients, weights, float(gamma), gamma_tensor, out, skip)
 
 
+def aggregate_pieces(pieces, pieces_per_client, subtract_from, weights, gamma, gamma_tensor, out, skip):
+    return torch.ops.fedopt_C.aggregate_pieces(pieces, int(pieces_per_client), subtract_from, weights, float(gamma),
+                                               gamma_tensor, out, skip)
+
+
 def client_dots(clients, g):
     if isinstance(clients, torch.Tensor):
         clients = [clients]

@@ -9,8 +9,9 @@ import torch
 from .. import backends
 from ..backends.hyper import split
 from . import _library, validation as V
+from .client_pieces import ClientPieces
 
-Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
+Clients = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
 NONFINITE = ("exclude", "propagate")
 
 
@@ -34,11 +35,16 @@ class AggregateStats(NamedTuple):
     all_excluded: torch.Tensor
 
 
-def check_clients(clients: Clients, name: str = "clients"):
+def check_clients(clients: Clients, name: str = "clients", *, in_place: bool = False):
     """Validate ``clients``; return ``(rows_for_backend, C, N, dtype, device)``.
 
     A ``DTensor`` is refused by name: aggregation averages whole client vectors (the
-    full, unsharded state), and the kernels would only see one rank's shard of it."""
+    full, unsharded state), and the kernels would only see one rank's shard of it.
+    :class:`ClientPieces` (validated when built) are returned as they are where the
+    caller reads them in place (``in_place``), else stacked into ``[C, N]`` rows."""
+    if isinstance(clients, ClientPieces):
+        rows = clients if in_place else clients.stack()
+        return rows, clients.num_clients, clients.numel, clients.dtype, clients.device
     if isinstance(clients, torch.Tensor):
         V.refuse_dtensor(clients, name, who="aggregate")
         V.check_tensor(clients, name, dims=2)
@@ -194,8 +200,11 @@ def aggregate(
 ):
     r"""Fused ``out = gamma * sum_i weights[i] * clients[i]`` and its statistics.
 
-    ``clients`` is a ``[C, N]`` tensor or a sequence of ``C`` 1-D tensors of length
-    ``N`` (no stacking copy is made); ``weights`` a ``[C]`` tensor (not required to sum
+    ``clients`` is a ``[C, N]`` tensor, a sequence of ``C`` 1-D tensors of length ``N``
+    (no stacking copy is made), or :class:`~fedopt_kernels.ops.ClientPieces`: each
+    client as its per-layer pieces, optionally subtracted from a base, read in place
+    on the CPU backend (bit for bit the result of the copied rows; other backends get
+    the rows stacked); ``weights`` a ``[C]`` tensor (not required to sum
     to 1); ``gamma`` (FedLAW's global weight shrinking, [FedLAW] eq. 8) a number
     ``> 0`` or a one-element tensor (checked by value on the CPU; on an accelerator
     that would synchronise, so its value is the caller's contract).  In the same pass
@@ -217,7 +226,7 @@ def aggregate(
 
     Returns ``(out, AggregateStats)``; ``out`` has the clients' dtype unless given.
     """
-    rows, C, N, dtype, device = check_clients(clients)
+    rows, C, N, dtype, device = check_clients(clients, in_place=True)
     acc = V.acc_dtype(dtype)
     w = check_weights(weights, C, device, acc)
     gamma = check_gamma(gamma, device, acc)
@@ -237,7 +246,7 @@ def aggregate(
                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
         _check_out_apart(out, rows)
     V.check_backend(backend)
-    run = aggregate_runner(backend, device)
+    run = pieces_runner(rows, backend, device) if isinstance(rows, ClientPieces) else aggregate_runner(backend, device)
 
     q, Q = run(rows, w, gamma, out, None)
     if nonfinite == "exclude" or max_client_norm is not None:
@@ -261,10 +270,12 @@ def _check_out_apart(out: torch.Tensor, rows) -> None:
     if torch.compiler.is_compiling() or out.numel() == 0:
         return  # fake tensors have no addresses; an empty out writes nothing
     lo, hi = _byte_range(out)
-    for i, r in enumerate([rows] if isinstance(rows, torch.Tensor) else rows):
+    tensors = rows.tensors() if isinstance(rows, ClientPieces) else [rows] if isinstance(rows, torch.Tensor) else rows
+    for i, r in enumerate(tensors):
         a, b = _byte_range(r)
         if a < hi and lo < b:
-            where = "clients" if isinstance(rows, torch.Tensor) else f"clients[{i}]"
+            where = ("clients" if isinstance(rows, torch.Tensor) else
+                     "a piece (or subtract_from) of clients" if isinstance(rows, ClientPieces) else f"clients[{i}]")
             raise ValueError(f"out shares memory with {where}: aggregate reads every client after writing out, so "
                              "out must be a separate tensor")
 
@@ -281,6 +292,30 @@ def aggregate_runner(backend: Optional[str], device: torch.device):
         return lambda rows, w, gamma, out, skip: _library.aggregate_op(rows, w, *split(gamma), out, skip, name)
     impl = backends.resolve(backend, device)
     return lambda rows, w, gamma, out, skip: impl.aggregate(rows, w, *split(gamma), out, skip)
+
+
+def pieces_runner(pieces: ClientPieces, backend: Optional[str], device: torch.device):
+    """:func:`aggregate_runner` for clients given as :class:`ClientPieces`: the
+    backend's in-place reader (``aggregate_pieces``: the CPU backend), else its
+    ``aggregate`` over the rows stacked once, on the first pass (``O(C N)``).  Not
+    under ``torch.compile``, which cannot trace the pieces' pointer table."""
+    if torch.compiler.is_compiling():
+        raise TypeError("aggregate: clients given as ClientPieces cannot be traced by torch.compile; pass the "
+                        "[C, N] rows instead (ClientPieces.stack())")
+    impl = backends.resolve(backend, device)
+    in_place = getattr(impl, "aggregate_pieces", None)
+    if in_place is not None:
+        flat = pieces.flat()
+        return lambda _, w, gamma, out, skip: in_place(flat, pieces.num_pieces, pieces.subtract_from, w,
+                                                       *split(gamma), out, skip)
+    stacked: list = []
+
+    def run(_, w, gamma, out, skip):
+        if not stacked:
+            stacked.append(pieces.stack())
+        return impl.aggregate(stacked[0], w, *split(gamma), out, skip)
+
+    return run
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:

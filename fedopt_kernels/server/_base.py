@@ -53,12 +53,12 @@ from typing import List, Mapping, Optional, Sequence, Union
 import torch
 from torch.optim import Optimizer
 
-from ..ops import server_update_
+from ..ops import ClientPieces, server_update_
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..optim.eager_base import EagerOptimizer
 from .aggregation import Aggregator, LocalAggregator, RoundAggregate, refuse_dtensor
 
-Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
+Updates = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
 NONFINITE = ("exclude", "propagate")
 
 
@@ -261,6 +261,19 @@ class ServerOptimizer(EagerOptimizer):
         two ``state_dict()`` s).  A missing, unknown or misshapen entry raises, naming
         it.  :meth:`step` also takes a list of such mappings directly.
         """
+        tensors = self._update_tensors(update)
+        first = self._params()[0]
+        if out is None:
+            out = torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        offset = 0
+        for t in tensors:
+            out[offset:offset + t.numel()].view(t.shape).copy_(t)
+            offset += t.numel()
+        return out
+
+    def _update_tensors(self, update: Mapping) -> List[torch.Tensor]:
+        """The tensors of a named ``update`` in this optimizer's order, every entry
+        checked (see :meth:`flatten_update`)."""
         params = self._params()
         if not isinstance(update, Mapping):
             raise TypeError(f"update must be a mapping from parameters (or their names) to tensors, "
@@ -288,14 +301,7 @@ class ServerOptimizer(EagerOptimizer):
                 raise ValueError(f"update for {label(i)} must be a tensor of shape {tuple(p.shape)}, got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
             tensors.append(t)
-        first = params[0]
-        if out is None:
-            out = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-        offset = 0
-        for t in tensors:
-            out[offset:offset + t.numel()].view(t.shape).copy_(t)
-            offset += t.numel()
-        return out
+        return tensors
 
     # ------------------------------------------------------------------ validation
     def check_updates(self, updates: Updates, *, allow_empty: bool = False):
@@ -325,13 +331,27 @@ class ServerOptimizer(EagerOptimizer):
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous: call .contiguous() first")
 
+        if isinstance(updates, ClientPieces):
+            if updates.numel != N:
+                raise ValueError(f"updates have length {updates.numel} per client but the model has {N} parameters "
+                                 "(updates must be flat vectors in the optimizer's parameter order)")
+            if updates.dtype != dtype or updates.device != device:
+                raise ValueError(f"updates are {updates.dtype} on {updates.device} but the parameters are {dtype} on "
+                                 f"{device}")
+            return updates, len(updates)
         if isinstance(updates, (list, tuple)) and updates and all(isinstance(u, Mapping) for u in updates):
             index = {id(p): j for j, p in enumerate(self._params())}
             for i, u in enumerate(updates):
                 for key, t in u.items():
                     label = repr(key) if isinstance(key, str) else f"parameter {index.get(id(key), '?')}"
                     refuse_dtensor(t, f"updates[{i}][{label}]")
-            updates = [self.flatten_update(u) for u in updates]  # named updates, in this optimizer's order
+            # named updates, in this optimizer's order: read in place where every entry is a
+            # contiguous tensor of the parameters' dtype and device, else flattened (a copy,
+            # which also converts)
+            named = [self._update_tensors(u) for u in updates]
+            if all(t.dtype == dtype and t.device == device and t.is_contiguous() for ts in named for t in ts):
+                return ClientPieces(named, name="updates"), len(named)
+            updates = [self.flatten_update(u) for u in updates]
         if isinstance(updates, torch.Tensor):
             if updates.dim() == 1:
                 raise ValueError(f"updates as a tensor must be 2-D [C, N], got shape {tuple(updates.shape)}; "
@@ -352,13 +372,17 @@ class ServerOptimizer(EagerOptimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, updates: Updates, weights=None, *, aggregator: Optional[Aggregator] = None) -> ServerStats:
-        """Apply one round of client ``updates`` (``[C, N]`` or ``C`` flat vectors),
-        weighted by ``weights`` (``[C]``; uniform if None).  Returns :class:`ServerStats`.
+        """Apply one round of client ``updates`` (``[C, N]``, ``C`` flat vectors, or
+        :class:`~fedopt_kernels.ops.ClientPieces`: each client's per-layer tensors, read
+        in place), weighted by ``weights`` (``[C]``; uniform if None).  Returns
+        :class:`ServerStats`.
 
         A flat update follows THIS optimizer's parameter order (param groups in order),
         which is not the model's when the groups reorder it: build it with
         :meth:`flatten_update`, or pass ``C`` mappings ``{name or parameter: tensor}``
-        and the optimizer flattens them in its own order, checking every entry.
+        and the optimizer reads them in its own order, checking every entry -- in place
+        (no ``[C, N]`` copy) where every entry already has the parameters' dtype and
+        device and is contiguous.
 
         All arguments are checked before anything is written: a rejected call changes
         neither the parameters nor the state.  Weights given as Python numbers or CPU

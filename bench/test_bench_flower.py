@@ -27,7 +27,8 @@ def setting(request):
     return request.param, shapes, global_arrays, replies
 
 
-@pytest.mark.parametrize("case", ["flwr FedAvg", "fused FedAvg", "flwr FedAdam", "fused FedAdam"])
+@pytest.mark.parametrize("case", ["flwr FedAvg", "fused FedAvg", "fused FedAvg, copying", "flwr FedAdam",
+                                  "fused FedAdam", "fused FedAdam, copying"])
 def test_aggregate_train(benchmark, setting, case):
     name, shapes, global_arrays, replies = setting
     benchmark.group = f"flower aggregate_train {name}"
@@ -37,8 +38,8 @@ def test_aggregate_train(benchmark, setting, case):
         s = flwr_strategy.FedAdam(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, fraction_evaluate=0.0)
         s.current_arrays = {k: a.numpy() for k, a in global_arrays.items()}
     else:
-        cls = fk.FedAvg if case == "fused FedAvg" else fk.FedAdam
-        s = cls(ShapesModel(shapes), fraction_evaluate=0.0)
+        cls = fk.FedAvg if case.startswith("fused FedAvg") else fk.FedAdam
+        s = cls(ShapesModel(shapes), fraction_evaluate=0.0, read_in_place=not case.endswith("copying"))
         s.load_global_arrays(global_arrays)
     rounds = iter(range(1, 10 ** 9))
     benchmark(lambda: s.aggregate_train(next(rounds), replies))
@@ -49,7 +50,8 @@ def test_interleaved(benchmark, name):
     C, model = SETTINGS[name]
     rows = benchmark.pedantic(lambda: bench_flower(C, model, repeats=5), rounds=1, iterations=1)
     benchmark.extra_info.update({r["case"]: {"flwr ms": r["flwr ms"], "fused ms": r["fused ms"],
-                                             "speed-up": r["speed-up"]} for r in rows})
+                                             "speed-up": r["speed-up"], "copying ms": r["copying ms"]}
+                                 for r in rows})
     for r in rows:
         print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms, "
               f"speed-up {r['speed-up']:.2f}x")

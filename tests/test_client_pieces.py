@@ -12,9 +12,16 @@ and the memory a Flower round adds (O(N) against O(C N)).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
 import pytest
 import torch
 from _contract import assert_bitwise as _assert_bitwise
+from _flwr import HAVE_FLWR
 from torch import nn
 
 from fedopt_kernels import ops
@@ -202,3 +209,96 @@ def test_named_updates_are_read_in_place_by_the_server_optimizers():
     mixed[0]["0.bias"] = mixed[0]["0.bias"].double()
     rows, _ = o1.check_updates(mixed)
     assert isinstance(rows, list) and torch.equal(rows[0], o1.flatten_update(named[0]))
+
+
+# ----------------------------------------------------------------------------- Flower
+flower = pytest.mark.skipif(not HAVE_FLWR and sys.version_info < (3, 11),
+                            reason="flwr 1.41 needs Python >= 3.11")
+
+
+@flower
+@pytest.mark.parametrize("algo", ["fedavg", "fedadam", "fedexp", "asnes", "scaffold"])
+def test_flower_rounds_in_place_equal_the_copying_path(algo):
+    """Two rounds of replies (one of them non-finite: the exclusion pass) read in place
+    equal the copying path bit for bit: the global model, the server's metrics and
+    SCAFFOLD's control variate (which reads D after the step has moved x_global)."""
+    import test_flower_bad_replies as fb
+
+    def run(in_place):
+        s = fb._strategy(algo, read_in_place=in_place)
+        out = []
+        for rnd in (1, 2):
+            replies = [fb._reply(s.model, c, round_=rnd, seed=rnd) for c in range(4)]
+            if rnd == 2:
+                fb._corrupt("nonfinite", replies[1])
+            arrays, metrics = s.aggregate_train(rnd, replies)
+            s.load_global_arrays(arrays)
+            out.append((fb._flat(arrays), dict(metrics)))
+        return out, (s.c if s.scaffold else None)
+
+    (a, ca), (b, cb) = run(True), run(False)
+    for (xa, ma), (xb, mb) in zip(a, b):
+        assert_bitwise(xa, xb)
+        assert ma == mb
+    if algo == "scaffold":
+        assert_bitwise(ca, cb)
+
+
+@flower
+def test_flower_replies_of_another_dtype_are_copied():
+    import test_flower_bad_replies as fb
+    from fedopt_kernels.integrations.flower.records import arrayrecords_as_pieces
+
+    s = fb._strategy("fedavg")
+    replies = [fb._reply(s.model, c) for c in range(3)]
+    records = [next(iter(r.content.array_records.values())) for r in replies]
+    assert isinstance(arrayrecords_as_pieces(records, s.layout), ClientPieces)
+    fb._set_array(replies[2], "0.bias", np.asarray(records[2]["0.bias"].numpy(), dtype=np.float64))
+    assert arrayrecords_as_pieces(records, s.layout) is None  # converted by the copying path instead
+    ref = fb._strategy("fedavg", read_in_place=False)
+    assert_bitwise(fb._flat(s.aggregate_train(1, replies)[0]), fb._flat(ref.aggregate_train(1, replies)[0]))
+
+
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np, torch
+    from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+    from fedopt_kernels.integrations import flower as fk
+    torch.manual_seed(0)
+    C, width = 16, 1024
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])  # N = 4.2M
+    s = fk.FedAvg(model, fraction_evaluate=0.0, read_in_place=sys.argv[1] == "1")
+    s.load_global_arrays(fk.model_to_arrayrecord(model))
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    replies = []
+    for c in range(C):
+        rec = fk.tensors_to_arrayrecord((k, v + 0.01 * c) for k, v in model.state_dict().items())
+        content = RecordDict({"arrays": rec, "metrics": MetricRecord({"num-examples": 10}),
+                              "fedopt": ConfigRecord({"partition-id": c, "server-round": 1})})
+        ins = Message(content=RecordDict(), message_type=MessageType.TRAIN, dst_node_id=1000 + c)
+        replies.append(Message(content=content, reply_to=ins))
+    N = s.layout.numel
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    s.aggregate_train(1, replies)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"extra": after - before, "N": N, "C": C}))
+""")
+
+
+@flower
+@pytest.mark.slow
+def test_a_flower_round_in_place_adds_o_n_memory():
+    """The peak resident memory a round of 16 replies of a 4.2M-parameter model adds:
+    in place, a few vectors of N (the mean update, x_global's snapshot, the new global
+    record); copying, at least the [C, N] rows (the test can see the difference)."""
+    extra = {}
+    for in_place in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, in_place], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        extra[in_place] = json.loads(proc.stdout.strip().splitlines()[-1])
+    N, C = extra["1"]["N"], extra["1"]["C"]
+    rows_bytes = 4 * C * N
+    assert extra["0"]["extra"] >= 0.9 * rows_bytes, extra
+    assert extra["1"]["extra"] <= 8 * 4 * N, extra  # O(N): at most 8 vectors of N, against C = 16 rows

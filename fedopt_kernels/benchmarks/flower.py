@@ -8,8 +8,12 @@ One round's ``aggregate_train`` on the SAME ``C`` client replies (Flower
   (per array and client: ``Array.numpy()``, ``value * weight``, ``+=``; FedAdam then
   its NumPy Adam step per array);
 * ``fused FedAvg`` / ``fused FedAdam``: :mod:`fedopt_kernels.integrations.flower`'s
-  (one copy per array into a ``[C, N]`` tensor, one fused aggregation, the server
-  optimizer, the new ``ArrayRecord``).
+  default: the replies' arrays read in place (one fused aggregation over a clients x
+  arrays pointer table, ``x_global - x_i`` computed as it reads), the server
+  optimizer, the new ``ArrayRecord``;
+* ``fused ..., copying``: the same strategies with ``read_in_place=False``: first one
+  copy per array into a ``[C, N]`` tensor (the path before in-place reading, and
+  still FedLAW's and an accelerator's).
 
 Both sides decode the replies and encode the new global ``ArrayRecord``; message
 transport is not included.  Run ``python -m fedopt_kernels.benchmarks.flower``.
@@ -88,24 +92,25 @@ def bench_flower(C: int = 20, model: str = "resnet18", *, repeats: int = 5, warm
     flwr_avg = flwr_strategy.FedAvg(**kw)
     flwr_adam = flwr_strategy.FedAdam(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, **kw)
     flwr_adam.current_arrays = {k: a.numpy() for k, a in global_arrays.items()}  # what configure_train sets
-    ours_avg = fk.FedAvg(ShapesModel(shapes), **kw)
-    ours_adam = fk.FedAdam(ShapesModel(shapes), lr=1e-2, **kw)
-    for s in (ours_avg, ours_adam):
+    ours = {}
+    for in_place, suffix in ((True, ""), (False, ", copying")):
+        ours["FedAvg" + suffix] = fk.FedAvg(ShapesModel(shapes), read_in_place=in_place, **kw)
+        ours["FedAdam" + suffix] = fk.FedAdam(ShapesModel(shapes), lr=1e-2, read_in_place=in_place, **kw)
+    for s in ours.values():
         s.load_global_arrays(global_arrays)
     rnd = iter(range(1, 10 ** 9))
-    times = interleaved({
-        "flwr FedAvg": lambda: flwr_avg.aggregate_train(next(rnd), replies),
-        "fused FedAvg": lambda: ours_avg.aggregate_train(next(rnd), replies),
-        "flwr FedAdam": lambda: flwr_adam.aggregate_train(next(rnd), replies),
-        "fused FedAdam": lambda: ours_adam.aggregate_train(next(rnd), replies),
-    }, repeats=repeats, warmup=warmup)
+    candidates = {"flwr FedAvg": lambda: flwr_avg.aggregate_train(next(rnd), replies),
+                  "flwr FedAdam": lambda: flwr_adam.aggregate_train(next(rnd), replies)}
+    for name, s in ours.items():
+        candidates[f"fused {name}"] = lambda s=s: s.aggregate_train(next(rnd), replies)
+    times = interleaved(candidates, repeats=repeats, warmup=warmup)
     label = f"{C} x {model} ({N / 1e6:.3g}M params, {len(shapes)} arrays)"
     rows = []
     for algo in ("FedAvg", "FedAdam"):
-        flwr_t, ours_t = times[f"flwr {algo}"], times[f"fused {algo}"]
+        flwr_t, ours_t, copy_t = times[f"flwr {algo}"], times[f"fused {algo}"], times[f"fused {algo}, copying"]
         rows.append({"benchmark": f"flower aggregate_train {label}", "case": algo, "flwr ms": flwr_t * 1e3,
-                     "fused ms": ours_t * 1e3, "speed-up": flwr_t / ours_t,
-                     "threads": torch.get_num_threads()})
+                     "fused ms": ours_t * 1e3, "speed-up": flwr_t / ours_t, "copying ms": copy_t * 1e3,
+                     "in place vs copying": copy_t / ours_t, "threads": torch.get_num_threads()})
     return rows
 
 
@@ -117,7 +122,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = bench_flower(args.clients, args.model, repeats=args.repeats)
     for r in rows:
-        print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms, "
+        print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms "
+              f"(copying {r['copying ms']:.1f} ms, {r['in place vs copying']:.2f}x), "
               f"speed-up {r['speed-up']:.2f}x ({r['threads']} threads)")
     return 0
 

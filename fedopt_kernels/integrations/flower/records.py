@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -37,11 +38,12 @@ import torch
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
+from ...ops import ClientPieces
 from ...utils.flat import FlatLayout, parameters_layout
 
 __all__ = [
     "NUMPY_STYPE", "array_view", "tensor_to_array", "tensors_to_arrayrecord", "model_to_arrayrecord",
-    "arrayrecord_to_vector", "stack_arrayrecords", "load_arrayrecord_", "check_arrayrecord",
+    "arrayrecord_to_vector", "stack_arrayrecords", "arrayrecords_as_pieces", "load_arrayrecord_", "check_arrayrecord",
     "vector_to_named_tensors", "records_numel",
 ]
 
@@ -230,6 +232,27 @@ def stack_arrayrecords(records: Sequence[ArrayRecord], layout: FlatLayout, *, ou
         for f in [pool.submit(_fill, dst[i], views[i], layout, base) for i in range(C)]:
             f.result()
     return out
+
+
+def arrayrecords_as_pieces(records: Sequence[ArrayRecord], layout: FlatLayout, *,
+                           names: Optional[Sequence[str]] = None,
+                           subtract_from: Optional[torch.Tensor] = None) -> Optional[ClientPieces]:
+    """The records' tensors of ``layout`` as :class:`~fedopt_kernels.ops.ClientPieces`
+    read in place -- tensors over the replies' own bytes, no copy -- with
+    ``subtract_from`` (``x_global``: the pieces then stand for the updates
+    ``x_global - x_i``), or None where a record cannot be read in place: an array of
+    another dtype than the layout's (it needs a conversion) or in Fortran order.  Every
+    record is checked as :func:`stack_arrayrecords` checks it (the same errors)."""
+    names = list(names) if names is not None else [f"records[{i}]" for i in range(len(records))]
+    views = [_views(rec, layout, nm) for rec, nm in zip(records, names)]
+    want = _TORCH_TO_NUMPY.get(layout.dtype)
+    if want is None or any(v.dtype != want or not v.flags.c_contiguous for vs in views for v in vs):
+        return None
+    with warnings.catch_warnings():
+        # a reply's bytes are read-only; the pieces are only ever read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        pieces = [[torch.from_numpy(v) for v in vs] for vs in views]
+    return ClientPieces(pieces, subtract_from=subtract_from, name="replies")
 
 
 def load_arrayrecord_(model: nn.Module, record: ArrayRecord, *, strict: bool = True) -> None:

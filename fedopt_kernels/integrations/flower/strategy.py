@@ -10,11 +10,17 @@ vector ``strategy.x_global``) and, per round,
    (round 1: the ``initial_arrays`` of :meth:`start`; later rounds: what it returned);
 2. ``aggregate_train``: puts the replies in a fixed order (by the ``partition-id`` a
    client reports, else by node id -- so the result does not depend on the order in
-   which messages arrive), reads their ArrayRecords into ONE ``[C, N]`` tensor of
-   updates ``D_i = x_global - x_i`` (:func:`~.records.stack_arrayrecords`: one pass
-   per array, the subtraction folded into the copy; on an accelerator the models are
-   copied over and subtracted there) and calls the server optimizer's ``step(D,
-   weights)`` with the replies' ``num-examples`` as weights -- one fused pass computes
+   which messages arrive), and calls the server optimizer's ``step(D, weights)`` on
+   the updates ``D_i = x_global - x_i`` with the replies' ``num-examples`` as weights.
+   On a CPU server ``D`` is read in place (``read_in_place=True``, the default): the
+   replies' arrays, viewed where they lie, with ``x_global`` as
+   :class:`~fedopt_kernels.ops.ClientPieces` -- the kernel subtracts as it reads, so a
+   round adds ``O(N)`` memory on top of the replies, and gives bit for bit what the
+   copy would.  Otherwise (``read_in_place=False``, an array of another dtype, FedLAW,
+   which trains on the client models, or an accelerator, where the models are copied
+   over and subtracted there) the replies are copied into ONE ``[C, N]`` tensor
+   (:func:`~.records.stack_arrayrecords`: one pass per array, the subtraction folded
+   into the copy).  One fused pass computes
    the weighted mean and every norm the adaptive methods need, and excludes clients
    whose arrays hold NaN/Inf.  FedLAW gets the client models themselves.  Floating
    buffers (BatchNorm statistics) become the ``num-examples``-weighted mean of the
@@ -58,7 +64,7 @@ from torch import nn
 from ... import server as S
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
                            vector_to_buffers)
-from .records import load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
+from .records import arrayrecords_as_pieces, load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
 from .screening import BAD_REPLY_POLICIES, REASONS, cap_weight_shares, screen_train_replies
 
 __all__ = [
@@ -99,6 +105,8 @@ class FusedStrategy(_FlowerFedAvg):
             ``excluded_<reason>``), the round goes on with the rest, and fails
             (``AggregationError``) only when no usable reply remains.  ``"raise"``:
             any such reply fails the round, naming it.
+        read_in_place: aggregate a CPU server's replies where they lie (see above;
+            ``False``: copy them into a ``[C, N]`` tensor first, the same result).
         max_weight_share: the largest share of the round's total weight one client
             may get (``None``, the default: no cap).  Without a cap a client that
             claims ``num-examples = 10^12`` takes the whole weighted mean; with
@@ -116,8 +124,9 @@ class FusedStrategy(_FlowerFedAvg):
     def __init__(self, model: nn.Module, server: Union[S.ServerOptimizer, S.FedLAW, ServerFactory], *,
                  scaffold: bool = False, scaffold_num_clients: Optional[int] = None, weighting: str = "auto",
                  on_round: Optional[Callable[[int], None]] = None, on_bad_reply: str = "exclude",
-                 max_weight_share: Optional[float] = None, **kwargs):
+                 max_weight_share: Optional[float] = None, read_in_place: bool = True, **kwargs):
         super().__init__(**kwargs)
+        self.read_in_place = bool(read_in_place)
         if on_bad_reply not in BAD_REPLY_POLICIES:
             raise ValueError(f"on_bad_reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
         if max_weight_share is not None and (isinstance(max_weight_share, bool) or not isinstance(
@@ -168,7 +177,8 @@ class FusedStrategy(_FlowerFedAvg):
         self.on_round = on_round
         self._sent: Optional[ArrayRecord] = None  # the record this strategy produced last
         self._keys: Optional[List[str]] = None  # keys (and order) of the global ArrayRecord
-        self._rows: Optional[torch.Tensor] = None  # reusable [C, N] CPU buffer
+        self._rows: Optional[torch.Tensor] = None  # reusable [C, N] CPU buffer (the copying path)
+        self._snapshot: Optional[torch.Tensor] = None  # x_global before a SCAFFOLD step (see _base)
         self.last_stats = None  # ServerStats (or FedLAWRound) of the last round
         self.last_aggregation_time: Optional[float] = None
 
@@ -302,16 +312,21 @@ class FusedStrategy(_FlowerFedAvg):
 
         with torch.no_grad():
             try:
-                # One pass per array: D_i = x_global - x_i straight from the client's bytes (CPU), or
-                # the client models (FedLAW, or an accelerator: subtracted there after one transfer).
-                rows = stack_arrayrecords(records, self.layout, out=self._rows_buffer(C), names=names,
-                                          subtract_from=self.x_global if (updates and on_cpu) else None)
+                # D_i = x_global - x_i read where the replies lie (CPU), else one pass per array into
+                # [C, N] rows: D_i straight from the client's bytes (CPU), or the client models (FedLAW,
+                # or an accelerator: subtracted there after one transfer).
+                U = None
+                if updates and on_cpu and self.read_in_place:
+                    U = arrayrecords_as_pieces(records, self.layout, names=names, subtract_from=self._base())
+                if U is None:
+                    rows = stack_arrayrecords(records, self.layout, out=self._rows_buffer(C), names=names,
+                                              subtract_from=self.x_global if (updates and on_cpu) else None)
+                    U = rows if on_cpu else rows.to(self.device, non_blocking=True)
+                    if updates and not on_cpu:
+                        torch.sub(self.x_global, U, out=U)
                 buffers = self._client_buffers(records)
             except (ValueError, TypeError) as exc:
                 raise AggregationError(reason=str(exc)) from None
-            U = rows if on_cpu else rows.to(self.device, non_blocking=True)
-            if updates and not on_cpu:
-                torch.sub(self.x_global, U, out=U)
             lr_sums = self._lr_sums(metrics) if self.scaffold else None  # checked before anything changes
             scaffold_m = self._scaffold_clients() if self.scaffold else None
             if self.fedlaw is not None:
@@ -344,6 +359,16 @@ class FusedStrategy(_FlowerFedAvg):
             agg[k] = v
         self.last_aggregation_time = time.perf_counter() - t0
         return out, agg
+
+    def _base(self) -> torch.Tensor:
+        """What the replies read in place are subtracted from: ``x_global`` itself, read
+        by the aggregation before the step moves it; with SCAFFOLD, which reads the
+        updates again after the step, a snapshot (``O(N)``, one buffer kept)."""
+        if not self.scaffold:
+            return self.x_global
+        if self._snapshot is None:
+            self._snapshot = torch.empty_like(self.x_global)
+        return self._snapshot.copy_(self.x_global)
 
     def _client_buffers(self, records: List[ArrayRecord]) -> Optional[torch.Tensor]:
         L = self.buffers_layout

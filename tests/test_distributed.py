@@ -282,6 +282,48 @@ def _scenario_server(rank, world, passes=None):
     return got
 
 
+def _named(U, params):
+    """The rows of ``U`` as named updates ``{parameter: view}`` (contiguous views: read in place)."""
+    out = []
+    for row in U:
+        entries, offset = {}, 0
+        for p in params:
+            entries[p] = row[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        out.append(entries)
+    return out
+
+
+def _scenario_server_named(rank, world):
+    """``got[(mode, case, form)] = rounds``: the same rounds with this rank's updates as a
+    ``[C_r, N]`` tensor and as named updates (ops.ClientPieces, read in place), ordered
+    and all_reduce."""
+    from fedopt_kernels.distributed import DistributedServerOptimizer
+    from fedopt_kernels.ops import ClientPieces
+
+    rows_made = []  # every client row a ClientPieces materialised (none: read in place)
+    real_row = ClientPieces.row
+    ClientPieces.row = lambda self, i, **kw: rows_made.append(i) or real_row(self, i, **kw)
+    got = {}
+    for mode in ("ordered", "all_reduce"):
+        for case in ("fedadam_uniform_bounded", "asnes_sizes"):
+            for form in ("tensor", "named"):
+                params = server_params()
+                opt = DistributedServerOptimizer(make_server_opt(case, params), mode=mode)
+                rounds = []
+                for r in range(len(SERVER_ROUNDS)):
+                    U, weights, counts = server_round(case, r)
+                    a, b = bounds(counts, rank)
+                    local = U[a:b].contiguous()
+                    st = opt.step(local if form == "tensor" or a == b else _named(local, params),
+                                  None if weights is None else weights[a:b])
+                    rounds.append(({k: v for k, v in vars(st).items()}, [p.clone() for p in params]))
+                got[(mode, case, form)] = rounds
+    ClientPieces.row = real_row
+    got["rows_made"] = len(rows_made)
+    return got
+
+
 def _scenario_simulation(rank, world):
     from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
 
@@ -299,6 +341,7 @@ SCENARIOS = {"aggregate": _with_second_passes(_scenario_aggregate, False),
              "aggregate_device_decisions": _with_second_passes(_scenario_aggregate, True),
              "errors": _scenario_errors, "server": _with_second_passes(_scenario_server, False),
              "server_device_decisions": _with_second_passes(_scenario_server, True),
+             "server_named": _scenario_server_named,
              "simulation": _scenario_simulation}
 
 
@@ -532,6 +575,21 @@ def test_distributed_server_step_is_bitwise_the_single_process_step(ranks, case)
             assert_tree_bitwise(st, ref_st, f"rank {rank} round {r} stats")
             assert_tree_bitwise(ps, ref_ps, f"rank {rank} round {r} params")
         assert_tree_bitwise(state, opt.state_dict(), f"rank {rank} state_dict")
+
+
+@pytest.mark.parametrize("mode", ["ordered", "all_reduce"])
+def test_named_updates_are_read_in_place_with_the_tensors_bits(ranks, mode):
+    """Named updates (per-parameter tensors, read in place as ops.ClientPieces: the
+    running sum of the ordered mode joins them as a first client cut into the same
+    pieces) give every rank the bits of the same step on [C_r, N] tensors -- NaN clients,
+    an empty rank and a skipped round included."""
+    for rank in range(WORLD):
+        assert ranks[rank]["server_named"]["rows_made"] == 0  # read in place, never copied into rows
+        for case in ("fedadam_uniform_bounded", "asnes_sizes"):
+            named, tensor = (ranks[rank]["server_named"][(mode, case, form)] for form in ("named", "tensor"))
+            for r, ((st, ps), (ref_st, ref_ps)) in enumerate(zip(named, tensor)):
+                assert_tree_bitwise(st, ref_st, f"rank {rank} {case} round {r} stats")
+                assert_tree_bitwise(ps, ref_ps, f"rank {rank} {case} round {r} params")
 
 
 def _strip(records):

@@ -71,8 +71,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..ops import validation as V
-from ..ops.aggregate import (NONFINITE, AggregateStats, aggregate_runner, as_weight_tensor, check_clients,
-                             check_gamma, check_weight_values, host_to_device, robust_weights)
+from ..ops.aggregate import (NONFINITE, AggregateStats, ClientPieces, aggregate_runner, as_weight_tensor,
+                             check_clients, check_gamma, check_weight_values, host_to_device, robust_weights)
 from ..ops.validation import acc_dtype
 from . import comm
 from .comm import Plan
@@ -126,6 +126,15 @@ def kept_index(plan: Plan, left_out) -> List[int]:
 Clients = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
+def drop_clients(rows, gone) -> Union[list, ClientPieces]:
+    """``rows`` (a list of client vectors or :class:`ClientPieces`) without the clients
+    ``gone``; pieces stay pieces (no copy), or ``[]`` when none is left."""
+    if isinstance(rows, ClientPieces):
+        keep = [i for i in range(len(rows)) if i not in gone]
+        return rows.select(keep) if keep else []
+    return [row for i, row in enumerate(rows) if i not in gone]
+
+
 def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
     """``(rows, C_r, N, dtype, device)``; a rank may hold no client: a ``[0, N]`` tensor,
     or an empty list when ``out`` gives ``N``, the dtype and the device."""
@@ -138,7 +147,7 @@ def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
                              "that N, the dtype and the device are known")
         V.check_tensor(out, "out", dims=1)
         return [], 0, out.shape[0], out.dtype, out.device
-    rows, C, N, dtype, device = check_clients(clients, "local_clients")
+    rows, C, N, dtype, device = check_clients(clients, "local_clients", in_place=True)
     return (list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else rows), C, N, dtype, device
 
 
@@ -226,8 +235,7 @@ def all_aggregate(
         acc = acc_dtype(dtype)
         w_local, positive, bad = _local_weights(local_weights, C_r, device, acc, on_bad_client == "exclude")
         if bad:
-            gone = {i for i, _ in bad}
-            rows = [row for i, row in enumerate(rows) if i not in gone]
+            rows = drop_clients(rows, {i for i, _ in bad})
         gamma = check_gamma(gamma, device, acc)
         out = _check_out(out, N, dtype, acc, device)
         run = aggregate_runner(backend, device)  # raises here if the backend cannot run
@@ -316,11 +324,13 @@ class _Ordered:
 
     def __init__(self, rows, plan: Plan, group, run, acc, dtype, device, gamma, out):
         self.plan, self.group, self.run, self.acc, self.device = plan, group, run, acc, device
-        self.rows = rows
         # The running sum enters the kernel as a client, so it must share the rows'
         # dtype: fp16/bf16 rows are widened (exactly) for the chain; their ||X_i||^2
         # still comes from the rows as given (the kernels' tiles depend on the dtype).
         self.half = dtype != acc
+        if isinstance(rows, ClientPieces) and (self.half or rows.subtract_from is not None):
+            rows = list(rows)  # widened, or the sum would be subtracted too: rows of their own
+        self.rows = rows
         self.chain_rows = [r.to(acc) for r in rows] if self.half else rows
         N = plan.N
         self.first = plan.rank == 0
@@ -341,7 +351,9 @@ class _Ordered:
         plan, group = self.plan, self.group
         if not self.first:
             comm.recv(self.prev, plan.rank - 1, group)
-            rows, w = [self.prev] + self.chain_rows, torch.cat([self.one, weights])
+            chain = self.chain_rows
+            rows = chain.prepend(self.prev) if isinstance(chain, ClientPieces) else [self.prev] + chain
+            w = torch.cat([self.one, weights])
         else:
             rows, w = self.chain_rows, weights
         q = None

@@ -6,12 +6,13 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..ops import ClientPieces
 from ..ops.aggregate import aggregate_runner, check_weight_values
 from ..server.aggregation import RoundAggregate, check_weight_tensor, normalize_weights, weight_numbers
 from ..server.weighting import cap_weight_shares, check_max_weight_share
 from . import comm
-from .aggregate import (BAD_CLIENT_POLICIES, MODES, _aggregate_planned, good_plan, kept_index, left_out_list,
-                        screen_weights)
+from .aggregate import (BAD_CLIENT_POLICIES, MODES, _aggregate_planned, drop_clients, good_plan, kept_index,
+                        left_out_list, screen_weights)
 
 __all__ = ["DistributedAggregator"]
 
@@ -61,11 +62,13 @@ class DistributedAggregator:
         error, rows, C_r, kind, values, wdtype, bad = None, [], 0, None, None, None, []
         try:
             rows, C_r = opt.check_updates(updates, allow_empty=True)
-            rows = list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else list(rows)
+            if isinstance(rows, torch.Tensor):
+                rows = list(rows.unbind(0))
+            elif not isinstance(rows, ClientPieces):  # named updates stay pieces: read in place
+                rows = list(rows)
             kind, values, wdtype, bad = _weights_to_exchange(weights, C_r, device, self.on_bad_client == "exclude")
             if bad:  # left out here, before anything is summed
-                gone = {i for i, _ in bad}
-                rows = [row for i, row in enumerate(rows) if i not in gone]
+                rows = drop_clients(rows, {i for i, _ in bad})
             run = aggregate_runner(opt.backend, device)  # raises now, before any collective, if it cannot run
         except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
             error, bad = exc, []

@@ -246,7 +246,7 @@ def aggregate(
                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
         _check_out_apart(out, rows)
     V.check_backend(backend)
-    run = pieces_runner(rows, backend, device) if isinstance(rows, ClientPieces) else aggregate_runner(backend, device)
+    run = aggregate_runner(backend, device)
 
     q, Q = run(rows, w, gamma, out, None)
     if nonfinite == "exclude" or max_client_norm is not None:
@@ -286,34 +286,31 @@ def aggregate_runner(backend: Optional[str], device: torch.device):
     already checked; ``gamma`` a number or a 0-d tensor, split here into the
     contract's pair): the backend itself in eager mode, its custom op under
     ``torch.compile``.  Resolving it raises if the backend cannot run there, so a
-    multi-pass caller (the distributed aggregation) learns that before any pass."""
+    multi-pass caller (the distributed aggregation) learns that before any pass.
+
+    ``rows`` may be :class:`ClientPieces`: read in place by the backend's
+    ``aggregate_pieces`` (the CPU backend), else its ``aggregate`` over the rows
+    stacked once (``O(C N)``; :meth:`ClientPieces.stacked`).  Not under
+    ``torch.compile``, which cannot trace the pieces' pointer table."""
     if torch.compiler.is_compiling():
         name = backends.resolve_name(backend, device.type)
-        return lambda rows, w, gamma, out, skip: _library.aggregate_op(rows, w, *split(gamma), out, skip, name)
-    impl = backends.resolve(backend, device)
-    return lambda rows, w, gamma, out, skip: impl.aggregate(rows, w, *split(gamma), out, skip)
 
+        def compiled(rows, w, gamma, out, skip):
+            if isinstance(rows, ClientPieces):
+                raise TypeError("aggregate: clients given as ClientPieces cannot be traced by torch.compile; pass "
+                                "the [C, N] rows instead (ClientPieces.stack())")
+            return _library.aggregate_op(rows, w, *split(gamma), out, skip, name)
 
-def pieces_runner(pieces: ClientPieces, backend: Optional[str], device: torch.device):
-    """:func:`aggregate_runner` for clients given as :class:`ClientPieces`: the
-    backend's in-place reader (``aggregate_pieces``: the CPU backend), else its
-    ``aggregate`` over the rows stacked once, on the first pass (``O(C N)``).  Not
-    under ``torch.compile``, which cannot trace the pieces' pointer table."""
-    if torch.compiler.is_compiling():
-        raise TypeError("aggregate: clients given as ClientPieces cannot be traced by torch.compile; pass the "
-                        "[C, N] rows instead (ClientPieces.stack())")
+        return compiled
     impl = backends.resolve(backend, device)
     in_place = getattr(impl, "aggregate_pieces", None)
-    if in_place is not None:
-        flat = pieces.flat()
-        return lambda _, w, gamma, out, skip: in_place(flat, pieces.num_pieces, pieces.subtract_from, w,
-                                                       *split(gamma), out, skip)
-    stacked: list = []
 
-    def run(_, w, gamma, out, skip):
-        if not stacked:
-            stacked.append(pieces.stack())
-        return impl.aggregate(stacked[0], w, *split(gamma), out, skip)
+    def run(rows, w, gamma, out, skip):
+        if not isinstance(rows, ClientPieces):
+            return impl.aggregate(rows, w, *split(gamma), out, skip)
+        if in_place is not None:
+            return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, w, *split(gamma), out, skip)
+        return impl.aggregate(rows.stacked(), w, *split(gamma), out, skip)
 
     return run
 

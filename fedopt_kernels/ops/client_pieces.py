@@ -41,7 +41,8 @@ class ClientPieces:
     optimizers' ``step`` take it in place of a ``[C, N]`` tensor.
     """
 
-    __slots__ = ("pieces", "subtract_from", "num_clients", "num_pieces", "numel", "dtype", "device", "_numels")
+    __slots__ = ("pieces", "subtract_from", "num_clients", "num_pieces", "numel", "dtype", "device", "_numels",
+                 "_stacked")
 
     def __init__(self, pieces: Sequence[Sequence[torch.Tensor]], *, subtract_from: Optional[torch.Tensor] = None,
                  name: str = "pieces"):
@@ -94,6 +95,7 @@ class ClientPieces:
         self.num_clients, self.num_pieces, self.numel = len(clients), len(first), N
         self.dtype, self.device = dtype, device
         self._numels = numels
+        self._stacked: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.num_clients
@@ -133,6 +135,28 @@ class ClientPieces:
         for i in range(self.num_clients):
             self.row(i, out=out[i])
         return out
+
+    def stacked(self) -> torch.Tensor:
+        """:meth:`stack`, made once and kept (a second aggregation pass reads it again)."""
+        if self._stacked is None:
+            self._stacked = self.stack()
+        return self._stacked
+
+    def select(self, indices: Sequence[int]) -> "ClientPieces":
+        """The clients ``indices`` (at least one), in that order: the same pieces, no copy."""
+        return ClientPieces([self.pieces[i] for i in indices], subtract_from=self.subtract_from)
+
+    def prepend(self, vector: torch.Tensor) -> "ClientPieces":
+        """``vector`` (``[N]``, contiguous, of the pieces' dtype and device) as a first
+        client, cut into views of the pieces' shapes; only without ``subtract_from``
+        (the vector is taken as it is)."""
+        if self.subtract_from is not None:
+            raise ValueError("prepend: ClientPieces with subtract_from would subtract the prepended vector too")
+        views, offset = [], 0
+        for t, k in zip(self.pieces[0], self._numels):
+            views.append(vector[offset:offset + k].view(t.shape))
+            offset += k
+        return ClientPieces([views] + self.pieces)
 
     def tensors(self) -> List[torch.Tensor]:
         """Every tensor read (the pieces and ``subtract_from``): for memory-overlap checks."""

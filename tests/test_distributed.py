@@ -319,6 +319,14 @@ def _scenario_server_named(rank, world):
                                   None if weights is None else weights[a:b])
                     rounds.append(({k: v for k, v in vars(st).items()}, [p.clone() for p in params]))
                 got[(mode, case, form)] = rounds
+    from fedopt_kernels.distributed import all_aggregate
+
+    U, weights, counts = server_round("asnes_sizes", 1)  # a NaN client: the second pass
+    a, b = bounds(counts, rank)
+    local = U[a:b].contiguous()
+    pieces = ClientPieces([[row[:7], row[7:]] for row in local])
+    for mode in ("ordered", "all_reduce"):
+        got[("all_aggregate", mode)] = [all_aggregate(x, weights[a:b], mode=mode) for x in (local, pieces)]
     ClientPieces.row = real_row
     got["rows_made"] = len(rows_made)
     return got
@@ -590,6 +598,8 @@ def test_named_updates_are_read_in_place_with_the_tensors_bits(ranks, mode):
             for r, ((st, ps), (ref_st, ref_ps)) in enumerate(zip(named, tensor)):
                 assert_tree_bitwise(st, ref_st, f"rank {rank} {case} round {r} stats")
                 assert_tree_bitwise(ps, ref_ps, f"rank {rank} {case} round {r} params")
+        (out_t, st_t), (out_p, st_p) = ranks[rank]["server_named"][("all_aggregate", mode)]
+        assert_tree_bitwise([out_p, *st_p], [out_t, *st_t], f"rank {rank} all_aggregate of ClientPieces")
 
 
 def _strip(records):

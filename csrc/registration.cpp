@@ -84,6 +84,8 @@ TORCH_LIBRARY(fedopt_C, m) {
   // [<clients[i], g> for each i] in one pass over the data (the backward of the
   // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");
+  // client_dots over clients read in place from pieces (as aggregate_pieces; CPU only).
+  m.def("client_dots_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, Tensor g) -> Tensor");
   // The elementwise step of a server optimizer over a list of tensors, in ONE pass
   // (rules and formulas: fedopt::ServerRule in include/fedopt/math.h).  `updates[i]`
   // is the mean update for params[i] (same numel, contiguous, acc dtype); `exp_avg`

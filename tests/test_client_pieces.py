@@ -72,6 +72,30 @@ def test_in_place_equals_the_copied_rows_bit_for_bit(dtype, sizes, base):
         _assert_same(*_both(cp, w))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("base", [False, True], ids=["models", "updates"])
+def test_client_dots_and_weighted_sum_in_place_equal_the_copied_rows(dtype, base):
+    """FedLAW's two passes read pieces in place too: ``client_dots`` and
+    ``weighted_sum``'s forward and (fused) backward, bit for bit the copied rows'."""
+    for C in (1, 5):
+        cp = _pieces(C, SIZES[3], dtype, base=base, seed=10 + C)
+        rows = cp.stack()
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        g = torch.randn(cp.numel, generator=torch.Generator().manual_seed(C), dtype=acc)
+        assert_bitwise(ops.client_dots(cp, g, backend="cpu"), ops.client_dots(rows, g, backend="cpu"))
+        grads, outs = [], []
+        for clients in (cp, rows):
+            lam = torch.full((C,), 0.3, dtype=acc, requires_grad=True)
+            gamma = torch.ones((), dtype=acc, requires_grad=True)
+            out = ops.weighted_sum(clients, lam, gamma, backend="cpu")
+            (out.to(acc) * g).sum().backward()
+            outs.append(out.detach())
+            grads += [lam.grad, gamma.grad]
+        assert_bitwise(outs[0], outs[1])
+        assert_bitwise(grads[0], grads[2])
+        assert_bitwise(grads[1], grads[3])
+
+
 def test_stack_and_rows_are_the_copy():
     """The oracle itself: a row is ``subtract_from - cat(pieces)`` (one subtraction in the
     pieces' dtype, as a NumPy copy of a reply computes it)."""
@@ -166,6 +190,11 @@ def test_the_raw_op_refuses_what_would_be_memory_unsafe():
         assert torch.equal(out, torch.full((5,), 7.0))
     with pytest.raises(RuntimeError, match="out must have 5 elements"):
         raw([a, b, a, b], 2, None, w, 1.0, None, torch.zeros(4), None)
+    dots = torch.ops.fedopt_C.client_dots_pieces
+    with pytest.raises(RuntimeError, match="g must have 5 elements"):
+        dots([a, b, a, b], 2, None, torch.zeros(4))
+    with pytest.raises(RuntimeError, match="piece 1 of client 1 has 3"):
+        dots([a, b, a, torch.ones(3)], 2, None, torch.zeros(5))
 
 
 def test_backends_without_an_in_place_reader_get_the_stacked_rows(monkeypatch):
@@ -217,15 +246,19 @@ flower = pytest.mark.skipif(not HAVE_FLWR and sys.version_info < (3, 11),
 
 
 @flower
-@pytest.mark.parametrize("algo", ["fedavg", "fedadam", "fedexp", "asnes", "scaffold"])
-def test_flower_rounds_in_place_equal_the_copying_path(algo):
+@pytest.mark.parametrize("algo, kw", [("fedavg", {}), ("fedadam", {}), ("fedexp", {}), ("asnes", {}),
+                                      ("scaffold", {}), ("fedlaw", {}),
+                                      ("fedlaw", dict(scaffold=True, scaffold_num_clients=4))],
+                         ids=["fedavg", "fedadam", "fedexp", "asnes", "scaffold", "fedlaw", "fedlaw-scaffold"])
+def test_flower_rounds_in_place_equal_the_copying_path(algo, kw):
     """Two rounds of replies (one of them non-finite: the exclusion pass) read in place
-    equal the copying path bit for bit: the global model, the server's metrics and
-    SCAFFOLD's control variate (which reads D after the step has moved x_global)."""
+    equal the copying path bit for bit: the global model, the server's metrics,
+    SCAFFOLD's control variate (which reads D after the step has moved x_global) and
+    FedLAW's learned weights (every pass of its learning reads the models in place)."""
     import test_flower_bad_replies as fb
 
     def run(in_place):
-        s = fb._strategy(algo, read_in_place=in_place)
+        s = fb._strategy(algo, read_in_place=in_place, **kw)
         out = []
         for rnd in (1, 2):
             replies = [fb._reply(s.model, c, round_=rnd, seed=rnd) for c in range(4)]

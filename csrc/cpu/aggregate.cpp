@@ -151,27 +151,37 @@ std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weigh
   return aggregate_checked("fedopt_C::aggregate", cl, weights, gamma, gamma_tensor, out, skip, nullptr);
 }
 
-// aggregate over clients given as pieces, read in place (kernel_api.h, PieceTable):
-// `pieces` lists client 0's pieces, then client 1's, ...; every client has
-// `pieces_per_client` of them, piece p of every client having the same number of
-// elements; `subtract_from` (optional, [N]) makes client i's row subtract_from - x_i.
-std::tuple<Tensor, Tensor> aggregate_pieces_cpu(TensorList pieces, int64_t pieces_per_client,
-                                                const OptTensor& subtract_from, const Tensor& weights, double gamma,
-                                                const OptTensor& gamma_tensor, const Tensor& out,
-                                                const OptTensor& skip) {
-  const char* op = "fedopt_C::aggregate_pieces";
+// Clients given as pieces, read in place (kernel_api.h, PieceTable): `pieces` lists
+// client 0's pieces, then client 1's, ...; every client has `pieces_per_client` of
+// them, piece p of every client having the same number of elements; `subtract_from`
+// (optional, [N]) makes client i's row subtract_from - x_i.  `table` points into the
+// struct's own vectors' buffers, which a move keeps and a copy would not: no copies.
+struct Pieces {
+  Clients cl;
+  std::vector<int64_t> starts;
+  std::vector<const void*> ptrs;
+  PieceTable table;
+  Pieces() = default;
+  Pieces(const Pieces&) = delete;
+  Pieces(Pieces&&) = default;
+};
+
+Pieces unpack_pieces(const char* op, TensorList pieces, int64_t pieces_per_client, const OptTensor& subtract_from) {
   const int64_t L = pieces_per_client;
   const int64_t total = static_cast<int64_t>(pieces.size());
   TORCH_CHECK(L >= 1 && total >= L && total % L == 0, op, ": pieces must hold pieces_per_client (", L,
               ") pieces for each of at least one client, got ", total, " pieces");
-  Clients cl;
+  Pieces r;
+  Clients& cl = r.cl;
   cl.dtype = pieces[0].scalar_type();
   check_supported_float(op, "pieces", cl.dtype);
   cl.C = total / L;
-  std::vector<int64_t> starts(L + 1, 0);
+  std::vector<int64_t>& starts = r.starts;
+  starts.assign(L + 1, 0);
   for (int64_t p = 0; p < L; ++p) starts[p + 1] = starts[p] + pieces[p].numel();
   cl.N = starts[L];
-  std::vector<const void*> ptrs(total);
+  std::vector<const void*>& ptrs = r.ptrs;
+  ptrs.resize(total);
   for (int64_t i = 0; i < cl.C; ++i) {
     for (int64_t p = 0; p < L; ++p) {
       const Tensor& t = pieces[i * L + p];
@@ -189,12 +199,21 @@ std::tuple<Tensor, Tensor> aggregate_pieces_cpu(TensorList pieces, int64_t piece
                 "contiguous tensor of ", cl.N, " elements, got ", subtract_from->numel());
     base = subtract_from->const_data_ptr();
   }
-  const PieceTable table{L, starts.data(), ptrs.data(), base};
-  return aggregate_checked(op, cl, weights, gamma, gamma_tensor, out, skip, &table);
+  r.table = PieceTable{L, starts.data(), ptrs.data(), base};
+  return r;
+}
+
+std::tuple<Tensor, Tensor> aggregate_pieces_cpu(TensorList pieces, int64_t pieces_per_client,
+                                                const OptTensor& subtract_from, const Tensor& weights, double gamma,
+                                                const OptTensor& gamma_tensor, const Tensor& out,
+                                                const OptTensor& skip) {
+  const char* op = "fedopt_C::aggregate_pieces";
+  const Pieces p = unpack_pieces(op, pieces, pieces_per_client, subtract_from);
+  return aggregate_checked(op, p.cl, weights, gamma, gamma_tensor, out, skip, &p.table);
 }
 
 template <typename acc_t>
-Tensor run_client_dots(const Clients& cl, const Tensor& g, bool g_is_acc) {
+Tensor run_client_dots(const Clients& cl, const Tensor& g, bool g_is_acc, const PieceTable* pieces = nullptr) {
   const int64_t C = cl.C;
   const ChunkTable table = build_chunk_table({cl.N}, {0}, 1, kAggChunk);
   const int64_t nc = static_cast<int64_t>(table.chunks.size());
@@ -205,6 +224,7 @@ Tensor run_client_dots(const Clients& cl, const Tensor& g, bool g_is_acc) {
   args.g_is_acc = g_is_acc;
   args.num_clients = C;
   args.clients = cl.rows.data();
+  args.pieces = pieces;
   args.g = g.const_data_ptr();
   args.chunks = table.chunks.data();
   args.partials = partials.data();
@@ -228,6 +248,15 @@ Tensor client_dots_cpu(TensorList clients, const Tensor& g) {
   return run_client_dots<float>(cl, g, g_is_acc);
 }
 
+// client_dots over clients given as pieces (see unpack_pieces).
+Tensor client_dots_pieces_cpu(TensorList pieces, int64_t pieces_per_client, const OptTensor& subtract_from,
+                              const Tensor& g) {
+  const Pieces p = unpack_pieces("fedopt_C::client_dots_pieces", pieces, pieces_per_client, subtract_from);
+  const bool g_is_acc = check_vector(g, p.cl, "g");
+  if (acc_type(p.cl.dtype) == at::kDouble) return run_client_dots<double>(p.cl, g, g_is_acc, &p.table);
+  return run_client_dots<float>(p.cl, g, g_is_acc, &p.table);
+}
+
 }  // namespace
 }  // namespace fedopt::cpu
 
@@ -235,4 +264,5 @@ TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
   m.impl("aggregate", &fedopt::cpu::aggregate_cpu);
   m.impl("aggregate_pieces", &fedopt::cpu::aggregate_pieces_cpu);
   m.impl("client_dots", &fedopt::cpu::client_dots_cpu);
+  m.impl("client_dots_pieces", &fedopt::cpu::client_dots_pieces_cpu);
 }

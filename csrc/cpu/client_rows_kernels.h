@@ -354,7 +354,7 @@ void client_dots_chunks(const DotsArgs<acc_t>& a, int64_t c0, int64_t c1) {
       const Chunk& ch = a.chunks[c + k];
       gs[k] = g_blocks(g + ch.start, ch.len, buffer.slot(k));
     }
-    stream_clients<scalar_t>(a.clients, nullptr, a.chunks, c, nk, a.num_clients, a.partials,
+    stream_clients<scalar_t>(a.clients, a.pieces, a.chunks, c, nk, a.num_clients, a.partials,
                              [](int64_t) { return true; },
                              [&](auto rows, int64_t, int64_t m, int64_t k, const scalar_t* const* x,
                                  acc_t* const* d) { dots_rows<decltype(rows)::value>(x, m, gs[k], d); });

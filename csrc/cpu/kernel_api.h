@@ -88,6 +88,7 @@ struct DotsArgs {
   bool g_is_acc;                    // g holds acc_t (else the clients' type)
   int64_t num_clients;
   const void* const* clients;
+  const PieceTable* pieces = nullptr;  // the clients as pieces instead of rows
   const void* g;
   const Chunk* chunks;
   acc_t* partials;                  // [num_chunks][C]

@@ -1,7 +1,7 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
-Every backend is a module exposing the same seven functions (and optionally an eighth,
-``aggregate_pieces``), with the same contract
+Every backend is a module exposing the same seven functions (and optionally two more,
+``aggregate_pieces`` and ``client_dots_pieces``), with the same contract
 (the ops layer has validated every argument before they are called; ``mode`` is 0 co /
 1 grad / 2 none).  A hyperparameter that may be a number or a tensor (``lr``,
 ``weight_decay``, ``gamma``) comes as the pair ``h, h_tensor`` of :mod:`.hyper`: a
@@ -43,6 +43,9 @@ skip) -> (client_sq_norms, sq_norm)`` (optional: the ``cpu`` backend)
     ``pieces_per_client`` pieces of the flat list ``pieces`` concatenated, subtracted
     from ``subtract_from`` when given), bit for bit ``aggregate`` over the rows they
     would be copied into.  Without it the ops layer stacks the rows.
+
+``client_dots_pieces(pieces, pieces_per_client, subtract_from, g) -> [C]`` (optional: ``cpu``)
+    ``client_dots`` over clients read in place, as ``aggregate_pieces``.
 
 One "do nothing" convention for every op: an optional one-element device tensor read by
 the kernels (no host sync), nonzero = the op writes nothing -- ``found_inf`` of the

@@ -53,6 +53,10 @@ def client_dots(clients, g):
     return torch.ops.fedopt_C.client_dots(clients, g)
 
 
+def client_dots_pieces(pieces, pieces_per_client, subtract_from, g):
+    return torch.ops.fedopt_C.client_dots_pieces(pieces, int(pieces_per_client), subtract_from, g)
+
+
 def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor, beta1, beta2,
                    tau, nesterov, skip):
     if not params:  # nothing to do, and no tensor the dispatcher could pick a kernel by

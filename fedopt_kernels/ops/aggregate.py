@@ -303,21 +303,35 @@ def aggregate_runner(backend: Optional[str], device: torch.device):
 
         return compiled
     impl = backends.resolve(backend, device)
+    return lambda rows, w, gamma, out, skip: backend_aggregate(impl, rows, w, *split(gamma), out, skip)
+
+
+def backend_aggregate(impl, rows, w, gamma, gamma_tensor, out, skip):
+    """``impl.aggregate`` (the backend contract's call) over ``rows`` or
+    :class:`ClientPieces`: read in place by ``impl.aggregate_pieces`` where the backend
+    has it, else the rows stacked once (:meth:`ClientPieces.stacked`)."""
+    if not isinstance(rows, ClientPieces):
+        return impl.aggregate(rows, w, gamma, gamma_tensor, out, skip)
     in_place = getattr(impl, "aggregate_pieces", None)
+    if in_place is None:
+        return impl.aggregate(rows.stacked(), w, gamma, gamma_tensor, out, skip)
+    return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, w, gamma, gamma_tensor, out, skip)
 
-    def run(rows, w, gamma, out, skip):
-        if not isinstance(rows, ClientPieces):
-            return impl.aggregate(rows, w, *split(gamma), out, skip)
-        if in_place is not None:
-            return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, w, *split(gamma), out, skip)
-        return impl.aggregate(rows.stacked(), w, *split(gamma), out, skip)
 
-    return run
+def backend_client_dots(impl, rows, g):
+    """``impl.client_dots`` over ``rows`` or :class:`ClientPieces` (as :func:`backend_aggregate`)."""
+    if not isinstance(rows, ClientPieces):
+        return impl.client_dots(rows, g)
+    in_place = getattr(impl, "client_dots_pieces", None)
+    if in_place is None:
+        return impl.client_dots(rows.stacked(), g)
+    return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, g)
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
-    """``[<clients[i], g>]`` for all clients in one pass over the data (acc dtype)."""
-    rows, C, N, dtype, device = check_clients(clients)
+    """``[<clients[i], g>]`` for all clients in one pass over the data (acc dtype);
+    :class:`ClientPieces` are read in place as :func:`aggregate` reads them."""
+    rows, C, N, dtype, device = check_clients(clients, in_place=True)
     V.check_tensor(g, "g", dims=1)
     if g.shape[0] != N or g.device != device or not g.is_contiguous():
         raise ValueError(f"g must be a contiguous [{N}] tensor on {device}, got {tuple(g.shape)} on {g.device}")
@@ -325,5 +339,8 @@ def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = N
     if g.dtype not in (dtype, acc):
         g = g.to(acc)
     if torch.compiler.is_compiling():
+        if isinstance(rows, ClientPieces):
+            raise TypeError("client_dots: clients given as ClientPieces cannot be traced by torch.compile; pass "
+                            "the [C, N] rows instead (ClientPieces.stack())")
         return _library.client_dots_op(rows, g, backends.resolve_name(backend, device.type))
-    return backends.resolve(backend, device).client_dots(rows, g)
+    return backend_client_dots(backends.resolve(backend, device), rows, g)

@@ -8,7 +8,8 @@ import torch
 
 from .. import backends
 from . import _library, validation as V
-from .aggregate import Clients, as_weight_tensor, check_clients, host_to_device
+from .aggregate import Clients, as_weight_tensor, backend_aggregate, backend_client_dots, check_clients, host_to_device
+from .client_pieces import ClientPieces
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -22,10 +23,13 @@ class _WeightedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weights, gamma, impl, rows):
-        first = rows if isinstance(rows, torch.Tensor) else rows[0]
-        N = first.shape[-1]
-        out = torch.empty(N, dtype=first.dtype, device=first.device)
-        impl.aggregate(rows, weights.detach(), 0.0, gamma.detach(), out, None)  # gamma: the pair's tensor half
+        if isinstance(rows, ClientPieces):
+            out = torch.empty(rows.numel, dtype=rows.dtype, device=rows.device)
+        else:
+            first = rows if isinstance(rows, torch.Tensor) else rows[0]
+            out = torch.empty(first.shape[-1], dtype=first.dtype, device=first.device)
+        # gamma as the (value, tensor) pair's tensor half
+        backend_aggregate(impl, rows, weights.detach(), 0.0, gamma.detach(), out, None)
         ctx.impl, ctx.rows = impl, rows
         ctx.save_for_backward(weights, gamma)
         return out
@@ -33,7 +37,7 @@ class _WeightedSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         weights, gamma = ctx.saved_tensors
-        dots = ctx.impl.client_dots(ctx.rows, grad_out.contiguous().to(weights.dtype))
+        dots = backend_client_dots(ctx.impl, ctx.rows, grad_out.contiguous().to(weights.dtype))
         grad_weights = gamma * dots if ctx.needs_input_grad[0] else None
         grad_gamma = torch.dot(weights, dots) if ctx.needs_input_grad[1] else None
         return grad_weights, grad_gamma, None, None
@@ -48,9 +52,10 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
     ``client_dots`` (one pass: all ``C`` inner products with ``dL/d out``).  Both run in
     the acc dtype of the clients (float64 clients give float64 gradients, so
     ``torch.autograd.gradcheck`` applies).  No NaN exclusion here: this is the plain
-    linear map FedLAW differentiates.
+    linear map FedLAW differentiates.  :class:`ClientPieces` are read in place (both
+    passes) as :func:`aggregate` reads them.
     """
-    rows, C, N, dtype, device = check_clients(clients)
+    rows, C, N, dtype, device = check_clients(clients, in_place=True)
     acc = V.acc_dtype(dtype)
     weights = as_weight_tensor(weights, C)  # lists and integer tensors as elsewhere; autograd kept
     if weights.device != device:
@@ -68,9 +73,16 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
         gamma = torch.full((), V.check_real(gamma, "gamma", low=0.0, low_open=True), dtype=acc, device=device)
     if isinstance(rows, torch.Tensor):
         rows = rows.detach()
+    elif isinstance(rows, ClientPieces):
+        if any(t.requires_grad for t in rows.tensors()):
+            rows = ClientPieces([[t.detach() for t in client] for client in rows.pieces],
+                                subtract_from=None if rows.subtract_from is None else rows.subtract_from.detach())
     else:
         rows = [r.detach() for r in rows]
     if torch.compiler.is_compiling():  # one custom-op node (forward and backward)
+        if isinstance(rows, ClientPieces):
+            raise TypeError("weighted_sum: clients given as ClientPieces cannot be traced by torch.compile; pass "
+                            "the [C, N] rows instead (ClientPieces.stack())")
         return _library.weighted_sum_op(rows, weights.to(acc), gamma.to(acc),
                                         backends.resolve_name(backend, device.type))
     impl = backends.resolve(backend, device)

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..ops import aggregate, weighted_sum
+from ..ops import ClientPieces, aggregate, weighted_sum
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values
 from ..utils.flat import FlatLayout, parameters_layout
 
 LEARN = ("both", "gamma", "lambda")
-ClientModels = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[nn.Module]]
+ClientModels = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[nn.Module], ClientPieces]
 
 
 class FedLAWRound(NamedTuple):
@@ -144,8 +144,13 @@ class FedLAW:
         self.last_round: Optional[FedLAWRound] = None
 
     # ------------------------------------------------------------------ inputs
-    def _client_rows(self, client_models: ClientModels) -> List[torch.Tensor]:
+    def _client_rows(self, client_models: ClientModels) -> Union[List[torch.Tensor], ClientPieces]:
         L = self.layout
+        if isinstance(client_models, ClientPieces):  # each model as its per-layer tensors: read in place
+            if (client_models.numel, client_models.dtype, client_models.device) != (L.numel, L.dtype, L.device):
+                raise ValueError(f"client_models have {client_models.numel} {client_models.dtype} parameters on "
+                                 f"{client_models.device}, the model {L.numel} {L.dtype} on {L.device}")
+            return client_models
         if isinstance(client_models, torch.Tensor):
             if client_models.dim() != 2:
                 raise ValueError(f"client_models as a tensor must be 2-D [C, N], got shape "
@@ -269,7 +274,11 @@ class FedLAW:
     def step(self, client_models: ClientModels, data_sizes) -> Tuple[torch.Tensor, torch.Tensor]:
         """Learn ``(gamma, lambda)`` from this round's client models and write
         ``gamma * sum_i lambda_i w_i`` into the model.  Returns ``(gamma, lambda)``
-        (0-d and ``[C]`` tensors; lambda is 0 for clients left out)."""
+        (0-d and ``[C]`` tensors; lambda is 0 for clients left out).
+
+        ``client_models``: a ``[C, N]`` tensor, ``C`` flat vectors or modules, or
+        :class:`~fedopt_kernels.ops.ClientPieces` (each model as its per-layer tensors,
+        e.g. a Flower reply's arrays: every pass of the learning reads them in place)."""
         # Re-read every round: the model may have moved device since the last one.
         self.layout = parameters_layout(self.model)
         rows = self._client_rows(client_models)
@@ -299,7 +308,7 @@ class FedLAW:
             self.last_round = FedLAWRound(gamma, lam_full, excluded, True, torch.zeros(0, device=device))
             return gamma, lam_full
 
-        rows_k = [rows[i] for i in keep]
+        rows_k = rows.select(keep) if isinstance(rows, ClientPieces) else [rows[i] for i in keep]
         sizes_k = sizes[keep]
         lam0 = (sizes_k / sizes_k.sum()).to(device=device, dtype=acc)
         losses: list = []

@@ -16,11 +16,11 @@ vector ``strategy.x_global``) and, per round,
    replies' arrays, viewed where they lie, with ``x_global`` as
    :class:`~fedopt_kernels.ops.ClientPieces` -- the kernel subtracts as it reads, so a
    round adds ``O(N)`` memory on top of the replies, and gives bit for bit what the
-   copy would.  Otherwise (``read_in_place=False``, an array of another dtype, FedLAW,
-   which trains on the client models, or an accelerator, where the models are copied
-   over and subtracted there) the replies are copied into ONE ``[C, N]`` tensor
-   (:func:`~.records.stack_arrayrecords`: one pass per array, the subtraction folded
-   into the copy).  One fused pass computes
+   copy would (FedLAW reads the client models themselves in place, in every pass of
+   its learning).  Otherwise (``read_in_place=False``, an array of another dtype, or
+   an accelerator, where the models are copied over and subtracted there) the
+   replies are copied into ONE ``[C, N]`` tensor (:func:`~.records.stack_arrayrecords`:
+   one pass per array, the subtraction folded into the copy).  One fused pass computes
    the weighted mean and every norm the adaptive methods need, and excludes clients
    whose arrays hold NaN/Inf.  FedLAW gets the client models themselves.  Floating
    buffers (BatchNorm statistics) become the ``num-examples``-weighted mean of the
@@ -62,6 +62,7 @@ from flwr.supercore import log
 from torch import nn
 
 from ... import server as S
+from ...ops import ClientPieces
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
                            vector_to_buffers)
 from .records import arrayrecords_as_pieces, load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
@@ -316,8 +317,9 @@ class FusedStrategy(_FlowerFedAvg):
                 # [C, N] rows: D_i straight from the client's bytes (CPU), or the client models (FedLAW,
                 # or an accelerator: subtracted there after one transfer).
                 U = None
-                if updates and on_cpu and self.read_in_place:
-                    U = arrayrecords_as_pieces(records, self.layout, names=names, subtract_from=self._base())
+                if on_cpu and self.read_in_place:  # FedLAW: the models themselves, no base
+                    U = arrayrecords_as_pieces(records, self.layout, names=names,
+                                               subtract_from=self._base() if updates else None)
                 if U is None:
                     rows = stack_arrayrecords(records, self.layout, out=self._rows_buffer(C), names=names,
                                               subtract_from=self.x_global if (updates and on_cpu) else None)
@@ -330,7 +332,10 @@ class FusedStrategy(_FlowerFedAvg):
             lr_sums = self._lr_sums(metrics) if self.scaffold else None  # checked before anything changes
             scaffold_m = self._scaffold_clients() if self.scaffold else None
             if self.fedlaw is not None:
-                D = (self.x_global - U) if self.scaffold else None  # before the step moves x_global
+                D = None
+                if self.scaffold:  # D_i = x_global - x_i before the step moves x_global
+                    D = (ClientPieces(U.pieces, subtract_from=self._base()) if isinstance(U, ClientPieces)
+                         else self.x_global - U)
                 server_metrics = self._fedlaw_step(U, weights, nodes)
                 excluded = self.fedlaw.last_round.excluded
             else:

@@ -13,7 +13,7 @@ One round's ``aggregate_train`` on the SAME ``C`` client replies (Flower
   optimizer, the new ``ArrayRecord``;
 * ``fused ..., copying``: the same strategies with ``read_in_place=False``: first one
   copy per array into a ``[C, N]`` tensor (the path before in-place reading, and
-  still FedLAW's and an accelerator's).
+  still an accelerator's).
 
 Both sides decode the replies and encode the new global ``ArrayRecord``; message
 transport is not included.  Run ``python -m fedopt_kernels.benchmarks.flower``.

@@ -11,11 +11,12 @@ kernel walks a clients x pieces pointer table and stages each chunk of a row (wi
 subtraction) in a cache-resident buffer, so the extra memory is ``O(N)`` (the result)
 plus a few chunks per thread, and the results are bit for bit those of the copied rows.
 
-Where a backend has no in-place reader (reference, Triton, CUDA: on an accelerator the
-replies must cross to the device anyway), ``aggregate`` stacks the rows first
-(:meth:`ClientPieces.stack`): the same values, ``O(C N)`` memory.  Row by row,
-``pieces[i]`` gives client ``i``'s vector alone (``O(N)``), which is how SCAFFOLD's
-control update reads them.
+:func:`~fedopt_kernels.ops.client_dots` and :func:`~fedopt_kernels.ops.weighted_sum`
+(FedLAW's passes) read them the same way.  Where a backend has no in-place reader
+(reference, Triton, CUDA: on an accelerator the replies must cross to the device
+anyway), the ops stack the rows first (:meth:`ClientPieces.stack`): the same values,
+``O(C N)`` memory.  Row by row, ``pieces[i]`` gives client ``i``'s vector alone
+(``O(N)``), which is how SCAFFOLD's control update reads them.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def _local_clients(clients: Clients, out: Optional[torch.Tensor]):
                              "that N, the dtype and the device are known")
         V.check_tensor(out, "out", dims=1)
         return [], 0, out.shape[0], out.dtype, out.device
-    rows, C, N, dtype, device = check_clients(clients, "local_clients", in_place=True)
+    rows, C, N, dtype, device = check_clients(clients, "local_clients")
     return (list(rows.unbind(0)) if isinstance(rows, torch.Tensor) else rows), C, N, dtype, device
 
 

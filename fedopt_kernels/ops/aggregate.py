@@ -35,16 +35,15 @@ class AggregateStats(NamedTuple):
     all_excluded: torch.Tensor
 
 
-def check_clients(clients: Clients, name: str = "clients", *, in_place: bool = False):
+def check_clients(clients: Clients, name: str = "clients"):
     """Validate ``clients``; return ``(rows_for_backend, C, N, dtype, device)``.
 
     A ``DTensor`` is refused by name: aggregation averages whole client vectors (the
     full, unsharded state), and the kernels would only see one rank's shard of it.
-    :class:`ClientPieces` (validated when built) are returned as they are where the
-    caller reads them in place (``in_place``), else stacked into ``[C, N]`` rows."""
+    :class:`ClientPieces` (validated when built) are returned as they are: the backend
+    calls (:func:`backend_aggregate`, :func:`backend_client_dots`) read them."""
     if isinstance(clients, ClientPieces):
-        rows = clients if in_place else clients.stack()
-        return rows, clients.num_clients, clients.numel, clients.dtype, clients.device
+        return clients, clients.num_clients, clients.numel, clients.dtype, clients.device
     if isinstance(clients, torch.Tensor):
         V.refuse_dtensor(clients, name, who="aggregate")
         V.check_tensor(clients, name, dims=2)
@@ -226,7 +225,7 @@ def aggregate(
 
     Returns ``(out, AggregateStats)``; ``out`` has the clients' dtype unless given.
     """
-    rows, C, N, dtype, device = check_clients(clients, in_place=True)
+    rows, C, N, dtype, device = check_clients(clients)
     acc = V.acc_dtype(dtype)
     w = check_weights(weights, C, device, acc)
     gamma = check_gamma(gamma, device, acc)
@@ -296,14 +295,20 @@ def aggregate_runner(backend: Optional[str], device: torch.device):
         name = backends.resolve_name(backend, device.type)
 
         def compiled(rows, w, gamma, out, skip):
-            if isinstance(rows, ClientPieces):
-                raise TypeError("aggregate: clients given as ClientPieces cannot be traced by torch.compile; pass "
-                                "the [C, N] rows instead (ClientPieces.stack())")
+            refuse_pieces_under_compile(rows, "aggregate")
             return _library.aggregate_op(rows, w, *split(gamma), out, skip, name)
 
         return compiled
     impl = backends.resolve(backend, device)
     return lambda rows, w, gamma, out, skip: backend_aggregate(impl, rows, w, *split(gamma), out, skip)
+
+
+def refuse_pieces_under_compile(rows, op: str) -> None:
+    """Under ``torch.compile`` an op's custom-op node takes rows: :class:`ClientPieces`
+    (a pointer table over many tensors) is refused by name."""
+    if isinstance(rows, ClientPieces):
+        raise TypeError(f"{op}: clients given as ClientPieces cannot be traced by torch.compile; pass the [C, N] "
+                        "rows instead (ClientPieces.stack())")
 
 
 def backend_aggregate(impl, rows, w, gamma, gamma_tensor, out, skip):
@@ -331,7 +336,7 @@ def backend_client_dots(impl, rows, g):
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
     """``[<clients[i], g>]`` for all clients in one pass over the data (acc dtype);
     :class:`ClientPieces` are read in place as :func:`aggregate` reads them."""
-    rows, C, N, dtype, device = check_clients(clients, in_place=True)
+    rows, C, N, dtype, device = check_clients(clients)
     V.check_tensor(g, "g", dims=1)
     if g.shape[0] != N or g.device != device or not g.is_contiguous():
         raise ValueError(f"g must be a contiguous [{N}] tensor on {device}, got {tuple(g.shape)} on {g.device}")
@@ -339,8 +344,6 @@ def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = N
     if g.dtype not in (dtype, acc):
         g = g.to(acc)
     if torch.compiler.is_compiling():
-        if isinstance(rows, ClientPieces):
-            raise TypeError("client_dots: clients given as ClientPieces cannot be traced by torch.compile; pass "
-                            "the [C, N] rows instead (ClientPieces.stack())")
+        refuse_pieces_under_compile(rows, "client_dots")
         return _library.client_dots_op(rows, g, backends.resolve_name(backend, device.type))
     return backend_client_dots(backends.resolve(backend, device), rows, g)

@@ -8,7 +8,8 @@ import torch
 
 from .. import backends
 from . import _library, validation as V
-from .aggregate import Clients, as_weight_tensor, backend_aggregate, backend_client_dots, check_clients, host_to_device
+from .aggregate import (Clients, as_weight_tensor, backend_aggregate, backend_client_dots, check_clients,
+                        host_to_device, refuse_pieces_under_compile)
 from .client_pieces import ClientPieces
 
 
@@ -55,7 +56,7 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
     linear map FedLAW differentiates.  :class:`ClientPieces` are read in place (both
     passes) as :func:`aggregate` reads them.
     """
-    rows, C, N, dtype, device = check_clients(clients, in_place=True)
+    rows, C, N, dtype, device = check_clients(clients)
     acc = V.acc_dtype(dtype)
     weights = as_weight_tensor(weights, C)  # lists and integer tensors as elsewhere; autograd kept
     if weights.device != device:
@@ -80,9 +81,7 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
     else:
         rows = [r.detach() for r in rows]
     if torch.compiler.is_compiling():  # one custom-op node (forward and backward)
-        if isinstance(rows, ClientPieces):
-            raise TypeError("weighted_sum: clients given as ClientPieces cannot be traced by torch.compile; pass "
-                            "the [C, N] rows instead (ClientPieces.stack())")
+        refuse_pieces_under_compile(rows, "weighted_sum")
         return _library.weighted_sum_op(rows, weights.to(acc), gamma.to(acc),
                                         backends.resolve_name(backend, device.type))
     impl = backends.resolve(backend, device)

@@ -261,7 +261,10 @@ class ServerOptimizer(EagerOptimizer):
         two ``state_dict()`` s).  A missing, unknown or misshapen entry raises, naming
         it.  :meth:`step` also takes a list of such mappings directly.
         """
-        tensors = self._update_tensors(update)
+        return self._flatten(self._update_tensors(update), out)
+
+    def _flatten(self, tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Checked update tensors (:meth:`_update_tensors`) copied into one flat vector."""
         first = self._params()[0]
         if out is None:
             out = torch.empty(self.numel, dtype=first.dtype, device=first.device)
@@ -351,7 +354,7 @@ class ServerOptimizer(EagerOptimizer):
             named = [self._update_tensors(u) for u in updates]
             if all(t.dtype == dtype and t.device == device and t.is_contiguous() for ts in named for t in ts):
                 return ClientPieces(named, name="updates"), len(named)
-            updates = [self.flatten_update(u) for u in updates]
+            updates = [self._flatten(ts) for ts in named]
         if isinstance(updates, torch.Tensor):
             if updates.dim() == 1:
                 raise ValueError(f"updates as a tensor must be 2-D [C, N], got shape {tuple(updates.shape)}; "

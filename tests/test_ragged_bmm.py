@@ -111,6 +111,42 @@ def test_a_clients_bits_do_not_depend_on_who_shares_the_call(dim):
                 assert torch.equal(part[0], together[i]), (threads, i, rows)
 
 
+def _placed(t, offset, transposed):
+    """``t`` [C, R, S] copied into a buffer at ``offset`` elements from its 64-byte
+    aligned start, stored as is or as the transpose view of its transpose."""
+    src = t.transpose(1, 2).contiguous() if transposed else t.contiguous()
+    view = torch.zeros(src.numel() + 64, dtype=t.dtype)[offset:offset + src.numel()].view_as(src)
+    view.copy_(src)
+    return view.transpose(1, 2) if transposed else view
+
+
+@pytest.mark.skipif(RAW is None, reason="needs the CPU extension")
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(17, 64, 10), (17, 200, 64), (5, 9, 3), (32, 17, 200)])
+def test_a_clients_bits_do_not_depend_on_where_its_operands_lie(dim, shape):
+    """MKL's skinny-product kernels (under 4 rows or 12 columns) give bits that follow the
+    operands' and the result's alignment; the engine's clients lie at offsets that change
+    with their place in a group (a row of N elements).  ragged_bmm runs those products on
+    aligned copies: the same bits wherever a, b and out lie (every offset of a 64-byte
+    line, both storage orders), for every client length 0..M (small lengths are the
+    skinny products of dims 1 and 3)."""
+    gen = torch.Generator().manual_seed(11)
+    M, K, N = shape
+    full = (M, K, N)[dim - 1]
+    C = full + 1
+    a = torch.randn(C, M, K, generator=gen)
+    b = torch.randn(C, K, N, generator=gen)
+    lengths = torch.arange(C)  # every length once
+    expected = ragged_bmm(a, b, lengths, dim)
+    torch.testing.assert_close(expected.double(), _oracle(a, b, lengths, dim, True), rtol=1e-5, atol=1e-5 * K)
+    for offset in range(1, 16):
+        for transposed in (False, True):
+            assert torch.equal(ragged_bmm(_placed(a, offset, transposed), b, lengths, dim), expected), (offset, "a")
+            assert torch.equal(ragged_bmm(a, _placed(b, offset, transposed), lengths, dim), expected), (offset, "b")
+        out = torch.zeros(C * M * N + 64)[offset:offset + C * M * N].view(C, M, N)
+        assert torch.equal(ragged_bmm(a, b, lengths, dim, out=out), expected), (offset, "out")
+
+
 @pytest.mark.skipif(RAW is None, reason="needs the CPU extension")
 @pytest.mark.parametrize("dim", [1, 2, 3])
 def test_out_writes_into_a_strided_view_with_the_same_bits(dim):

@@ -18,7 +18,8 @@
 // torch's CPU build links in and exports), run single-threaded (MKL's
 // MKL_Set_Num_Threads_Local), the clients spread over torch's threads.  So a client's
 // bits depend on its own shape and data alone -- never on which clients share the
-// call, how many there are or how many threads run: the batched engine promises that
+// call, how many there are, how many threads run or where its operands lie (skinny
+// products run on aligned copies: canonical_gemm): the batched engine promises that
 // grouping never changes a client's arithmetic.  (MKL's grouped GEMM,
 // cblas_sgemm_batch, was slower here -- 782 against 647 us for the 8 products of an
 // MLP step of 20 digits clients, 2 threads -- and splits the work of unequal groups
@@ -106,6 +107,56 @@ void gemm_row_major(const BlasOperand& A, const BlasOperand& B, const T* a, cons
   }
 }
 
+// MKL's kernels for skinny products -- fewer than 4 rows or 12 columns of the result,
+// measured for m in 1..17, n in 1..200 and k in 3..256 on AVX-512 (AMD EPYC), where every
+// such product with k >= 9 was affected and no wider one was -- give bits that
+// depend on where the operands and the result lie in memory: they vectorise along the
+// contraction and peel to alignment.  A client's rows of the engine's buffers lie at
+// offsets that change with its place in a group (row stride N, not a multiple of 16),
+// so there a client's bits would follow its neighbours.  Such products run on
+// canonical copies instead: each operand row-major in a 64-byte aligned scratch with
+// leading dimensions rounded up to 16 elements, the result likewise, then copied out.
+// They are small (one side under 4 or 12), so the copies are too.
+inline bool skinny(const Dims& d) { return d.m < 4 || d.n < 12; }
+
+inline int64_t padded_ld(int64_t n) { return (n + 15) / 16 * 16; }
+
+template <typename T>
+T* aligned_scratch(std::vector<T>& buffer, int64_t elements) {
+  buffer.resize(static_cast<size_t>(elements) + 64 / sizeof(T));
+  const auto address = reinterpret_cast<std::uintptr_t>(buffer.data());
+  return reinterpret_cast<T*>((address + 63) / 64 * 64);
+}
+
+// rows x cols of an operand stored as described by `op` (its 'N'/'T' flag and leading
+// dimension), from `src`, into row-major `dst` with leading dimension `ld`.
+template <typename T>
+void copy_rows(const BlasOperand& op, const T* src, int64_t rows, int64_t cols, T* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* d = dst + r * ld;
+    if (op.trans == 'N') {
+      std::copy(src + r * op.ld, src + r * op.ld + cols, d);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) d[c] = src[c * op.ld + r];
+    }
+  }
+}
+
+template <typename T>
+void canonical_gemm(const BlasOperand& A, const BlasOperand& B, const T* a, const T* b, T* c, const Dims& d,
+                    int64_t ldc) {
+  thread_local std::vector<T> scratch;
+  const int64_t lda = padded_ld(d.k), ldb = padded_ld(d.n), ldo = padded_ld(d.n);
+  T* sa = aligned_scratch(scratch, d.m * lda + d.k * ldb + d.m * ldo + 32);
+  T* sb = sa + padded_ld(d.m * lda);
+  T* so = sb + padded_ld(d.k * ldb);
+  copy_rows(A, a, d.m, d.k, sa, lda);
+  copy_rows(B, b, d.k, d.n, sb, ldb);
+  const BlasOperand ca{at::Tensor(), 'N', lda}, cb{at::Tensor(), 'N', ldb};
+  gemm_row_major<T>(ca, cb, sa, sb, so, d, ldo);
+  for (int64_t r = 0; r < d.m; ++r) std::copy(so + r * ldo, so + r * ldo + d.n, c + r * ldc);
+}
+
 template <typename T>
 void blas_products(const BlasOperand& A, const BlasOperand& B, at::Tensor& out, const int64_t* L, int64_t dim) {
   const int64_t C = out.size(0), M = out.size(1), N = out.size(2), K = A.t.size(2);
@@ -133,8 +184,13 @@ void blas_products(const BlasOperand& A, const BlasOperand& B, at::Tensor& out, 
     for (int64_t i = first[begin]; i < first[end]; ++i) {
       const Dims d = client_dims(dim, L[i], M, N, K);
       if (d.m == 0 || d.n == 0 || d.k == 0) continue;  // zeros: fill_padding
-      gemm_row_major<T>(A, B, a0 + i * A.t.stride(0), b0 + i * B.t.stride(0), c0 + i * out.stride(0), d,
-                        out.stride(1));
+      const T* a = a0 + i * A.t.stride(0);
+      const T* b = b0 + i * B.t.stride(0);
+      if (skinny(d)) {
+        canonical_gemm<T>(A, B, a, b, c0 + i * out.stride(0), d, out.stride(1));
+      } else {
+        gemm_row_major<T>(A, B, a, b, c0 + i * out.stride(0), d, out.stride(1));
+      }
     }
     if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
   });

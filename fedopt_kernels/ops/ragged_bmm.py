@@ -19,7 +19,9 @@ On CPU with a torch linked to a BLAS (MKL in the PyPI builds) each client's prod
 one single-threaded BLAS GEMM of its own shape, the clients spread over torch's
 threads (``csrc/cpu/ragged_bmm.cpp``): fewer operations than the padded ``bmm``, and
 a client's bits depend on its own shape and data alone -- never on which clients share
-the call or on the number of threads.  Elsewhere a loop of ``torch.mm`` per client
+the call, on the number of threads or on where in memory its operands lie (MKL's
+kernels for skinny products, under 4 rows or 12 columns, follow the operands'
+alignment: those run on aligned copies).  Elsewhere a loop of ``torch.mm`` per client
 gives the same values (slower than the padded ``bmm``: :func:`ragged_bmm_uses_blas`
 says which applies, so callers can keep ``bmm``).
 """

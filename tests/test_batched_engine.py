@@ -126,6 +126,35 @@ def test_groups_are_bitwise_equal_to_one_group(kw, client_batch):
         assert torch.equal(one.scaffold.c, grouped.scaffold.c)
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_a_clients_update_does_not_depend_on_its_place_in_the_round(model):
+    """Client i's update is the same bits wherever the round puts it: first or last,
+    beside other clients, in a group of another size, with the round's update rows
+    anywhere in memory.  Its rows of the engine's buffers then lie at other offsets;
+    MKL's skinny products (a classifier of 10 outputs, a client of 1-3 samples) follow
+    their operands' alignment, which ragged_bmm neutralises (this test failed before it
+    did; test_ragged_bmm's placement test is the kernel-level twin)."""
+    sim = _sim(model=model, clients=100, per_round=7, local_steps=3)
+    trainer = sim.batched
+    sizes = sim.partition.sizes
+    small = sorted(range(len(sizes)), key=lambda c: sizes[c])
+    chosen = small[:4] + small[-3:]  # the smallest clients (1-2 samples here) and large ones
+    assert min(sizes[c] for c in chosen) <= 3
+
+    def updates(order, offset=0):  # the round's update rows `offset` elements into a buffer
+        out = torch.empty(len(order) * sim.numel + offset)[offset:].view(len(order), sim.numel)
+        trainer.train_round(sim.x_global, [sim.partition.client_indices[c] for c in order], round_index=0,
+                            seeds=[1000 + c for c in order], out=out, stats=B.RoundStats(sim.device))
+        return {c: out[j].clone() for j, c in enumerate(order)}
+
+    reference = updates(chosen)
+    for offset, order in enumerate((chosen, chosen[::-1], chosen[3:] + chosen[:3], chosen[1::2], chosen[::3],
+                                    chosen[:2], chosen[:4], chosen[2:6])):
+        got = updates(order, offset * 5)
+        for c in order:
+            assert torch.equal(got[c], reference[c]), (c, sizes[c], order, offset)
+
+
 def test_automatic_group_size_follows_the_free_memory(monkeypatch):
     sim = _sim(engine="batched")
     per_client = sim.batched.planner.client_bytes(32)

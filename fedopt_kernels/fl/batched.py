@@ -326,6 +326,7 @@ class BatchedTrainer:
             drop_identity_ops(fn)
             channels_last_pools(fn)
             gradients_into_buffer(fn, [(o, k, s) for _, o, k, s, t in self._slots if t], self.numel)
+            fn.recompile()  # once, after every pass
         except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager
             self.trace = False
             self.trace_failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"

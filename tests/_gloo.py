@@ -28,6 +28,11 @@ def _worker(rank, world, init_file, out_dir, body, args):
     results = {}
     try:
         results = body(rank, world, *args)
+        # every rank done with its sends and receives before any closes its connections
+        # (the barrier this module's docstring promised was missing; a rank tearing gloo
+        # down while its peer still reads is the likely cause of the one abort seen,
+        # "terminate called without an active exception", in a parallel suite run)
+        dist.barrier()
     except BaseException:
         results = {"error": traceback.format_exc()}
         raise

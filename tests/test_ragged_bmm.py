@@ -333,3 +333,140 @@ def test_sample_dimensions_are_found_once_per_padded_length(monkeypatch):
     own.run()
     assert len(calls) == len(per_length) + len(own.batched.trace_counts)
     assert torch.equal(shared.x_global, own.x_global)
+
+
+# ---------------------------------------------------------------- fused epilogues
+EPI = torch.ops.fedopt_C.ragged_bias_relu_ if RAW is not None and hasattr(torch.ops.fedopt_C, "ragged_bias_relu_") \
+    else None
+
+
+def _special(t, gen):
+    """``t`` with zeros of both signs, NaN and infinities at random places."""
+    flat = t.view(-1)
+    picks = torch.randperm(flat.numel(), generator=gen)[:12]
+    flat[picks] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0,
+                                3.0, -3.0, float("nan")], dtype=t.dtype)
+    return t
+
+
+def _same(a, b):
+    """Bitwise equal, NaN included."""
+    return torch.equal(a.view(torch.int64 if a.dtype == torch.float64 else torch.int32),
+                       b.view(torch.int64 if b.dtype == torch.float64 else torch.int32))
+
+
+@pytest.mark.skipif(EPI is None, reason="needs the CPU extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("bias_form", ["broadcast", "2d", "strided"])
+def test_ragged_bias_relu_is_the_aten_ops_on_the_real_rows(dtype, relu, bias_form):
+    """x[i, :L_i] = relu(x + b) (aten's add then relu: -0.0 and NaN pass through, the same
+    bits) in place; the padded rows keep what they held; lengths 0 and full."""
+    gen = torch.Generator().manual_seed(21)
+    C, M, N = 5, 7, 13
+    x = _special(torch.randn(C, M, N, generator=gen).to(dtype), gen)
+    wide = _special(torch.randn(C, N + 9, generator=gen).to(dtype), gen)
+    bias = {"broadcast": wide[:, 3:3 + N].contiguous().view(C, 1, N), "2d": wide[:, 3:3 + N].contiguous(),
+            "strided": wide[:, 3:3 + N].unsqueeze(1)}[bias_form]  # the last: rows of a wider buffer
+    lengths = torch.tensor([0, M, 1, 3, M - 1])
+    expected = x + bias.reshape(C, 1, N)
+    if relu:
+        expected = torch.relu(expected)
+    y = x.clone()
+    assert EPI(y, bias, lengths, relu).data_ptr() == y.data_ptr()
+    for i, n in enumerate(lengths.tolist()):
+        assert _same(y[i, :n], expected[i, :n]), i
+        assert _same(y[i, n:], x[i, n:]), i
+
+
+@pytest.mark.skipif(EPI is None, reason="needs the CPU extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ragged_relu_backward_is_threshold_backward_on_the_real_rows(dtype):
+    """grad[i, :L_i] = threshold_backward(grad, h, 0) in place (h = 0, -0.0, NaN
+    included); the padded rows keep what they held."""
+    gen = torch.Generator().manual_seed(22)
+    C, M, N = 4, 6, 9
+    grad = _special(torch.randn(C, M, N, generator=gen).to(dtype), gen)
+    h = _special(torch.randn(C, M, N, generator=gen).to(dtype), gen)
+    lengths = torch.tensor([M, 0, 2, 5])
+    expected = torch.ops.aten.threshold_backward(grad, h, 0)
+    g = grad.clone()
+    torch.ops.fedopt_C.ragged_relu_backward_(g, h, lengths)
+    for i, n in enumerate(lengths.tolist()):
+        assert _same(g[i, :n], expected[i, :n]) and _same(g[i, n:], grad[i, n:]), i
+
+
+@pytest.mark.skipif(EPI is None, reason="needs the CPU extension")
+@pytest.mark.parametrize("call, match", [
+    (lambda x, b, n: EPI(x.half(), b, n, True), "x must be a 3-D CPU float32/float64"),
+    (lambda x, b, n: EPI(x.transpose(1, 2), b[:, :4].unsqueeze(1), n, True), "x must have contiguous rows"),
+    (lambda x, b, n: EPI(x, b[:, :4], n, True), "bias must be a CPU Float tensor of shape \\[3, 1, 5\\]"),
+    (lambda x, b, n: EPI(x, b.double(), n, True), "bias must be a CPU Float"),
+    (lambda x, b, n: EPI(x, b, n[:2], True), "lengths must be a CPU int64 tensor of shape \\[3\\]"),
+    (lambda x, b, n: EPI(x, b, n + 4, True), "lengths\\[0\\] = 5 is outside \\[0, 4\\]"),
+    (lambda x, b, n: torch.ops.fedopt_C.ragged_relu_backward_(x, x[:, :3], n), "output must have grad's shape"),
+    (lambda x, b, n: torch.ops.fedopt_C.ragged_relu_backward_(x, x.double(), n), "output must"),
+])
+def test_bad_epilogue_input_names_the_argument_and_changes_nothing(call, match):
+    x, b, n = torch.randn(3, 4, 5), torch.randn(3, 5), torch.tensor([1, 2, 3])
+    before = x.clone()
+    with pytest.raises(RuntimeError, match=match):
+        call(x, b, n)
+    assert torch.equal(x, before)
+
+
+def _fused_pair(module=None, **kw):
+    """The same run with and without the fused epilogues."""
+    cfg = SimulationConfig(**{**SMALL, **kw})
+    fused, plain = Simulation(cfg, model=module), Simulation(cfg, model=module)
+    plain.batched.fuse = False
+    fused.run()
+    plain.run()
+    return fused, plain
+
+
+def _targets(sim):
+    return [n.target for gm in sim.batched._traced.values() for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.skipif(EPI is None or not BLAS, reason="needs the CPU extension's BLAS path")
+@pytest.mark.parametrize("kw", [dict(hidden=(32, 24), algo="scaffold", momentum=0.5, per_round=7),
+                                dict(model="cnn", rounds=2, local_steps=2, clients=8, per_round=8)],
+                         ids=["mlp", "cnn"])
+def test_fused_epilogues_give_the_same_bits(kw):
+    """The fused bias+ReLU and ReLU gradient are the same IEEE operations on the real
+    rows, and the padded rows they leave are read by nobody: the run is bitwise the
+    unfused one.  In a 2-hidden-layer MLP every hidden layer is fused, forward and
+    backward (the output layer feeds the loss, which reads the padding: left alone)."""
+    fused, plain = _fused_pair(**kw)
+    assert torch.equal(fused.x_global, plain.x_global)
+    ops = _targets(fused)
+    n_fwd = ops.count(torch.ops.fedopt_C.ragged_bias_relu_.default)
+    n_bwd = ops.count(torch.ops.fedopt_C.ragged_relu_backward_.default)
+    graphs = len(fused.batched._traced)
+    if "model" not in kw:
+        assert (n_fwd, n_bwd) == (2 * graphs, 2 * graphs)
+        assert torch.ops.aten.relu.default not in ops and torch.ops.aten.threshold_backward.default not in ops
+    else:  # the classifier's hidden layer (after the convolutions' features)
+        assert (n_fwd, n_bwd) == (graphs, graphs)
+    assert torch.ops.fedopt_C.ragged_bias_relu_.default not in _targets(plain)
+
+
+@pytest.mark.skipif(EPI is None or not BLAS, reason="needs the CPU extension's BLAS path")
+def test_an_activation_read_elsewhere_is_not_fused():
+    """A hidden activation that another op reads (here a per-sample sum feeding the
+    output) would see the padded rows the fused op leaves: that layer keeps the aten
+    ops, and the run still equals the unfused one."""
+    class Side(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 10)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x.flatten(1)))
+            return self.b(h) + h.sum(-1, keepdim=True) * 1e-3
+
+    fused, plain = _fused_pair(module=Side)
+    ops = _targets(fused)
+    assert torch.ops.fedopt_C.ragged_bias_relu_.default not in ops and torch.ops.aten.relu.default in ops
+    assert torch.equal(fused.x_global, plain.x_global)

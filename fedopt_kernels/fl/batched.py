@@ -21,7 +21,10 @@ after another.  The batched engine trains the round's ``C`` clients together:
   matrix products then run on each client's real samples only
   (:func:`~fedopt_kernels.fl.graph_passes.ragged_products`; ``trainer.ragged =
   False`` keeps the padded ``bmm``): half the arithmetic of the MLP on digits, the
-  same values up to a GEMM's rounding, and a client's bits still its own (tested).
+  same values up to a GEMM's rounding, and a client's bits still its own (tested);
+  the bias, ReLU and ReLU gradient around them run on the real rows too, in place
+  (:func:`~fedopt_kernels.fl.graph_passes.fused_epilogues`, ``trainer.fuse``; the same
+  bits).
   The graph writes its gradients into ``G`` itself
   (:func:`~fedopt_kernels.fl.graph_passes.gradients_into_buffer`: the weight
   gradients computed there, no fresh tensor and no concatenation; the same bits).
@@ -95,7 +98,8 @@ from ..ops.ragged_bmm import ragged_bmm_uses_blas
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
-from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, graph_signature,
+from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, fused_epilogues,
+                           graph_signature,
                            gradients_into_buffer, ragged_products, sample_dims)
 from .round_plan import Group, RoundPlanner
 from .seeds import dropout_seed
@@ -253,6 +257,7 @@ class BatchedTrainer:
             "plain": vmap(grad(self._plain_loss, has_aux=True), in_dims=(0, 0, None, 0, 0), randomness="different"),
         }
         self.trace = True  # see _traced_grad
+        self.fuse = True  # ragged layers' bias, ReLU and its gradient on the real rows (see _traced_grad)
         self.ragged = True  # padded groups' traced products on the real samples only (see _traced_grad)
         self._traced: Dict[tuple, object] = {}
         self._sample_dims: Dict[tuple, tuple] = {}  # (mode, batch) -> (graph_signature, sample_dims)
@@ -325,6 +330,9 @@ class BatchedTrainer:
                 ragged_products(fn, found[1], B)
             drop_identity_ops(fn)
             channels_last_pools(fn)
+            if (self.fuse and hasattr(torch.ops.fedopt_C, "ragged_bias_relu_")
+                    and any(n.target is torch.ops.fedopt_C.ragged_bmm.default for n in fn.graph.nodes)):
+                fused_epilogues(fn)  # after drop_identity_ops: the fused ops mutate
             gradients_into_buffer(fn, [(o, k, s) for _, o, k, s, t in self._slots if t], self.numel)
             fn.recompile()  # once, after every pass
         except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager

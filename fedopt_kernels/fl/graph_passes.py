@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["drop_identity_ops", "channels_last_pools", "graph_signature", "sample_dims", "ragged_products",
-           "RAGGED_LENGTHS", "gradients_into_buffer", "GRADIENT_BUFFER"]
+           "fused_epilogues", "RAGGED_LENGTHS", "gradients_into_buffer", "GRADIENT_BUFFER"]
 
 
 def drop_identity_ops(gm) -> int:
@@ -206,6 +206,113 @@ def ragged_products(gm, dims, batch: int) -> int:
     if rewritten:
         graph.lint()
     return rewritten
+
+
+def _ragged(node, dim: int, zero_fill=None) -> bool:
+    """Whether ``node`` is a ragged product along sample dimension ``dim`` (and, unless
+    None, with that ``zero_fill``)."""
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target in (torch.ops.fedopt_C.ragged_bmm.default, torch.ops.fedopt_C.ragged_bmm.out)
+            and node.args[3] == dim and (zero_fill is None or bool(node.args[4]) == zero_fill))
+
+
+def _skips_padding(user, node) -> bool:
+    """Whether ``user`` never reads the padded samples' rows of ``node`` (a ``[C, B, N]``
+    activation, samples along dim 1) -- or, where it does, gets the same result
+    whatever they hold: a ragged product with ``node`` as its samples operand, a
+    transpose of it feeding only ragged contractions, the ReLU mask of a gradient whose
+    padded rows are zeros."""
+    aten = torch.ops.aten
+    if _ragged(user, 1):
+        return user.args[0] is node and user.args[1] is not node
+    if _ragged(user, 2):
+        return user.args[1] is node and user.args[0] is not node
+    if user.target is aten.transpose.int and user.args[0] is node and sorted(user.args[1:3]) == [1, 2]:
+        return all(_ragged(u, 2) and u.args[0] is user and u.args[1] is not user for u in user.users)
+    if user.target is aten.threshold_backward.default and user.args[1] is node and user.args[0] is not node:
+        g = user.args[0]
+        return _ragged(g, 1, zero_fill=True) or g.target is torch.ops.fedopt_C.ragged_relu_backward_.default
+    return False
+
+
+def _same_layout(node, source) -> bool:
+    """Whether ``node``'s traced result has ``source``'s shape and strides: an op done in
+    place on ``source`` instead keeps every later view valid (an elementwise op's result
+    follows its inputs' layout, e.g. a transposed activation's)."""
+    a, b = node.meta.get("val"), source.meta.get("val")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def fused_epilogues(gm) -> int:
+    """Run a ragged layer's bias, ReLU and ReLU gradient on the clients' real rows only,
+    in place on the products' results (``fedopt_C::ragged_bias_relu_`` and
+    ``ragged_relu_backward_``, ``csrc/cpu/ragged_epilogues.cpp``).
+
+    After :func:`ragged_products` a hidden layer is ``relu(ragged_bmm(x, W^T) + b)`` and
+    its gradient ``threshold_backward(ragged_bmm(d, W), h, 0)``: three passes over all
+    ``[C, B, N]`` rows, padding included, at memory speed -- for the MLP on digits more
+    time than the products.  Rewritten:
+
+    * ``relu(r + b)`` (and ``r + b`` alone) with ``r`` a forward ragged product used
+      only there becomes ``ragged_bias_relu_(r, b)``: the real rows get the same IEEE
+      additions and maxima (the same bits); the padded rows keep the product's copies
+      of row 0, so only where every reader skips them (:func:`_skips_padding`);
+    * ``threshold_backward(g, h, 0)`` with ``g`` a zero-filled ragged product used only
+      there becomes ``ragged_relu_backward_(g, h)``: the same bits in every row (the
+      padded rows of ``g`` are zeros, which is what the threshold gives there);
+
+    each only where the replaced result had the product's strides (:func:`_same_layout`:
+    an activation transposed by an earlier layer keeps the aten ops).
+
+    Run after :func:`ragged_products` and :func:`drop_identity_ops` (the ops mutate).
+    Returns the number of nodes fused."""
+    aten = torch.ops.aten
+    fused_fwd = torch.ops.fedopt_C.ragged_bias_relu_.default
+    fused_bwd = torch.ops.fedopt_C.ragged_relu_backward_.default
+    graph = gm.graph
+    fused = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.threshold_backward.default and node.args[2] == 0:
+            g, h = node.args[0], node.args[1]
+            if _ragged(g, 1, zero_fill=True) and g.target is torch.ops.fedopt_C.ragged_bmm.default \
+                    and len(g.users) == 1 and isinstance(h, torch.fx.Node) and _same_layout(node, g):
+                with graph.inserting_before(node):
+                    new = graph.call_function(fused_bwd, (g, h, g.args[2]))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                fused += 1
+            continue
+        relu = node.target is aten.relu.default
+        add = node.args[0] if relu else node
+        if not (isinstance(add, torch.fx.Node) and add.op == "call_function" and add.target is aten.add.Tensor
+                and add.kwargs.get("alpha", 1) == 1 and (not relu or len(add.users) == 1)):
+            continue
+        r = next((a for a in add.args if _ragged(a, 1, zero_fill=False)
+                  and a.target is torch.ops.fedopt_C.ragged_bmm.default and len(a.users) == 1), None)
+        b = next((a for a in add.args if a is not r), None) if r is not None else None
+        vr = r.meta.get("val") if r is not None else None
+        vb = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+        if not (isinstance(vr, torch.Tensor) and isinstance(vb, torch.Tensor) and vb.dtype == vr.dtype
+                and tuple(vb.shape) == (vr.shape[0], 1, vr.shape[2])):
+            continue
+        out = node if relu else add
+        if not out.users or not _same_layout(out, r) or not all(_skips_padding(u, out) for u in out.users):
+            continue
+        with graph.inserting_before(out):
+            new = graph.call_function(fused_fwd, (r, b, r.args[2], relu))
+        new.meta.update(out.meta)
+        out.replace_all_uses_with(new)
+        graph.erase_node(out)
+        if relu:
+            graph.erase_node(add)
+        fused += 1
+    if fused:
+        graph.lint()
+    return fused
 
 
 #: The attribute of a graph rewritten by :func:`gradients_into_buffer`: the group's flat

@@ -20,7 +20,7 @@
 //     which is what threshold_backward gives there, so g ends equal to its result.
 //
 // Both are the same IEEE operations as the aten ops on every real element: the same
-// bits.  Clients spread over torch's threads.
+// bits.  Clients spread over torch's threads (for_real_rows).
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -56,6 +56,17 @@ at::Tensor check_rows(const at::Tensor& x, const char* name, const at::Tensor& l
   return L;
 }
 
+// f(i, r) for every real row r < lengths[i] of every client i, the clients spread
+// over torch's threads.
+template <typename F>
+void for_real_rows(int64_t C, const int64_t* l, const F& f) {
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t r = 0; r < l[i]; ++r) f(i, r);
+    }
+  });
+}
+
 at::Tensor& ragged_bias_relu_cpu(at::Tensor& x, const at::Tensor& bias, const at::Tensor& lengths, bool relu) {
   const at::Tensor L = check_rows(x, "x", lengths, kBias);
   const int64_t C = x.size(0), N = x.size(2);
@@ -69,22 +80,18 @@ at::Tensor& ragged_bias_relu_cpu(at::Tensor& x, const at::Tensor& bias, const at
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ragged_bias_relu_", [&] {
     scalar_t* base = x.data_ptr<scalar_t>();
     const scalar_t* bb = bias.const_data_ptr<scalar_t>();
-    at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const scalar_t* b = bb + i * b0;
-        for (int64_t r = 0; r < l[i]; ++r) {
-          scalar_t* row = base + i * x.stride(0) + r * x.stride(1);
-          if (b1 == 1 && relu) {
-            for (int64_t j = 0; j < N; ++j) {
-              const scalar_t v = row[j] + b[j];
-              row[j] = v < scalar_t(0) ? scalar_t(0) : v;
-            }
-          } else {
-            for (int64_t j = 0; j < N; ++j) {
-              const scalar_t v = row[j] + b[j * b1];
-              row[j] = relu && v < scalar_t(0) ? scalar_t(0) : v;
-            }
-          }
+    for_real_rows(C, l, [&](int64_t i, int64_t r) {
+      const scalar_t* b = bb + i * b0;
+      scalar_t* row = base + i * x.stride(0) + r * x.stride(1);
+      if (b1 == 1 && relu) {  // the common case, a loop the compiler vectorises
+        for (int64_t j = 0; j < N; ++j) {
+          const scalar_t v = row[j] + b[j];
+          row[j] = v < scalar_t(0) ? scalar_t(0) : v;
+        }
+      } else {
+        for (int64_t j = 0; j < N; ++j) {
+          const scalar_t v = row[j] + b[j * b1];
+          row[j] = relu && v < scalar_t(0) ? scalar_t(0) : v;
         }
       }
     });
@@ -103,14 +110,10 @@ at::Tensor& ragged_relu_backward_cpu(at::Tensor& grad, const at::Tensor& output,
   AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "ragged_relu_backward_", [&] {
     scalar_t* g0 = grad.data_ptr<scalar_t>();
     const scalar_t* h0 = output.const_data_ptr<scalar_t>();
-    at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        for (int64_t r = 0; r < l[i]; ++r) {
-          scalar_t* g = g0 + i * grad.stride(0) + r * grad.stride(1);
-          const scalar_t* h = h0 + i * output.stride(0) + r * output.stride(1);
-          for (int64_t j = 0; j < N; ++j) g[j] = h[j] <= scalar_t(0) ? scalar_t(0) : g[j];
-        }
-      }
+    for_real_rows(C, l, [&](int64_t i, int64_t r) {
+      scalar_t* g = g0 + i * grad.stride(0) + r * grad.stride(1);
+      const scalar_t* h = h0 + i * output.stride(0) + r * output.stride(1);
+      for (int64_t j = 0; j < N; ++j) g[j] = h[j] <= scalar_t(0) ? scalar_t(0) : g[j];
     });
   });
   return grad;

@@ -99,8 +99,7 @@ from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
 from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, fused_epilogues,
-                           graph_signature,
-                           gradients_into_buffer, ragged_products, sample_dims)
+                           gradients_into_buffer, graph_signature, ragged_products, sample_dims)
 from .round_plan import Group, RoundPlanner
 from .seeds import dropout_seed
 

@@ -138,7 +138,7 @@ def test_a_clients_update_does_not_depend_on_its_place_in_the_round(model):
     trainer = sim.batched
     sizes = sim.partition.sizes
     small = sorted(range(len(sizes)), key=lambda c: sizes[c])
-    chosen = small[:4] + small[-3:]  # the smallest clients (1-2 samples here) and large ones
+    chosen = small[:4] + small[-3:]  # the smallest clients (1-3 samples here) and large ones
     assert min(sizes[c] for c in chosen) <= 3
 
     def updates(order, offset=0):  # the round's update rows `offset` elements into a buffer

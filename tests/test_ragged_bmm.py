@@ -402,7 +402,7 @@ def test_ragged_relu_backward_is_threshold_backward_on_the_real_rows(dtype):
     (lambda x, b, n: EPI(x.transpose(1, 2), b[:, :4].unsqueeze(1), n, True), "x must have contiguous rows"),
     (lambda x, b, n: EPI(x, b[:, :4], n, True), "bias must be a CPU Float tensor of shape \\[3, 1, 5\\]"),
     (lambda x, b, n: EPI(x, b.double(), n, True), "bias must be a CPU Float"),
-    (lambda x, b, n: EPI(x, b, n[:2], True), "lengths must be a CPU int64 tensor of shape \\[3\\]"),
+    (lambda x, b, n: EPI(x, b, n[:2], True), "lengths must be an int64 tensor of shape \\[3\\]"),
     (lambda x, b, n: EPI(x, b, n + 4, True), "lengths\\[0\\] = 5 is outside \\[0, 4\\]"),
     (lambda x, b, n: torch.ops.fedopt_C.ragged_relu_backward_(x, x[:, :3], n), "output must have grad's shape"),
     (lambda x, b, n: torch.ops.fedopt_C.ragged_relu_backward_(x, x.double(), n), "output must"),

@@ -1,6 +1,6 @@
-// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp, server_update.cpp):
-// tensor checks that guard memory safety, hyperparameter reads, and the split of a
-// chunk table among threads.
+// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp, server_update.cpp, the
+// ragged ops): tensor checks that guard memory safety, hyperparameter reads, and the
+// split of a chunk table among threads.
 #pragma once
 
 #include <algorithm>
@@ -42,6 +42,21 @@ inline ScalarKind scalar_kind(at::ScalarType t) {
 // otherwise be accepted here and refused there).
 inline void check_hyper_dtype(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_floating_point(), "fedopt_C: ", what, " must be floating point, got ", t.scalar_type());
+}
+
+// The clients' lengths of the ragged ops (ragged_bmm.cpp, ragged_epilogues.cpp): an int64
+// tensor [C] (on the CPU: the callers check that) whose entries lie in [0, full], as
+// they index rows.  Returns it contiguous, to be read as a host array.
+inline at::Tensor checked_lengths(const at::Tensor& lengths, int64_t C, int64_t full, const char* op) {
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == C, op,
+              "lengths must be an int64 tensor of shape [", C, "], got ", lengths.scalar_type(), " ",
+              lengths.sizes());
+  at::Tensor contiguous = lengths.contiguous();
+  const int64_t* l = contiguous.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < C; ++i) {
+    TORCH_CHECK(l[i] >= 0 && l[i] <= full, op, "lengths[", i, "] = ", l[i], " is outside [0, ", full, "]");
+  }
+  return contiguous;
 }
 
 // float64 data accumulates in float64, everything else in float32.

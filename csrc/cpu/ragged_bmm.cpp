@@ -42,6 +42,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops_common.h"
+
 extern "C" {
 // Fortran BLAS (column-major; the hidden string-length arguments are not read by the
 // BLAS libraries torch links, as torch's own declarations assume) and MKL's
@@ -238,14 +240,8 @@ at::Tensor& ragged_bmm_out_cpu(const at::Tensor& a, const at::Tensor& b, const a
   TORCH_CHECK(dim >= 1 && dim <= 3, op, "dim must be 1 (rows), 2 (contraction) or 3 (columns), got ", dim);
   const int64_t C = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
   const int64_t full = dim == 1 ? M : dim == 2 ? K : N;
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == C, op,
-              "lengths must be an int64 tensor of shape [", C, "], got ", lengths.scalar_type(), " ",
-              lengths.sizes());
-  const at::Tensor Lt = lengths.contiguous();
+  const at::Tensor Lt = checked_lengths(lengths, C, full, op);
   const int64_t* L = Lt.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < C; ++i) {
-    TORCH_CHECK(L[i] >= 0 && L[i] <= full, op, "lengths[", i, "] = ", L[i], " is outside [0, ", full, "]");
-  }
   // `out` may be a strided view (the engine's gradient buffer): rows contiguous, the
   // clients' matrices apart
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == a.scalar_type() && out.dim() == 3 &&

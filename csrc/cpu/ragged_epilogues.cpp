@@ -28,32 +28,28 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops_common.h"
+
 namespace fedopt::cpu {
 namespace {
 
 constexpr const char* kBias = "fedopt_C: ragged_bias_relu_: ";
 constexpr const char* kGrad = "fedopt_C: ragged_relu_backward_: ";
 
-// x: a [C, M, N] CPU float32/float64 tensor with contiguous rows; lengths: [C] int64 in
-// [0, M].  Returns the checked lengths as a contiguous tensor.
-at::Tensor check_rows(const at::Tensor& x, const char* name, const at::Tensor& lengths, const char* op) {
+// x: a [C, M, N] CPU float32/float64 tensor with contiguous rows.
+void check_rows(const at::Tensor& x, const char* name, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && (x.scalar_type() == at::kFloat ||
                                                       x.scalar_type() == at::kDouble),
               op, name, " must be a 3-D CPU float32/float64 tensor [C, M, N], got ", x.scalar_type(), " ",
               x.sizes(), " on ", x.device());
   TORCH_CHECK(x.size(2) <= 1 || x.stride(2) == 1, op, name, " must have contiguous rows, got strides ",
               x.strides());
-  TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == at::kLong && lengths.dim() == 1 &&
-                  lengths.size(0) == x.size(0),
-              op, "lengths must be a CPU int64 tensor of shape [", x.size(0), "], got ", lengths.scalar_type(),
-              " ", lengths.sizes(), " on ", lengths.device());
-  at::Tensor L = lengths.contiguous();
-  const int64_t* l = L.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < x.size(0); ++i) {
-    TORCH_CHECK(l[i] >= 0 && l[i] <= x.size(1), op, "lengths[", i, "] = ", l[i], " is outside [0, ", x.size(1),
-                "]");
-  }
-  return L;
+}
+
+// The lengths of x's clients (ops_common.h's checked_lengths, on the CPU).
+at::Tensor real_lengths(const at::Tensor& lengths, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(lengths.device().is_cpu(), op, "lengths must be a CPU tensor, got ", lengths.device());
+  return checked_lengths(lengths, x.size(0), x.size(1), op);
 }
 
 // f(i, r) for every real row r < lengths[i] of every client i, the clients spread
@@ -68,7 +64,8 @@ void for_real_rows(int64_t C, const int64_t* l, const F& f) {
 }
 
 at::Tensor& ragged_bias_relu_cpu(at::Tensor& x, const at::Tensor& bias, const at::Tensor& lengths, bool relu) {
-  const at::Tensor L = check_rows(x, "x", lengths, kBias);
+  check_rows(x, "x", kBias);
+  const at::Tensor L = real_lengths(lengths, x, kBias);
   const int64_t C = x.size(0), N = x.size(2);
   const bool shaped = (bias.dim() == 3 && bias.size(0) == C && bias.size(1) == 1 && bias.size(2) == N) ||
                       (bias.dim() == 2 && bias.size(0) == C && bias.size(1) == N);
@@ -100,11 +97,12 @@ at::Tensor& ragged_bias_relu_cpu(at::Tensor& x, const at::Tensor& bias, const at
 }
 
 at::Tensor& ragged_relu_backward_cpu(at::Tensor& grad, const at::Tensor& output, const at::Tensor& lengths) {
-  const at::Tensor L = check_rows(grad, "grad", lengths, kGrad);
-  check_rows(output, "output", lengths, kGrad);
+  check_rows(grad, "grad", kGrad);
+  check_rows(output, "output", kGrad);
   TORCH_CHECK(output.sizes() == grad.sizes() && output.scalar_type() == grad.scalar_type(), kGrad,
               "output must have grad's shape ", grad.sizes(), " and dtype ", grad.scalar_type(), ", got ",
               output.sizes(), " ", output.scalar_type());
+  const at::Tensor L = real_lengths(lengths, grad, kGrad);
   const int64_t C = grad.size(0), N = grad.size(2);
   const int64_t* l = L.const_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "ragged_relu_backward_", [&] {

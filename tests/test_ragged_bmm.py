@@ -214,14 +214,15 @@ SMALL = dict(dataset="digits", hidden=(32,), clients=30, per_round=6, rounds=3, 
              lr=0.05, weight_decay=1e-3, max_norm=1.0)
 
 
-def _pair(module=None, loss_fn=None, **kw):
-    """The same batched run with the ragged products and with the padded bmm."""
+def _pair(module=None, loss_fn=None, off="ragged", **kw):
+    """The same batched run with the trainer's optimisation ``off`` on and off (default:
+    the ragged products, against the padded bmm)."""
     cfg = SimulationConfig(**{**SMALL, **kw})
-    ragged, padded = Simulation(cfg, model=module, loss_fn=loss_fn), Simulation(cfg, model=module, loss_fn=loss_fn)
-    padded.batched.ragged = False
-    ragged.run()
-    padded.run()
-    return ragged, padded
+    on, without = Simulation(cfg, model=module, loss_fn=loss_fn), Simulation(cfg, model=module, loss_fn=loss_fn)
+    setattr(without.batched, off, False)
+    on.run()
+    without.run()
+    return on, without
 
 
 def _products(sim):
@@ -415,16 +416,6 @@ def test_bad_epilogue_input_names_the_argument_and_changes_nothing(call, match):
     assert torch.equal(x, before)
 
 
-def _fused_pair(module=None, **kw):
-    """The same run with and without the fused epilogues."""
-    cfg = SimulationConfig(**{**SMALL, **kw})
-    fused, plain = Simulation(cfg, model=module), Simulation(cfg, model=module)
-    plain.batched.fuse = False
-    fused.run()
-    plain.run()
-    return fused, plain
-
-
 def _targets(sim):
     return [n.target for gm in sim.batched._traced.values() for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -438,7 +429,7 @@ def test_fused_epilogues_give_the_same_bits(kw):
     rows, and the padded rows they leave are read by nobody: the run is bitwise the
     unfused one.  In a 2-hidden-layer MLP every hidden layer is fused, forward and
     backward (the output layer feeds the loss, which reads the padding: left alone)."""
-    fused, plain = _fused_pair(**kw)
+    fused, plain = _pair(off="fuse", **kw)
     assert torch.equal(fused.x_global, plain.x_global)
     ops = _targets(fused)
     n_fwd = ops.count(torch.ops.fedopt_C.ragged_bias_relu_.default)
@@ -466,7 +457,7 @@ def test_an_activation_read_elsewhere_is_not_fused():
             h = torch.relu(self.a(x.flatten(1)))
             return self.b(h) + h.sum(-1, keepdim=True) * 1e-3
 
-    fused, plain = _fused_pair(module=Side)
+    fused, plain = _pair(module=Side, off="fuse")
     ops = _targets(fused)
     assert torch.ops.fedopt_C.ragged_bias_relu_.default not in ops and torch.ops.aten.relu.default in ops
     assert torch.equal(fused.x_global, plain.x_global)

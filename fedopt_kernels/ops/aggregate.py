@@ -311,26 +311,26 @@ def refuse_pieces_under_compile(rows, op: str) -> None:
                         "rows instead (ClientPieces.stack())")
 
 
-def backend_aggregate(impl, rows, w, gamma, gamma_tensor, out, skip):
-    """``impl.aggregate`` (the backend contract's call) over ``rows`` or
-    :class:`ClientPieces`: read in place by ``impl.aggregate_pieces`` where the backend
-    has it, else the rows stacked once (:meth:`ClientPieces.stacked`)."""
+def _backend_call(impl, op: str, rows, *args):
+    """``impl.<op>(rows, *args)`` (the backend contract's call) over ``rows`` or
+    :class:`ClientPieces`: read in place by ``impl.<op>_pieces`` where the backend has
+    it, else the rows stacked once (:meth:`ClientPieces.stacked`)."""
     if not isinstance(rows, ClientPieces):
-        return impl.aggregate(rows, w, gamma, gamma_tensor, out, skip)
-    in_place = getattr(impl, "aggregate_pieces", None)
+        return getattr(impl, op)(rows, *args)
+    in_place = getattr(impl, f"{op}_pieces", None)
     if in_place is None:
-        return impl.aggregate(rows.stacked(), w, gamma, gamma_tensor, out, skip)
-    return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, w, gamma, gamma_tensor, out, skip)
+        return getattr(impl, op)(rows.stacked(), *args)
+    return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, *args)
+
+
+def backend_aggregate(impl, rows, w, gamma, gamma_tensor, out, skip):
+    """``impl.aggregate`` over ``rows`` or :class:`ClientPieces` (:func:`_backend_call`)."""
+    return _backend_call(impl, "aggregate", rows, w, gamma, gamma_tensor, out, skip)
 
 
 def backend_client_dots(impl, rows, g):
-    """``impl.client_dots`` over ``rows`` or :class:`ClientPieces` (as :func:`backend_aggregate`)."""
-    if not isinstance(rows, ClientPieces):
-        return impl.client_dots(rows, g)
-    in_place = getattr(impl, "client_dots_pieces", None)
-    if in_place is None:
-        return impl.client_dots(rows.stacked(), g)
-    return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, g)
+    """``impl.client_dots`` over ``rows`` or :class:`ClientPieces` (:func:`_backend_call`)."""
+    return _backend_call(impl, "client_dots", rows, g)
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:

@@ -170,10 +170,11 @@ def check_real(value, name: str, *, low=None, high=None, low_open=False, high_op
     hi = "" if high is None else (f"{name} < {high}" if high_open else f"{name} <= {high}")
     bounds = " and ".join(b for b in (lo, hi) if b)
     if torch.compiler.is_compiling():
-        # torch.compile traces a Python number that changed between calls as a symbol:
-        # the bounds become a check of the compiled graph (math.isnan cannot be traced;
-        # NaN fails every comparison, so it is refused all the same).  A number that
-        # should change every step is better held in a 0-d tensor: no recompilation.
+        # Under torch.compile a Python number is a constant of the trace (dynamo
+        # specialises floats, so every new value recompiles) or, with dynamic shapes
+        # for floats, a symbol: then the bounds become a check of the compiled graph
+        # (math.isnan cannot be traced; NaN fails every comparison, so it is refused
+        # all the same).  A number that changes every step belongs in a 0-d tensor.
         ok = value == value
         if low is not None:
             ok = ok & ((value > low) if low_open else (value >= low))
@@ -181,7 +182,10 @@ def check_real(value, name: str, *, low=None, high=None, low_open=False, high_op
             ok = ok & ((value < high) if high_open else (value <= high))
         if not allow_inf:
             ok = ok & (value < math.inf) & (value > -math.inf)
-        torch._check(ok, lambda: f"{name} must be finite{' and satisfy ' + bounds if bounds else ''}")
+        # The message is bound as a default argument, not a closure: dynamo (torch 2.11)
+        # refuses a torch._check message function that references a non-local variable.
+        message = f"{name} must be finite{' and satisfy ' + bounds if bounds else ''}"
+        torch._check(ok, lambda message=message: message)
         return value
     value = float(value)
     if math.isnan(value) or (math.isinf(value) and not allow_inf):

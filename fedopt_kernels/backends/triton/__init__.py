@@ -28,11 +28,13 @@ import triton.language as tl
 
 from .. import _chunks, hyper
 from ..dtypes import acc_dtype
-from . import _tables
+from . import _interpreter_compat, _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
 from .aggregate import aggregate_kernel, client_dots_kernel, row_sum_kernel
 from .nar_step import group_sum_kernel, nar_norm_kernel, nar_update_kernel
 from .server_update import server_update_kernel
+
+_interpreter_compat.install()  # Triton 3.6's interpreter under NumPy >= 2.4 (see there)
 
 __all__ = ["nar_step_", "nar_step_batched_", "nar_sq_norm", "nar_apply_", "aggregate", "client_dots",
            "server_update_"]

@@ -79,14 +79,15 @@ def variants(quick: bool = False):
         for rows in (False, True):
             # ---- FedNAR norm: (MODE, WD_KIND, HAS_GS); grad and none compile alike.
             fn = N.nar_norm_kernel
+            nblock, nwarps = TB.norm_launch_config(dt)
             # rows mode passes the part buffer for the table pointers (never read)
             types = dict(tab_ptr="*i64" if not rows else a, groups_ptr="*i64" if not rows else a,
                          part_ptr=a, wd_ptr=a, gs_ptr=a, wd_value="fp64", x_base="i64", g_base="i64",
                          row_len="i64", row_chunks="i64", chunk="i64", mis="i64")
             flags = [(0, 0, False), (1, 1, True), (0, 2, True), (2, 0, False)]
             for mode, wdk, gs in flags[:2] if quick else flags:
-                cx = dict(base, ESIZE=esize, MODE=mode, WD_KIND=wdk, HAS_GS=gs, ROWS=rows)
-                out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
+                cx = dict(base, BLOCK=nblock, ESIZE=esize, MODE=mode, WD_KIND=wdk, HAS_GS=gs, ROWS=rows)
+                out.append(dict(kernel=fn, cx=cx, types=types, warps=nwarps, dtype=dt, layout=_layout(rows),
                                 ptrs=[n for n in types if n.endswith("_ptr")]))
             # ---- FedNAR update: (MODE, LR_KIND, WD_KIND, HAS_MOM, HAS_GS, HAS_FI, FINALIZED)
             fn = N.nar_update_kernel

@@ -63,6 +63,24 @@ def launch_config(dtype: torch.dtype):
     return 2048, 8
 
 
+def norm_launch_config(dtype: torch.dtype):
+    """``(BLOCK, num_warps)`` of ``nar_norm_kernel``: ``launch_config`` except for 16-bit
+    data, which the norm pass reads at 16 elements per thread (BLOCK 2048 at 4 warps:
+    two 16-byte loads per array and thread, the bytes in flight of the fp32 kernel).
+
+    At 8 per thread (8 warps) Triton 3.6's PTX for the bf16 row kernel (mode co, float
+    weight decay) made ptxas (12.8 and 13.0) spill one loop-carried value on sm_90a
+    (40 registers, 36 bytes of spill stores); Triton 3.8's did not.  At 16 per thread
+    both use 56-60 registers and spill nothing on sm_80 and sm_90
+    (tests/test_triton_aot.py checks every variant under the installed Triton).  The
+    partial sums are this kernel's own: the update kernel combines them at its own
+    ``num_warps`` either way.
+    """
+    if ESIZES[dtype] == 2:
+        return 2048, 4
+    return launch_config(dtype)
+
+
 def server_launch_config(dtype: torch.dtype, rule: int):
     """``(BLOCK, num_warps)`` of ``server_update_kernel``: ``launch_config`` except for
     the adaptive rules (2-4), which keep 4 arrays in flight plus a correctly rounded
@@ -153,7 +171,8 @@ def _rows_work(X, G, B) -> _NarWork:
                     row_len=N, row_chunks=max(row_chunks, 1), chunk=chunk, mis=_chunks.rows_misalignment(bases))
 
 
-def _norm_launch(w: _NarWork, part, dtype, wd_t, wd_f, wd_kind, gs, mode, warps, block):
+def _norm_launch(w: _NarWork, part, dtype, wd_t, wd_f, wd_kind, gs, mode):
+    block, warps = norm_launch_config(dtype)
     dummy = part  # stands for absent optional pointers (never read)
     nar_norm_kernel[(w.n_chunks,)](
         w.tab if w.tab is not None else dummy, w.groups if w.groups is not None else dummy, part,
@@ -184,7 +203,7 @@ def _run_nar(w: _NarWork, dtype, device, lr, lr_tensor, weight_decay, weight_dec
     wd_kind, wd_f, wd_t = _hyper(weight_decay, weight_decay_tensor, per_row)
     if sq_in is None:
         part = torch.empty(w.n_chunks, dtype=acc, device=device)
-        _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, mode, warps, block)
+        _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, mode)
         finalized = w.max_group_chunks > _chunks.max_redundant_partials()
         if finalized:
             sums = torch.empty(G, dtype=acc, device=device)
@@ -238,7 +257,7 @@ def nar_sq_norm(params, grads, weight_decay, weight_decay_tensor, mode, grad_sca
         block, warps = launch_config(dtype)
         part = torch.empty(w.n_chunks, dtype=acc, device=device)
         wd_kind, wd_f, wd_t = _hyper(weight_decay, weight_decay_tensor, per_row=False)
-        _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, int(mode), warps, block)
+        _norm_launch(w, part, dtype, wd_t, wd_f, wd_kind, grad_scale, int(mode))
         # the update kernel's num_warps: the same reduction tree as nar_step_'s own sum
         group_sum_kernel[(1,)](w.groups, part, sums, w.row_chunks, ACC=TL_DTYPES[acc], PBLOCK=PBLOCK, ROWS=False,
                                num_warps=warps)

@@ -15,14 +15,19 @@ Candidates, all on the same parameter list, timed interleaved (``timing.interlea
   is reported separately (recompilation).
 * ``torch SGD(fused) + clip_grad_norm_(foreach)``: what PyTorch users run for a clipped
   SGD step (gradient clipping, decay after the clip: not FedNAR's math, the bar for
-  speed), ``torch.optim.SGD(fused=True)`` where this torch has it.
+  speed), ``torch.optim.SGD(fused=True)`` where this torch has it: the torch anchor
+  (``vs torch`` = its time / the candidate's; NaN where this torch has no fused SGD).
 * ``floor``: ATen primitives with the step's memory traffic on flat buffers of the same
   size: ``torch.dot(g, x)`` (norm pass, 2 words/param) + ``x.add_(g, alpha=a)`` (update
   pass, 3 words/param).  ``speed vs floor`` = floor time / candidate time.
 
 ``of copy bw``: the step's minimum traffic (20 bytes/param for fp32: norm pass reads x
 and g, update pass reads x, g and writes x) per second, as a fraction of the measured
-device copy bandwidth (``timing.copy_bandwidth``).
+device copy bandwidth (``timing.copy_bandwidth``); ``of HBM peak``: the same per second as
+a fraction of the GPU's peak memory bandwidth (``timing.peak_bandwidth``; NaN on CPU).
+On CUDA each candidate's ``launches`` is counted once the timing is done
+(``timing.defer_launch_columns``, one profiled call each; the one-off recompile is not a
+candidate).
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ import torch
 import python_ref.fednar as ref
 from .. import ops
 from .shapes import numel
-from .timing import interleaved, ratio_rows
+from .timing import defer_launch_columns, interleaved, ratio_rows
 
 HYPER = dict(weight_decay=5e-4, max_norm=10.0)
+TORCH_ANCHOR = "torch SGD(fused) + clip_grad_norm_(foreach)"
 
 
 def _make(shapes, device, dtype=torch.float32, seed=0):
@@ -69,7 +75,9 @@ def _lr_sequence():
 
 
 def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device="cpu", repeats: int = 15,
-                   include_compile: bool = True, warm_cache: bool = False) -> list:
+                   include_compile: bool = True, warm_cache: bool = False, deferred: Optional[list] = None) -> list:
+    """Rows of the candidates above on ``shapes``; ``deferred``: where the launch counting
+    waits (``timing.defer_launch_columns``)."""
     device = torch.device(device)
     params, grads = _make(shapes, device)
     n = numel(shapes)
@@ -96,7 +104,7 @@ def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device=
     }
     sgd = _torch_clipped_sgd(shapes, device)
     if sgd is not None:
-        candidates["torch SGD(fused) + clip_grad_norm_(foreach)"] = sgd
+        candidates[TORCH_ANCHOR] = sgd
     extra = {}
     if include_compile:
         torch._dynamo.reset()
@@ -111,8 +119,9 @@ def bench_nar_step(shapes, *, label: str, backend: Optional[str] = None, device=
     times = interleaved(candidates, repeats=repeats, device=device, warm_cache=warm_cache)
     times.update(extra)
     # minimum traffic of the fp32 step: read x, g twice (norm, update), write x: 20 bytes/param
-    return ratio_rows(f"nar_step {label}", times, base="floor (dot + add_)", fused="fused", traffic_bytes=20 * n,
-                      device=device, not_timed=("torch.compile first new lr",))
+    rows = ratio_rows(f"nar_step {label}", times, base="floor (dot + add_)", fused="fused", traffic_bytes=20 * n,
+                      device=device, not_timed=("torch.compile first new lr",), torch_anchor=TORCH_ANCHOR)
+    return defer_launch_columns(rows, candidates, device, deferred)
 
 
 def _torch_clipped_sgd(shapes, device):

@@ -12,7 +12,11 @@ a model given as a list of tensors, ``D`` one flat vector (views per tensor), as
   best unfused composition (what ``torch.optim.Adam(foreach=True)`` does).
 * ``torch.optim.Adam(fused=True)``: PyTorch's own fused Adam on the same tensors (bias
   correction and eps inside the sqrt: not the same formula, the same traffic), the bar:
-  the "vs floor" column of these rows is the speed relative to it.
+  the "vs floor" column of these rows is the speed relative to it, and so is "vs torch"
+  (it is the torch anchor).
+
+On CUDA each candidate's ``launches`` is counted once the timing is done
+(``timing.defer_launch_columns``).
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .timing import interleaved, ratio_rows
+from .timing import defer_launch_columns, interleaved, ratio_rows
 
 B1, B2, TAU, LR = 0.9, 0.99, 1e-3, 1e-2
+TORCH_ANCHOR = "torch.optim.Adam(fused=True)"
 
 
 def bench_server_update(shapes, *, label: str, backend: Optional[str] = None, device="cpu",
-                        repeats: int = 11) -> list:
+                        repeats: int = 11, deferred: Optional[list] = None) -> list:
+    """Rows of the candidates above on ``shapes``; ``deferred``: where the launch counting
+    waits (``timing.defer_launch_columns``)."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=g).to(device) for s in shapes]
@@ -71,9 +78,10 @@ def bench_server_update(shapes, *, label: str, backend: Optional[str] = None, de
                                             exp_avg=m, exp_avg_sq=v, skip=skip, backend=backend),
         "per-tensor torch ops (+ skip)": per_tensor,
         "torch._foreach (no skip)": foreach,
-        "torch.optim.Adam(fused=True)": torch_fused.step,
+        TORCH_ANCHOR: torch_fused.step,
     }
     times = interleaved(candidates, repeats=repeats, device=device)
     # minimum traffic of the Adam step: read x, D, m, v; write x, m, v (fp32)
-    return ratio_rows(f"server FedAdam step {label}", times, base="torch.optim.Adam(fused=True)", fused="fused",
-                      traffic_bytes=7 * 4 * N, device=device)
+    rows = ratio_rows(f"server FedAdam step {label}", times, base=TORCH_ANCHOR, fused="fused",
+                      traffic_bytes=7 * 4 * N, device=device, torch_anchor=TORCH_ANCHOR)
+    return defer_launch_columns(rows, candidates, device, deferred)

@@ -26,6 +26,10 @@ sampled anew every round, consecutive rounds of one run with the default engine,
 timed beside the authors' loop over the same sampled clients (30 rounds: the median
 of rounds 2-30, and their mean with the traces of new group shapes included); the
 first round and one evaluation of the test set are reported on their own rows.
+
+A third figure, on a GPU only (:func:`bench_device_vs_cpu`, suite ``device_vs_cpu``): the
+same real run with the batched engine on the GPU and on the CPU, rounds interleaved;
+``vs cpu`` is the CPU's ms/round over the device's.
 """
 
 from __future__ import annotations
@@ -189,11 +193,12 @@ def bench_simulation(model: str, clients: int, *, label: str, device="cpu", back
                       base_column="vs hand loop", fused_column="time / batched")
 
 
-def _real_simulation(model: str, clients: int, per_round: int, device: str, backend: Optional[str]):
+def _real_simulation(model: str, clients: int, per_round: int, device: str, backend: Optional[str],
+                     engine: str = "auto"):
     from ..fl import Simulation, SimulationConfig
 
     cfg = SimulationConfig(dataset="digits", model=model, clients=clients, per_round=per_round, rounds=NEVER,
-                           eval_every=NEVER, device=device, backend=backend, **RECIPE)
+                           eval_every=NEVER, device=device, backend=backend, engine=engine, **RECIPE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Simulation(cfg)
@@ -252,19 +257,96 @@ def bench_real_run(model: str, clients: int, per_round: int, *, label: str, devi
     ]
 
 
+def bench_device_vs_cpu(model: str, clients: int, per_round: int, *, label: str, device="cuda",
+                        backend: Optional[str] = None, rounds: int = 3, warmup: int = 1) -> List[Dict]:
+    """ms per round of the batched engine on ``device`` and on the CPU, the same real run
+    (``per_round`` of ``clients`` clients sampled anew each round; the same seed, so the
+    same clients, data and initial model on both): ``warmup`` untimed rounds (the traces
+    of the first shapes), then ``rounds`` rounds, each timed on the device then on the CPU
+    (interleaved); the medians.  ``vs cpu``: CPU time / device time (higher: the device is
+    faster).  The device row also has ``max |device - cpu| x`` after the last round (both
+    ran the same rounds; nonzero from float rounding, e.g. TF32 convolutions).  The CPU
+    side uses the default backend and torch's CPU threads.  On a CPU ``device`` nothing
+    runs: one row says the comparison was skipped and why."""
+    device = torch.device(device)
+    name = f"simulation device vs cpu {label}"
+    if device.type == "cpu":
+        nan = float("nan")
+        return [{"benchmark": name, "case": "skipped: --device is cpu, no device to compare with the CPU",
+                 "ms": nan, "vs cpu": nan}]
+    return _time_device_and_cpu(model, clients, per_round, name=name, device=device, backend=backend, rounds=rounds,
+                                warmup=warmup)
+
+
+def _time_device_and_cpu(model: str, clients: int, per_round: int, *, name: str, device: torch.device,
+                         backend: Optional[str], rounds: int, warmup: int) -> List[Dict]:
+    """The measurement of :func:`bench_device_vs_cpu` (whatever ``device`` is: the tests
+    run it on the CPU against the CPU)."""
+    import statistics
+    import time
+
+    from .timing import _sync
+
+    sims = {"device": _real_simulation(model, clients, per_round, str(device), backend, engine="batched"),
+            "cpu": _real_simulation(model, clients, per_round, "cpu", None, engine="batched")}
+    for sim in sims.values():
+        if sim.batched is None:
+            raise RuntimeError(f"the batched engine cannot run model {model!r}: "
+                               f"{sim.results.meta.get('engine_fallback')}")
+    times: Dict[str, list] = {key: [] for key in sims}
+    for r in range(warmup + rounds):
+        for key, sim in sims.items():
+            _sync(sim.device)
+            start = time.perf_counter()
+            sim.run_round()
+            _sync(sim.device)
+            if r >= warmup:
+                times[key].append(time.perf_counter() - start)
+    on_device, on_cpu = statistics.median(times["device"]), statistics.median(times["cpu"])
+    diff = (sims["device"].x_global.detach().cpu() - sims["cpu"].x_global.detach()).abs().max().item()
+
+    def engine(key):
+        meta = sims[key].results.meta
+        where = str(device) if key == "device" else f"cpu, {torch.get_num_threads()} threads"
+        return f"batched engine on {where} (client_batch {meta.get('client_batch_used', '-')})"
+
+    span = f"rounds {warmup + 1}-{warmup + rounds}, median"
+    return [
+        {"benchmark": name, "case": f"{engine('device')}, {span}", "ms": on_device * 1e3, "vs cpu": on_cpu / on_device,
+         "max |device - cpu| x": diff},
+        {"benchmark": name, "case": f"{engine('cpu')}, {span}", "ms": on_cpu * 1e3, "vs cpu": 1.0},
+    ]
+
+
+def run_device_vs_cpu(*, device="cuda", backend: Optional[str] = None, quick: bool = False) -> List[Dict]:
+    """The ``device_vs_cpu`` suite: :func:`bench_device_vs_cpu` for the MLP and the small
+    CNN, 20 of 100 clients per round (one skipped row on a CPU device)."""
+    if torch.device(device).type == "cpu":
+        return bench_device_vs_cpu("mlp", 100, 20, label="MLP 200-200 and SimpleCNN, 20 of 100 clients",
+                                   device=device)
+    rows: List[Dict] = []
+    for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
+        rows += bench_device_vs_cpu(model, 100, 20, label=f"{name}, 20 of 100 clients", device=device,
+                                    backend=backend, rounds=2 if quick else 5)
+    return rows
+
+
 def run(*, device="cpu", backend: Optional[str] = None, quick: bool = False) -> List[Dict]:
     """The suite's cases: real runs (new clients each round) and repeated rounds, MLP and
-    SimpleCNN, 20 and 100 clients per round."""
+    SimpleCNN, 20 and 100 clients per round.  ``quick`` (the device check's budget): real
+    runs of 3 rounds (the first, then 2 timed), and the repeated round with 20 clients
+    only -- 100 clients per round stay measured by the real run of 100 of 200."""
     repeats = 3 if quick else 7
     rows: List[Dict] = []
     for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
         for clients, per_round in ((100, 20), (200, 100)):
             rows += bench_real_run(model, clients, per_round, label=f"{name}, {per_round} of {clients} clients",
-                                   device=device, backend=backend, rounds=4 if quick else 29)
+                                   device=device, backend=backend, rounds=2 if quick else 29)
     for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
         rows += bench_simulation(model, 20, label=f"{name}, 20 clients x 20 steps", device=device, backend=backend,
                                  repeats=repeats)
-    for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
-        rows += bench_simulation(model, 100, label=f"{name}, 100 clients x 20 steps", device=device, backend=backend,
-                                 repeats=max(3, repeats // 2))
+    if not quick:
+        for model, name in (("mlp", "MLP 200-200"), ("cnn", "SimpleCNN")):
+            rows += bench_simulation(model, 100, label=f"{name}, 100 clients x 20 steps", device=device,
+                                     backend=backend, repeats=max(3, repeats // 2))
     return rows

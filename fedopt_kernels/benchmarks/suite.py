@@ -1,8 +1,25 @@
 """The kernel benchmark suite behind ``fedopt bench`` (and ``python -m fedopt_kernels.benchmarks.suite``).
 
 Prints tables of medians and ratios measured in the same run (kernels; whole simulated
-rounds, :mod:`.simulation`); ``--json`` also writes the rows.  ``--quick`` uses fewer
-repetitions and skips ``torch.compile``.
+rounds, :mod:`.simulation`; the batched engine on the device against the CPU), then one
+summary line per kernel case (the fused op against torch's own way to do it).
+``--json`` also writes the rows, the first of them a ``"benchmark": "meta"`` row (device,
+torch, the HBM peak and its source, the measured copy bandwidth).  ``--quick`` uses
+fewer repetitions, skips ``torch.compile`` and the longest simulated cases, and keeps
+every column: the GPU check's budget.
+
+Kernel columns: ``vs floor`` (floor time / time), ``vs torch`` (torch anchor's time /
+time: ``torch.optim.SGD(fused) + clip_grad_norm_(foreach)``, ``Adam(fused=True)``,
+``torch.stack(list).sum(0)``), ``time / fused``, ``of copy bw`` and ``of HBM peak``
+(minimum traffic / time over the measured copy bandwidth / the peak; the peak is NaN off
+CUDA), ``launches`` (GPU operations -- kernels, memsets, memcpys -- of one call, traced
+with the profiler once every suite of the run is timed; NaN off CUDA; the JSON also has
+``launch API calls``, the host calls that enqueued them, as a cross-check).
+
+Suites: ``nar_step``, ``aggregate``, ``server``, ``simulation`` and ``device_vs_cpu`` (the
+same real run with the batched engine on ``--device`` and on the CPU).  All run by
+default: ``device_vs_cpu`` costs nothing on a CPU device (one row says it was skipped)
+and on a GPU only a few CPU rounds.
 """
 
 from __future__ import annotations
@@ -18,43 +35,122 @@ from .aggregate import bench_aggregate
 from .nar_step import bench_nar_step
 from .server_update import bench_server_update
 from .shapes import numel, resnet18_shapes, small_cnn_shapes
+from .timing import measured_copy_bandwidth, peak_bandwidth
 
-SUITES = ("nar_step", "aggregate", "server", "simulation")
+SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu")
 SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                ("vs hand loop", "x faster than hand loop"), ("time / batched", "time / batched"))
 KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
-                  ("time / fused", "time / fused"), ("of copy bw", "of copy bandwidth"))
+                  ("vs torch", "speed vs torch"), ("time / fused", "time / fused"),
+                  ("of copy bw", "of copy bandwidth"), ("of HBM peak", "of HBM peak"), ("launches", "launches"))
+DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
+                  ("vs cpu", "x faster than the CPU"))
 
 
 def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quick: bool = False) -> list:
+    """The rows of the suites in ``only``.  The launch counts of the kernel candidates (on
+    CUDA) are taken last, once every suite is timed: the profiler must not perturb any
+    timing of the run (``timing.count_launches``)."""
     repeats = 5 if quick else 15
     rows: list = []
+    deferred: list = []  # launch counting, run at the end
     if "nar_step" in only:
         rows += bench_nar_step(resnet18_shapes(), label="ResNet-18 (62 tensors, 11.2M)", backend=backend,
-                               device=device, repeats=repeats, include_compile=not quick)
+                               device=device, repeats=repeats, include_compile=not quick, deferred=deferred)
         # 91K parameters fit in cache: time each call warm, as after a backward pass, and
         # also cold (every call after the other candidates' data).
         for warm in (True, False):
             rows += bench_nar_step(small_cnn_shapes(), label=f"small CNN (10 tensors, 91K, {'warm' if warm else 'cold'})",
                                    backend=backend, device=device, repeats=repeats * 4,
-                                   include_compile=not quick and warm, warm_cache=warm)
+                                   include_compile=not quick and warm, warm_cache=warm, deferred=deferred)
     if "aggregate" in only:
         rows += bench_aggregate(20, numel(resnet18_shapes()), label="20 x ResNet-18 (11.2M)", backend=backend,
-                                device=device, repeats=max(3, repeats // 2))
+                                device=device, repeats=max(3, repeats // 2), deferred=deferred)
         # 100 x 91K fp32 is 36 MB, about a last-level cache: time it from memory and from cache.
         for cache in ("cold", "warm"):
             rows += bench_aggregate(100, numel(small_cnn_shapes()), label=f"100 x small CNN (91K, {cache})",
-                                    backend=backend, device=device, repeats=repeats * 2, cache=cache)
+                                    backend=backend, device=device, repeats=repeats * 2, cache=cache,
+                                    deferred=deferred)
     if "server" in only:
         rows += bench_server_update(resnet18_shapes(), label="ResNet-18 (62 tensors, 11.2M)", backend=backend,
-                                    device=device, repeats=max(3, repeats // 2))
+                                    device=device, repeats=max(3, repeats // 2), deferred=deferred)
         rows += bench_server_update(small_cnn_shapes(), label="small CNN (10 tensors, 91K)", backend=backend,
-                                    device=device, repeats=repeats * 4)
+                                    device=device, repeats=repeats * 4, deferred=deferred)
     if "simulation" in only:
         from . import simulation
 
         rows += simulation.run(device=device, backend=backend, quick=quick)
+    if "device_vs_cpu" in only:
+        from . import simulation
+
+        rows += simulation.run_device_vs_cpu(device=device, backend=backend, quick=quick)
+    for count in deferred:
+        count()
     return rows
+
+
+def meta_row(device: str) -> dict:
+    """What the numbers of a run depend on: device, torch, threads, the device's peak
+    memory bandwidth and where it comes from (``timing.peak_bandwidth``), and the copy
+    bandwidth measured in this run (NaN when no kernel suite measured it)."""
+    dev = torch.device(device)
+    peak, source = peak_bandwidth(dev)
+    copy_bw = measured_copy_bandwidth(dev) or float("nan")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return {"benchmark": "meta", "case": "device", "device": str(dev), "device name": name,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "threads": torch.get_num_threads(),
+            "hbm peak B/s": peak if peak is not None else float("nan"), "hbm peak source": source,
+            "copy bw B/s": copy_bw,
+            "copy bw of HBM peak": copy_bw / peak if peak else float("nan")}
+
+
+def device_line(meta: dict) -> str:
+    """The meta row in words: the HBM peak, its source, the measured copy bandwidth."""
+    def rate(v):
+        return "-" if math.isnan(v) else f"{v / 1e9:.4g} GB/s"
+
+    return (f"{meta['device name']}: HBM peak {rate(meta['hbm peak B/s'])} ({meta['hbm peak source']}); "
+            f"measured copy bandwidth {rate(meta['copy bw B/s'])}")
+
+
+def summary_lines(rows: list) -> list:
+    """One line per kernel case that has a torch anchor: the fused op's speed against it,
+    its fraction of the HBM peak and its launches where measured, e.g. "nar_step ...:
+    fused is 3.1x torch SGD(fused) + clip_grad_norm_(foreach) (0.42 ms vs 1.3 ms)"; and
+    one per device-vs-CPU comparison (or the reason it was skipped)."""
+    lines = []
+    for r in rows:
+        if "vs cpu" in r:
+            lines += _device_vs_cpu_line(r)
+            continue
+        if r.get("case") != "fused" or "torch anchor" not in r:
+            continue
+        anchor = next((a for a in rows if a["benchmark"] == r["benchmark"] and a["case"] == r["torch anchor"]), None)
+        if anchor is None:
+            lines.append(f"{r['benchmark']}: no torch anchor ({r['torch anchor']}) in this torch")
+            continue
+        line = (f"{r['benchmark']}: fused is {r['vs torch']:.3g}x {r['torch anchor']} "
+                f"({r['ms']:.3g} ms vs {anchor['ms']:.3g} ms)")
+        hbm = r.get("of HBM peak", float("nan"))
+        if not math.isnan(hbm):
+            line += f", {hbm:.0%} of HBM peak (anchor {anchor['of HBM peak']:.0%})"
+        launches = r.get("launches", float("nan"))
+        if not math.isnan(launches):
+            line += f", {launches:.0f} launches (anchor {anchor['launches']:.0f})"
+            calls = r.get("launch API calls", launches)
+            if calls != launches:  # the tracer lost GPU records, or a call enqueued several
+                line += f" -- but {calls:.0f} launch calls on the host"
+        lines.append(line)
+    return lines
+
+
+def _device_vs_cpu_line(r: dict) -> list:
+    if r["case"].startswith("skipped"):
+        return [f"{r['benchmark']}: {r['case']}"]
+    if "max |device - cpu| x" not in r:  # the CPU's own row: said by the device's
+        return []
+    return [f"{r['benchmark']}: {r['case']}: {r['ms']:.3g} ms/round, {r['vs cpu']:.3g}x the CPU engine "
+            f"(max |device - cpu| x {r['max |device - cpu| x']:.2g})"]
 
 
 def format_rows(rows: list, keys=tuple(k for k, _ in KERNEL_COLUMNS)) -> list:
@@ -67,10 +163,14 @@ def format_rows(rows: list, keys=tuple(k for k, _ in KERNEL_COLUMNS)) -> list:
 
 
 def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
-    """One table for the kernel rows, one for the simulated rounds (their own columns)."""
-    kernels = [r for r in rows if "vs hand loop" not in r]
+    """One table for the kernel rows, one for the simulated rounds, one for the device
+    against the CPU (each with its own columns)."""
+    rows = [r for r in rows if r.get("benchmark") != "meta"]
     rounds = [r for r in rows if "vs hand loop" in r]
-    for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds")):
+    versus = [r for r in rows if "vs cpu" in r]
+    kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r]
+    for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
+                                (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU")):
         if part or (not rows and columns is KERNEL_COLUMNS):
             _print_one(part, columns, name)
 
@@ -90,7 +190,7 @@ def _print_one(rows: list, columns, title: str) -> None:
         table.add_column(col, justify="left" if key in ("benchmark", "case") else "right")
     for r in format_rows(rows, keys):
         table.add_row(*r)
-    Console(width=150).print(table)
+    Console(width=190).print(table)
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -115,9 +215,13 @@ def run_from_args(args) -> int:
         torch.set_num_threads(args.threads)
     rows = run(only=tuple(args.only or SUITES), backend=args.backend, device=args.device, quick=args.quick)
     print_table(rows, title=f"fedopt_kernels benchmarks on {args.device} ({torch.get_num_threads()} threads)")
+    meta = meta_row(args.device)
+    print(device_line(meta))
+    for line in summary_lines(rows):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump([meta] + rows, f, indent=2)
     return 0
 
 

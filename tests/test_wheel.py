@@ -199,7 +199,7 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     assert csrc and csrc <= in_sdist, sorted(csrc - in_sdist)
     assert {"setup.py", "pyproject.toml", "MANIFEST.in", "python_ref/__init__.py"} <= in_sdist
     assert not any(n.endswith((".so", "_build_info.py")) for n in in_sdist)
-    assert "Requires-Dist: torch>=2.4" in pkg_info.splitlines()  # an sdist builds against any torch
+    assert "Requires-Dist: torch>=2.11" in pkg_info.splitlines()  # an sdist builds against any tested torch
 
     # The wheel: the extension, the record, every package, and torch pinned to this release.
     (wheel,) = dist.glob("fedopt_kernels-*.whl")

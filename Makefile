@@ -3,8 +3,13 @@
 #                 point, co-clipping vs gradient clipping at a too-large weight decay
 #   make test   - set up, then run the whole test suite (what CI runs)
 #   make test-fast - the development tier: the suite without the tests marked slow
-#   make gpu-check - on a machine with an NVIDIA GPU: tests, fedopt selftest, compute-sanitizer
-#                 and benchmarks into one folder (GPU_CHECK_OUT, default gpu-check-<date>/)
+#   make device-check - on a bare, offline GPU machine whose python3 has torch: no venv, no
+#                 download; builds in place for this GPU, then selftest, GPU tests,
+#                 compute-sanitizer and benchmarks within 8 minutes, into DEVICE_CHECK_OUT
+#                 (default device-check-<date>/; summary.txt first).  Without a GPU: a dry run
+#   make gpu-check - the same on a developer's GPU machine, set up as `make setup` does, with
+#                 every sanitizer tool, the README's GPU snippets and full-length benchmarks
+#                 (GPU_CHECK_OUT, default gpu-check-<date>/)
 # Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
 # extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
 # fedopt_kernels in place.  --no-build-isolation: an isolated build would fetch a second
@@ -20,7 +25,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedopt-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup demo test test-fast bench gpu-check clean
+.PHONY: setup demo test test-fast bench device-check gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,9 +49,14 @@ test-fast: setup
 bench: setup
 	$(VENV)/bin/fedopt bench
 
-GPU_CHECK_OUT ?=
+NOW := $(shell date +%Y%m%d-%H%M%S)
+DEVICE_CHECK_OUT ?= device-check-$(NOW)
+device-check:
+	bash scripts/device-check.sh $(DEVICE_CHECK_OUT)
+
+GPU_CHECK_OUT ?= gpu-check-$(NOW)
 gpu-check: setup
-	PYTHON=$(PY) bash scripts/gpu-check.sh $(GPU_CHECK_OUT)
+	PYTHON=$(PY) DEVICE_CHECK_PROFILE=full DEVICE_CHECK_BUILD=0 bash scripts/device-check.sh $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf build *.egg-info fedopt_kernels/*.so

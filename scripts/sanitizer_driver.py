@@ -1,6 +1,6 @@
 """A small program for ``compute-sanitizer``: the kernels' edge cases, each once.
 
-``scripts/gpu-check.sh`` runs it under ``compute-sanitizer --tool memcheck`` (out of
+``scripts/device-check.sh`` runs it under ``compute-sanitizer --tool memcheck`` (out of
 bounds, misaligned accesses), ``racecheck`` (shared-memory races in the reductions)
 and ``initcheck`` (reads of uninitialised device memory).  What the kernels' usual
 tests do not stress, and a sanitizer can see:
@@ -18,7 +18,7 @@ tests do not stress, and a sanitizer can see:
 
 Every result is also compared with the reference backend (python_ref) on the same
 device, so the driver fails on a wrong answer too, not only on a sanitizer report.
-Run it with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (gpu-check.sh does): with torch's
+Run it with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` (device-check.sh does): with torch's
 caching allocator an over-read usually lands inside a larger cached block, where no
 sanitizer can see it.
 

@@ -1,4 +1,4 @@
-"""scripts/sanitizer_driver.py, the program gpu-check.sh runs under compute-sanitizer:
+"""scripts/sanitizer_driver.py, the program device-check.sh runs under compute-sanitizer:
 it runs on CPU (so it is tested here), passes on correct kernels and fails on a wrong one."""
 
 from __future__ import annotations

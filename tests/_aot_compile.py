@@ -45,7 +45,25 @@ A = importlib.import_module("fedopt_kernels.backends.triton.aggregate")
 N = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
 S = importlib.import_module("fedopt_kernels.backends.triton.server_update")
 
-PTXAS = os.environ.get("PTXAS", "/usr/local/cuda-13.0/bin/ptxas")
+def _find_ptxas() -> str:
+    """``PTXAS``, else the CUDA 13.0 toolkit's, else the first ``ptxas`` of a CUDA
+    toolkit (``CUDA_HOME``, PATH, ``/usr/local/cuda*``), else the one Triton bundles --
+    a GPU machine may keep its toolkit elsewhere than this one does."""
+    import glob
+    import shutil
+
+    if os.environ.get("PTXAS"):
+        return os.environ["PTXAS"]
+    candidates = ["/usr/local/cuda-13.0/bin/ptxas"]
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "ptxas"))
+    candidates += [shutil.which("ptxas") or "", "/usr/local/cuda/bin/ptxas",
+                   *sorted(glob.glob("/usr/local/cuda-*/bin/ptxas"), reverse=True),
+                   os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")]
+    return next((c for c in candidates if c and os.path.exists(c)), candidates[0])
+
+
+PTXAS = _find_ptxas()
 ARCHS = (80, 90)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 D16 = [["tt.divisibility", 16]]
@@ -243,7 +261,8 @@ def main():
             results = pool.map(run_variant, range(count), chunksize=1)
     else:
         results = [run_variant(i) for i in range(count)]
-    json.dump(dict(triton=triton.__version__, ptxas=os.path.exists(PTXAS), results=results), sys.stdout)
+    json.dump(dict(triton=triton.__version__, ptxas=os.path.exists(PTXAS), ptxas_path=PTXAS, results=results),
+              sys.stdout)
 
 
 if __name__ == "__main__":

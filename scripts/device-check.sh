@@ -215,7 +215,7 @@ step env cpu 60 bash -c '
     echo "## python"; "$0" -c "import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda)"
     "$0" -c "import triton; print(\"triton\", triton.__version__)" || true
     echo "## nproc: $(nproc)"; echo "## nvcc"; nvcc --version 2>&1 | tail -n 2 || true
-    echo "## ninja: $(command -v ninja || echo none)"
+    echo "## ninja: $(ninja --version 2>/dev/null || echo none)"
     echo "## nvidia-smi"; nvidia-smi 2>&1 || true' "$PY"
 
 if [ "${DEVICE_CHECK_BUILD:-1}" = 1 ]; then

@@ -15,6 +15,7 @@ from typing import List, Optional
 import torch
 
 from ..fl.config import ALGORITHMS, ConfigError, SimulationConfig
+from ..fl.interrupts import Interrupted, exit_status, stop_on_signals
 from ..fl.results import Results, comparison_rows, plot_comparison, write_atomic
 from ._errors import CLIError
 from ._options import build_settings
@@ -278,7 +279,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
         if checkpoint_every and record["round"] and record["round"] % checkpoint_every == 0:
             _save_checkpoint(s, out)
 
-    interrupted = False
+    interrupted = None  # the KeyboardInterrupt / Interrupted that stopped the run
     with _Progress(not quiet) as progress:
         task = progress.add(f"{config.algo}", config.rounds, sim.round)
 
@@ -287,12 +288,17 @@ def _run_simulate(args, distributed: bool = False) -> int:
             progress.update(task, record)
 
         try:
-            sim.run(callback=callback)
-        except KeyboardInterrupt:
-            interrupted = True
-    results.meta["interrupted"] = interrupted
+            with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
+                sim.run(callback=callback)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    results.meta["interrupted"] = interrupted is not None
+    if interrupted is not None:
+        results.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+    else:
+        results.meta.pop("interrupted_by", None)
     if not main:
-        return 130 if interrupted else 0
+        return exit_status(interrupted) if interrupted is not None else 0
     files = results.write(out)
     _save_checkpoint(sim, out)
     files.append(out / CHECKPOINT)
@@ -300,10 +306,12 @@ def _run_simulate(args, distributed: bool = False) -> int:
         files += results.plot(out)
     print_summary([results], f"{config.algo} (nar={config.nar}) on {sim.dataset.name}")
     console.print("wrote " + ", ".join(str(f) for f in files))
-    if interrupted:
-        console.print(f"[yellow]interrupted after {sim.round} of {config.rounds} rounds[/]; "
-                      f"the results so far are in {out} (continue with --resume)")
-        return 130
+    if interrupted is not None:
+        by = results.meta["interrupted_by"]
+        console.print(f"[yellow]interrupted ({by}) after {sim.round} of {config.rounds} rounds[/]; the results so "
+                      f"far and {CHECKPOINT} are in {out}; continue with: fedopt simulate --resume --out {out}"
+                      + (f" --config {args.config}" if args.config else ""))
+        return exit_status(interrupted)
     return 0
 
 
@@ -372,7 +380,7 @@ def run_compare(args) -> int:
                       f"{config.per_round}/round, {config.rounds} rounds, seed {config.seed} "
                       "(same partition, clients and batches for every run)")
     done: List[Results] = []
-    interrupted = False
+    interrupted = None
     # fedlaw's test-side proxy set is held out of every run's evaluation, so that all
     # runs are scored on the same examples ([FedLAW] appendix D.2: "the remaining data
     # in the testset ... for all compared methods")
@@ -400,26 +408,28 @@ def run_compare(args) -> int:
     current = None
     with _Progress(not args.quiet) as progress:
         try:
-            for label, cfg in configs:
-                sim = _build_simulation(cfg, dataset=dataset, partition=partition, hold_out_proxy=hold_out)
-                _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
-                sim.results.label = label
-                current = sim.results
-                task = progress.add(label, cfg.rounds)
-                run_dir = out / _safe(label)
-                run_dir.mkdir(exist_ok=True)
+            with stop_on_signals():  # SIGTERM / SIGHUP stop the comparison as Ctrl-C does
+                for label, cfg in configs:
+                    sim = _build_simulation(cfg, dataset=dataset, partition=partition, hold_out_proxy=hold_out)
+                    _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
+                    sim.results.label = label
+                    current = sim.results
+                    task = progress.add(label, cfg.rounds)
+                    run_dir = out / _safe(label)
+                    run_dir.mkdir(exist_ok=True)
 
-                def callback(record, s, task=task, run_dir=run_dir):
-                    s.results.write(run_dir)
-                    progress.update(task, record)
+                    def callback(record, s, task=task, run_dir=run_dir):
+                        s.results.write(run_dir)
+                        progress.update(task, record)
 
-                sim.run(callback=callback)
-                done.append(sim.results)
-                current = None
-        except KeyboardInterrupt:
-            interrupted = True
+                    sim.run(callback=callback)
+                    done.append(sim.results)
+                    current = None
+        except KeyboardInterrupt as exc:
+            interrupted = exc
     if current is not None:
         current.meta["interrupted"] = True
+        current.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
     allres = write_all(current)
     files = [out / "compare.json", out / "compare.csv"]
     if opts["plots"] and allres:
@@ -427,9 +437,11 @@ def run_compare(args) -> int:
     print_summary(allres, f"compare on {config.dataset}: {config.clients} clients, {config.per_round}/round, "
                           f"alpha {config.alpha}, seed {config.seed}")
     console.print("wrote " + ", ".join(str(f) for f in files) + f" (and each run's results in {out}/<run>/)")
-    if interrupted:
-        console.print(f"[yellow]interrupted[/]: {len(done)} of {len(configs)} runs finished; results so far in {out}")
-        return 130
+    if interrupted is not None:
+        by = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+        console.print(f"[yellow]interrupted ({by})[/]: {len(done)} of {len(configs)} runs finished; results so far "
+                      f"in {out}")
+        return exit_status(interrupted)
     return 0
 
 

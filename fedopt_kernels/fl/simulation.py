@@ -61,12 +61,9 @@ to sequential with an :class:`~fedopt_kernels.fl.batched.EngineFallbackWarning`;
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import platform
-import signal
-import threading
 import time
 import warnings
 from typing import Callable, List, Optional, Union
@@ -82,6 +79,7 @@ from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
 from .data import FederatedDataset, load_dataset
+from .interrupts import deferred_interrupts
 from .models import build_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results
@@ -453,8 +451,9 @@ class Simulation:
         """Run the next round; returns (and records) its record.
 
         Client training only writes scratch buffers; the round then commits (control
-        variates, server step, evaluation, record) with Ctrl-C deferred to the end of
-        the commit.  So an interrupted run always stands at a completed round and its
+        variates, server step, evaluation, record) with Ctrl-C (and SIGTERM / SIGHUP
+        under :func:`~fedopt_kernels.fl.interrupts.stop_on_signals`) deferred to the end
+        of the commit.  So an interrupted run always stands at a completed round and its
         :meth:`state_dict` resumes exactly.
         """
         cfg = self.config
@@ -472,7 +471,7 @@ class Simulation:
             if self.scaffold is not None:
                 self.scaffold.discard_round()
             raise
-        with _deferred_interrupt():
+        with deferred_interrupts():
             kept = self._round_kept
             sizes = self.client_sizes[kept]
             C = len(kept)
@@ -546,7 +545,8 @@ class Simulation:
         Round 0 (the untrained model's test accuracy and loss) is recorded first.
         ``callback(record, simulation)`` is called after every round (and after round 0);
         a ``KeyboardInterrupt`` propagates with :attr:`results` holding every finished
-        round.
+        round (wrap the call in :func:`~fedopt_kernels.fl.interrupts.stop_on_signals`
+        to have SIGTERM and SIGHUP stop it the same way, as ``fedopt simulate`` does).
         """
         target = self.config.rounds if rounds is None else int(rounds)
         if self.round == 0 and not self.results.records:
@@ -601,29 +601,6 @@ class Simulation:
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
-
-
-@contextlib.contextmanager
-def _deferred_interrupt():
-    """Hold back SIGINT (Ctrl-C) until the block is done, then raise it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    except (ValueError, OSError):  # no signals here (embedded interpreter ...)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            elif previous != signal.SIG_IGN:
-                raise KeyboardInterrupt
 
 
 def _snapshot(stats: RoundStats) -> tuple:

@@ -162,7 +162,8 @@ def add_simulation_options(parser: argparse.ArgumentParser, *, compare: bool = F
     run.add_argument("--out", default=argparse.SUPPRESS, metavar="DIR", help="output directory (default results)")
     run.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                      help="torch CPU threads (default: 1 for the sequential engine on models under 5M parameters, "
-                          "where more threads only add overhead, else torch's default)")
+                          "where more threads only add overhead, else torch's default; on a machine other jobs keep "
+                          "busy, 1 can be several times faster: a note says so when the load is high)")
     run.add_argument("--no-plots", dest="plots", action="store_false", default=argparse.SUPPRESS,
                      help="do not draw the PNG plots")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

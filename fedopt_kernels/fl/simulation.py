@@ -205,6 +205,8 @@ class Simulation:
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
         global_model = self._make_model(model).to(self.device)
+        if loss_fn is None:  # cross-entropy over the dataset's classes: one output per class
+            self._check_outputs(global_model)
         local_model = copy.deepcopy(global_model)
         self.global_model = global_model
         self.x_global = flatten_parameters_(global_model)
@@ -266,6 +268,26 @@ class Simulation:
         if not any(True for _ in m.parameters()):
             raise ValueError("the model has no parameters")
         return m
+
+    def _check_outputs(self, model: nn.Module) -> None:
+        """The model must give one score per class (``[batch, num_classes]``): a model
+        with more outputs trains under cross-entropy with classes that never occur, one
+        with fewer fails mid-round.  One forward of two training examples in eval mode
+        (no statistics change, no gradient)."""
+        k = self.dataset.num_classes
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                out = model(self.dataset.x_train[:2])
+        except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
+            return
+        finally:
+            model.train(was_training)
+        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] != k:
+            raise ConfigError(f"the model gives {out.shape[1]} outputs per example but dataset "
+                              f"{self.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
+                              "loss_fn= for a loss that is not cross-entropy over the classes)")
 
     def _corrupt(self):
         """``(x_train, y_train, Corruption or None)`` the clients train on."""
@@ -459,6 +481,8 @@ class Simulation:
         cfg = self.config
         t0 = time.perf_counter()
         r = self.round + 1
+        # the threads the rounds run on (set after construction by fedopt simulate --threads)
+        self.results.meta["threads"] = torch.get_num_threads()
         clients = self.sample_clients(r)
         try:
             stats = self._train_clients(r, clients)
@@ -549,6 +573,7 @@ class Simulation:
         to have SIGTERM and SIGHUP stop it the same way, as ``fedopt simulate`` does).
         """
         target = self.config.rounds if rounds is None else int(rounds)
+        self.results.meta["threads"] = torch.get_num_threads()
         if self.round == 0 and not self.results.records:
             acc, loss = self.evaluate()
             self.results.append({"round": 0, "clients": [], "test_accuracy": acc, "test_loss": loss,

@@ -218,3 +218,39 @@ def test_the_collapse_note_reaches_the_screen(capsys):
 
     print_summary([_fedlaw_records([0.1] * 3, [0.87] * 3)], "t")
     assert "note (fedlaw): the global model stayed at chance" in " ".join(capsys.readouterr().out.split())
+
+
+# --------------------------------------------------------------------------- found on the way
+@pytest.mark.parametrize("algo", ["fedadam", "asnes"])
+def test_a_state_dict_kept_in_memory_does_not_follow_the_run(algo):
+    """Simulation.state_dict() handed out the server optimizer's live state (Adam's
+    moments, ASNES's momentum): a state kept in memory changed with the next round, and
+    a simulation loaded from it then stepped from the wrong moments (3e-3 apart after
+    one FedAdam round)."""
+    import copy
+
+    cfg = SimulationConfig(algo=algo, dataset="digits", hidden=(8,), clients=6, per_round=3, rounds=3,
+                           local_steps=2, seed=0)
+    a = Simulation(cfg)
+    a.run_round()
+    state = a.state_dict()
+    frozen = copy.deepcopy(state)
+    a.run_round()
+
+    def tensors(v):
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, dict):
+            for x in v.values():
+                yield from tensors(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                yield from tensors(x)
+
+    kept, then = list(tensors(state["server"])), list(tensors(frozen["server"]))
+    assert kept and len(kept) == len(then)
+    assert all(torch.equal(k, t) for k, t in zip(kept, then))
+    b = Simulation(cfg)
+    b.load_state_dict(state)
+    b.run_round()
+    assert torch.equal(a.x_global, b.x_global)

@@ -589,7 +589,8 @@ class Simulation:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything needed to continue this run: tensors and plain Python values only,
-        so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it."""
+        so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it.  Its
+        tensors are copies: later rounds do not change a state dict kept in memory."""
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
@@ -597,7 +598,7 @@ class Simulation:
             "elapsed": self._elapsed,
             "x_global": self.x_global.detach().clone(),
             "buffers": buffers_to_vector(self.global_model) if self._has_buffers else None,
-            "server": self.server.state_dict(),
+            "server": _detached_copy(self.server.state_dict()),  # not the live optimizer state
             "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
@@ -626,6 +627,18 @@ class Simulation:
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
+
+
+def _detached_copy(value):
+    """``value`` with every tensor in it (nested dicts, lists, tuples) cloned: a state
+    dict that later rounds do not change under its holder."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _detached_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached_copy(v) for v in value)
+    return value
 
 
 def _snapshot(stats: RoundStats) -> tuple:

@@ -93,3 +93,21 @@ def test_flower_aggregate_train_reads_replies_in_place_by_default(monkeypatch):
     import fedopt_kernels.integrations.flower as fk
 
     assert "in place" in fk.__doc__ and "read_in_place=False" in fk.__doc__
+
+
+def test_the_fl_quick_start_runs_in_a_fresh_directory(tmp_path, monkeypatch):
+    """fedopt_kernels.fl's docstring quick start, as written (2 rounds instead of 30),
+    in a directory without results/ (it raised FileNotFoundError there)."""
+    import fedopt_kernels.fl as fl
+
+    code = fl.__doc__.split("Quick start::")[1].split("Pieces:")[0]
+    code = "\n".join(line[4:] for line in code.splitlines() if line.strip())
+    assert "rounds=30" in code and 'results.write("results/")' in code
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    try:
+        exec(code.replace("rounds=30", "rounds=2"), {})
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
+        "accuracy_loss.png", "clipping.png", "results.csv", "results.json", "server.png"]

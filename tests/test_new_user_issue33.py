@@ -162,6 +162,14 @@ def test_adaptive_servers_refuse_betas_that_are_not_a_pair(betas):
             cls(nn.Linear(2, 2).parameters(), betas=betas)
 
 
+@pytest.mark.parametrize("betas", [(0.5,), 0.5, "ab", (0.5, "x")])
+def test_fedlaw_refuses_betas_that_are_not_a_pair(betas):
+    from fedopt_kernels.server import FedLAW
+
+    with pytest.raises(ValueError, match=r"betas must be two numbers in \[0, 1\)"):
+        FedLAW(nn.Linear(2, 2), [(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]))], nn.CrossEntropyLoss(), betas=betas)
+
+
 def test_a_model_with_the_wrong_number_of_outputs_is_refused():
     from fedopt_kernels.fl import ConfigError
 

@@ -121,7 +121,8 @@ class FedLAW:
         if isinstance(server_epochs, bool) or not isinstance(server_epochs, int) or server_epochs < 1:
             raise ValueError(f"server_epochs must be an int >= 1, got {server_epochs!r}")
         lr = check_real(lr, "lr", low=0, low_open=True)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        if (isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if swa and learn == "gamma":
             raise ValueError("swa=True averages the logits of lambda, which learn='gamma' does not learn")

@@ -65,7 +65,11 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _ignore_sigint():
+    """The child as a CI runner or a background job starts it: SIGINT ignored; SIGTERM
+    and SIGHUP at their defaults even if this test process runs under nohup."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _rounds_done(out: Path) -> int:
@@ -86,7 +90,8 @@ def _final(out: Path):
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     out = tmp / "run"
-    done = subprocess.run(_args(out), env=_env(tmp), cwd=tmp, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_args(out), env=_env(tmp), cwd=tmp, capture_output=True, text=True, timeout=600,
+                          preexec_fn=_ignore_sigint)
     assert done.returncode == 0, done.stderr
     return _final(out)
 
@@ -172,3 +177,47 @@ def test_a_signal_during_the_commit_waits_for_it():
                 time.sleep(0.05)
                 finished.append(True)
     assert finished == [True]
+
+
+def test_a_signal_started_ignored_stays_ignored():
+    """nohup starts a process with SIGHUP ignored: stop_on_signals leaves it so."""
+    from fedopt_kernels.fl.interrupts import stop_on_signals
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_on_signals():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_sigterm_stops_compare_with_the_runs_so_far(tmp_path):
+    """fedopt compare: SIGTERM during the second run leaves compare.json with the first
+    run finished and the second marked interrupted, exit status 143."""
+    env = _env(tmp_path)
+    out = tmp_path / "cmp"
+    args = [sys.executable, "-m", "fedopt_kernels", "compare", "--dataset", "digits", "--model", "slowmodel:make",
+            "--clients", "6", "--per-round", "3", "--rounds", "3", "--local-steps", "3", "--engine", "sequential",
+            "--algos", "fedavg,fedprox", "--threads", "1", "--no-plots", "--quiet", "--out", str(out)]
+    child = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_ignore_sigint)
+    try:
+        deadline = time.monotonic() + 300
+        while _rounds_done(out / "fedprox") < 1:
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the second run never finished a round"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGTERM)
+        stdout, stderr = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 143, (stdout, stderr)
+    runs = json.loads((out / "compare.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["fedavg", "fedprox"]
+    assert runs[0]["meta"].get("interrupted", False) is False
+    assert runs[1]["meta"]["interrupted"] is True and runs[1]["meta"]["interrupted_by"] == "SIGTERM"
+    assert max(r["round"] for r in runs[1]["records"]) < 3
+    assert "interrupted (SIGTERM): 1 of 2 runs finished" in " ".join(stdout.split())

@@ -15,13 +15,14 @@ from typing import List, Optional
 import torch
 
 from ..fl.config import ALGORITHMS, ConfigError, SimulationConfig
-from ..fl.interrupts import Interrupted, exit_status, stop_on_signals
+from ..fl.interrupts import Interrupted, deferred_interrupts, exit_status, stop_on_signals
 from ..fl.results import Results, comparison_rows, plot_comparison, write_atomic
 from ._errors import CLIError
 from ._options import build_settings
 
 CHECKPOINT = "checkpoint.pt"
 AUTO_THREADS_MAX_PARAMS = 5_000_000
+_NOTED: set = set()
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -79,7 +80,8 @@ def _apply_threads(threads: Optional[int], num_params: int, batched: bool = Fals
             torch.set_num_threads(1)
         elif torch.get_num_threads() > 1:
             note = busy_note(torch.get_num_threads())
-            if note:
+            if note and not _NOTED:  # once per process (compare builds one simulation per run)
+                _NOTED.add(note)
                 print(f"fedopt: note: {note}", file=sys.stderr)
     else:
         torch.set_num_threads(threads)
@@ -303,27 +305,28 @@ def _run_simulate(args, distributed: bool = False) -> int:
             _save_checkpoint(s, out)
 
     interrupted = None  # the KeyboardInterrupt / Interrupted that stopped the run
-    with _Progress(not quiet) as progress:
-        task = progress.add(f"{config.algo}", config.rounds, sim.round)
+    with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
+        with _Progress(not quiet) as progress:
+            task = progress.add(f"{config.algo}", config.rounds, sim.round)
 
-        def callback(record, s):
-            save(record, s)
-            progress.update(task, record)
+            def callback(record, s):
+                save(record, s)
+                progress.update(task, record)
 
-        try:
-            with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
+            try:
                 sim.run(callback=callback)
-        except KeyboardInterrupt as exc:
-            interrupted = exc
-    results.meta["interrupted"] = interrupted is not None
-    if interrupted is not None:
-        results.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
-    else:
-        results.meta.pop("interrupted_by", None)
-    if not main:
-        return exit_status(interrupted) if interrupted is not None else 0
-    files = results.write(out)
-    _save_checkpoint(sim, out)
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        results.meta["interrupted"] = interrupted is not None
+        if interrupted is not None:
+            results.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+        else:
+            results.meta.pop("interrupted_by", None)
+        if not main:
+            return exit_status(interrupted) if interrupted is not None else 0
+        with deferred_interrupts():  # a second signal waits until the results and the checkpoint are written
+            files = results.write(out)
+            _save_checkpoint(sim, out)
     files.append(out / CHECKPOINT)
     if opts["plots"] and results.records:
         files += results.plot(out)

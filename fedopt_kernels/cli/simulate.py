@@ -220,7 +220,8 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"continue the run saved in <out>/{CHECKPOINT} (its settings, flags may change --rounds)")
     p.add_argument("--checkpoint-every", type=int, default=argparse.SUPPRESS, metavar="K",
-                   help=f"also save <out>/{CHECKPOINT} every K rounds (it is always saved at the end and on Ctrl-C)")
+                   help=f"also save <out>/{CHECKPOINT} every K rounds (it is always saved at the end and on Ctrl-C, "
+                        "SIGTERM or SIGHUP)")
     p.add_argument("--distributed", action="store_true",
                    help="spread each round's clients over the ranks of a torchrun launch (torchrun "
                         "--nproc_per_node=N -m fedopt_kernels simulate --distributed ...); same results as one "

@@ -145,9 +145,13 @@ def test_handlers_are_restored_after_an_in_process_run(tmp_path):
     from fedopt_kernels.cli import main
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    code = main(["simulate", "--dataset", "digits", "--hidden", "8", "--clients", "4", "--per-round", "2",
-                 "--rounds", "1", "--local-steps", "1", "--no-plots", "--quiet", "--threads", "1",
-                 "--out", str(tmp_path / "run")])
+    threads = torch.get_num_threads()
+    try:
+        code = main(["simulate", "--dataset", "digits", "--hidden", "8", "--clients", "4", "--per-round", "2",
+                     "--rounds", "1", "--local-steps", "1", "--no-plots", "--quiet", "--threads", "1",
+                     "--out", str(tmp_path / "run")])
+    finally:
+        torch.set_num_threads(threads)  # --threads sets the process's; later tests' bits may depend on it
     assert code == 0
     assert {s: signal.getsignal(s) for s in before} == before
 

@@ -58,9 +58,13 @@ def test_compare_writes_each_runs_results_and_one_plot(tmp_path):
     from fedopt_kernels.cli import main
 
     out = tmp_path / "cmp"
-    code = main(["compare", "--dataset", "digits", "--hidden", "8", "--clients", "4", "--per-round", "2",
-                 "--rounds", "1", "--local-steps", "1", "--quiet", "--threads", "1", "--algos", "fedavg,fedprox",
-                 "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        code = main(["compare", "--dataset", "digits", "--hidden", "8", "--clients", "4", "--per-round", "2",
+                     "--rounds", "1", "--local-steps", "1", "--quiet", "--threads", "1", "--algos",
+                     "fedavg,fedprox", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # --threads sets the process's; later tests' bits may depend on it
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == ["compare.csv", "compare.json", "compare.png", "fedavg",
                                                       "fedprox"]

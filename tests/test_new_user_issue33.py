@@ -229,6 +229,16 @@ def test_the_collapse_note_reaches_the_screen(capsys):
 
 
 # --------------------------------------------------------------------------- found on the way
+def test_resume_without_checkpoint_says_why_when_results_are_there(tmp_path, capsys):
+    from fedopt_kernels.cli import main
+
+    (tmp_path / "results.json").write_text("{}")
+    assert main(["simulate", "--resume", "--out", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--resume: no checkpoint at {tmp_path / 'checkpoint.pt'} (results.json is there" in err
+    assert "--checkpoint-every K" in err
+
+
 @pytest.mark.parametrize("algo", ["fedadam", "asnes"])
 def test_a_state_dict_kept_in_memory_does_not_follow_the_run(algo):
     """Simulation.state_dict() handed out the server optimizer's live state (Adam's

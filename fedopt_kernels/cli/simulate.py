@@ -199,7 +199,11 @@ def _load_checkpoint(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CLIError(f"--resume: no checkpoint at {path}") from None
+        hint = ""
+        if (path.parent / "results.json").exists():
+            hint = (" (results.json is there: the run was killed before it could save one -- SIGKILL, a crash or "
+                    "the machine going down; --checkpoint-every K saves one every K rounds)")
+        raise CLIError(f"--resume: no checkpoint at {path}{hint}") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one message
         raise CLIError(f"--resume: cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
 

@@ -266,7 +266,8 @@ def test_adaptive_betas_and_tau_agree(algo):
 
     side = ServerSide(SimulationConfig(algo=algo), nn.Linear(3, 2), torch.zeros(8))
     strategy = fk.make_strategy(algo, nn.Linear(3, 2), fraction_evaluate=0.0)
-    for opt in (side.optimizer, strategy.optimizer, getattr(S, type(side.optimizer).__name__)(nn.Linear(3, 2).parameters())):
+    plain = getattr(S, type(side.optimizer).__name__)(nn.Linear(3, 2).parameters())
+    for opt in (side.optimizer, strategy.optimizer, plain):
         assert opt.param_groups[0]["betas"] == (0.9, 0.99) and opt.param_groups[0]["tau"] == 1e-3
 
 

@@ -40,8 +40,9 @@ class SimulationConfig:
     """Settings of one simulated federated training run (defaults: a quick digits run).
 
     Every default is :mod:`fedopt_kernels.defaults`'s (one value per hyperparameter
-    for every entry point, each with its source).  They follow [FedNAR] section 5 (Dirichlet alpha 0.3, 20 local steps, local lr
-    decayed by 0.998 per round, max norm 10) scaled to the 1437 training images of
+    for every entry point, each with its source).  They follow [FedNAR] section 5
+    (Dirichlet alpha 0.3, 20 local steps, local lr decayed by 0.998 per round, max norm
+    10) scaled to the 1437 training images of
     ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
     default (:data:`fedopt_kernels.fl.server_side.SERVER_DEFAULTS`).
 

@@ -175,7 +175,8 @@ class Results:
         if max(acc) > chance + 0.1 * (1 - chance) or not all(g < 1 for g in gamma):
             return None
         return (f"the global model stayed at chance (best test accuracy {100 * max(acc):.1f}%, chance "
-                f"{100 * chance:.1f}%) while gamma < 1 shrank it every round (mean gamma {sum(gamma) / len(gamma):.3f}, "
+                f"{100 * chance:.1f}%) while gamma < 1 shrank it every round (mean gamma "
+                f"{sum(gamma) / len(gamma):.3f}, "
                 f"last {gamma[-1]:.3f}): FedLAW's global weight shrinking can collapse a model trained by plain local "
                 "SGD; its released code trains clients with SGD momentum 0.9, weight decay 5e-4 and lr 0.08 decayed "
                 "0.99 per round (try --momentum 0.9 --weight-decay 5e-4 --lr 0.08 --lr-decay 0.99), or learn lambda "

@@ -77,7 +77,8 @@ class FedNAR(EagerOptimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, lr, weight_decay=D.LOCAL["weight_decay"], max_norm: float = D.LOCAL["max_norm"],
-                 mode: str = D.LOCAL["nar"], momentum: float = D.LOCAL["momentum"], backend: Optional[str] = None, *, clip_scope: str = "optimizer"):
+                 mode: str = D.LOCAL["nar"], momentum: float = D.LOCAL["momentum"], backend: Optional[str] = None, *,
+                 clip_scope: str = "optimizer"):
         if clip_scope not in CLIP_SCOPES:
             raise ValueError(f"clip_scope must be one of {CLIP_SCOPES}, got {clip_scope!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, max_norm=max_norm, mode=mode, momentum=momentum,

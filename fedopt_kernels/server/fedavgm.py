@@ -26,7 +26,8 @@ class FedAvgM(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
-    def __init__(self, params, lr: float = D.SERVER["fedavgm"]["lr"], momentum: float = D.SERVER["fedavgm"]["momentum"], *, nesterov: bool = False,
+    def __init__(self, params, lr: float = D.SERVER["fedavgm"]["lr"], momentum: float = D.SERVER["fedavgm"]["momentum"],
+                 *, nesterov: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")

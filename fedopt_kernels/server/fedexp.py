@@ -40,7 +40,8 @@ class FedExP(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
-    def __init__(self, params, lr: float = D.SERVER["fedexp"]["lr"], eps: float = D.FEDEXP_EPS, *, scale_eps_by_clients: bool = False,
+    def __init__(self, params, lr: float = D.SERVER["fedexp"]["lr"], eps: float = D.FEDEXP_EPS, *,
+                 scale_eps_by_clients: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")

@@ -154,7 +154,9 @@ def test_ctrl_c_leaves_readable_results_and_resume_continues(tmp_path, monkeypat
     assert [r["round"] for r in data["records"]] == [0, 1, 2]
     assert data["meta"]["interrupted"] is True and data["summary"]["interrupted"] is True
     assert (out / "accuracy_loss.png").exists()
-    assert "interrupted after 2 of 5 rounds" in capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "interrupted (SIGINT) after 2 of 5 rounds" in printed and "--resume" in printed
+    assert data["meta"]["interrupted_by"] == "SIGINT"
 
     monkeypatch.setattr(Simulation, "run_round", real)
     assert main(["simulate", "--resume", "--out", str(out), "--quiet", "--no-plots"]) == 0

@@ -148,6 +148,129 @@ def test_fedlaw_strategy_defaults_match_the_class():
         assert params[name].default == _default(S.FedLAW.__init__, name), name
 
 
+# --------------------------------------------------------------------------- one source, every entry point
+# Issue 33, item 2: the values written out here with their sources (the oracle), then
+# every entry point compared with them -- the simulator's config, the CLI's resolved
+# settings and help texts, the Flower client without run-config keys, the FedNAR class.
+PAPER_LOCAL = dict(
+    steps=20,            # [FedNAR] section 3, Figure 2: (alpha, tau) = (0.3, 20)
+    batch_size=32,       # the simulator's mini-batch
+    lr=0.05,             # the simulator's digits scale of [FedNAR]'s 0.01 (fedopt_kernels/defaults.py)
+    lr_decay=0.998,      # [FedNAR] Figure 2: "a decay for the local learning rate of 0.998 per round"
+    weight_decay=1e-3,   # [FedNAR] Table 2's WD = 1e-3; not 0 (co-clipping would be gradient clipping)
+    wd_decay=1.0,        # u_t = l_t wd anneals with the lr already
+    max_norm=10.0,       # [FedNAR] Figure 2: "gradient clipping of max norm 10 as per [FedExP]"
+    nar="co", momentum=0.0, decay_beta=1.0, decay_kind="exponential", decay_per="step",
+)
+SIM_FIELD = {"steps": "local_steps"}  # LocalConfig name -> SimulationConfig name where they differ
+
+
+def test_defaults_module_holds_the_papers_values():
+    from fedopt_kernels import defaults
+
+    assert dict(defaults.LOCAL) == PAPER_LOCAL
+    assert defaults.FEDPROX_MU == 0.01
+    assert dict(defaults.ADAPTIVE) == dict(betas=(0.9, 0.99), tau=1e-3)
+    assert {a: dict(v) for a, v in defaults.SERVER.items()} == {
+        "fedavg": dict(lr=1.0), "fedprox": dict(lr=1.0), "scaffold": dict(lr=1.0),
+        "fedavgm": dict(lr=1.0, momentum=0.9), "fedadam": dict(lr=0.01), "fedyogi": dict(lr=0.01),
+        "fedadagrad": dict(lr=0.1, momentum=0.0), "fedexp": dict(lr=1.0), "asnes": dict(lr=1.0, momentum=0.9),
+        "fedlaw": {}}
+    assert SERVER_DEFAULTS == {a: dict(v) for a, v in defaults.SERVER.items()}
+
+
+def _cli_settings(command, argv=()):
+    from fedopt_kernels.cli import build_parser
+    from fedopt_kernels.cli._options import build_settings
+
+    args = build_parser().parse_args([command, *argv])
+    vars(args).pop("distributed", None)  # a run option that run_simulate takes off first
+    return build_settings(args)[0]
+
+
+def _help_defaults(command):
+    """``{dest: text}`` of every ``(default X)`` in ``fedopt <command> --help``."""
+    import re
+
+    from fedopt_kernels.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices[command]
+    out = {}
+    for action in sub._actions:
+        m = re.search(r"\(default ([^):]+)\)\s*$", action.help or "")
+        if m and action.dest in SimulationConfig.field_names():
+            out[action.dest] = m.group(1)
+    return out
+
+
+def _same(text, value):
+    if isinstance(value, bool):
+        return text == str(value).lower()
+    if isinstance(value, tuple):
+        return [float(t) if isinstance(v, float) else int(t) for t, v in zip(text.split(","), value)] == list(value)
+    if isinstance(value, float):
+        return float(text) == value
+    return text == str(value)
+
+
+@needs_flwr
+def test_one_value_per_local_hyperparameter_at_every_entry_point():
+    from flwr.app import Context, RecordDict
+
+    from fedopt_kernels.fl import LocalConfig
+    from fedopt_kernels.integrations import flower as fk
+    from fedopt_kernels.optim import FedNAR
+
+    sim_cfg = SimulationConfig()
+    cli_cfgs = {c: _cli_settings(c) for c in ("simulate", "compare")}
+    client = fk.FedNARClient(model_fn=lambda ctx: nn.Linear(2, 2), data_fn=lambda ctx: None)
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    flower_cfg = client._local_config(ctx)  # what a Flower client trains with when the run config is silent
+    sim = Simulation(SimulationConfig(**{**TINY, "lr": sim_cfg.lr, "weight_decay": sim_cfg.weight_decay}))
+    for name, want in PAPER_LOCAL.items():
+        field = SIM_FIELD.get(name, name)
+        assert getattr(sim_cfg, field) == want, ("SimulationConfig", name)
+        for command, cfg in cli_cfgs.items():
+            assert getattr(cfg, field) == want, (command, name)
+        assert getattr(LocalConfig(), name) == want, ("LocalConfig", name)
+        assert getattr(flower_cfg, name) == want, ("FedNARClient", name)
+        assert getattr(fk.local_config_from_run_config({}), name) == want, ("run config", name)
+        if name not in ("steps", "batch_size", "lr", "weight_decay"):  # TINY sets those
+            assert getattr(sim.local, name) == want, ("Simulation.local", name)
+    # the FedNAR class: lr is required (torch.optim's convention), the rest as above
+    assert _default(FedNAR.__init__, "weight_decay") == PAPER_LOCAL["weight_decay"]
+    assert _default(FedNAR.__init__, "max_norm") == PAPER_LOCAL["max_norm"]
+    assert _default(FedNAR.__init__, "mode") == PAPER_LOCAL["nar"]
+    assert _default(FedNAR.__init__, "momentum") == PAPER_LOCAL["momentum"]
+    # FedProx's mu: the simulator's (applied under --algo fedprox only); a client's is 0 unless told
+    assert sim_cfg.prox_mu == 0.01 and flower_cfg.prox_mu == 0.0 and sim.local.prox_mu == 0.0
+
+
+def test_cli_help_states_the_defaults_the_run_uses():
+    for command in ("simulate", "compare"):
+        stated = _help_defaults(command)
+        assert {"lr", "lr_decay", "weight_decay", "max_norm", "local_steps", "prox_mu", "server_betas",
+                "fedlaw_epochs", "proxy_size"} <= set(stated), command
+        resolved = _cli_settings(command)
+        for dest, text in stated.items():
+            if getattr(resolved, dest) is None:  # "the algorithm's own" (server_momentum): SERVER_DEFAULTS
+                continue
+            assert _same(text, getattr(resolved, dest)), (command, dest, text, getattr(resolved, dest))
+
+
+@needs_flwr
+@pytest.mark.parametrize("algo", ["fedadam", "fedyogi"])
+def test_adaptive_betas_and_tau_agree(algo):
+    from fedopt_kernels.integrations import flower as fk
+
+    side = ServerSide(SimulationConfig(algo=algo), nn.Linear(3, 2), torch.zeros(8))
+    strategy = fk.make_strategy(algo, nn.Linear(3, 2), fraction_evaluate=0.0)
+    plain = getattr(S, type(side.optimizer).__name__)(nn.Linear(3, 2).parameters())
+    for opt in (side.optimizer, strategy.optimizer, plain):
+        assert opt.param_groups[0]["betas"] == (0.9, 0.99) and opt.param_groups[0]["tau"] == 1e-3
+
+
 # --------------------------------------------------------------------------- the simulator's weighting
 @pytest.mark.parametrize("algo", list(PAPER_WEIGHTING))
 def test_simulation_records_the_resolved_weighting_in_results_json(algo, tmp_path):

@@ -78,7 +78,7 @@ def test_eager_optimizer_methods_are_torch_optims_own():
         assert getattr(EagerOptimizer, name) is not getattr(torch.optim.Optimizer, name)
     w = torch.nn.Parameter(torch.ones(3))
     v = torch.nn.Parameter(torch.ones(2))
-    opt = FedNAR([w], lr=0.1, momentum=0.9)
+    opt = FedNAR([w], lr=0.1, momentum=0.9, weight_decay=0.0)  # the buffer is then g itself
     opt.add_param_group({"params": [v], "lr": 0.2})
     (w.sum() + 2 * v.sum()).backward()
     opt.step()

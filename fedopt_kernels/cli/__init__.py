@@ -84,9 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CLIError as exc:
         print(f"fedopt: error: {exc}", file=sys.stderr)
         return exc.code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from ..fl.interrupts import exit_status
+
         print("fedopt: interrupted", file=sys.stderr)
-        return 130
+        return exit_status(exc)
     except BrokenPipeError:  # e.g. `fedopt info | head`
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback; FEDOPT_DEBUG=1 shows it

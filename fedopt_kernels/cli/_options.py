@@ -21,6 +21,7 @@ for ``compare``, ``algos``::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -65,64 +66,65 @@ _optional_float.__name__ = "float"
 
 # (flag, type, help); the dest is the flag with dashes -> underscores
 SIM_OPTIONS: List[tuple] = [
-    ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default fedavg)"),
-    ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) (default co)"),
+    ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
+    ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
+                   "(default {default})"),
     ("--dataset", str, "digits, synthetic, cifar10 (needs torchvision and the data on disk), a name registered "
-                       "with fedopt_kernels.fl.register_dataset, or package.module:function (default digits)"),
+                       "with fedopt_kernels.fl.register_dataset, or package.module:function (default {default})"),
     ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, a registered name, or package.module:function "
-                     "called with (input_shape, num_classes) (default mlp)"),
-    ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default 200,200)"),
-    ("--clients", int, "number of clients (default 20)"),
-    ("--per-round", int, "clients sampled per round (default 10)"),
-    ("--rounds", int, "communication rounds (default 50)"),
+                     "called with (input_shape, num_classes) (default {default})"),
+    ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default {default})"),
+    ("--clients", int, "number of clients (default {default})"),
+    ("--per-round", int, "clients sampled per round (default {default})"),
+    ("--rounds", int, "communication rounds (default {default})"),
     ("--partition", str, f"{', '.join(PARTITIONS)} (default auto: the dataset's own split, else dirichlet)"),
-    ("--alpha", float, "Dirichlet concentration of the label partition, > 0 (default 0.3)"),
+    ("--alpha", float, "Dirichlet concentration of the label partition, > 0 (default {default})"),
     ("--min-client-size", int, "fewest samples a client may hold (default min(10, n/(10*clients)), at least 1)"),
     ("--weighting", str, f"server weights of the clients: {', '.join(WEIGHTINGS)} (default auto: each algorithm's "
                          "own -- uniform for scaffold, fedexp, asnes; data size for the others; also the weights "
                          "of BatchNorm statistics)"),
-    ("--local-steps", int, "local steps per round, tau (default 20)"),
-    ("--batch-size", int, "local mini-batch size (default 32)"),
-    ("--lr", float, "local learning rate (default 0.05)"),
-    ("--lr-decay", float, "per-round decay of the local lr, as FedNAR's 0.998 (default 0.998)"),
-    ("--weight-decay", float, "local weight decay, PyTorch-SGD sense (default 1e-3)"),
-    ("--wd-decay", float, "extra per-round factor on the weight decay (default 1)"),
-    ("--max-norm", float, "clip threshold of FedNAR / gradient clipping (default 10)"),
-    ("--momentum", float, "local heavy-ball momentum (default 0)"),
-    ("--decay-beta", float, "FedDecay within-round decay beta in [0, 1]; 1 = off (default 1)"),
-    ("--decay-kind", str, "FedDecay: exponential or linear (default exponential)"),
-    ("--decay-per", str, "FedDecay counts local steps or epochs: step or epoch (default step)"),
-    ("--prox-mu", float, "FedProx's mu (default 0.01; used by --algo fedprox)"),
+    ("--local-steps", int, "local steps per round, tau (default {default})"),
+    ("--batch-size", int, "local mini-batch size (default {default})"),
+    ("--lr", float, "local learning rate (default {default})"),
+    ("--lr-decay", float, "per-round decay of the local lr, as FedNAR's 0.998 (default {default})"),
+    ("--weight-decay", float, "local weight decay, PyTorch-SGD sense (default {default})"),
+    ("--wd-decay", float, "extra per-round factor on the weight decay (default {default})"),
+    ("--max-norm", float, "clip threshold of FedNAR / gradient clipping (default {default})"),
+    ("--momentum", float, "local heavy-ball momentum (default {default})"),
+    ("--decay-beta", float, "FedDecay within-round decay beta in [0, 1]; 1 = off (default {default})"),
+    ("--decay-kind", str, "FedDecay: exponential or linear (default {default})"),
+    ("--decay-per", str, "FedDecay counts local steps or epochs: step or epoch (default {default})"),
+    ("--prox-mu", float, "FedProx's mu (default {default})"),
     ("--server-lr", _optional_float, "server learning rate (default: the algorithm's own)"),
     ("--server-momentum", _optional_float, "FedAvgM / ASNES momentum (default 0.9), FedAdagrad's beta1 (default 0)"),
-    ("--server-betas", _float_pair, "FedAdam / FedYogi betas, e.g. 0.9,0.99 (default 0.9,0.99)"),
-    ("--server-tau", float, "FedAdam / FedYogi / FedAdagrad tau (default 1e-3)"),
-    ("--fedexp-eps", float, "FedExP's eps (default 1e-3)"),
-    ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default both)"),
-    ("--fedlaw-epochs", int, "FedLAW server epochs per round (default 20)"),
-    ("--fedlaw-lr", float, "FedLAW's Adam lr (default 0.01)"),
+    ("--server-betas", _float_pair, "FedAdam / FedYogi betas, e.g. 0.9,0.99 (default {default})"),
+    ("--server-tau", float, "FedAdam / FedYogi / FedAdagrad tau (default {default})"),
+    ("--fedexp-eps", float, "FedExP's eps (default {default})"),
+    ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default {default})"),
+    ("--fedlaw-epochs", int, "FedLAW server epochs per round (default {default})"),
+    ("--fedlaw-lr", float, "FedLAW's Adam lr (default {default})"),
     ("--max-weight-share", _optional_float, "largest share of a round's total weight one client may get under "
                                             "size weighting, in (0, 1] (default none: no cap)"),
     ("--on-bad-client", str, "a client without samples or whose training raises: exclude (left out, counted as "
-                             "excluded_<reason>; the round goes on) or raise (the run stops) (default exclude)"),
-    ("--proxy-size", int, "FedLAW's class-balanced proxy set size (default 100)"),
+                             "excluded_<reason>; the round goes on) or raise (the run stops) (default {default})"),
+    ("--proxy-size", int, "FedLAW's class-balanced proxy set size (default {default})"),
     ("--proxy-source", str, f"where FedLAW's proxy set comes from: {', '.join(PROXY_SOURCES)} (default test: held "
                             "out of the test set, accuracy measured on the rest, as [FedLAW] D.2)"),
-    ("--synthetic-alpha", float, "Synthetic(alpha, beta): alpha (default 1)"),
-    ("--synthetic-beta", float, "Synthetic(alpha, beta): beta (default 1)"),
+    ("--synthetic-alpha", float, "Synthetic(alpha, beta): alpha (default {default})"),
+    ("--synthetic-beta", float, "Synthetic(alpha, beta): beta (default {default})"),
     ("--synthetic-iid", _bool, "Synthetic: IID variant (default false)"),
     ("--max-samples-per-client", int, "Synthetic: cap on a client's samples (default none)"),
-    ("--test-fraction", float, "held-out test fraction (default 0.2)"),
+    ("--test-fraction", float, "held-out test fraction (default {default})"),
     ("--data-root", str, "where cifar10 looks for its files (default $FEDOPT_DATA or ~/.cache/fedopt/data)"),
     ("--corrupt-fraction", float, "fraction of the clients (rounded, chosen by --seed) whose training data are "
-                                  "corrupted; recorded in results.json meta.corruption (default 0)"),
+                                  "corrupted; recorded in results.json meta.corruption (default {default})"),
     ("--corrupt-kind", str, f"{', '.join(CORRUPT_KINDS)}: labels = a fixed random derangement of the classes per "
                             "client (every label wrong), swap = FedLAW's two classes exchanged, noise = additive "
-                            "Gaussian noise on the inputs (default labels)"),
-    ("--corrupt-noise-std", float, "std of the input noise of --corrupt-kind noise (default 1)"),
-    ("--seed", int, "seed of everything random (default 0)"),
-    ("--eval-every", int, "evaluate every k rounds (default 1)"),
-    ("--device", str, "cpu or cuda (default cpu)"),
+                            "Gaussian noise on the inputs (default {default})"),
+    ("--corrupt-noise-std", float, "std of the input noise of --corrupt-kind noise (default {default})"),
+    ("--seed", int, "seed of everything random (default {default})"),
+    ("--eval-every", int, "evaluate every k rounds (default {default})"),
+    ("--device", str, "cpu or cuda (default {default})"),
     ("--backend", str, "kernel backend: reference, cpu, triton, cuda (default automatic)"),
     ("--engine", str, f"client engine: {', '.join(ENGINES)}; batched trains a round's clients as one vmapped "
                       "computation, sequential one after another (default auto: batched unless --per-round 1)"),
@@ -131,18 +133,37 @@ SIM_OPTIONS: List[tuple] = [
 ]
 
 
+def fill_default(flag: str, help_: str) -> str:
+    """``help_`` with ``{default}`` replaced by :class:`SimulationConfig`'s default of
+    ``flag`` (itself :mod:`fedopt_kernels.defaults`'s), so the help cannot drift from it."""
+    if "{default}" not in help_:
+        return help_
+    value = _FIELD_DEFAULTS[flag[2:].replace("-", "_")]
+    if isinstance(value, (tuple, list)):
+        text = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    else:
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+    return help_.replace("{default}", text)
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimulationConfig)}
+
+
 def add_simulation_options(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
     group = parser.add_argument_group("simulation settings (flags override --config)")
     for flag, typ, help_ in SIM_OPTIONS:
         if compare and flag == "--algo":
             continue
-        group.add_argument(flag, type=typ, default=argparse.SUPPRESS, help=help_)
+        group.add_argument(flag, type=typ, default=argparse.SUPPRESS, help=fill_default(flag, help_))
     run = parser.add_argument_group("running")
     run.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
     run.add_argument("--out", default=argparse.SUPPRESS, metavar="DIR", help="output directory (default results)")
     run.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                      help="torch CPU threads (default: 1 for the sequential engine on models under 5M parameters, "
-                          "where more threads only add overhead, else torch's default)")
+                          "where more threads only add overhead, else torch's default; on a machine other jobs keep "
+                          "busy, 1 can be several times faster: a note says so when the load is high)")
     run.add_argument("--no-plots", dest="plots", action="store_false", default=argparse.SUPPRESS,
                      help="do not draw the PNG plots")
     run.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -15,12 +15,14 @@ from typing import List, Optional
 import torch
 
 from ..fl.config import ALGORITHMS, ConfigError, SimulationConfig
+from ..fl.interrupts import Interrupted, deferred_interrupts, exit_status, stop_on_signals
 from ..fl.results import Results, comparison_rows, plot_comparison, write_atomic
 from ._errors import CLIError
 from ._options import build_settings
 
 CHECKPOINT = "checkpoint.pt"
 AUTO_THREADS_MAX_PARAMS = 5_000_000
+_NOTED: set = set()
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -76,8 +78,28 @@ def _apply_threads(threads: Optional[int], num_params: int, batched: bool = Fals
     if threads is None:
         if num_params < AUTO_THREADS_MAX_PARAMS and not batched:
             torch.set_num_threads(1)
+        elif torch.get_num_threads() > 1:
+            note = busy_note(torch.get_num_threads())
+            if note and not _NOTED:  # once per process (compare builds one simulation per run)
+                _NOTED.add(note)
+                print(f"fedopt: note: {note}", file=sys.stderr)
     else:
         torch.set_num_threads(threads)
+
+
+def busy_note(threads: int, load: Optional[float] = None, cores: Optional[int] = None) -> Optional[str]:
+    """A hint when other processes already keep this machine's cores busy: torch's
+    threads then wait for each other (measured: a 5-round FedLAW CNN run took 38.5 s on 2
+    threads against 7.8 s on 1, on 2 cores loaded by two other jobs)."""
+    try:
+        load = os.getloadavg()[0] if load is None else load
+        cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    except (OSError, AttributeError):
+        return None
+    if load < max(cores - 0.5, 0.5):
+        return None
+    return (f"the machine is busy (load {load:.1f} on {cores} core(s)) and torch runs {threads} threads; on a busy "
+            "machine --threads 1 is often several times faster")
 
 
 def _fmt(v, pct=False, digits=4):
@@ -114,7 +136,11 @@ def print_summary(results: List[Results], title: str) -> None:
                       _fmt(s["best_accuracy"], pct=True), _fmt(s["final_test_loss"], digits=3),
                       _fmt(s["final_train_loss"], digits=3), _fmt(s["mean_clip_frequency"], digits=2),
                       "-" if s["wall_time"] is None else f"{s['wall_time']:.1f}")
-    _console(min_width=120).print(table)
+    console = _console(min_width=120)
+    console.print(table)
+    for s in comparison_rows(results):
+        if s.get("note"):
+            console.print(f"[yellow]note[/] ({s['label']}): {s['note']}", highlight=False)
 
 
 class _Progress:
@@ -173,7 +199,11 @@ def _load_checkpoint(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CLIError(f"--resume: no checkpoint at {path}") from None
+        hint = ""
+        if (path.parent / "results.json").exists():
+            hint = (" (results.json is there: the run was killed before it could save one -- SIGKILL, a crash or "
+                    "the machine going down; --checkpoint-every K saves one every K rounds)")
+        raise CLIError(f"--resume: no checkpoint at {path}{hint}") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one message
         raise CLIError(f"--resume: cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
 
@@ -194,7 +224,8 @@ def add_simulate_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"continue the run saved in <out>/{CHECKPOINT} (its settings, flags may change --rounds)")
     p.add_argument("--checkpoint-every", type=int, default=argparse.SUPPRESS, metavar="K",
-                   help=f"also save <out>/{CHECKPOINT} every K rounds (it is always saved at the end and on Ctrl-C)")
+                   help=f"also save <out>/{CHECKPOINT} every K rounds (it is always saved at the end and on Ctrl-C, "
+                        "SIGTERM or SIGHUP)")
     p.add_argument("--distributed", action="store_true",
                    help="spread each round's clients over the ranks of a torchrun launch (torchrun "
                         "--nproc_per_node=N -m fedopt_kernels simulate --distributed ...); same results as one "
@@ -278,32 +309,40 @@ def _run_simulate(args, distributed: bool = False) -> int:
         if checkpoint_every and record["round"] and record["round"] % checkpoint_every == 0:
             _save_checkpoint(s, out)
 
-    interrupted = False
-    with _Progress(not quiet) as progress:
-        task = progress.add(f"{config.algo}", config.rounds, sim.round)
+    interrupted = None  # the KeyboardInterrupt / Interrupted that stopped the run
+    with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
+        with _Progress(not quiet) as progress:
+            task = progress.add(f"{config.algo}", config.rounds, sim.round)
 
-        def callback(record, s):
-            save(record, s)
-            progress.update(task, record)
+            def callback(record, s):
+                save(record, s)
+                progress.update(task, record)
 
-        try:
-            sim.run(callback=callback)
-        except KeyboardInterrupt:
-            interrupted = True
-    results.meta["interrupted"] = interrupted
-    if not main:
-        return 130 if interrupted else 0
-    files = results.write(out)
-    _save_checkpoint(sim, out)
+            try:
+                sim.run(callback=callback)
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        results.meta["interrupted"] = interrupted is not None
+        if interrupted is not None:
+            results.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+        else:
+            results.meta.pop("interrupted_by", None)
+        if not main:
+            return exit_status(interrupted) if interrupted is not None else 0
+        with deferred_interrupts():  # a second signal waits until the results and the checkpoint are written
+            files = results.write(out)
+            _save_checkpoint(sim, out)
     files.append(out / CHECKPOINT)
     if opts["plots"] and results.records:
         files += results.plot(out)
     print_summary([results], f"{config.algo} (nar={config.nar}) on {sim.dataset.name}")
     console.print("wrote " + ", ".join(str(f) for f in files))
-    if interrupted:
-        console.print(f"[yellow]interrupted after {sim.round} of {config.rounds} rounds[/]; "
-                      f"the results so far are in {out} (continue with --resume)")
-        return 130
+    if interrupted is not None:
+        by = results.meta["interrupted_by"]
+        console.print(f"[yellow]interrupted ({by}) after {sim.round} of {config.rounds} rounds[/]; the results so "
+                      f"far and {CHECKPOINT} are in {out}; continue with: fedopt simulate --resume --out {out}"
+                      + (f" --config {args.config}" if args.config else ""))
+        return exit_status(interrupted)
     return 0
 
 
@@ -327,7 +366,8 @@ def parse_runs(text, default_nar: str) -> List[tuple]:
     else:
         items = [t.strip() for t in str(text).split(",") if t.strip()]
     if not items:
-        raise CLIError("--algos needs at least one algorithm")
+        raise CLIError(f"--algos needs at least one algorithm (comma-separated ALGO or ALGO:NAR, e.g. "
+                       f"fedavg,fedavg:grad), got {text!r}")
     runs = []
     from ..ops import MODES
 
@@ -350,7 +390,9 @@ def run_compare(args) -> int:
     from ..fl.simulation import load_config_dataset, make_partition
 
     config, opts = build_settings(args)
-    algos = opts.get("algos") or "fedavg,fedprox,scaffold,fedexp"
+    algos = opts.get("algos")
+    if algos is None:  # not given; an empty --algos "" is an error, not the defaults
+        algos = "fedavg,fedprox,scaffold,fedexp"
     runs = parse_runs(algos, config.nar)
     configs = []
     for label, algo, nar in runs:
@@ -372,7 +414,7 @@ def run_compare(args) -> int:
                       f"{config.per_round}/round, {config.rounds} rounds, seed {config.seed} "
                       "(same partition, clients and batches for every run)")
     done: List[Results] = []
-    interrupted = False
+    interrupted = None
     # fedlaw's test-side proxy set is held out of every run's evaluation, so that all
     # runs are scored on the same examples ([FedLAW] appendix D.2: "the remaining data
     # in the testset ... for all compared methods")
@@ -400,26 +442,28 @@ def run_compare(args) -> int:
     current = None
     with _Progress(not args.quiet) as progress:
         try:
-            for label, cfg in configs:
-                sim = _build_simulation(cfg, dataset=dataset, partition=partition, hold_out_proxy=hold_out)
-                _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
-                sim.results.label = label
-                current = sim.results
-                task = progress.add(label, cfg.rounds)
-                run_dir = out / _safe(label)
-                run_dir.mkdir(exist_ok=True)
+            with stop_on_signals():  # SIGTERM / SIGHUP stop the comparison as Ctrl-C does
+                for label, cfg in configs:
+                    sim = _build_simulation(cfg, dataset=dataset, partition=partition, hold_out_proxy=hold_out)
+                    _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
+                    sim.results.label = label
+                    current = sim.results
+                    task = progress.add(label, cfg.rounds)
+                    run_dir = out / _safe(label)
+                    run_dir.mkdir(exist_ok=True)
 
-                def callback(record, s, task=task, run_dir=run_dir):
-                    s.results.write(run_dir)
-                    progress.update(task, record)
+                    def callback(record, s, task=task, run_dir=run_dir):
+                        s.results.write(run_dir)
+                        progress.update(task, record)
 
-                sim.run(callback=callback)
-                done.append(sim.results)
-                current = None
-        except KeyboardInterrupt:
-            interrupted = True
+                    sim.run(callback=callback)
+                    done.append(sim.results)
+                    current = None
+        except KeyboardInterrupt as exc:
+            interrupted = exc
     if current is not None:
         current.meta["interrupted"] = True
+        current.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
     allres = write_all(current)
     files = [out / "compare.json", out / "compare.csv"]
     if opts["plots"] and allres:
@@ -427,9 +471,11 @@ def run_compare(args) -> int:
     print_summary(allres, f"compare on {config.dataset}: {config.clients} clients, {config.per_round}/round, "
                           f"alpha {config.alpha}, seed {config.seed}")
     console.print("wrote " + ", ".join(str(f) for f in files) + f" (and each run's results in {out}/<run>/)")
-    if interrupted:
-        console.print(f"[yellow]interrupted[/]: {len(done)} of {len(configs)} runs finished; results so far in {out}")
-        return 130
+    if interrupted is not None:
+        by = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+        console.print(f"[yellow]interrupted ({by})[/]: {len(done)} of {len(configs)} runs finished; results so far "
+                      f"in {out}")
+        return exit_status(interrupted)
     return 0
 
 

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import defaults as D
 from ..lr_scheduler import annealing_factor, within_round_factor
 from ..optim import FedNAR
 from ..server import scaffold_control_update_
@@ -38,22 +39,23 @@ __all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats"]
 
 @dataclass
 class LocalConfig:
-    """Hyperparameters of local training (see the module docstring)."""
+    """Hyperparameters of local training (see the module docstring); the defaults are
+    :data:`fedopt_kernels.defaults.LOCAL`, the simulator's."""
 
-    steps: int = 20
-    batch_size: int = 32
-    lr: float = 0.01
-    lr_decay: float = 1.0
-    weight_decay: float = 0.0
-    wd_decay: float = 1.0
-    max_norm: float = 10.0
-    nar: str = "co"
-    momentum: float = 0.0
-    prox_mu: float = 0.0
+    steps: int = D.LOCAL["steps"]
+    batch_size: int = D.LOCAL["batch_size"]
+    lr: float = D.LOCAL["lr"]
+    lr_decay: float = D.LOCAL["lr_decay"]
+    weight_decay: float = D.LOCAL["weight_decay"]
+    wd_decay: float = D.LOCAL["wd_decay"]
+    max_norm: float = D.LOCAL["max_norm"]
+    nar: str = D.LOCAL["nar"]
+    momentum: float = D.LOCAL["momentum"]
+    prox_mu: float = 0.0  # no proximal term unless the run is FedProx (its mu: defaults.FEDPROX_MU)
     scaffold: bool = False
-    decay_beta: float = 1.0
-    decay_kind: str = "exponential"
-    decay_per: str = "step"
+    decay_beta: float = D.LOCAL["decay_beta"]
+    decay_kind: str = D.LOCAL["decay_kind"]
+    decay_per: str = D.LOCAL["decay_per"]
     backend: Optional[str] = None
 
     def lr_at(self, round_index: int, k: int) -> float:

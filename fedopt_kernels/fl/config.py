@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from .. import defaults as D
 from ..lr_scheduler import KINDS as DECAY_KINDS
 from ..lr_scheduler import PER as DECAY_PER
 from ..ops import MODES as NAR_MODES
@@ -38,8 +39,10 @@ class ConfigError(ValueError):
 class SimulationConfig:
     """Settings of one simulated federated training run (defaults: a quick digits run).
 
-    Defaults follow [FedNAR] section 5 (Dirichlet alpha 0.3, 20 local steps, local lr
-    decayed by 0.998 per round, max norm 10) scaled to the 1437 training images of
+    Every default is :mod:`fedopt_kernels.defaults`'s (one value per hyperparameter
+    for every entry point, each with its source).  They follow [FedNAR] section 5
+    (Dirichlet alpha 0.3, 20 local steps, local lr decayed by 0.998 per round, max norm
+    10) scaled to the 1437 training images of
     ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
     default (:data:`fedopt_kernels.fl.server_side.SERVER_DEFAULTS`).
 
@@ -78,7 +81,7 @@ class SimulationConfig:
 
     # what runs
     algo: str = "fedavg"
-    nar: str = "co"
+    nar: str = D.LOCAL["nar"]
     dataset: str = "digits"
     model: str = "mlp"
     hidden: Tuple[int, ...] = (200, 200)
@@ -91,29 +94,29 @@ class SimulationConfig:
     min_client_size: Optional[int] = None
     weighting: str = "auto"
     # local training
-    local_steps: int = 20
-    batch_size: int = 32
-    lr: float = 0.05
-    lr_decay: float = 0.998
-    weight_decay: float = 1e-3
-    wd_decay: float = 1.0
-    max_norm: float = 10.0
-    momentum: float = 0.0
-    decay_beta: float = 1.0
-    decay_kind: str = "exponential"
-    decay_per: str = "step"
-    prox_mu: float = 0.01
+    local_steps: int = D.LOCAL["steps"]
+    batch_size: int = D.LOCAL["batch_size"]
+    lr: float = D.LOCAL["lr"]
+    lr_decay: float = D.LOCAL["lr_decay"]
+    weight_decay: float = D.LOCAL["weight_decay"]
+    wd_decay: float = D.LOCAL["wd_decay"]
+    max_norm: float = D.LOCAL["max_norm"]
+    momentum: float = D.LOCAL["momentum"]
+    decay_beta: float = D.LOCAL["decay_beta"]
+    decay_kind: str = D.LOCAL["decay_kind"]
+    decay_per: str = D.LOCAL["decay_per"]
+    prox_mu: float = D.FEDPROX_MU
     # server
     server_lr: Optional[float] = None
     server_momentum: Optional[float] = None
-    server_betas: Tuple[float, float] = (0.9, 0.99)
-    server_tau: float = 1e-3
-    fedexp_eps: float = 1e-3
-    fedlaw_learn: str = "both"
-    fedlaw_epochs: int = 20
-    fedlaw_lr: float = 0.01
-    proxy_size: int = 100
-    proxy_source: str = "test"
+    server_betas: Tuple[float, float] = D.ADAPTIVE["betas"]
+    server_tau: float = D.ADAPTIVE["tau"]
+    fedexp_eps: float = D.FEDEXP_EPS
+    fedlaw_learn: str = D.FEDLAW["learn"]
+    fedlaw_epochs: int = D.FEDLAW["server_epochs"]
+    fedlaw_lr: float = D.FEDLAW["lr"]
+    proxy_size: int = D.FEDLAW["proxy_size"]
+    proxy_source: str = D.FEDLAW["proxy_source"]
     max_weight_share: Optional[float] = None
     on_bad_client: str = "exclude"
     # data options

@@ -26,6 +26,7 @@ available by name to :func:`load_dataset`, and the command line also takes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -106,12 +107,31 @@ class FederatedDataset:
         """
         xs_tr, ys_tr = _materialise(train, "train", dtype)
         xs_te, ys_te = _materialise(test, "test", dtype)
+        top = int(max(ys_tr.max(), ys_te.max()))
         if num_classes is None:
-            num_classes = int(max(ys_tr.max(), ys_te.max())) + 1
+            num_classes = top + 1
+        elif top >= num_classes:
+            raise ValueError(f"num_classes={num_classes} but a label is {top} (labels must be 0..{num_classes - 1})")
         idx = None
         if client_indices is not None:
             idx = [torch.as_tensor(list(c), dtype=torch.int64) for c in client_indices]
         return cls(name, xs_tr, ys_tr, xs_te, ys_te, int(num_classes), idx)
+
+
+def _label(y, split: str, i: int) -> int:
+    """A class index from an int, a whole float, a numpy scalar or a one-element tensor;
+    anything else (1.7, "cat", a vector) is refused with the item's place."""
+    one = (isinstance(y, torch.Tensor) and y.numel() == 1) or (isinstance(y, np.ndarray) and y.size == 1)
+    value = y.item() if one else y
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not (math.isfinite(value) and value == int(value))):
+        raise ValueError(f"{split}[{i}] has label {y!r}; labels must be integer class indices 0..C-1 "
+                         "(map names or other values to indices first)")
+    if value < 0:
+        raise ValueError(f"{split}[{i}] has label {value!r}; labels must be integer class indices 0..C-1")
+    return int(value)
 
 
 def _materialise(dataset, split: str, dtype):
@@ -125,7 +145,7 @@ def _materialise(dataset, split: str, dtype):
             raise ValueError(f"{split}[{i}] must be an (input, label) pair, got {type(item).__name__}")
         x, y = item[0], item[1]
         xs.append(torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x, dtype=dtype))
-        ys.append(int(y))
+        ys.append(_label(y, split, i))
     try:
         x = torch.stack(xs)
     except RuntimeError as exc:

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -65,6 +66,19 @@ def write_atomic(path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def _out_dir(path) -> Path:
+    """``path`` as a folder that exists: created with its parents if missing; a clear
+    error if it cannot be."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(f"cannot write results into {str(path)!r}: it exists and is not a folder") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create the results folder {str(path)!r}: {exc.strerror or exc}") from None
+    return p
 
 
 def _umask() -> int:
@@ -143,7 +157,30 @@ class Results:
             "mean_clip_frequency": sum(clip) / len(clip) if clip else None,
             "wall_time": fin.get("wall_time"),
             "interrupted": bool(self.meta.get("interrupted", False)),
+            "note": self.collapse_note(),
         }
+
+    def collapse_note(self) -> Optional[str]:
+        """A sentence when the run's global model stayed at chance while a learned
+        shrinking factor ``gamma < 1`` (FedLAW) shrank it in every round; else None.
+
+        At chance: every evaluated trained round's test accuracy within 10% of the way
+        from chance (``1/num_classes``) to 100%; at least 3 such rounds."""
+        k = (self.meta or {}).get("num_classes")
+        _, acc = self.column("test_accuracy", trained_only=True)
+        _, gamma = self.column("gamma", trained_only=True)
+        if not k or len(acc) < 3 or not gamma:
+            return None
+        chance = 1.0 / k
+        if max(acc) > chance + 0.1 * (1 - chance) or not all(g < 1 for g in gamma):
+            return None
+        return (f"the global model stayed at chance (best test accuracy {100 * max(acc):.1f}%, chance "
+                f"{100 * chance:.1f}%) while gamma < 1 shrank it every round (mean gamma "
+                f"{sum(gamma) / len(gamma):.3f}, "
+                f"last {gamma[-1]:.3f}): FedLAW's global weight shrinking can collapse a model trained by plain local "
+                "SGD; its released code trains clients with SGD momentum 0.9, weight decay 5e-4 and lr 0.08 decayed "
+                "0.99 per round (try --momentum 0.9 --weight-decay 5e-4 --lr 0.08 --lr-decay 0.99), or learn lambda "
+                "only (--fedlaw-learn lambda)")
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
@@ -176,8 +213,9 @@ class Results:
         return Path(path)
 
     def write(self, out_dir, *, stem: str = "results") -> List[Path]:
-        """``<stem>.json`` and ``<stem>.csv`` in ``out_dir``."""
-        out_dir = Path(out_dir)
+        """``<stem>.json`` and ``<stem>.csv`` in ``out_dir`` (created, with its parents,
+        if missing)."""
+        out_dir = _out_dir(out_dir)
         return [self.write_json(out_dir / f"{stem}.json"), self.write_csv(out_dir / f"{stem}.csv")]
 
     @classmethod
@@ -194,7 +232,7 @@ class Results:
         """Three PNGs: accuracy & loss, clipping (frequency & strength), server
         statistics (server lr / gain / gamma) per round.  Returns their paths."""
         plt = _pyplot()
-        out_dir = Path(out_dir)
+        out_dir = _out_dir(out_dir)
         paths = []
         title = self._title()
 
@@ -207,7 +245,7 @@ class Results:
             if x:
                 ax2.plot(x, y, style, label=key.replace("_", " "))
         ax2.set_xlabel("round"), ax2.set_ylabel("loss"), ax2.grid(alpha=0.3), ax2.legend()
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, 110))
         paths.append(_save(fig, out_dir / f"{prefix}accuracy_loss.png"))
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -215,28 +253,45 @@ class Results:
         ax1.plot(x, y)
         ax1.set_xlabel("round"), ax1.set_ylabel("fraction of local steps clipped"), ax1.grid(alpha=0.3)
         ax1.set_ylim(-0.02, 1.02)
-        x, y = self.column("mean_clipped_norm", trained_only=True)
-        ax2.plot(x, y, marker="." if len(x) < 60 else None)
+        # a round without a clipped step has no mean: a gap in the line, not a segment across it
+        gx, gy = self.clipped_norm_series()
+        x = [r for r, v in zip(gx, gy) if not math.isnan(v)]
+        ax2.plot(gx, gy, marker="." if len(gx) < 60 else None)
         ax2.set_xlabel("round"), ax2.set_ylabel("mean norm of clipped steps"), ax2.grid(alpha=0.3)
+        if x and len(x) < len(gx):
+            ax2.set_title(f"rounds without a clipped step are left blank ({len(gx) - len(x)} of {len(gx)})",
+                          fontsize=8)
         if not x:
+            ax2.set_xlim(ax1.get_xlim())
+            ax2.set_yticks([])
             ax2.text(0.5, 0.5, "no step was clipped", ha="center", va="center", transform=ax2.transAxes)
-        fig.suptitle(f"{title}: clipping frequency and strength (fednar Fig. 5)")
+        fig.suptitle(textwrap.fill(f"{title}: clipping frequency and strength (fednar Fig. 5)", 110))
         paths.append(_save(fig, out_dir / f"{prefix}clipping.png"))
 
         keys = [k for k in ("server_lr", "gain_ratio", "gamma", "update_norm") if self.column(k, trained_only=True)[0]]
         _, scale = self.column("lr_scale", trained_only=True)
         if "gain_ratio" not in keys and any(v != 1.0 for v in scale):  # FedExP's eta_g
             keys.insert(1, "lr_scale")
-        fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(4.2 * max(len(keys), 1), 3.6), squeeze=False)
+        # at least the other plots' width: one panel (FedLAW's gamma) at 4.2 in cut its title
+        fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(max(4.2 * len(keys), 11), 3.6), squeeze=False)
         for ax, key in zip(axes[0], keys):
             x, y = self.column(key, trained_only=True)
             ax.plot(x, y)
             ax.set_xlabel("round"), ax.set_ylabel(key.replace("_", " ")), ax.grid(alpha=0.3)
         if not keys:
             axes[0][0].text(0.5, 0.5, "no server statistics", ha="center", va="center")
-        fig.suptitle(f"{title}: server statistics")
+        fig.suptitle(textwrap.fill(f"{title}: server statistics", 110))
         paths.append(_save(fig, out_dir / f"{prefix}server.png"))
         return paths
+
+    def clipped_norm_series(self) -> tuple:
+        """``(rounds, mean norm of the clipped steps)`` over every trained round, NaN in
+        a round where no step was clipped (a plot leaves it blank)."""
+        x, y = self.column("mean_clipped_norm", trained_only=True)
+        known = dict(zip(x, y))
+        trained = [r["round"] for r in self.records if r["round"] > 0 and "clipped_steps" in r]
+        rounds = sorted(set(trained) | set(x))
+        return rounds, [known.get(r, math.nan) for r in rounds]
 
     def _title(self) -> str:
         c = self.config

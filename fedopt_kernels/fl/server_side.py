@@ -34,6 +34,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from .. import defaults as D
 from .. import server as S
 from ..server.weighting import cap_weight_shares
 from .config import SimulationConfig
@@ -45,34 +46,9 @@ __all__ = ["SERVER_DEFAULTS", "ServerSide", "BAD_CLIENT_REASONS"]
 BAD_CLIENT_REASONS = ("no_data", "error", "nonfinite")
 
 # Server hyperparameters used when the config leaves them unset (server_lr=None ...):
-# the defaults of the classes of fedopt_kernels.server and of the Flower strategies
-# (tests/test_paper_defaults.py checks that the three agree), with their sources:
-#   fedavg/fedprox/scaffold lr 1: McMahan et al. 2017 (x <- sum_i p_i x_i); SCAFFOLD
-#     Algorithm 1 with eta_g = 1.
-#   fedavgm lr 1, momentum 0.9: one of the server momenta Hsu et al. 2019 sweep (no
-#     paper fixes a default; unchanged).
-#   fedadam/fedyogi lr 1e-2 (betas and tau from the config: (0.9, 0.99), 1e-3).
-#   fedadagrad lr 0.1, momentum (beta1) 0: Reddi et al. 2021, Algorithm 2 with
-#     beta1 = 0 for FedAdagrad, as the paper's released code (tf.keras Adagrad, which
-#     has no first moment: google-research/federated utils/optimizers/optimizer_utils.py)
-#     and Flower's FedAdagrad (beta_1 = 0); lr 0.1 as Flower's reproduction of the
-#     paper's CIFAR-10/100 runs (flwr_baselines adaptive_federated_optimization:
-#     FedAdagrad eta = 0.1).
-#   fedexp lr 1: the paper's eta_g alone (Jhunjhunwala et al. 2023, Algorithm 1).
-#   asnes lr 1, momentum 0.9: [ASNES] eq. (3)-(4c), the step is eta_t = r (eta_0 = 1);
-#     beta = 0.9 (section 5.1, Fashion-MNIST).
-SERVER_DEFAULTS: Dict[str, dict] = {
-    "fedavg": dict(lr=1.0),
-    "fedprox": dict(lr=1.0),
-    "scaffold": dict(lr=1.0),
-    "fedavgm": dict(lr=1.0, momentum=0.9),
-    "fedadam": dict(lr=0.01),
-    "fedyogi": dict(lr=0.01),
-    "fedadagrad": dict(lr=0.1, momentum=0.0),
-    "fedexp": dict(lr=1.0),
-    "asnes": dict(lr=1.0, momentum=0.9),
-    "fedlaw": dict(),
-}
+# fedopt_kernels.defaults.SERVER, which the classes of fedopt_kernels.server and the
+# Flower strategies read too (each value's source is written there).
+SERVER_DEFAULTS: Dict[str, dict] = {algo: dict(values) for algo, values in D.SERVER.items()}
 
 
 class ServerSide:

@@ -61,12 +61,9 @@ to sequential with an :class:`~fedopt_kernels.fl.batched.EngineFallbackWarning`;
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import platform
-import signal
-import threading
 import time
 import warnings
 from typing import Callable, List, Optional, Union
@@ -82,6 +79,7 @@ from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
 from .data import FederatedDataset, load_dataset
+from .interrupts import deferred_interrupts
 from .models import build_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results
@@ -207,6 +205,8 @@ class Simulation:
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
         global_model = self._make_model(model).to(self.device)
+        if loss_fn is None:  # cross-entropy over the dataset's classes: one output per class
+            self._check_outputs(global_model)
         local_model = copy.deepcopy(global_model)
         self.global_model = global_model
         self.x_global = flatten_parameters_(global_model)
@@ -268,6 +268,26 @@ class Simulation:
         if not any(True for _ in m.parameters()):
             raise ValueError("the model has no parameters")
         return m
+
+    def _check_outputs(self, model: nn.Module) -> None:
+        """The model must give one score per class (``[batch, num_classes]``): a model
+        with more outputs trains under cross-entropy with classes that never occur, one
+        with fewer fails mid-round.  One forward of two training examples in eval mode
+        (no statistics change, no gradient)."""
+        k = self.dataset.num_classes
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                out = model(self.dataset.x_train[:2])
+        except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
+            return
+        finally:
+            model.train(was_training)
+        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] != k:
+            raise ConfigError(f"the model gives {out.shape[1]} outputs per example but dataset "
+                              f"{self.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
+                              "loss_fn= for a loss that is not cross-entropy over the classes)")
 
     def _corrupt(self):
         """``(x_train, y_train, Corruption or None)`` the clients train on."""
@@ -453,13 +473,16 @@ class Simulation:
         """Run the next round; returns (and records) its record.
 
         Client training only writes scratch buffers; the round then commits (control
-        variates, server step, evaluation, record) with Ctrl-C deferred to the end of
-        the commit.  So an interrupted run always stands at a completed round and its
+        variates, server step, evaluation, record) with Ctrl-C (and SIGTERM / SIGHUP
+        under :func:`~fedopt_kernels.fl.interrupts.stop_on_signals`) deferred to the end
+        of the commit.  So an interrupted run always stands at a completed round and its
         :meth:`state_dict` resumes exactly.
         """
         cfg = self.config
         t0 = time.perf_counter()
         r = self.round + 1
+        # the threads the rounds run on (set after construction by fedopt simulate --threads)
+        self.results.meta["threads"] = torch.get_num_threads()
         clients = self.sample_clients(r)
         try:
             stats = self._train_clients(r, clients)
@@ -472,7 +495,7 @@ class Simulation:
             if self.scaffold is not None:
                 self.scaffold.discard_round()
             raise
-        with _deferred_interrupt():
+        with deferred_interrupts():
             kept = self._round_kept
             sizes = self.client_sizes[kept]
             C = len(kept)
@@ -546,9 +569,11 @@ class Simulation:
         Round 0 (the untrained model's test accuracy and loss) is recorded first.
         ``callback(record, simulation)`` is called after every round (and after round 0);
         a ``KeyboardInterrupt`` propagates with :attr:`results` holding every finished
-        round.
+        round (wrap the call in :func:`~fedopt_kernels.fl.interrupts.stop_on_signals`
+        to have SIGTERM and SIGHUP stop it the same way, as ``fedopt simulate`` does).
         """
         target = self.config.rounds if rounds is None else int(rounds)
+        self.results.meta["threads"] = torch.get_num_threads()
         if self.round == 0 and not self.results.records:
             acc, loss = self.evaluate()
             self.results.append({"round": 0, "clients": [], "test_accuracy": acc, "test_loss": loss,
@@ -564,7 +589,8 @@ class Simulation:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything needed to continue this run: tensors and plain Python values only,
-        so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it."""
+        so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it.  Its
+        tensors are copies: later rounds do not change a state dict kept in memory."""
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
@@ -572,7 +598,7 @@ class Simulation:
             "elapsed": self._elapsed,
             "x_global": self.x_global.detach().clone(),
             "buffers": buffers_to_vector(self.global_model) if self._has_buffers else None,
-            "server": self.server.state_dict(),
+            "server": _detached_copy(self.server.state_dict()),  # not the live optimizer state
             "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
@@ -603,27 +629,16 @@ class Simulation:
         self.results.records = [r for r in res.records if r["round"] <= self.round]
 
 
-@contextlib.contextmanager
-def _deferred_interrupt():
-    """Hold back SIGINT (Ctrl-C) until the block is done, then raise it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    except (ValueError, OSError):  # no signals here (embedded interpreter ...)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            elif previous != signal.SIG_IGN:
-                raise KeyboardInterrupt
+def _detached_copy(value):
+    """``value`` with every tensor in it (nested dicts, lists, tuples) cloned: a state
+    dict that later rounds do not change under its holder."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _detached_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached_copy(v) for v in value)
+    return value
 
 
 def _snapshot(stats: RoundStats) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+from .. import defaults as D
 from .eager_base import EagerOptimizer
 
 from ..ops import MODES, NarGroup, NarStats, nar_step_, nar_step_groups_
@@ -61,8 +62,10 @@ class FedNAR(EagerOptimizer):
             ``mode`` and ``backend`` must be the same in every group).
         lr: learning rate ``>= 0`` (a float, or a 0-d tensor on the params' device to
             change it without recompiling under ``torch.compile``).
-        weight_decay: ``wd >= 0`` (float or 0-d tensor).
-        max_norm: clip threshold ``A > 0`` (the paper uses 10).
+        weight_decay: ``wd >= 0`` (float or 0-d tensor); default 1e-3
+            (:data:`fedopt_kernels.defaults.LOCAL`, as the simulator and the Flower
+            client).  With 0, co-clipping is plain gradient clipping.
+        max_norm: clip threshold ``A > 0`` (default 10, the paper's).
         mode: ``"co"``, ``"grad"`` or ``"none"``.
         momentum: heavy-ball factor in ``[0, 1)`` (not in the paper).
         backend: kernel backend (``"reference"``, ``"cpu"``, ``"triton"``, ``"cuda"``)
@@ -73,8 +76,9 @@ class FedNAR(EagerOptimizer):
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr, weight_decay=0.0, max_norm: float = 10.0, mode: str = "co",
-                 momentum: float = 0.0, backend: Optional[str] = None, *, clip_scope: str = "optimizer"):
+    def __init__(self, params, lr, weight_decay=D.LOCAL["weight_decay"], max_norm: float = D.LOCAL["max_norm"],
+                 mode: str = D.LOCAL["nar"], momentum: float = D.LOCAL["momentum"], backend: Optional[str] = None, *,
+                 clip_scope: str = "optimizer"):
         if clip_scope not in CLIP_SCOPES:
             raise ValueError(f"clip_scope must be one of {CLIP_SCOPES}, got {clip_scope!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, max_norm=max_norm, mode=mode, momentum=momentum,

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import defaults as D
 from ._base import ServerOptimizer, check_nonneg, state_buffers
 
 
@@ -34,13 +35,20 @@ class AdaptiveServerOptimizer(ServerOptimizer):
         return dict(lr_scale=torch.ones((), dtype=info.sq_norm.dtype, device=info.sq_norm.device))
 
 
+def check_betas(betas, name: str = "betas") -> None:
+    """``betas`` must be a pair ``(beta1, beta2)`` (a tuple or list of two numbers)."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{name} must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r}")
+
+
 class BetasServerOptimizer(AdaptiveServerOptimizer):
     """The constructor FedAdam and FedYogi share: ``lr``, ``betas=(beta1, beta2)``, ``tau``."""
 
-    def __init__(self, params, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99), tau: float = 1e-3, *,
-                 nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+    def __init__(self, params, lr: float = D.SERVER["fedadam"]["lr"], betas: Tuple[float, float] = D.ADAPTIVE["betas"],
+                 tau: float = D.ADAPTIVE["tau"], *, nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
+        check_betas(betas)
         check_nonneg(betas[0], "betas[0]", high=1.0, high_open=True)
         check_nonneg(betas[1], "betas[1]", high=1.0, high_open=True)
         check_nonneg(tau, "tau", low_open=True)

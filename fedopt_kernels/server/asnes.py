@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import defaults as D
 from ._base import ServerOptimizer, check_nonneg, commit_, state_buffers
 
 SIGMA2_MIN = 1e-6  # AdaScale's floor on the variance estimate
@@ -54,7 +55,8 @@ class ASNES(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
-    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, *, smoothing: float = 0.0,
+    def __init__(self, params, lr: float = D.SERVER["asnes"]["lr"], momentum: float = D.SERVER["asnes"]["momentum"], *,
+                 smoothing: float = D.ASNES_SMOOTHING,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")

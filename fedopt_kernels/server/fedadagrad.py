@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import defaults as D
 from ._adaptive import AdaptiveServerOptimizer
 from ._base import check_nonneg
 
@@ -35,7 +36,8 @@ class FedAdagrad(AdaptiveServerOptimizer):
 
     rule = "adagrad"
 
-    def __init__(self, params, lr: float = 0.1, momentum: float = 0.0, tau: float = 1e-3, *,
+    def __init__(self, params, lr: float = D.SERVER["fedadagrad"]["lr"],
+                 momentum: float = D.SERVER["fedadagrad"]["momentum"], tau: float = D.ADAPTIVE["tau"], *,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import defaults as D
 from ._base import ServerOptimizer, check_nonneg
 
 
@@ -29,7 +30,7 @@ class FedAvg(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
-    def __init__(self, params, lr: float = 1.0, gamma: float = 1.0, *, nonfinite: str = "exclude",
+    def __init__(self, params, lr: float = D.SERVER["fedavg"]["lr"], gamma: float = 1.0, *, nonfinite: str = "exclude",
                  max_client_norm: Optional[float] = None, backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")
         check_nonneg(gamma, "gamma", low_open=True)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import defaults as D
 from ._base import ServerOptimizer, check_nonneg, state_buffers
 
 
@@ -25,7 +26,8 @@ class FedAvgM(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
-    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, *, nesterov: bool = False,
+    def __init__(self, params, lr: float = D.SERVER["fedavgm"]["lr"], momentum: float = D.SERVER["fedavgm"]["momentum"],
+                 *, nesterov: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")

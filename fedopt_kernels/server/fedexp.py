@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import defaults as D
 from ._base import ServerOptimizer, check_nonneg
 
 
@@ -39,7 +40,8 @@ class FedExP(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
-    def __init__(self, params, lr: float = 1.0, eps: float = 1e-3, *, scale_eps_by_clients: bool = False,
+    def __init__(self, params, lr: float = D.SERVER["fedexp"]["lr"], eps: float = D.FEDEXP_EPS, *,
+                 scale_eps_by_clients: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
                  backend: Optional[str] = None, aggregator=None):
         check_nonneg(lr, "lr")

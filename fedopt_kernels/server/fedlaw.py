@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .. import defaults as D
 from ..ops import ClientPieces, aggregate, weighted_sum
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values
@@ -107,8 +108,9 @@ class FedLAW:
         backend: kernel backend of the aggregation (None: automatic).
     """
 
-    def __init__(self, model: nn.Module, proxy_loader: Iterable, loss_fn: Callable, *, learn: str = "both",
-                 server_epochs: int = 20, lr: float = 0.01, betas: Tuple[float, float] = (0.5, 0.999),
+    def __init__(self, model: nn.Module, proxy_loader: Iterable, loss_fn: Callable, *, learn: str = D.FEDLAW["learn"],
+                 server_epochs: int = D.FEDLAW["server_epochs"], lr: float = D.FEDLAW["lr"],
+                 betas: Tuple[float, float] = D.FEDLAW["betas"],
                  swa: bool = False, swa_start: int = 5, swa_lr: float = 0.05,
                  lr_step: Optional[Tuple[int, float]] = (20, 0.5), train_mode: bool = True,
                  backend: Optional[str] = None):
@@ -119,7 +121,8 @@ class FedLAW:
         if isinstance(server_epochs, bool) or not isinstance(server_epochs, int) or server_epochs < 1:
             raise ValueError(f"server_epochs must be an int >= 1, got {server_epochs!r}")
         lr = check_real(lr, "lr", low=0, low_open=True)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        if (isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if swa and learn == "gamma":
             raise ValueError("swa=True averages the logits of lambda, which learn='gamma' does not learn")

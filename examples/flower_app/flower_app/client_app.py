@@ -8,6 +8,7 @@ import signal
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+from fedopt_kernels.defaults import FEDPROX_MU
 from fedopt_kernels.integrations.flower import FedNARClient, local_config_from_run_config
 
 from .task import client_data, make_model, test_data
@@ -29,7 +30,7 @@ def _test_data(context: Context):
 def _local_config(context: Context):
     cfg = local_config_from_run_config(context.run_config)
     if context.run_config.get("algo") == "fedprox" and cfg.prox_mu == 0.0:
-        cfg.prox_mu = 0.01  # the simulator's default mu
+        cfg.prox_mu = FEDPROX_MU  # the simulator's default mu (fedopt_kernels.defaults)
     return cfg
 
 

@@ -8,9 +8,12 @@ Flower's Message API (``flwr.serverapp.strategy``, ``ServerApp`` / ``ClientApp``
   global weight shrinking ``gamma``), :class:`FedAvgM`, :class:`FedAdam`,
   :class:`FedYogi`, :class:`FedAdagrad`, :class:`FedExP`, :class:`ASNES`,
   :class:`FedLAW` (server-side proxy set), or :func:`make_strategy` by name.  Their
-  ``aggregate_train`` stacks the clients' ArrayRecords into one ``[C, N]`` tensor (one
-  copy per array) and runs one fused aggregation and the server optimizer of
-  :mod:`fedopt_kernels.server`.
+  ``aggregate_train`` runs one fused aggregation and the server optimizer of
+  :mod:`fedopt_kernels.server` on the clients' ArrayRecords: on a CPU server it reads
+  the replies' arrays in place (``read_in_place=True``, the default:
+  :class:`~fedopt_kernels.ops.ClientPieces`, no ``[C, N]`` copy); with
+  ``read_in_place=False``, arrays of another dtype or an accelerator it copies them
+  into one ``[C, N]`` tensor (one copy per array, :func:`stack_arrayrecords`).
 * client: :class:`FedNARClient` builds the ``ClientApp``'s ``train`` / ``evaluate``
   functions: local FedNAR training (with FedProx's and SCAFFOLD's terms), replying with
   the trained arrays and ``num-examples``.

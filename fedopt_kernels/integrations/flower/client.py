@@ -38,7 +38,11 @@ Hyperparameters come from a :class:`~fedopt_kernels.fl.LocalConfig`, by default 
 from the run config (:func:`local_config_from_run_config`: ``local-steps``,
 ``batch-size``, ``local-lr``, ``lr-decay``, ``weight-decay``, ``wd-decay``,
 ``max-norm``, ``nar``, ``local-momentum``, ``prox-mu``, ``decay-beta``,
-``decay-kind``, ``decay-per``, ``backend``).
+``decay-kind``, ``decay-per``, ``backend``).  A key the run config leaves out keeps
+:class:`LocalConfig`'s default, which is the simulator's
+(:data:`fedopt_kernels.defaults.LOCAL`: lr 0.05, lr decay 0.998, weight decay 1e-3, max
+norm 10) -- so a client without run-config keys trains with FedNAR as ``fedopt
+simulate`` does; ``prox-mu`` stays 0 (no proximal term) unless given.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
 from flwr.supercore import log
 from torch import nn
 
+from ... import defaults as D
 from ... import server as S
 from ...ops import ClientPieces
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
@@ -480,7 +481,7 @@ class FedAvg(FusedStrategy):
     :class:`~.client.FedNARClient`'s ``scaffold``) it is SCAFFOLD (clients averaged
     uniformly by default: Karimireddy et al. 2020, Algorithm 1)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 1.0, gamma: float = 1.0, **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["fedavg"]["lr"], gamma: float = 1.0, **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.FedAvg(p, lr=lr, gamma=gamma, **opt), **kwargs)
 
@@ -488,8 +489,8 @@ class FedAvg(FusedStrategy):
 class FedAvgM(FusedStrategy):
     """FedAvg with server momentum (:class:`fedopt_kernels.server.FedAvgM`)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 1.0, momentum: float = 0.9, nesterov: bool = False,
-                 **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["fedavgm"]["lr"],
+                 momentum: float = D.SERVER["fedavgm"]["momentum"], nesterov: bool = False, **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.FedAvgM(p, lr=lr, momentum=momentum, nesterov=nesterov, **opt),
                          **kwargs)
@@ -499,8 +500,8 @@ class FedAdam(FusedStrategy):
     """FedAdam (:class:`fedopt_kernels.server.FedAdam`, Reddi et al. 2021, no bias
     correction -- Flower's ``FedAdam`` adds one)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99),
-                 tau: float = 1e-3, **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["fedadam"]["lr"],
+                 betas: Tuple[float, float] = D.ADAPTIVE["betas"], tau: float = D.ADAPTIVE["tau"], **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.FedAdam(p, lr=lr, betas=betas, tau=tau, **opt), **kwargs)
 
@@ -508,8 +509,8 @@ class FedAdam(FusedStrategy):
 class FedYogi(FusedStrategy):
     """FedYogi (:class:`fedopt_kernels.server.FedYogi`)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 1e-2, betas: Tuple[float, float] = (0.9, 0.99),
-                 tau: float = 1e-3, **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["fedyogi"]["lr"],
+                 betas: Tuple[float, float] = D.ADAPTIVE["betas"], tau: float = D.ADAPTIVE["tau"], **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.FedYogi(p, lr=lr, betas=betas, tau=tau, **opt), **kwargs)
 
@@ -518,7 +519,8 @@ class FedAdagrad(FusedStrategy):
     """FedAdagrad (:class:`fedopt_kernels.server.FedAdagrad`; the class's defaults and
     their sources: ``lr`` 0.1, ``beta1 = momentum`` 0, ``tau`` 1e-3)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 0.1, momentum: float = 0.0, tau: float = 1e-3, **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["fedadagrad"]["lr"],
+                 momentum: float = D.SERVER["fedadagrad"]["momentum"], tau: float = D.ADAPTIVE["tau"], **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.FedAdagrad(p, lr=lr, momentum=momentum, tau=tau, **opt), **kwargs)
 
@@ -527,8 +529,8 @@ class FedExP(FusedStrategy):
     """FedExP's extrapolated server step (:class:`fedopt_kernels.server.FedExP`); clients
     averaged uniformly by default (Jhunjhunwala et al. 2023, Algorithm 1)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 1.0, eps: float = 1e-3, scale_eps_by_clients: bool = False,
-                 **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["fedexp"]["lr"], eps: float = D.FEDEXP_EPS,
+                 scale_eps_by_clients: bool = False, **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.FedExP(p, lr=lr, eps=eps, scale_eps_by_clients=scale_eps_by_clients,
                                                    **opt), **kwargs)
@@ -539,8 +541,8 @@ class ASNES(FusedStrategy):
     ``lr`` 1 ([ASNES] eq. 3-4c: the step is ``eta_t = r``), ``momentum`` 0.9
     (section 5.1), clients averaged uniformly by default (eq. 2)."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 1.0, momentum: float = 0.9, smoothing: float = 0.0,
-                 **kwargs):
+    def __init__(self, model: nn.Module, *, lr: float = D.SERVER["asnes"]["lr"],
+                 momentum: float = D.SERVER["asnes"]["momentum"], smoothing: float = D.ASNES_SMOOTHING, **kwargs):
         opt = _common(kwargs)
         super().__init__(model, lambda p: S.ASNES(p, lr=lr, momentum=momentum, smoothing=smoothing, **opt),
                          **kwargs)
@@ -556,8 +558,9 @@ class FedLAW(FusedStrategy):
     are :class:`fedopt_kernels.server.FedLAW`'s, then Flower ``FedAvg``'s.
     """
 
-    def __init__(self, model: nn.Module, proxy_loader, loss_fn: Callable, *, learn: str = "both",
-                 server_epochs: int = 20, lr: float = 0.01, betas: Tuple[float, float] = (0.5, 0.999),
+    def __init__(self, model: nn.Module, proxy_loader, loss_fn: Callable, *, learn: str = D.FEDLAW["learn"],
+                 server_epochs: int = D.FEDLAW["server_epochs"], lr: float = D.FEDLAW["lr"],
+                 betas: Tuple[float, float] = D.FEDLAW["betas"],
                  swa: bool = False, swa_start: int = 5, swa_lr: float = 0.05,
                  lr_step: Optional[Tuple[int, float]] = (20, 0.5), train_mode: bool = True,
                  backend: Optional[str] = None, **kwargs):

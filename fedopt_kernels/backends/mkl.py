@@ -15,8 +15,9 @@ it once, when fedopt_kernels is imported (:func:`enable_strict`, called by
 (``mkl_serv_cbwr_set``, which ``mkl_cbwr_set`` wraps), unless
 
 * the user set ``MKL_CBWR`` -- their choice is left as it is;
-* ``FEDOPT_MKL_STRICT=0`` -- opt out (strict mode cost 0-2% of a simulation round
-  here, see docs/determinism.md);
+* ``FEDOPT_MKL_STRICT=0`` -- opt out (strict against default, per real-run round on
+  an AMD EPYC: MLP 0.97-1.06, CNN 1.00-1.01 -- within this shared machine's noise;
+  docs/determinism.md);
 * torch has no MKL (``torch.backends.mkl.is_available()`` is False: then torch's BLAS,
   OpenBLAS on aarch64 for instance, runs as it runs and nothing here changes it);
 * MKL already ran a computation in this process (torch used before fedopt_kernels was

@@ -10,7 +10,8 @@ Two libraries pick code by instruction set, once per process, from the environme
   ``mkl_cbwr_get_auto_branch`` says AUTO).
 
 So a developer on an AVX-512 Intel machine runs every path; on AMD the MKL paths are
-skipped, each with its name and why, and the ATen paths run.  ``run_under(path,
+skipped, each with its name and why, and the ATen paths run -- but the process's own
+ATen path, which the tests cover in-process (skipped, saying so: no second run of it).  ``run_under(path,
 nodeids)`` runs the tests in a fresh ``pytest`` (MKL and ATen choose at their first
 call, so only a new process can change them) and returns the outcome counts.
 """
@@ -23,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import _cpu_isa
 
@@ -43,6 +45,9 @@ def why_not(path: str):
     reason = _cpu_isa.why_not(PATHS[path][1])
     if reason is not None:
         return f"{path}: {reason}"
+    native = torch.backends.cpu.get_cpu_capability()
+    if path.startswith("aten-") and PATHS[path][1].upper() == native and "ATEN_CPU_CAPABILITY" not in os.environ:
+        return f"{path}: this process's own path ({native}), where the tests run in-process"
     if path.startswith("mkl-"):
         from fedopt_kernels.backends import mkl
 

@@ -10,6 +10,9 @@ change what the suite tests:
   would hide the compiled ones).
 * ``FEDOPT_BACKEND`` is cleared: it would route every default-backend case to one
   backend.  Tests of the variable set it themselves (monkeypatch).
+* ``MKL_CBWR`` and ``FEDOPT_MKL_STRICT`` are cleared before fedopt_kernels sets MKL's
+  strict mode (backends/mkl.py): the suite tests the library's own setting; the tests
+  of the variables set them in their subprocesses.
 """
 
 import importlib
@@ -22,6 +25,8 @@ import torch
 
 os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 os.environ.pop("FEDOPT_BACKEND", None)
+os.environ.pop("MKL_CBWR", None)
+os.environ.pop("FEDOPT_MKL_STRICT", None)
 
 from fedopt_kernels import backends  # noqa: E402
 

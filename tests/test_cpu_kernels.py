@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _contract import assert_bitwise, clone
-from _cpu_isa import results_per_isa, x86_only
+from _cpu_isa import assert_level_agrees_with_default
 from fedopt_kernels import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -73,14 +73,11 @@ def test_results_independent_of_thread_count(dtype, threads):
         assert_bitwise(results[0], other)
 
 
-@x86_only
-def test_results_independent_of_instruction_set():
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_results_independent_of_instruction_set(level):
     """The DEFAULT (SSE2), AVX2 and AVX-512 builds of the kernels give the same bits:
     the same 32-lane reduction layout and no FMA in any of them."""
-    outputs = results_per_isa("test_cpu_kernels", "_all_results")
-    levels = list(outputs)
-    for level in levels[1:]:
-        assert outputs[level] == outputs[levels[0]], f"{level} differs from {levels[0]}"
+    assert_level_agrees_with_default("test_cpu_kernels", "_all_results", level)
 
 
 # --------------------------------------------------------------------------------------

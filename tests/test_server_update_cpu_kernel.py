@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _contract import assert_bitwise
-from _cpu_isa import results_per_isa, x86_only
+from _cpu_isa import assert_level_agrees_with_default
 from python_ref.fednar import compute_dtype as acc_of  # the oracle's accumulation dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -100,14 +100,11 @@ def test_independent_of_thread_count(dtype, threads):
     assert_bitwise(one, _all_results(dtype))
 
 
-@x86_only
-def test_independent_of_instruction_set():
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_independent_of_instruction_set(level):
     """The DEFAULT (SSE2), AVX2 and AVX-512 builds give the same bits: no FMA in any,
     IEEE sqrt and division in all, and the same selects for Yogi's sign."""
-    outputs = results_per_isa("test_server_update_cpu_kernel", "_all_results")
-    levels = list(outputs)
-    for level in levels[1:]:
-        assert outputs[level] == outputs[levels[0]], f"{level} differs from {levels[0]}"
+    assert_level_agrees_with_default("test_server_update_cpu_kernel", "_all_results", level)
 
 
 # --------------------------------------------------------------------------------------

@@ -18,10 +18,14 @@
 // torch's CPU build links in and exports), run single-threaded (MKL's
 // MKL_Set_Num_Threads_Local), the clients spread over torch's threads.  So a client's
 // bits depend on its own shape and data alone -- never on which clients share the
-// call, how many there are, how many threads run or where its operands lie (skinny
-// products run on aligned copies: canonical_gemm): the batched engine promises that
-// grouping never changes a client's arithmetic.  (MKL's grouped GEMM,
-// cblas_sgemm_batch, was slower here -- 782 against 647 us for the 8 products of an
+// call, how many there are, how many threads run or where its operands lie: the
+// batched engine promises that grouping never changes a client's arithmetic.  Where its
+// operands lie is MKL's business twice over: fedopt_kernels sets MKL's strict
+// reproducibility mode at import (fedopt_kernels/backends/mkl.py; without it MKL's
+// kernels on Intel's AVX2/AVX-512 paths and on AMD peel to alignment), and skinny
+// products also run on aligned, row-major copies (canonical_gemm), because strict mode
+// does not make a skinny product's bits independent of its operands' storage order.
+// (MKL's grouped GEMM, cblas_sgemm_batch, was slower here -- 782 against 647 us for the 8 products of an
 // MLP step of 20 digits clients, 2 threads -- and splits the work of unequal groups
 // among its threads, so a client's bits there follow its neighbours.)
 // With another BLAS (OpenBLAS on some platforms) there is no per-thread count to set:
@@ -112,13 +116,17 @@ void gemm_row_major(const BlasOperand& A, const BlasOperand& B, const T* a, cons
 // MKL's kernels for skinny products -- fewer than 4 rows or 12 columns of the result,
 // measured for m in 1..17, n in 1..200 and k in 3..256 on AVX-512 (AMD EPYC), where every
 // such product with k >= 9 was affected and no wider one was -- give bits that
-// depend on where the operands and the result lie in memory: they vectorise along the
-// contraction and peel to alignment.  A client's rows of the engine's buffers lie at
-// offsets that change with its place in a group (row stride N, not a multiple of 16),
-// so there a client's bits would follow its neighbours.  Such products run on
-// canonical copies instead: each operand row-major in a 64-byte aligned scratch with
-// leading dimensions rounded up to 16 elements, the result likewise, then copied out.
-// They are small (one side under 4 or 12), so the copies are too.
+// depend on where the operands and the result lie in memory when MKL's strict mode is
+// off: they vectorise along the contraction and peel to alignment.  A client's rows of
+// the engine's buffers lie at offsets that change with its place in a group (row stride
+// N, not a multiple of 16), so there a client's bits would follow its neighbours.  Such
+// products run on canonical copies instead: each operand row-major in a 64-byte aligned
+// scratch with leading dimensions rounded up to 16 elements, the result likewise, then
+// copied out.  They are small (one side under 4 or 12), so the copies are too.
+// Strict mode alone fixes the alignment (measured on the AMD EPYC: one bit pattern over
+// 16 offsets for 512 of 512 shapes) but not the storage order: 132 of the 176 skinny
+// shapes of that sweep (none of the 80 wider ones) give other bits with an operand
+// transposed.  The copies give both, with strict mode or without it.
 inline bool skinny(const Dims& d) { return d.m < 4 || d.n < 12; }
 
 inline int64_t padded_ld(int64_t n) { return (n + 15) / 16 * 16; }

@@ -76,7 +76,11 @@ from typing import Optional
 
 import torch
 
+from . import mkl as _mkl
 from ._extensions import load as _load_extension
+
+# MKL's strict reproducibility mode, before any product runs (fixed at MKL's first call)
+_mkl.enable_strict()
 
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 _DEFAULT_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("cuda", "triton", "reference")}

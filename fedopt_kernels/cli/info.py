@@ -110,6 +110,7 @@ def environment() -> dict:
         "gpus": gpu_list,
         "cuda_driver": cuda_driver() if cuda else None,
         "cpu_threads": torch.get_num_threads(),
+        "mkl_cnr": backends.mkl.status(),
         "triton_interpret": backends.triton_interpret_mode(),
         "extensions": {name: {"built": backends.extension_error(name) is None,
                               "error": backends.extension_error(name)} for name in ("cpu", "cuda")},
@@ -182,6 +183,19 @@ def driver_text(driver: dict) -> str:
     return f"{driver['version'] or 'unknown'} (supports CUDA {driver['cuda'] or 'unknown'})"
 
 
+def mkl_text(st: dict) -> str:
+    """MKL's CNR mode as ``fedopt info`` prints it: the mode, who set it, why not strict."""
+    if st["mode"] is None:
+        return f"no MKL ({st['error']})"
+    text = f"MKL_CBWR {st['mode']}"
+    if st["set_by"]:
+        text += f", by {st['set_by']}"
+    if st["error"]:
+        text += f" -- {st['error']}"
+    vendor = {True: "Intel", False: "non-Intel", None: "unknown"}[st["intel_cpu"]]
+    return text + f" (MKL's branch for this {vendor} CPU: {st['auto_branch']})"
+
+
 def extensions_text(extensions: dict) -> str:
     return ", ".join(f"{name}: built" if e["built"] else f"{name}: not built ({e['error']})"
                      for name, e in extensions.items())
@@ -213,6 +227,7 @@ def run_info(args) -> int:
         t.add_row("CUDA driver", driver_text(info["cuda_driver"]))
     t.add_row("extensions", extensions_text(info["extensions"]))
     t.add_row("CPU threads", str(info["cpu_threads"]))
+    t.add_row("MKL reproducibility", escape(mkl_text(info["mkl_cnr"])))
     t.add_row("TRITON_INTERPRET", "1 (Triton kernels run on CPU tensors)" if info["triton_interpret"] else "0")
     t.add_row("default backend", f"cpu tensors: {info['default_backend']['cpu']}, "
                                  f"cuda tensors: {info['default_backend']['cuda']}")

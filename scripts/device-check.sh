@@ -93,8 +93,8 @@ FAILED=0
 SKIPPED=0
 OUT_OF_TIME=0
 
-# What torch sees (also decides which steps can run).
-PROBE="$("$PY" - <<'EOF' 2>/dev/null
+# What torch sees (also decides which steps can run); a driver that hangs costs 120 s.
+PROBE="$(timeout --kill-after=5 120 "$PY" - <<'EOF' 2>/dev/null
 import platform, torch
 try:
     import triton
@@ -108,7 +108,7 @@ print(int(cuda), cap, f"{name}; torch {torch.__version__}, triton {tv}, python {
 EOF
 )"
 if [ -z "$PROBE" ]; then
-    echo "device-check: $PY cannot import torch" >&2
+    echo "device-check: $PY cannot import torch (or timed out asking it for the GPU)" >&2
     exit 2
 fi
 HAS_CUDA="${PROBE%%|*}"

@@ -3,12 +3,13 @@
 #                 point, co-clipping vs gradient clipping at a too-large weight decay
 #   make test   - set up, then run the whole test suite (what CI runs)
 #   make test-fast - the development tier: the suite without the tests marked slow
+#   make docs  - the documentation site (mkdocs.yml, docs/) into site/, warnings as errors
 #   make device-check - on a bare, offline GPU machine whose python3 has torch: no venv, no
 #                 download; builds in place for this GPU, then selftest, GPU tests,
 #                 compute-sanitizer and benchmarks within 8 minutes, into DEVICE_CHECK_OUT
 #                 (default device-check-<date>/; summary.txt first).  Without a GPU: a dry run
 #   make gpu-check - the same on a developer's GPU machine, set up as `make setup` does, with
-#                 every sanitizer tool, the README's GPU snippets and full-length benchmarks
+#                 every sanitizer tool, the docs' GPU snippets and full-length benchmarks
 #                 (GPU_CHECK_OUT, default gpu-check-<date>/)
 # Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
 # extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
@@ -33,6 +34,7 @@ $(VENV)/bin/python:
 $(STAMP): $(VENV)/bin/python $(SOURCES)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "setuptools>=64" wheel ninja
 	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --no-build-isolation --quiet -e ".[test]"
+	$(PY) -m pip install --quiet "fedopt_kernels[docs]"   # the docs extra of the package just installed (no rebuild)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -45,6 +47,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
+
+.PHONY: docs
+docs: setup
+	$(PY) -m pip install --quiet "fedopt_kernels[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 bench: setup
 	$(VENV)/bin/fedopt bench

@@ -32,7 +32,7 @@
 # Environment:
 #   PYTHON                 the interpreter (default python3)
 #   DEVICE_CHECK_PROFILE   lease (default): the steps above within DEVICE_CHECK_BUDGET;
-#                          full (make gpu-check): also nvidia-smi -q, the README's GPU
+#                          full (make gpu-check): also nvidia-smi -q, the docs' GPU
 #                          snippets, racecheck and initcheck, full-length benchmarks,
 #                          and no deadline
 #   DEVICE_CHECK_BUDGET    seconds for the whole script (default 470 for lease)

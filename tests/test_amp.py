@@ -41,7 +41,7 @@ def test_declares_amp_support():
 @pytest.mark.parametrize("mode", ["co", "grad"])
 def test_gradscaler_step_equals_unscaled_oracle_step(backend, mode, unscale_first):
     """Five GradScaler steps against the fp64 oracle on the same gradients unscaled by
-    hand; calling ``scaler.unscale_(opt)`` first (allowed, README) gives the same step."""
+    hand; calling ``scaler.unscale_(opt)`` first (allowed, docs/compile.md) gives the same step."""
     name, device = backend
     model, x, y = model_and_data(device)
     opt = FedNAR(model.parameters(), mode=mode, backend=name, **HYPER)

@@ -1,4 +1,5 @@
-"""Issue 33, item 5: claims of the README and the docstrings, checked against the code.
+"""Issue 33, item 5: claims of the README, the docs/ pages and the docstrings, checked
+against the code.
 
 Each test names the sentence it checks; each failed against the sentence as it stood
 (or against the code, where the code was changed to match).
@@ -42,8 +43,8 @@ def _compile_count(lrs, tensor_lr: bool) -> int:
 
 
 def test_a_changing_float_lr_recompiles_for_every_value_a_tensor_lr_never():
-    """README, "torch.compile and CUDA graphs": "A Python-float lr that changes between
-    compiled steps recompiles for every new value ... Hold a changing lr in a 0-d
+    """docs/compile.md (from the README), "torch.compile and CUDA graphs": "A Python-float
+    lr that changes between compiled steps recompiles for every new value ... Hold a changing lr in a 0-d
     tensor: one compile for every value" (it said: "recompiles once with the float as
     a symbol")."""
     lrs = [0.1, 0.0998, 0.0996, 0.0994, 0.0992]

@@ -1,8 +1,9 @@
 """Issue 33, item 5: how closely the batched and the sequential engine agree, as measured.
 
-The README's bound, asserted here: from the SAME state (the sequential run's
-checkpoint loaded into the batched simulator before every round) one round of the two
-engines gives global models within ``1e-3 * max|x|`` of each other, for every algorithm
+The bound of docs/simulator.md ("Batched against sequential"), asserted here: from the
+SAME state (the sequential run's checkpoint loaded into the batched simulator before
+every round) one round of the two engines gives global models within ``1e-3 * max|x|``
+of each other, for every algorithm
 and both models -- and most rounds agree to fp32 rounding (``<= 1e-6 * max|x|``).
 
 Why per round and not over a run: the two engines round differently (batched products
@@ -12,7 +13,7 @@ or max-pool tie, ASNES's gain ratio, whose variance estimate is a difference of 
 nearly equal sums -- into a larger one (measured at the defaults, one round from a
 common state: up to 1.1e-4 * max|x| for the CNN under fedavg, 2.1e-4 for ASNES's MLP;
 1 ulp in the other rounds).  Left to run, the two trajectories then drift apart as two
-runs of one engine do from a one-ulp perturbation (the README's table): the honest
+runs of one engine do from a one-ulp perturbation (the table of docs/simulator.md): the honest
 bound is the per-round one.  The margin (1e-3, 5x the worst measured) leaves room for
 other machines' GEMM code paths.
 """

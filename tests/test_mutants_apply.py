@@ -1,7 +1,7 @@
 """tools/mutants.py stays in step with the sources: every mutant still applies (its
 snippet occurs exactly once), ids are unique, and every kind of bug the mutation check
-promises is covered.  (Running the mutants takes minutes per C++ rebuild: see the
-README's Development section.)"""
+promises is covered.  (Running the mutants takes minutes per C++ rebuild: see
+docs/development.md.)"""
 
 from __future__ import annotations
 

@@ -255,7 +255,7 @@ def test_compiled_step_with_a_changing_float_lr_equals_eager_and_still_checks_it
 
 
 def test_scheduler_with_a_tensor_lr_under_compile_as_the_readme_shows():
-    """The README's pattern: a tensor lr that FedDecay fills in place, the scheduler
+    """The pattern of docs/compile.md: a tensor lr that FedDecay fills in place, the scheduler
     stepped outside a compiled (not fullgraph) step; two compilations in all, and the
     same parameters as eager FedNAR with the hand-computed lrs 0.1 * 0.5 ** (t % 4)."""
     from torch._dynamo.testing import CompileCounter

@@ -276,7 +276,7 @@ def test_table_uploaded_on_one_stream_is_safe_on_another():
 @needs_compiled_triton
 @pytest.mark.parametrize("op", ["nar_step_", "server_update_", "aggregate_list"])
 def test_list_forms_capture_after_warm_up_on_a_side_stream(op):
-    """README recipe: warm up on a side stream, capture (torch.cuda.graph uses its own
+    """docs/compile.md recipe: warm up on a side stream, capture (torch.cuda.graph uses its own
     stream), replay with new tensor lr values == eager."""
     _need_compiled()
     torch.manual_seed(4)

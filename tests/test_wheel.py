@@ -182,7 +182,7 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     # The CPU extension only (the CUDA one is checked by the GPU suite); MAX_JOBS as the
     # Makefile's default; -g0 after Python's -g: no debug info, a third less compile time
     # (this test checks the packaging).  --no-isolation: compile against THIS torch, as
-    # the README says.
+    # docs/install.md says.
     build_env = clean_env(FEDOPT_BUILD_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"),
                           CFLAGS=(os.environ.get("CFLAGS", "") + " -g0").strip())
     run([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, src], cwd=src, env=build_env,

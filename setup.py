@@ -37,7 +37,7 @@ import re
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO = os.path.join("fedopt_kernels", "_build_info.py")
@@ -271,4 +271,11 @@ def cmdclass():
     return {"build_ext": BuildExtensionRecordingTorch}
 
 
-setup(ext_modules=extensions(), cmdclass=cmdclass(), install_requires=requirements())
+# python_ref, the oracle, stays at the repository's top level; a wheel installs its files
+# as fedopt_kernels._python_ref (the reference backend runs them: backends/oracle.py), so
+# that no top-level module of that generic name is installed.
+PACKAGES = find_packages(include=["fedopt_kernels", "fedopt_kernels.*"]) + ["fedopt_kernels._python_ref"]
+PACKAGE_DIR = {"fedopt_kernels._python_ref": "python_ref"}
+
+setup(ext_modules=extensions(), cmdclass=cmdclass(), install_requires=requirements(), packages=PACKAGES,
+      package_dir=PACKAGE_DIR)

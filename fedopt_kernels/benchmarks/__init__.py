@@ -1,0 +1,1 @@
+"""The kernel and simulation benchmarks (``fedopt bench``: :mod:`.suite`)."""

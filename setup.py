@@ -43,11 +43,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO = os.path.join("fedopt_kernels", "_build_info.py")
 # The runtime dependencies (pyproject.toml declares them dynamic: torch's pin is only
 # known here, at build time).
+# Only what the kernel core needs: the simulator, its plots and the benchmarks come with
+# the sim extra (pyproject.toml's [project.optional-dependencies]; fedopt_kernels/extras.py).
 REQUIREMENTS = [
     "numpy>=1.24",
-    "scikit-learn>=1.3",  # the digits dataset shipped inside the package
-    "matplotlib>=3.7",    # plots of the simulator
-    "rich>=13",           # progress bars and tables of the command line
 ]
 TORCH_ANY = "torch>=2.11"  # the oldest release built and tested (make test's torch-2.11 tier)
 

@@ -10,11 +10,12 @@
   C++/CUDA source and header and python_ref, and a wheel, built FROM that sdist, holding
   the compiled CPU extension, the build record, every Python package -- python_ref's
   files as ``fedopt_kernels/_python_ref`` (the reference backend runs them), no
-  top-level ``python_ref`` -- and ``torch==<the release built against>``.  Installed
-  into a fresh venv that sees torch but not the editable install, and run from another
-  directory: it imports from the venv, finds its extension and passes ``fedopt
-  selftest --device cpu``; with its record edited to another torch, ``fedopt info``
-  says so.
+  top-level ``python_ref`` -- and requiring ``torch==<the release built against>`` and
+  numpy only (the rest is the ``sim`` extra).  Installed into a fresh venv that sees
+  torch but not the editable install nor the sim extra (a lean install), and run from
+  another directory: it imports from the venv, finds its extension and passes ``fedopt
+  selftest --device cpu``; the simulator says what to install; with its record edited
+  to another torch, ``fedopt info`` says so.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from fedopt_kernels.backends import _extensions
 REPO = Path(__file__).resolve().parents[1]
 RELEASE = torch.__version__.split("+")[0]
 VERSION = "0.1.0"
+SIM_MODULES = ("sklearn", "matplotlib", "rich")  # what the sim extra installs
 
 
 def zf_read(wheel: Path, name: str) -> bytes:
@@ -237,7 +239,10 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     assert any(n.startswith("fedopt_kernels/_C.") and n.endswith((".so", ".pyd")) for n in in_wheel)
     assert not any(n.startswith("fedopt_kernels/_C_cuda.") for n in in_wheel)  # FEDOPT_BUILD_CUDA=0
     assert f"TORCH_VERSION = {torch.__version__!r}" in record and "CUDA_EXTENSION = False" in record
-    assert f"Requires-Dist: torch=={RELEASE}" in metadata.splitlines()
+    requires = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
+    assert [r for r in requires if "extra ==" not in r] == [f"torch=={RELEASE}", "numpy>=1.24"]  # the lean core
+    assert {'scikit-learn>=1.3; extra == "sim"', 'matplotlib>=3.7; extra == "sim"', 'rich>=13; extra == "sim"'} \
+        <= set(requires)
 
     # A fresh venv that sees this torch (and numpy, ...) as a plain path: the .pth files of
     # that site-packages -- the editable install's finder among them -- are not run.
@@ -249,6 +254,8 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     here = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                           str(Path(torch.__file__).resolve().parents[1])])
     (Path(site) / "_deps_of_the_test.pth").write_text("".join(p + "\n" for p in here))
+    # ... but not the sim extra's modules, which that site-packages holds too: a lean install.
+    (Path(site) / "_no_sim_extra.pth").write_text(f"import sys; sys.modules.update(dict.fromkeys({SIM_MODULES!r}))\n")
     env = clean_env()
     pip = [sys.executable, "-m", "pip", "--python", vpy, "--disable-pip-version-check"]
     # The pin resolves against the torch installed there (dry run: pip touches nothing) ...
@@ -265,6 +272,8 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     assert Path(where[1]).parent.name == "_python_ref"
     proc = run([vpy, "-c", "import python_ref"], cwd=work, env=env, timeout=120, ok=False)
     assert proc.returncode == 1 and "No module named 'python_ref'" in proc.stderr
+    proc = run([vpy, "-c", "import fedopt_kernels.fl"], cwd=work, env=env, timeout=120, ok=False)
+    assert proc.returncode == 1 and "pip install fedopt_kernels[sim]" in proc.stderr, proc.stderr[-2000:]
 
     fedopt = venv / "bin" / "fedopt"
     info = json.loads(run([fedopt, "info", "--json"], cwd=work, env=env, timeout=120).stdout)

@@ -13,7 +13,8 @@
 #                 (GPU_CHECK_OUT, default gpu-check-<date>/)
 # Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
 # extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
-# fedopt_kernels in place.  --no-build-isolation: an isolated build would fetch a second
+# fedopt_kernels in place with the sim extra (the simulator, its plots, the benchmarks:
+# `pip install fedopt_kernels` alone needs torch and numpy) and the test one.  --no-build-isolation: an isolated build would fetch a second
 # torch to compile against.
 
 PYTHON ?= python3
@@ -33,7 +34,7 @@ $(VENV)/bin/python:
 
 $(STAMP): $(VENV)/bin/python $(SOURCES)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "setuptools>=64" wheel ninja
-	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --no-build-isolation --quiet -e ".[test]"
+	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --no-build-isolation --quiet -e ".[sim,test]"
 	$(PY) -m pip install --quiet "fedopt_kernels[docs]"   # the docs extra of the package just installed (no rebuild)
 	touch $(STAMP)
 

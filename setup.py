@@ -37,17 +37,16 @@ import re
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BUILD_INFO = os.path.join("fedopt_kernels", "_build_info.py")
 # The runtime dependencies (pyproject.toml declares them dynamic: torch's pin is only
 # known here, at build time).
+# Only what the kernel core needs: the simulator, its plots and the benchmarks come with
+# the sim extra (pyproject.toml's [project.optional-dependencies]; fedopt_kernels/extras.py).
 REQUIREMENTS = [
     "numpy>=1.24",
-    "scikit-learn>=1.3",  # the digits dataset shipped inside the package
-    "matplotlib>=3.7",    # plots of the simulator
-    "rich>=13",           # progress bars and tables of the command line
 ]
 TORCH_ANY = "torch>=2.11"  # the oldest release built and tested (make test's torch-2.11 tier)
 
@@ -271,4 +270,11 @@ def cmdclass():
     return {"build_ext": BuildExtensionRecordingTorch}
 
 
-setup(ext_modules=extensions(), cmdclass=cmdclass(), install_requires=requirements())
+# python_ref, the oracle, stays at the repository's top level; a wheel installs its files
+# as fedopt_kernels._python_ref (the reference backend runs them: backends/oracle.py), so
+# that no top-level module of that generic name is installed.
+PACKAGES = find_packages(include=["fedopt_kernels", "fedopt_kernels.*"]) + ["fedopt_kernels._python_ref"]
+PACKAGE_DIR = {"fedopt_kernels._python_ref": "python_ref"}
+
+setup(ext_modules=extensions(), cmdclass=cmdclass(), install_requires=requirements(), packages=PACKAGES,
+      package_dir=PACKAGE_DIR)

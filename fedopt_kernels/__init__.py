@@ -7,8 +7,8 @@
   FedAdagrad, FedExP, ASNES) and FedLAW.
 * :mod:`fedopt_kernels.lr_scheduler` -- ``FedDecay`` and FedNAR's ``RoundAnnealing``.
 * :mod:`fedopt_kernels.utils` -- model <-> flat vector helpers.
-* :mod:`fedopt_kernels.fl` -- the simulator (imported on demand), and the ``fedopt``
-  command line.
+* :mod:`fedopt_kernels.fl` -- the simulator (imported on demand; the ``sim`` extra:
+  :mod:`fedopt_kernels.extras`), and the ``fedopt`` command line.
 """
 
 __version__ = "0.1.0"

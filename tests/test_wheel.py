@@ -7,13 +7,15 @@
   and what to install, and a RuntimeWarning says it once.  Faked here by replacing the
   record.
 * Slow: ``python -m build`` on a copy of the checkout gives an sdist holding every
-  C++/CUDA source and header, and a wheel, built FROM that sdist, holding the compiled
-  CPU extension, the build record, every Python package (``python_ref`` included: it is
-  the reference backend) and ``torch==<the release built against>``.  Installed into a
-  fresh venv that sees torch but not the editable install, and run from another
-  directory: it imports from the venv, finds its extension and passes ``fedopt
-  selftest --device cpu``; with its record edited to another torch, ``fedopt info``
-  says so.
+  C++/CUDA source and header and python_ref, and a wheel, built FROM that sdist, holding
+  the compiled CPU extension, the build record, every Python package -- python_ref's
+  files as ``fedopt_kernels/_python_ref`` (the reference backend runs them), no
+  top-level ``python_ref`` -- and requiring ``torch==<the release built against>`` and
+  numpy only (the rest is the ``sim`` extra).  Installed into a fresh venv that sees
+  torch but not the editable install nor the sim extra (a lean install), and run from
+  another directory: it imports from the venv, finds its extension and passes ``fedopt
+  selftest --device cpu``; the simulator says what to install; with its record edited
+  to another torch, ``fedopt info`` says so.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ from fedopt_kernels.backends import _extensions
 
 REPO = Path(__file__).resolve().parents[1]
 RELEASE = torch.__version__.split("+")[0]
+VERSION = "0.1.0"
+SIM_MODULES = ("sklearn", "matplotlib", "rich")  # what the sim extra installs
+
+
+def zf_read(wheel: Path, name: str) -> bytes:
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(name)
 
 
 def fake_build(version: str, cuda, *, abi=None, cuda_extension=True):
@@ -135,6 +144,18 @@ def test_an_extension_that_fails_to_import_is_warned_about(recorded, monkeypatch
         assert "undefined symbol" in _extensions.load("_C")
 
 
+def test_the_reference_backend_runs_the_checkouts_python_ref():
+    """In a checkout python_ref stays the top-level oracle, and the reference backend runs
+    those very modules (backends/oracle.py): an edit there -- a mutant -- is what it runs."""
+    import python_ref.fednar
+
+    from fedopt_kernels.backends import oracle, reference
+
+    assert oracle.FROM_CHECKOUT and oracle.fednar is python_ref.fednar
+    assert reference._nar is python_ref.fednar
+    assert "fedopt_kernels._python_ref" not in sys.modules
+
+
 # ---------------------------------------------------------------------------- the wheel
 
 _NOT_SOURCES = (".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "*.o", "results",
@@ -207,13 +228,21 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
         in_wheel = set(zf.namelist())
         metadata = zf.read(next(n for n in in_wheel if n.endswith(".dist-info/METADATA"))).decode()
         record = zf.read("fedopt_kernels/_build_info.py").decode()
-    py = {p.relative_to(REPO).as_posix() for d in ("fedopt_kernels", "python_ref") for p in (REPO / d).rglob("*.py")
+    py = {p.relative_to(REPO).as_posix() for p in (REPO / "fedopt_kernels").rglob("*.py")
           if "__pycache__" not in p.parts and p.name != "_build_info.py"}
+    py |= {"fedopt_kernels/_python_ref/" + p.name for p in (REPO / "python_ref").glob("*.py")}
     assert py <= in_wheel, sorted(py - in_wheel)
+    # python_ref is installed under the package, not as a top-level module of that name
+    assert {n.split("/")[0] for n in in_wheel} == {"fedopt_kernels", f"fedopt_kernels-{VERSION}.dist-info"}
+    for p in (REPO / "python_ref").glob("*.py"):
+        assert zf_read(wheel, "fedopt_kernels/_python_ref/" + p.name) == p.read_bytes()
     assert any(n.startswith("fedopt_kernels/_C.") and n.endswith((".so", ".pyd")) for n in in_wheel)
     assert not any(n.startswith("fedopt_kernels/_C_cuda.") for n in in_wheel)  # FEDOPT_BUILD_CUDA=0
     assert f"TORCH_VERSION = {torch.__version__!r}" in record and "CUDA_EXTENSION = False" in record
-    assert f"Requires-Dist: torch=={RELEASE}" in metadata.splitlines()
+    requires = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
+    assert [r for r in requires if "extra ==" not in r] == [f"torch=={RELEASE}", "numpy>=1.24"]  # the lean core
+    assert {'scikit-learn>=1.3; extra == "sim"', 'matplotlib>=3.7; extra == "sim"', 'rich>=13; extra == "sim"'} \
+        <= set(requires)
 
     # A fresh venv that sees this torch (and numpy, ...) as a plain path: the .pth files of
     # that site-packages -- the editable install's finder among them -- are not run.
@@ -225,6 +254,8 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     here = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                           str(Path(torch.__file__).resolve().parents[1])])
     (Path(site) / "_deps_of_the_test.pth").write_text("".join(p + "\n" for p in here))
+    # ... but not the sim extra's modules, which that site-packages holds too: a lean install.
+    (Path(site) / "_no_sim_extra.pth").write_text(f"import sys; sys.modules.update(dict.fromkeys({SIM_MODULES!r}))\n")
     env = clean_env()
     pip = [sys.executable, "-m", "pip", "--python", vpy, "--disable-pip-version-check"]
     # The pin resolves against the torch installed there (dry run: pip touches nothing) ...
@@ -232,11 +263,17 @@ def test_wheel_built_from_the_sdist_installs_elsewhere_and_passes_selftest(tmp_p
     # ... then the wheel goes into the venv alone (-I: pip leaves the other site-packages be).
     run(pip + ["install", "--no-index", "--no-deps", "-I", wheel], cwd=work, env=env, timeout=300)
 
-    where = json.loads(run([vpy, "-c", "import json, fedopt_kernels, python_ref, fedopt_kernels._build_info as b; "
-                                       "print(json.dumps([fedopt_kernels.__file__, python_ref.__file__, b.__file__]))"],
+    where = json.loads(run([vpy, "-c", "import json, fedopt_kernels, fedopt_kernels._build_info as b; "
+                                       "from fedopt_kernels.backends import oracle as o; "
+                                       "print(json.dumps([fedopt_kernels.__file__, o.fednar.__file__, b.__file__]))"],
                            cwd=work, env=env, timeout=120).stdout)
     for f in where:
         assert Path(f).resolve().is_relative_to(Path(site).resolve()), (f, site)
+    assert Path(where[1]).parent.name == "_python_ref"
+    proc = run([vpy, "-c", "import python_ref"], cwd=work, env=env, timeout=120, ok=False)
+    assert proc.returncode == 1 and "No module named 'python_ref'" in proc.stderr
+    proc = run([vpy, "-c", "import fedopt_kernels.fl"], cwd=work, env=env, timeout=120, ok=False)
+    assert proc.returncode == 1 and "pip install fedopt_kernels[sim]" in proc.stderr, proc.stderr[-2000:]
 
     fedopt = venv / "bin" / "fedopt"
     info = json.loads(run([fedopt, "info", "--json"], cwd=work, env=env, timeout=120).stdout)

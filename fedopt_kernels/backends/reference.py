@@ -1,4 +1,5 @@
-"""The ``reference`` backend: python_ref behind the backend contract (see __init__).
+"""The ``reference`` backend: python_ref behind the backend contract (see __init__;
+python_ref as this installation has it: :mod:`.oracle`).
 
 python_ref, the oracle, keeps the plain API -- a hyperparameter is a number or a
 tensor -- so this is the one backend that joins the contract's ``(value, tensor)``
@@ -8,11 +9,8 @@ from __future__ import annotations
 
 import torch
 
-import python_ref.aggregation as _agg
-import python_ref.fednar as _nar
-import python_ref.server_optimizers as _srv
-
 from .hyper import join
+from .oracle import aggregation as _agg, fednar as _nar, server_optimizers as _srv
 
 _MODE_NAMES = _nar.MODES  # index = the integer mode of the contract
 

@@ -1,7 +1,7 @@
 """Benchmark of the C++ CPU kernels against their floors: the memory traffic of the
 same operation done by ATen primitives on flat buffers of the same size.
 
-Run from the repository root (``python_ref`` is imported from the checkout):
+Run (python_ref's formulas come from :mod:`fedopt_kernels.backends.oracle`):
 
     python -m fedopt_kernels.benchmarks.cpu_kernels [--reps 15] [--only nar|agg] [--dtype bfloat16]
 
@@ -31,8 +31,8 @@ import argparse
 import torch
 
 import fedopt_kernels.backends.cpu  # noqa: F401  (loads the extension)
-import python_ref.fednar as ref_nar
 from fedopt_kernels import ops
+from fedopt_kernels.backends.oracle import fednar as ref_nar
 from fedopt_kernels.benchmarks.shapes import resnet18_shapes
 from fedopt_kernels.benchmarks.timing import interleaved
 

@@ -37,8 +37,8 @@ from typing import Optional
 
 import torch
 
-import python_ref.fednar as ref
 from .. import ops
+from ..backends.oracle import fednar as ref
 from .shapes import numel
 from .timing import defer_launch_columns, interleaved, ratio_rows
 

@@ -11,6 +11,10 @@ Subcommands:
 ``fedopt selftest``  every op on every backend of this device against python_ref and fp64
                      formulas, torch.compile and CUDA graphs; exit 1 on any mismatch.
 
+``simulate``, ``compare`` and ``bench`` come with the ``sim`` extra (``pip install
+fedopt_kernels[sim]``); without it they say so (exit status 1), and ``info`` and
+``selftest`` run as they are (plain-text tables where rich is not installed).
+
 Errors (unknown names, impossible settings, malformed config files, unusable output
 directories) print one line ``fedopt: error: ...`` and exit with status 2 (1 for a
 failure while running); Ctrl-C stops a run after writing the results so far (130).
@@ -18,33 +22,39 @@ failure while running); Ctrl-C stops a run after writing the results so far (130
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional, Sequence
 
+from .. import extras
 from ._errors import ArgumentParser, CLIError
 
 __all__ = ["main", "build_parser", "CLIError"]
 
+SIM_COMMANDS = ("simulate", "compare", "bench")  # they come with the sim extra
+
 
 def build_parser() -> ArgumentParser:
     from .. import __version__
-    from .simulate import add_compare_parser, add_simulate_parser
 
     parser = ArgumentParser(prog="fedopt", description="Fused federated optimizers: simulate, compare, benchmark.")
     parser.add_argument("--version", action="version", version=f"fedopt_kernels {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{simulate,compare,bench,info,selftest}")
-    add_simulate_parser(sub)
-    add_compare_parser(sub)
-
-    bench = sub.add_parser("bench", help="run the kernel benchmark suite and print its table",
-                           description="Run the kernel benchmark suite (fedopt_kernels.benchmarks.suite).")
-    try:
+    if extras.missing("sim"):
+        for name, what in zip(SIM_COMMANDS, ("run one federated simulation",
+                                             "run several algorithms on the same partition and clients",
+                                             "run the kernel benchmark suite and print its table")):
+            _needs_sim(sub, name, what)
+    else:
         from ..benchmarks import suite
+        from .simulate import add_compare_parser, add_simulate_parser
 
+        add_simulate_parser(sub)
+        add_compare_parser(sub)
+        bench = sub.add_parser("bench", help="run the kernel benchmark suite and print its table",
+                               description="Run the kernel benchmark suite (fedopt_kernels.benchmarks.suite).")
         suite.build_parser(bench)
-    except ImportError as exc:  # pragma: no cover - the suite ships with the package
-        bench.set_defaults(_bench_error=str(exc))
-    bench.set_defaults(func=_run_bench)
+        bench.set_defaults(func=_run_bench)
 
     info = sub.add_parser("info", help="versions, devices and kernel backends",
                           description="Print versions, which backends are built and available here, and why not.")
@@ -57,9 +67,22 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _needs_sim(sub, name: str, what: str) -> None:
+    """Subcommand ``name`` of the sim extra, which is not installed: listed by --help;
+    running it says what to install (:func:`_refuse_without_sim`)."""
+    sub.add_parser(name, help=f"{what} (needs fedopt_kernels[sim])")
+
+
+def _refuse_without_sim(argv: Sequence[str]) -> None:
+    """``fedopt simulate|compare|bench ...`` without the sim extra: what to install
+    (before parsing: their options are not known without it)."""
+    if argv and argv[0] in SIM_COMMANDS:
+        text = extras.message("sim", f"fedopt {argv[0]}")
+        if text is not None:
+            raise CLIError(text, code=1)
+
+
 def _run_bench(args) -> int:
-    if getattr(args, "_bench_error", None):
-        raise CLIError(f"the benchmark suite cannot be imported: {args._bench_error}", code=1)
     from ..benchmarks import suite
 
     return suite.run_from_args(args)
@@ -71,11 +94,22 @@ def _run_info(args) -> int:
     return run_info(args)
 
 
+def _interrupted_status(exc: KeyboardInterrupt) -> int:
+    """``128 + signum`` (130 for Ctrl-C): the simulator's ``exit_status``; without the
+    sim extra nothing but Ctrl-C stops a command."""
+    try:
+        from ..fl.interrupts import exit_status
+    except ImportError:
+        return 128 + int(signal.SIGINT)
+    return exit_status(exc)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``fedopt`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = build_parser()
+        _refuse_without_sim(argv)
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
             parser.print_help()
@@ -85,10 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"fedopt: error: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt as exc:
-        from ..fl.interrupts import exit_status
-
         print("fedopt: interrupted", file=sys.stderr)
-        return exit_status(exc)
+        return _interrupted_status(exc)
     except BrokenPipeError:  # e.g. `fedopt info | head`
         return 1
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback; FEDOPT_DEBUG=1 shows it

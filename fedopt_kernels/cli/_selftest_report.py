@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import List
 
+from ._tables import have_rich, plain, print_table
 from .info import driver_text, extensions_text
 
 BUG_REPORT_HEADER = "Please paste this into a bug report:"
@@ -59,31 +60,22 @@ def _cells(r: dict) -> list:
 
 
 def plain_table(results: List[dict]) -> str:
-    rows = [list(_COLUMNS)] + [_cells(r) for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return plain(_COLUMNS, [_cells(r) for r in results])
 
 
 def print_results(env: dict, results: List[dict], summary: str, stream=None) -> None:
     stream = stream or sys.stdout
     print("\n".join(env_lines(env)), file=stream)
     print(file=stream)
-    if stream.isatty():
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
+    if stream.isatty() and have_rich():
         colour = {"PASS": "green", "FAIL": "red", "SKIP": "yellow"}
-        t = Table(title="fedopt selftest")
-        for c in _COLUMNS:
-            t.add_column(c, no_wrap=c in ("op", "backend", "max abs err", "max rel err"))
+        rows = []
         for r in results:
-            cells = [escape(c) for c in _cells(r)]
-            cells[3] = f"[{colour[r['status']]}]{cells[3]}[/]"
-            t.add_row(*cells)
-        Console(file=stream).print(t)
+            cells = list(_cells(r))
+            cells[3] = (cells[3], colour[r["status"]])
+            rows.append(cells)
+        print_table("fedopt selftest", _COLUMNS, rows, no_wrap=("op", "backend", "max abs err", "max rel err"),
+                    stream=stream, use_rich=True)
     else:
         print(plain_table(results), file=stream)
     print(file=stream)

@@ -173,6 +173,10 @@ def collect() -> dict:
         elif not st["supported"]:
             row["error"] = st["summary"]
     integrations["ray"]["install"] = "pip install flwr[simulation]"
+    from ..extras import EXTRAS
+
+    for _, module in EXTRAS["sim"]:  # the simulator's, the command line's tables
+        integrations[module]["install"] = "pip install fedopt_kernels[sim]"
     info["integrations"] = integrations
     return info
 
@@ -202,9 +206,7 @@ def extensions_text(extensions: dict) -> str:
 
 
 def run_info(args) -> int:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
+    from ._tables import print_tables
 
     info = collect()
     if getattr(args, "json", False):
@@ -212,46 +214,41 @@ def run_info(args) -> int:
 
         print(json.dumps(info, indent=1))
         return 0
-    console = Console()
-    t = Table(title="fedopt_kernels", show_header=False)
-    t.add_column("what")
-    t.add_column("value")
-    t.add_row("fedopt_kernels", info["fedopt_kernels"])
-    t.add_row("python", f"{info['python']} ({info['platform']})")
-    t.add_row("torch", f"{info['torch']} (CUDA build: {info['torch_cuda'] or 'no'})")
-    t.add_row("triton", info["triton"] or f"not available ({info['triton_error']})")
     cuda = ", ".join(f"{g['name']} (sm_{g['capability'].replace('.', '')})" for g in info["gpus"]) \
         if info["cuda_available"] else "not available"
-    t.add_row("CUDA devices", cuda)
+    about = [
+        ["fedopt_kernels", info["fedopt_kernels"]],
+        ["python", f"{info['python']} ({info['platform']})"],
+        ["torch", f"{info['torch']} (CUDA build: {info['torch_cuda'] or 'no'})"],
+        ["triton", info["triton"] or f"not available ({info['triton_error']})"],
+        ["CUDA devices", cuda],
+    ]
     if info["cuda_driver"] is not None:
-        t.add_row("CUDA driver", driver_text(info["cuda_driver"]))
-    t.add_row("extensions", extensions_text(info["extensions"]))
-    t.add_row("CPU threads", str(info["cpu_threads"]))
-    t.add_row("MKL reproducibility", escape(mkl_text(info["mkl_cnr"])))
-    t.add_row("TRITON_INTERPRET", "1 (Triton kernels run on CPU tensors)" if info["triton_interpret"] else "0")
-    t.add_row("default backend", f"cpu tensors: {info['default_backend']['cpu']}, "
-                                 f"cuda tensors: {info['default_backend']['cuda']}")
-    console.print(t)
-    b = Table(title="kernel backends")
-    for col in ("backend", "device", "available", "why not"):
-        b.add_column(col)
-    for r in info["backends"]:
-        b.add_row(r["backend"], r["device"], "[green]yes[/]" if r["available"] else "[red]no[/]", r["reason"] or "")
-    console.print(b)
-    it = Table(title="optional integrations")
-    for col in ("module", "for", "status"):
-        it.add_column(col)
+        about.append(["CUDA driver", driver_text(info["cuda_driver"])])
+    about += [
+        ["extensions", extensions_text(info["extensions"])],
+        ["CPU threads", str(info["cpu_threads"])],
+        ["MKL reproducibility", mkl_text(info["mkl_cnr"])],
+        ["TRITON_INTERPRET", "1 (Triton kernels run on CPU tensors)" if info["triton_interpret"] else "0"],
+        ["default backend", f"cpu tensors: {info['default_backend']['cpu']}, "
+                            f"cuda tensors: {info['default_backend']['cuda']}"],
+    ]
+    kernel_backends = [[r["backend"], r["device"], ("yes", "green") if r["available"] else ("no", "red"),
+                        r["reason"] or ""] for r in info["backends"]]
+    optional = []
     for mod, r in info["integrations"].items():
         if r["version"] and not r["error"]:
-            status = f"[green]{r['version']}[/]"
+            status = (r["version"], "green")
         elif r["version"]:
-            status = f"[yellow]{escape(r['error'])}[/]"
+            status = (r["error"], "yellow")
         elif r.get("install"):
-            status = f"[yellow]not installed[/]: {escape(r['install'])}"
+            status = (f"not installed: {r['install']}", "yellow")
         elif r["error"] == "not installed":
-            status = "[yellow]not installed[/]"
+            status = ("not installed", "yellow")
         else:
-            status = f"[yellow]not importable[/] ({escape(r['error'])})"
-        it.add_row(mod, escape(r["for"]), status)
-    console.print(it)
+            status = (f"not importable ({r['error']})", "yellow")
+        optional.append([mod, r["for"], status])
+    print_tables([("fedopt_kernels", ("what", "value"), about, False),
+                  ("kernel backends", ("backend", "device", "available", "why not"), kernel_backends, True),
+                  ("optional integrations", ("module", "for", "status"), optional, True)])
     return 0

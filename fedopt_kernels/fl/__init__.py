@@ -17,18 +17,26 @@ of a round's clients as one vmapped computation, the default engine) and
 :mod:`~fedopt_kernels.fl.server_side` (server optimizers and FedLAW),
 :mod:`~fedopt_kernels.fl.simulation` (the round loop), :mod:`~fedopt_kernels.fl.results`
 (records, files, plots), :mod:`~fedopt_kernels.fl.seeds` (the seed of every random draw).
+
+It comes with the ``sim`` extra (``pip install fedopt_kernels[sim]``: scikit-learn for
+digits, matplotlib for the plots, rich for the command line's tables): without it,
+importing this package says so (:mod:`fedopt_kernels.extras`).
 """
 
-from .batched import BatchedTrainer, EngineFallbackWarning
-from .client import LocalConfig, LocalTrainer, ScaffoldState
-from .config import ALGORITHMS, ConfigError, SimulationConfig
-from .data import FederatedDataset, dataset_names, digits, load_dataset, register_dataset, synthetic
-from .models import MLP, SimpleCNN, build_model, model_names, register_model
-from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
-from .results import Results, plot_comparison
-from .seeds import batch_seed, derive_seed, init_seed
-from .server_side import SERVER_DEFAULTS, ServerSide
-from .simulation import Simulation, make_partition, proxy_split, sample_clients
+from ..extras import require
+
+require("sim", "fedopt_kernels.fl (the simulator)")
+
+from .batched import BatchedTrainer, EngineFallbackWarning  # noqa: E402
+from .client import LocalConfig, LocalTrainer, ScaffoldState  # noqa: E402
+from .config import ALGORITHMS, ConfigError, SimulationConfig  # noqa: E402
+from .data import FederatedDataset, dataset_names, digits, load_dataset, register_dataset, synthetic  # noqa: E402
+from .models import MLP, SimpleCNN, build_model, model_names, register_model  # noqa: E402
+from .partition import Partition, dirichlet_partition, iid_partition, natural_partition  # noqa: E402
+from .results import Results, plot_comparison  # noqa: E402
+from .seeds import batch_seed, derive_seed, init_seed  # noqa: E402
+from .server_side import SERVER_DEFAULTS, ServerSide  # noqa: E402
+from .simulation import Simulation, make_partition, proxy_split, sample_clients  # noqa: E402
 
 __all__ = [
     "Simulation", "SimulationConfig", "ConfigError", "ALGORITHMS", "Results", "plot_comparison",

@@ -1,9 +1,10 @@
 """``torch.library`` registration of the public ops, for ``torch.compile``.
 
 Eager calls go straight from the ops layer to a backend (no dispatcher round trip).
-Under ``torch.compile`` the ops layer calls these custom ops instead: Dynamo records
-each as one opaque node (no graph break), the fake kernels give it output shapes, and
-``mutates_args`` tells AOTAutograd which inputs are written in place.  Hyperparameters
+Under ``torch.compile`` the ops layer calls these custom ops instead (the choice is
+made in one place, :mod:`._dispatch`): Dynamo records each as one opaque node (no
+graph break), the fake kernels give it output shapes, and ``mutates_args`` tells
+AOTAutograd which inputs are written in place.  Hyperparameters
 that are tensors stay graph inputs, so a new lr does not recompile.
 
 Each op's schema is the backend contract (:mod:`fedopt_kernels.backends`) plus the

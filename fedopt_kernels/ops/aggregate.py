@@ -6,9 +6,8 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .. import backends
 from ..backends.hyper import split
-from . import _library, validation as V
+from . import _dispatch, validation as V
 from .client_pieces import ClientPieces
 
 Clients = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
@@ -41,7 +40,7 @@ def check_clients(clients: Clients, name: str = "clients"):
     A ``DTensor`` is refused by name: aggregation averages whole client vectors (the
     full, unsharded state), and the kernels would only see one rank's shard of it.
     :class:`ClientPieces` (validated when built) are returned as they are: the backend
-    calls (:func:`backend_aggregate`, :func:`backend_client_dots`) read them."""
+    calls (:mod:`._dispatch`) read them."""
     if isinstance(clients, ClientPieces):
         return clients, clients.num_clients, clients.numel, clients.dtype, clients.device
     if isinstance(clients, torch.Tensor):
@@ -128,22 +127,26 @@ def check_weight_values(weights: torch.Tensor, name: str = "weights", *, allow_a
     same check is one ``_assert_async`` node in the graph (a Python branch on the values
     would break the graph); it fails when the compiled graph runs, with the same
     statement of what was expected."""
-    if torch.compiler.is_compiling():
+
+    def in_graph():
         w = weights.detach()
         ok = torch.isfinite(w).all() & (w >= 0).all()
         if w.numel():
             ok = ok & (w > 0).any()
-        torch._assert_async(ok, f"{name} must be finite, >= 0 and not all zero")
-        return
-    w = weights.detach().cpu().double()
-    bad = ~torch.isfinite(w)
-    if bad.any():
-        raise ValueError(f"{name} must be finite, got {w[bad][0].item()} at index {int(bad.nonzero()[0])}")
-    neg = w < 0
-    if neg.any():
-        raise ValueError(f"{name} must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
-    if w.numel() and not allow_all_zero and not (w > 0).any():
-        raise ValueError(f"{name} must not all be zero")
+        return ok
+
+    def now():
+        w = weights.detach().cpu().double()
+        bad = ~torch.isfinite(w)
+        if bad.any():
+            raise ValueError(f"{name} must be finite, got {w[bad][0].item()} at index {int(bad.nonzero()[0])}")
+        neg = w < 0
+        if neg.any():
+            raise ValueError(f"{name} must be >= 0, got {w[neg][0].item()} at index {int(neg.nonzero()[0])}")
+        if w.numel() and not allow_all_zero and not (w > 0).any():
+            raise ValueError(f"{name} must not all be zero")
+
+    V.check_values(now, in_graph, f"{name} must be finite, >= 0 and not all zero")
 
 
 def check_gamma(gamma, device, dtype):
@@ -153,11 +156,9 @@ def check_gamma(gamma, device, dtype):
         if gamma.device != device:
             raise ValueError(f"gamma is on {gamma.device} but the clients are on {device}")
         if device.type == "cpu":  # read by value like CPU weights; on a device that would sync
-            if torch.compiler.is_compiling():  # a graph node, not a Python branch on the value
-                g = gamma.detach().reshape(())
-                torch._assert_async(torch.isfinite(g) & (g > 0), "gamma must be finite and satisfy gamma > 0.0")
-            else:
-                V.check_real(float(gamma.detach()), "gamma", low=0.0, low_open=True)
+            g = gamma.detach().reshape(())
+            V.check_values(lambda: V.check_real(float(g), "gamma", low=0.0, low_open=True),
+                           lambda: torch.isfinite(g) & (g > 0), "gamma must be finite and satisfy gamma > 0.0")
         return gamma.reshape(()).to(dtype)
     return V.check_real(gamma, "gamma", low=0.0, low_open=True)
 
@@ -265,9 +266,14 @@ def _byte_range(t: torch.Tensor) -> tuple:
 
 def _check_out_apart(out: torch.Tensor, rows) -> None:
     """``out`` may not share memory with a client: the second pass (exclusion, norm
-    bounds) re-reads every client after the first one wrote ``out``."""
-    if torch.compiler.is_compiling() or out.numel() == 0:
-        return  # fake tensors have no addresses; an empty out writes nothing
+    bounds) re-reads every client after the first one wrote ``out``.  Eager only:
+    fake tensors have no addresses."""
+    V.check_values(lambda: _out_apart(out, rows), None)
+
+
+def _out_apart(out: torch.Tensor, rows) -> None:
+    if out.numel() == 0:
+        return  # an empty out writes nothing
     lo, hi = _byte_range(out)
     tensors = rows.tensors() if isinstance(rows, ClientPieces) else [rows] if isinstance(rows, torch.Tensor) else rows
     for i, r in enumerate(tensors):
@@ -284,53 +290,16 @@ def aggregate_runner(backend: Optional[str], device: torch.device):
     ``run(rows, weights, gamma, out, skip) -> (client_sq_norms, sq_norm)`` (inputs
     already checked; ``gamma`` a number or a 0-d tensor, split here into the
     contract's pair): the backend itself in eager mode, its custom op under
-    ``torch.compile``.  Resolving it raises if the backend cannot run there, so a
-    multi-pass caller (the distributed aggregation) learns that before any pass.
+    ``torch.compile`` (:mod:`._dispatch`).  Resolving it raises if the backend cannot
+    run there, so a multi-pass caller (the distributed aggregation) learns that before
+    any pass.
 
     ``rows`` may be :class:`ClientPieces`: read in place by the backend's
     ``aggregate_pieces`` (the CPU backend), else its ``aggregate`` over the rows
     stacked once (``O(C N)``; :meth:`ClientPieces.stacked`).  Not under
     ``torch.compile``, which cannot trace the pieces' pointer table."""
-    if torch.compiler.is_compiling():
-        name = backends.resolve_name(backend, device.type)
-
-        def compiled(rows, w, gamma, out, skip):
-            refuse_pieces_under_compile(rows, "aggregate")
-            return _library.aggregate_op(rows, w, *split(gamma), out, skip, name)
-
-        return compiled
-    impl = backends.resolve(backend, device)
-    return lambda rows, w, gamma, out, skip: backend_aggregate(impl, rows, w, *split(gamma), out, skip)
-
-
-def refuse_pieces_under_compile(rows, op: str) -> None:
-    """Under ``torch.compile`` an op's custom-op node takes rows: :class:`ClientPieces`
-    (a pointer table over many tensors) is refused by name."""
-    if isinstance(rows, ClientPieces):
-        raise TypeError(f"{op}: clients given as ClientPieces cannot be traced by torch.compile; pass the [C, N] "
-                        "rows instead (ClientPieces.stack())")
-
-
-def _backend_call(impl, op: str, rows, *args):
-    """``impl.<op>(rows, *args)`` (the backend contract's call) over ``rows`` or
-    :class:`ClientPieces`: read in place by ``impl.<op>_pieces`` where the backend has
-    it, else the rows stacked once (:meth:`ClientPieces.stacked`)."""
-    if not isinstance(rows, ClientPieces):
-        return getattr(impl, op)(rows, *args)
-    in_place = getattr(impl, f"{op}_pieces", None)
-    if in_place is None:
-        return getattr(impl, op)(rows.stacked(), *args)
-    return in_place(rows.flat(), rows.num_pieces, rows.subtract_from, *args)
-
-
-def backend_aggregate(impl, rows, w, gamma, gamma_tensor, out, skip):
-    """``impl.aggregate`` over ``rows`` or :class:`ClientPieces` (:func:`_backend_call`)."""
-    return _backend_call(impl, "aggregate", rows, w, gamma, gamma_tensor, out, skip)
-
-
-def backend_client_dots(impl, rows, g):
-    """``impl.client_dots`` over ``rows`` or :class:`ClientPieces` (:func:`_backend_call`)."""
-    return _backend_call(impl, "client_dots", rows, g)
+    run = _dispatch.kernel("aggregate", backend, device)
+    return lambda rows, w, gamma, out, skip: run(rows, w, *split(gamma), out, skip)
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -343,7 +312,4 @@ def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = N
     acc = V.acc_dtype(dtype)
     if g.dtype not in (dtype, acc):
         g = g.to(acc)
-    if torch.compiler.is_compiling():
-        refuse_pieces_under_compile(rows, "client_dots")
-        return _library.client_dots_op(rows, g, backends.resolve_name(backend, device.type))
-    return backend_client_dots(backends.resolve(backend, device), rows, g)
+    return _dispatch.kernel("client_dots", backend, device)(rows, g)

@@ -17,8 +17,8 @@ order; then
    the same norm, the same scale and the same skip decision from the same bits.
 
 That is one norm pass and one update pass over all the data, in two launches per part.
-A call with a single part runs :func:`~fedopt_kernels.ops.nar_step_` itself, whose
-result ``nar_apply_(nar_sq_norm(...))`` equals bitwise.
+A call with a single part runs the fused step of :func:`~fedopt_kernels.ops.nar_step_`
+itself (``_nar.step``), whose result ``nar_apply_(nar_sq_norm(...))`` equals bitwise.
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .. import backends
 from ..backends.hyper import split
-from . import _library, validation as V
-from . import _dtensor
-from .nar_step import NarStats, _check_mode, nar_step_
+from . import _dispatch, _dtensor, validation as V
+from ._nar import NarStats, check_mode, checked_lists, step
 
 Hyper = Union[float, torch.Tensor]
 
@@ -231,24 +229,24 @@ def nar_step_groups_(
         tensor's device, float32 (float64 if any tensor is float64).
     """
     parts = _parts(groups, plain_names=_plain_names)
-    mode_id = _check_mode(mode)
+    mode_id = check_mode(mode)
     max_norm = V.check_real(max_norm, "max_norm", low=0.0, low_open=True, allow_inf=True)
     V.check_backend(backend)
     grad_scale = _check_one_element(grad_scale, "grad_scale")
     found_inf = _check_one_element(found_inf, "found_inf")
     if len(parts) == 1 and not parts[0].reduce_over:
         p = parts[0]
-        return nar_step_(p.params, p.grads, lr=_to(p.lr, p.device), weight_decay=_to(p.weight_decay, p.device),
-                         max_norm=max_norm, mode=mode, momentum=p.momentum, momentum_buffers=p.bufs or None,
-                         grad_scale=_to(grad_scale, p.device), found_inf=_to(found_inf, p.device),
-                         backend=backend)
+        bufs = p.bufs or None
+        params, grads, fast, _ = checked_lists(p.params, p.grads, p.momentum, bufs)  # one part: not mixed
+        return step(params, grads, fast, lr=_to(p.lr, p.device), weight_decay=_to(p.weight_decay, p.device),
+                    max_norm=max_norm, mode=mode, momentum=p.momentum, momentum_buffers=bufs,
+                    grad_scale=_to(grad_scale, p.device), found_inf=_to(found_inf, p.device), backend=backend)
     return _step_parts(parts, max_norm, mode_id, grad_scale, found_inf, backend)
 
 
 def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, found_inf,
                 backend: Optional[str]) -> NarStats:
     """Steps 1-3 of the module docstring over validated parts."""
-    compiling = torch.compiler.is_compiling()
     home = parts[0].device
     stat_dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
     prepared = []
@@ -256,17 +254,15 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
         acc = V.acc_dtype(p.dtype)
         lr, wd = split(_to(p.lr, p.device, acc)), split(_to(p.weight_decay, p.device, acc))
         gs, fi = _to(grad_scale, p.device, acc), _to(found_inf, p.device)
-        name = backends.resolve_name(backend, p.device.type)
-        prepared.append((p, acc, lr, wd, gs, fi, name))
+        # resolved for every part before any pass: a backend that cannot run raises here
+        norm_pass = _dispatch.kernel("nar_sq_norm", backend, p.device)
+        update_pass = _dispatch.kernel("nar_apply_", backend, p.device)
+        prepared.append((p, acc, lr, wd, gs, fi, norm_pass, update_pass))
 
     total = None
     sharded: dict = {}  # the sums of the sharded parts' squares, by process groups: reduced below
-    for p, acc, lr, wd, gs, fi, name in prepared:
-        args = (p.params, p.grads, *wd, mode_id, gs)
-        if compiling:
-            sq = _library.nar_sq_norm_op(*args, name)
-        else:
-            sq = backends.resolve(name, p.device).nar_sq_norm(*args)
+    for p, acc, lr, wd, gs, fi, norm_pass, _ in prepared:
+        sq = norm_pass(p.params, p.grads, *wd, mode_id, gs)
         sq = _moved(sq, home, stat_dtype)
         if p.reduce_over:
             sharded[p.reduce_over] = sq if p.reduce_over not in sharded else sharded[p.reduce_over] + sq
@@ -277,13 +273,9 @@ def _step_parts(parts: List[_Part], max_norm: float, mode_id: int, grad_scale, f
         total = sq if total is None else total + sq
 
     result = None
-    for p, acc, lr, wd, gs, fi, name in prepared:
+    for p, acc, lr, wd, gs, fi, _, update_pass in prepared:
         sq = _moved(total, p.device, acc)
-        args = (p.params, p.grads, p.bufs, sq, *lr, *wd, max_norm, mode_id, p.momentum, gs, fi)
-        if compiling:
-            stats = _library.nar_apply_op(*args, name)
-        else:
-            stats = backends.resolve(name, p.device).nar_apply_(*args)
+        stats = update_pass(p.params, p.grads, p.bufs, sq, *lr, *wd, max_norm, mode_id, p.momentum, gs, fi)
         if result is None and acc == stat_dtype:
             result = stats
     return NarStats(*(_moved(t, home) for t in result))

@@ -6,9 +6,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import backends
 from ..backends.hyper import split
-from . import _library, validation as V
+from . import _dispatch, validation as V
 
 RULES = ("sgd", "momentum", "adagrad", "adam", "yogi")
 _BUFFERS = {"sgd": (), "momentum": ("exp_avg",), "adagrad": ("exp_avg", "exp_avg_sq"),
@@ -123,8 +122,5 @@ def server_update_(
             raise ValueError(f"skip must be a bool tensor, got {skip.dtype}")
     V.check_backend(backend)
     rule_id = RULES.index(rule)
-    args = (params, updates, m, v, rule_id, *split(lr), *split(gamma), beta1, beta2, tau, bool(nesterov), skip)
-    if torch.compiler.is_compiling():
-        _library.server_update_op(*args, backends.resolve_name(backend, device.type))
-        return
-    backends.resolve(backend, device).server_update_(*args)
+    _dispatch.kernel("server_update_", backend, device)(params, updates, m, v, rule_id, *split(lr), *split(gamma),
+                                                        beta1, beta2, tau, bool(nesterov), skip)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from ..backends.dtypes import FLOAT_DTYPES, acc_dtype  # noqa: F401 - re-exported: the one dtype rule
 from ._dtensor import is_dtensor  # noqa: F401 - re-exported: the layers above refuse or split DTensors
+
+T = TypeVar("T")
 
 
 def refuse_dtensor(t, name: str, *, who: str = "this op", what: str = "pass {name}.full_tensor() instead") -> None:
@@ -161,6 +163,30 @@ def check_same_device(tensors: Sequence[torch.Tensor], name: str) -> torch.devic
     return device
 
 
+def check_values(now: Callable[[], T], in_graph: Optional[Callable[[], object]], message: str = "",
+                 traced: Optional[T] = None) -> Optional[T]:
+    """A check that reads VALUES, in the one place that knows whether they are known.
+
+    Eager, ``now()`` runs: it reads the values, raises the message naming the argument,
+    and its result is returned.  Under ``torch.compile`` values are not known while
+    tracing (a Python branch on them would break the graph): ``in_graph()`` -- a bool,
+    symbolic or not, or a bool tensor -- becomes a check of the compiled graph
+    (``torch._check``, ``torch._assert_async``) that fails with ``message`` when the graph
+    runs, and ``traced`` is returned.  ``in_graph=None``: the check has no graph form
+    (memory addresses, which fake tensors lack)."""
+    if not torch.compiler.is_compiling():
+        return now()
+    if in_graph is not None:
+        ok = in_graph()
+        if isinstance(ok, torch.Tensor):
+            torch._assert_async(ok, message)
+        else:
+            # The message is bound as a default argument, not a closure: dynamo (torch 2.11)
+            # refuses a torch._check message function that references a non-local variable.
+            torch._check(ok, lambda message=message: message)
+    return traced
+
+
 def check_real(value, name: str, *, low=None, high=None, low_open=False, high_open=False,
                allow_inf=False) -> float:
     """A Python number within the given bounds."""
@@ -169,7 +195,18 @@ def check_real(value, name: str, *, low=None, high=None, low_open=False, high_op
     lo = "" if low is None else (f"{name} > {low}" if low_open else f"{name} >= {low}")
     hi = "" if high is None else (f"{name} < {high}" if high_open else f"{name} <= {high}")
     bounds = " and ".join(b for b in (lo, hi) if b)
-    if torch.compiler.is_compiling():
+
+    def now() -> float:
+        v = float(value)
+        if math.isnan(v) or (math.isinf(v) and not allow_inf):
+            raise ValueError(f"{name} must be finite, got {v}")
+        bad_low = low is not None and (v <= low if low_open else v < low)
+        bad_high = high is not None and (v >= high if high_open else v > high)
+        if bad_low or bad_high:
+            raise ValueError(f"{name} must satisfy {bounds}, got {v}")
+        return v
+
+    def in_graph():
         # Under torch.compile a Python number is a constant of the trace (dynamo
         # specialises floats, so every new value recompiles) or, with dynamic shapes
         # for floats, a symbol: then the bounds become a check of the compiled graph
@@ -182,19 +219,10 @@ def check_real(value, name: str, *, low=None, high=None, low_open=False, high_op
             ok = ok & ((value < high) if high_open else (value <= high))
         if not allow_inf:
             ok = ok & (value < math.inf) & (value > -math.inf)
-        # The message is bound as a default argument, not a closure: dynamo (torch 2.11)
-        # refuses a torch._check message function that references a non-local variable.
-        message = f"{name} must be finite{' and satisfy ' + bounds if bounds else ''}"
-        torch._check(ok, lambda message=message: message)
-        return value
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be finite, got {value}")
-    bad_low = low is not None and (value <= low if low_open else value < low)
-    bad_high = high is not None and (value >= high if high_open else value > high)
-    if bad_low or bad_high:
-        raise ValueError(f"{name} must satisfy {bounds}, got {value}")
-    return value
+        return ok
+
+    return check_values(now, in_graph, f"{name} must be finite{' and satisfy ' + bounds if bounds else ''}",
+                        traced=value)
 
 
 def check_hyper(value, name: str, device: torch.device, dtype: torch.dtype, *, low=0.0,

@@ -6,42 +6,9 @@ from typing import Optional
 
 import torch
 
-from .. import backends
-from . import _library, validation as V
-from .aggregate import (Clients, as_weight_tensor, backend_aggregate, backend_client_dots, check_clients,
-                        host_to_device, refuse_pieces_under_compile)
+from . import _dispatch, validation as V
+from .aggregate import Clients, as_weight_tensor, check_clients, host_to_device
 from .client_pieces import ClientPieces
-
-
-class _WeightedSum(torch.autograd.Function):
-    """out = gamma * sum_i a_i X_i with the clients as constants.
-
-    Backward (python_ref/aggregation.py), with G = dL/d out and d_i = <G, X_i> computed for all
-    clients in ONE pass over the data (``client_dots``)::
-
-        dL/da_i = gamma * d_i        dL/dgamma = <G, sum_i a_i X_i> = sum_i a_i d_i
-    """
-
-    @staticmethod
-    def forward(ctx, weights, gamma, impl, rows):
-        if isinstance(rows, ClientPieces):
-            out = torch.empty(rows.numel, dtype=rows.dtype, device=rows.device)
-        else:
-            first = rows if isinstance(rows, torch.Tensor) else rows[0]
-            out = torch.empty(first.shape[-1], dtype=first.dtype, device=first.device)
-        # gamma as the (value, tensor) pair's tensor half
-        backend_aggregate(impl, rows, weights.detach(), 0.0, gamma.detach(), out, None)
-        ctx.impl, ctx.rows = impl, rows
-        ctx.save_for_backward(weights, gamma)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        weights, gamma = ctx.saved_tensors
-        dots = backend_client_dots(ctx.impl, ctx.rows, grad_out.contiguous().to(weights.dtype))
-        grad_weights = gamma * dots if ctx.needs_input_grad[0] else None
-        grad_gamma = torch.dot(weights, dots) if ctx.needs_input_grad[1] else None
-        return grad_weights, grad_gamma, None, None
 
 
 def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -80,9 +47,6 @@ def weighted_sum(clients: Clients, weights: torch.Tensor, gamma=1.0, *, backend:
                                 subtract_from=None if rows.subtract_from is None else rows.subtract_from.detach())
     else:
         rows = [r.detach() for r in rows]
-    if torch.compiler.is_compiling():  # one custom-op node (forward and backward)
-        refuse_pieces_under_compile(rows, "weighted_sum")
-        return _library.weighted_sum_op(rows, weights.to(acc), gamma.to(acc),
-                                        backends.resolve_name(backend, device.type))
-    impl = backends.resolve(backend, device)
-    return _WeightedSum.apply(weights.to(acc), gamma.to(acc), impl, rows)
+    # eager: an autograd function over the backend's aggregate and client_dots; compiled:
+    # one custom-op node, forward and backward (_dispatch)
+    return _dispatch.kernel("weighted_sum", backend, device)(rows, weights.to(acc), gamma.to(acc))

@@ -22,10 +22,15 @@ def _unwrapped(name: str):
     return getattr(method, "__wrapped__", method)
 
 
-_ADD_PARAM_GROUP = _unwrapped("add_param_group")
-_STATE_DICT = _unwrapped("state_dict")
-_LOAD_STATE_DICT = _unwrapped("load_state_dict")
-_ZERO_GRAD = _unwrapped("zero_grad")
+_UNWRAPPED = {name: _unwrapped(name) for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad")}
+
+
+def _call(name: str, self, *args):
+    """``Optimizer.<name>(self, *args)``: the wrapped method under compilation, the
+    function it wraps otherwise (the one place this choice is made)."""
+    if torch.compiler.is_compiling():
+        return getattr(Optimizer, name)(self, *args)
+    return _UNWRAPPED[name](self, *args)
 
 
 class EagerOptimizer(Optimizer):
@@ -33,21 +38,13 @@ class EagerOptimizer(Optimizer):
     outside compilation (see the module docstring)."""
 
     def add_param_group(self, param_group: dict) -> None:
-        if torch.compiler.is_compiling():
-            return Optimizer.add_param_group(self, param_group)
-        return _ADD_PARAM_GROUP(self, param_group)
+        return _call("add_param_group", self, param_group)
 
     def state_dict(self):
-        if torch.compiler.is_compiling():
-            return Optimizer.state_dict(self)
-        return _STATE_DICT(self)
+        return _call("state_dict", self)
 
     def load_state_dict(self, state_dict) -> None:
-        if torch.compiler.is_compiling():
-            return Optimizer.load_state_dict(self, state_dict)
-        return _LOAD_STATE_DICT(self, state_dict)
+        return _call("load_state_dict", self, state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if torch.compiler.is_compiling():
-            return Optimizer.zero_grad(self, set_to_none)
-        return _ZERO_GRAD(self, set_to_none)
+        return _call("zero_grad", self, set_to_none)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 
+from ...extras import require
 from .. import INTEGRATIONS, _installed_version, _parse
 
 _SPEC = INTEGRATIONS["flower"]
@@ -44,6 +45,8 @@ if _parse(_version)[:2] < _SPEC["min"]:
 if _parse(_version)[:2] >= _SPEC["below"]:
     warnings.warn(f"fedopt_kernels.integrations.flower is tested with {_SPEC['requirement']}, found flwr {_version}",
                   stacklevel=2)
+# Its client trains as the simulator's clients do (fedopt_kernels.fl): the flower extra brings sim's.
+require("sim", "fedopt_kernels.integrations.flower", install=_SPEC["install"])
 
 from .client import FedNARClient, batch_seed, init_seed, local_config_from_run_config  # noqa: E402
 from .records import (arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord,  # noqa: E402

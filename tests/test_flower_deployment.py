@@ -36,7 +36,11 @@ WORKLOAD = dict(clients=NODES, per_round=NODES, rounds=3, local_steps=3, hidden=
 
 @needs_flwr
 @pytest.mark.slow
-def test_superlink_and_supernodes_as_processes_equal_fedopt_simulate(tmp_path):
+def test_superlink_and_supernodes_as_processes_equal_fedopt_simulate(tmp_path, monkeypatch):
+    # One torch thread in every process, as simulate's sequential engine runs: MKL's strict mode
+    # (backends/mkl.py) gives a product's bits for a fixed thread count, and Flower's
+    # processes would otherwise run torch's default (docs/determinism.md).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     link = FR.start_superlink(tmp_path, simulation=False)
     nodes = []
     try:

@@ -48,9 +48,13 @@ def _check_run(run, per_round: int):
 
 @needs_flwr
 @pytest.mark.slow
-def test_same_workload_bitwise(tmp_path):
+def test_same_workload_bitwise(tmp_path, monkeypatch):
     """All 4 clients every round, sequential engine: Flower's run and fedopt simulate's
     have the same per-round accuracies and final model."""
+    # One torch thread in every process, as simulate's sequential engine runs: MKL's strict mode
+    # (backends/mkl.py) gives a product's bits for a fixed thread count, and Flower's
+    # processes would otherwise run torch's default (docs/determinism.md).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     res = FR.compare(workdir=tmp_path, per_round=4, engine="sequential", **TINY)
     (fl,), (fo,) = res["flower"], res["fedopt"]
     _check_run(fl, 4)

@@ -14,8 +14,9 @@
 # Setup creates .venv, installs torch (the CUDA 13.0 build where available, so the CUDA
 # extension compiles; TORCH_SPEC=torch==2.13.0 gives the CPU-only build), then builds
 # fedopt_kernels in place with the sim extra (the simulator, its plots, the benchmarks:
-# `pip install fedopt_kernels` alone needs torch and numpy) and the test one.  --no-build-isolation: an isolated build would fetch a second
-# torch to compile against.
+# `pip install fedopt_kernels` alone needs torch and numpy), the test extra and the docs
+# one.  --no-build-isolation: an isolated build would fetch a second torch to compile
+# against.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,7 +28,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedopt-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup demo test test-fast bench device-check gpu-check clean
+.PHONY: setup demo test test-fast docs bench device-check gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +50,6 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
 
-.PHONY: docs
 docs: setup
 	$(PY) -m pip install --quiet "fedopt_kernels[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site

@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 
 from ..fl.config import ALGORITHMS, ConfigError, SimulationConfig
-from ..fl.interrupts import Interrupted, deferred_interrupts, exit_status, stop_on_signals
+from ..fl.interrupts import deferred_interrupts, exit_status, signal_name, stop_on_signals
 from ..fl.results import Results, comparison_rows, plot_comparison, write_atomic
 from ._errors import CLIError
 from ._options import build_settings
@@ -324,7 +324,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
                 interrupted = exc
         results.meta["interrupted"] = interrupted is not None
         if interrupted is not None:
-            results.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+            results.meta["interrupted_by"] = signal_name(interrupted)
         else:
             results.meta.pop("interrupted_by", None)
         if not main:
@@ -463,7 +463,7 @@ def run_compare(args) -> int:
             interrupted = exc
     if current is not None:
         current.meta["interrupted"] = True
-        current.meta["interrupted_by"] = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+        current.meta["interrupted_by"] = signal_name(interrupted)
     allres = write_all(current)
     files = [out / "compare.json", out / "compare.csv"]
     if opts["plots"] and allres:
@@ -472,7 +472,7 @@ def run_compare(args) -> int:
                           f"alpha {config.alpha}, seed {config.seed}")
     console.print("wrote " + ", ".join(str(f) for f in files) + f" (and each run's results in {out}/<run>/)")
     if interrupted is not None:
-        by = interrupted.name if isinstance(interrupted, Interrupted) else "SIGINT"
+        by = signal_name(interrupted)
         console.print(f"[yellow]interrupted ({by})[/]: {len(done)} of {len(configs)} runs finished; results so far "
                       f"in {out}")
         return exit_status(interrupted)

@@ -17,7 +17,8 @@ import signal
 import threading
 from typing import Iterator, Sequence
 
-__all__ = ["Interrupted", "STOP_SIGNALS", "stop_on_signals", "deferred_interrupts", "exit_status"]
+__all__ = ["Interrupted", "STOP_SIGNALS", "stop_on_signals", "deferred_interrupts", "exit_status",
+           "signal_name"]
 
 # the signals a run stops on besides SIGINT (SIGHUP does not exist on Windows)
 STOP_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None)
@@ -33,6 +34,12 @@ class Interrupted(KeyboardInterrupt):
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name
+
+
+def signal_name(exc: BaseException) -> str:
+    """The signal that stopped a run with ``exc``: ``"SIGTERM"``, ``"SIGHUP"``, or
+    ``"SIGINT"`` for a plain ``KeyboardInterrupt`` (Ctrl-C)."""
+    return exc.name if isinstance(exc, Interrupted) else signal.SIGINT.name
 
 
 def exit_status(exc: BaseException) -> int:

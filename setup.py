@@ -245,16 +245,11 @@ def cmdclass():
         parallel all the same (``parallel_compile``)."""
 
         def build_extensions(self):
-            super_build = super().build_extensions
-            if not self.use_ninja:  # torch found no ninja and fell back to distutils
-                original = self.build_extension
-
-                def build_extension(ext):
-                    parallel_compile(self, build_jobs())
-                    return original(ext)
-
-                self.build_extension = build_extension
-            return super_build()
+            # torch found no ninja and fell back to distutils: it then replaces only the
+            # compiler's per-file ``_compile``, which ``parallel_compile`` calls
+            if not self.use_ninja:
+                parallel_compile(self, build_jobs())
+            super().build_extensions()
 
         def run(self):
             super().run()

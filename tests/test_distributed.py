@@ -38,6 +38,7 @@ from torch import nn
 import _fp64_oracle as fp64
 import _gloo as gloo
 from _asserts import acc_of, assert_bitwise
+from _server_cases import CASES
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -98,12 +99,12 @@ def bounds(counts, rank):
     return start, start + counts[rank]
 
 
+# case: the server optimizer of tests/_server_cases.py; opts: the round's options
 SERVER_CASES = {
-    "asnes_sizes": dict(cls="ASNES", opts=dict(lr=0.5, momentum=0.9), weights="sizes"),
-    "fedadam_uniform_bounded": dict(cls="FedAdam", opts=dict(lr=0.05, max_client_norm=1.0), weights=None),
-    "fedexp_list": dict(cls="FedExP", opts=dict(lr=1.0), weights="list"),
-    "fedavgm_propagate": dict(cls="FedAvgM", opts=dict(lr=0.7, momentum=0.5, nonfinite="propagate"),
-                              weights="sizes", finite=True),
+    "asnes_sizes": dict(case="ASNES", opts=dict(), weights="sizes"),
+    "fedadam_uniform_bounded": dict(case="FedAdam", opts=dict(max_client_norm=1.0), weights=None),
+    "fedexp_list": dict(case="FedExP", opts=dict(), weights="list"),
+    "fedavgm_propagate": dict(case="FedAvgM", opts=dict(nonfinite="propagate"), weights="sizes", finite=True),
 }
 # per round: (counts per rank, NaN clients); round 3 leaves rank 0 empty, round 4 is all NaN (skipped)
 SERVER_ROUNDS = [((2, 3), ()), ((4, 1), (4,)), ((0, 2), ()), ((1, 1), (0, 1)), ((3, 2), ())]
@@ -132,10 +133,8 @@ def server_round(case, r):
 
 
 def make_server_opt(case, params):
-    from fedopt_kernels import server as S
-
     c = SERVER_CASES[case]
-    return getattr(S, c["cls"])(params, **c["opts"])
+    return CASES[c["case"]].make(params, **c["opts"])
 
 
 SIM_BASE = dict(dataset="digits", hidden=(32,), clients=10, per_round=5, rounds=3, local_steps=5, batch_size=32,

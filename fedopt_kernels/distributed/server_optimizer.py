@@ -90,6 +90,7 @@ class DistributedServerOptimizer:
     # the buffers, and its round is the wrapped optimizer's on every rank's clients.
     takes = "updates"
     keeps_buffers = False
+    weights_are_a_share = True  # this rank's clients' weights: "not all zero" holds for the union
 
     def round(self, updates, weights=None) -> ServerRoundStats:
         """One round of :mod:`fedopt_kernels.server.round` over every rank's clients

@@ -14,6 +14,7 @@ from ..ops import ClientPieces, aggregate, weighted_sum
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values
 from ..utils.flat import FlatLayout, parameters_layout
+from .aggregation import CheckedWeights
 from .round import ServerRoundStats
 
 LEARN = ("both", "gamma", "lambda")
@@ -192,6 +193,10 @@ class FedLAW:
         return rows
 
     def _sizes(self, data_sizes, C: int) -> torch.Tensor:
+        if isinstance(data_sizes, CheckedWeights):  # checked where the round's weights entered
+            if len(data_sizes) != C:
+                raise ValueError(f"data_sizes has {len(data_sizes)} entries but there are {C} clients")
+            return data_sizes.values
         if isinstance(data_sizes, torch.Tensor):
             if data_sizes.dim() != 1 or data_sizes.numel() != C:
                 raise ValueError(f"data_sizes has shape {tuple(data_sizes.shape)} but there are {C} clients")

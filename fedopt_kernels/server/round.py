@@ -29,6 +29,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .aggregation import CheckedWeights, check_round_weights
 from .weighting import average_buffers, cap_weight_shares, client_weights
 
 __all__ = ["ServerRoundStats", "ServerRound", "round_weights", "read_metrics", "ROUND_INPUTS"]
@@ -84,15 +85,21 @@ def read_metrics(metrics: dict) -> dict:
     return out
 
 
-def round_weights(weighting: str, sizes, max_weight_share: Optional[float] = None) -> Optional[torch.Tensor]:
+def round_weights(weighting: str, sizes, max_weight_share: Optional[float] = None, *,
+                  share: bool = False) -> Optional[CheckedWeights]:
     """The ``weights`` of a round from the clients' data ``sizes`` under a resolved
-    ``weighting`` (:mod:`.weighting`): None (uniform) for ``"uniform"``; for ``"size"``
-    the sizes as a float64 CPU tensor, or, with ``max_weight_share``, their shares capped
-    at it (:func:`~.weighting.cap_weight_shares`).  The server normalises them once
+    ``weighting`` (:mod:`.weighting`), checked here, once
+    (:func:`~.aggregation.check_round_weights`; ``share``: one rank's share of a
+    distributed round): None (uniform) for ``"uniform"``; for ``"size"`` the sizes as a
+    float64 CPU tensor, or, with ``max_weight_share``, their shares capped at it
+    (:func:`~.weighting.cap_weight_shares`).  The server only normalises them
     (:func:`~.aggregation.normalize_weights`)."""
     weights = client_weights(weighting, sizes)
-    if weights is not None and max_weight_share is not None:
-        weights = cap_weight_shares(weights, max_weight_share)  # shares: what a claimed size can buy
+    if weights is None:
+        return None
+    weights = check_round_weights(weights, share=share)
+    if max_weight_share is not None:  # shares: what a claimed size can buy (finite, >= 0 by construction)
+        weights = CheckedWeights(cap_weight_shares(weights.values, max_weight_share))
     return weights
 
 
@@ -128,12 +135,16 @@ class ServerRound:
         their data ``sizes`` under :attr:`weighting`."""
         return self.step(results, self.weights(sizes))
 
-    def weights(self, sizes) -> Optional[torch.Tensor]:
+    def weights(self, sizes) -> Optional[CheckedWeights]:
         """The round's weights from the clients' data ``sizes`` (:func:`round_weights`
-        under :attr:`weighting` and :attr:`max_weight_share`): what :meth:`step` takes."""
-        return round_weights(self.weighting, sizes, self.max_weight_share)
+        under :attr:`weighting` and :attr:`max_weight_share`), checked once: what
+        :meth:`step` takes.  A server whose weights are one rank's share of a round
+        (``weights_are_a_share``: :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`)
+        has "not all zero" checked on the union of the ranks' instead."""
+        return round_weights(self.weighting, sizes, self.max_weight_share,
+                             share=getattr(self.server, "weights_are_a_share", False))
 
-    def step(self, results, weights: Optional[torch.Tensor]) -> ServerRoundStats:
+    def step(self, results, weights: Optional[CheckedWeights]) -> ServerRoundStats:
         """One round on the clients' ``results`` with the ``weights`` of :meth:`weights`
         (for a caller that uses them again, e.g. for the buffers)."""
         return self.server.round(results, weights)
@@ -145,4 +156,6 @@ class ServerRound:
         keeps its own (FedLAW)."""
         if self.server.keeps_buffers:
             return None
+        if isinstance(sizes, CheckedWeights):
+            sizes = sizes.values
         return average_buffers(rows, self.weighting, sizes, current, excluded)

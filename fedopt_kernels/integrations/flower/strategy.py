@@ -345,7 +345,7 @@ class FusedStrategy(_FlowerFedAvg):
             if buffers is not None and not self.server.keeps_buffers:
                 # weighted like the parameters; FedLAW's model keeps its proxy-trained statistics
                 current = buffers_to_vector(self.model).to(buffers.device)
-                sizes = round_weights if round_weights is not None else torch.tensor(weights, dtype=torch.float64)
+                sizes = torch.tensor(weights, dtype=torch.float64) if round_weights is None else round_weights
                 vector_to_buffers(self.round.buffers(buffers, sizes, current, excluded), self.model)
         out = tensors_to_arrayrecord(self._named_state(self._keys))
         self._sent = out

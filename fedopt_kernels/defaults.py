@@ -48,9 +48,11 @@ LOCAL = MappingProxyType(dict(
 # {0.001, 0.01, 0.1, 1} (section 5.2), the simulator's value since its first version.
 FEDPROX_MU = 0.01
 
-# Server step sizes and momenta per algorithm:
-#   fedavg/fedprox/scaffold lr 1: McMahan et al. 2017 (x <- sum_i p_i x_i); SCAFFOLD
-#     Algorithm 1 with eta_g = 1.
+# Server step sizes and momenta, per server class of fedopt_kernels.server (the classes
+# read them as their signatures' defaults; fedopt_kernels.server.ALGORITHMS reads those,
+# so fedprox and scaffold -- FedAvg on the server -- take FedAvg's):
+#   fedavg lr 1: McMahan et al. 2017 (x <- sum_i p_i x_i); SCAFFOLD Algorithm 1 with
+#     eta_g = 1; FedProx's server is FedAvg's.
 #   fedavgm lr 1, momentum 0.9: one of the server momenta Hsu et al. 2019 sweep.
 #   fedadam/fedyogi lr 1e-2: [Reddi] (betas and tau: ADAPTIVE below).
 #   fedadagrad lr 0.1, momentum (beta1) 0: [Reddi] Algorithm 2 with beta1 = 0, as its
@@ -61,15 +63,12 @@ FEDPROX_MU = 0.01
 #     (section 5.1, Fashion-MNIST).
 SERVER = MappingProxyType({
     "fedavg": MappingProxyType(dict(lr=1.0)),
-    "fedprox": MappingProxyType(dict(lr=1.0)),
-    "scaffold": MappingProxyType(dict(lr=1.0)),
     "fedavgm": MappingProxyType(dict(lr=1.0, momentum=0.9)),
     "fedadam": MappingProxyType(dict(lr=0.01)),
     "fedyogi": MappingProxyType(dict(lr=0.01)),
     "fedadagrad": MappingProxyType(dict(lr=0.1, momentum=0.0)),
     "fedexp": MappingProxyType(dict(lr=1.0)),
     "asnes": MappingProxyType(dict(lr=1.0, momentum=0.9)),
-    "fedlaw": MappingProxyType(dict()),
 })
 
 # FedAdam / FedYogi betas (0.9, 0.99) and tau 1e-3 (FedAdagrad's tau too): [Reddi]

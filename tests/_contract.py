@@ -30,6 +30,8 @@ from types import SimpleNamespace
 
 import torch
 
+from _asserts import acc_of, assert_bitwise, bits, same_bits  # noqa: F401 - the contract suites' helpers
+
 from fedopt_kernels import backends
 from fedopt_kernels.backends.hyper import split
 
@@ -46,11 +48,6 @@ ROUNDS_LIKE_PYTHON_REF = ("reference", "cpu")
 # clients or one [C, N] tensor, aligned or not): fixed per-column order.  python_ref's
 # are torch's reductions, which may differ in the last bit between layouts.
 LAYOUT_FREE_SUMS = ("cpu", "triton", "cuda")
-
-
-def acc_of(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype of the contract: fp64 for fp64 data, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Backend:
@@ -113,33 +110,6 @@ class Backend:
 
 
 # ----------------------------------------------------------------------------- bits
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits (so -0.0 != 0.0 and NaN payloads count)."""
-    if t.dtype == torch.bool:
-        return t
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a).cpu(), bits(b).cpu())
-
-
-def assert_bitwise(a, b, what="", nan_ok=False):
-    """Lists of tensors equal to the bit (NaN payloads aside when ``nan_ok``)."""
-    a, b = list(a), list(b)
-    assert len(a) == len(b), what
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert x.dtype == y.dtype and x.shape == y.shape, (what, i, x.dtype, y.dtype, x.shape, y.shape)
-        x, y = x.detach().cpu(), y.detach().cpu()
-        differ = bits(x) != bits(y)
-        if nan_ok and x.dtype != torch.bool:
-            differ &= ~(torch.isnan(x) & torch.isnan(y))
-        if bool(differ.any()):
-            idx = differ.reshape(-1).nonzero().reshape(-1)[:3].tolist()
-            raise AssertionError(f"{what}[{i}]: {int(differ.sum())} of {x.numel()} elements differ in their bits, "
-                                 f"first at {idx}: {x.reshape(-1)[idx].tolist()} vs {y.reshape(-1)[idx].tolist()}")
-
 
 def clone(ts):
     return [t.clone() for t in ts]

@@ -20,13 +20,9 @@ import math
 from typing import List, Optional, Sequence
 
 import torch
+from _asserts import acc_of as acc_dtype  # the accumulation dtype the kernels promise
 
 EPS = 1e-6  # the clip's epsilon: s = min(1, A / (n + eps)), as torch.nn.utils.clip_grad_norm_
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype the kernels promise: fp64 data in fp64, anything else in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def f64(t: torch.Tensor) -> torch.Tensor:

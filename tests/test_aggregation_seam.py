@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import _gloo as gloo
+from _server_cases import CASES
 
 from fedopt_kernels import server as S
 from fedopt_kernels.ops import aggregate
 from fedopt_kernels.server.aggregation import RoundAggregate, normalize_weights
+
+FEDADAM = CASES["FedAdam"]  # the table's FedAdam: every term of its formula matters
 
 
 def _model(seed=0):
@@ -29,7 +32,7 @@ def _state(opt):
 
 def test_the_default_aggregator_is_this_process_and_equals_passing_it():
     a, b = _model(), _model()
-    oa, ob = S.FedAdam(a.parameters(), lr=0.1), S.FedAdam(b.parameters(), lr=0.1)
+    oa, ob = FEDADAM.make(a.parameters()), FEDADAM.make(b.parameters())
     assert isinstance(oa.aggregator, S.LocalAggregator)
     N = sum(p.numel() for p in a.parameters())
     X = _updates(4, N)
@@ -100,8 +103,8 @@ def _two_ranks(rank, world):
     w = [3.0, 1.0, 2.0, 5.0, 4.0]
     mine = slice(0, 2) if rank == 0 else slice(2, 5)
     a, b = _model(), _model()
-    direct = S.FedAdam(a.parameters(), lr=0.05, aggregator=DistributedAggregator())
-    wrapped = DistributedServerOptimizer(S.FedAdam(b.parameters(), lr=0.05))
+    direct = FEDADAM.make(a.parameters(), aggregator=DistributedAggregator())
+    wrapped = DistributedServerOptimizer(FEDADAM.make(b.parameters()))
     out = {}
     for r in range(3):
         sa = direct.step(X[mine] * (r + 1), w[mine])
@@ -114,7 +117,7 @@ def _two_ranks(rank, world):
 def test_distributed_aggregator_in_the_constructor_equals_the_wrapper_and_one_process(tmp_path):
     res = gloo.launch(tmp_path, 2, _two_ranks)
     single = _model()
-    one = S.FedAdam(single.parameters(), lr=0.05)
+    one = FEDADAM.make(single.parameters())
     N = sum(p.numel() for p in single.parameters())
     X = _updates(5, N, seed=4)
     for r in range(3):

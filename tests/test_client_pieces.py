@@ -20,7 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _contract import assert_bitwise as _assert_bitwise
+from _asserts import assert_bitwise
 from _flwr import HAVE_FLWR
 from torch import nn
 
@@ -42,10 +42,6 @@ def _pieces(C, sizes, dtype, *, base: bool, seed=0):
     pieces = [[t.view(1, -1) if j % 2 else t for j, t in enumerate(client)] for client in pieces]
     sub = torch.randn(sum(sizes), generator=gen, dtype=torch.float64).to(dtype) if base else None
     return ClientPieces(pieces, subtract_from=sub)
-
-
-def assert_bitwise(a, b):
-    _assert_bitwise([a], [b])
 
 
 def _both(cp, w, **kw):

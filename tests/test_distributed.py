@@ -37,6 +37,8 @@ from torch import nn
 
 import _fp64_oracle as fp64
 import _gloo as gloo
+from _asserts import acc_of, assert_bitwise
+from _server_cases import CASES
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -45,10 +47,6 @@ WORLD = 2
 LAUNCH_TIMEOUT_S = 300
 ROOT = Path(__file__).resolve().parents[1]
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
-
-
-def _acc(dtype):
-    return F64 if dtype == F64 else F32
 
 
 # ============================================================================ cases
@@ -85,14 +83,14 @@ def agg_data(case, world=2):
         X[i, N // 3] = float("nan")
     for i in c.get("inf", ()):
         X[i, 5] = float("inf")
-    w = (torch.rand(C, generator=g, dtype=F64) + 0.1).to(_acc(dtype))
+    w = (torch.rand(C, generator=g, dtype=F64) + 0.1).to(acc_of(dtype))
     for i in c.get("zero", ()):
         w[i] = 0.0
     kw = dict(c.get("kw", {}))
     if kw.get("gamma") == "tensor":
-        kw["gamma"] = torch.tensor(0.625, dtype=_acc(dtype))
+        kw["gamma"] = torch.tensor(0.625, dtype=acc_of(dtype))
     if kw.get("out") == "acc":
-        kw["out"] = torch.empty(N, dtype=_acc(dtype))
+        kw["out"] = torch.empty(N, dtype=acc_of(dtype))
     return X, w, c["counts"] if world == 2 else COUNTS3[case], kw
 
 
@@ -101,12 +99,12 @@ def bounds(counts, rank):
     return start, start + counts[rank]
 
 
+# case: the server optimizer of tests/_server_cases.py; opts: the round's options
 SERVER_CASES = {
-    "asnes_sizes": dict(cls="ASNES", opts=dict(lr=0.5, momentum=0.9), weights="sizes"),
-    "fedadam_uniform_bounded": dict(cls="FedAdam", opts=dict(lr=0.05, max_client_norm=1.0), weights=None),
-    "fedexp_list": dict(cls="FedExP", opts=dict(lr=1.0), weights="list"),
-    "fedavgm_propagate": dict(cls="FedAvgM", opts=dict(lr=0.7, momentum=0.5, nonfinite="propagate"),
-                              weights="sizes", finite=True),
+    "asnes_sizes": dict(case="ASNES", opts=dict(), weights="sizes"),
+    "fedadam_uniform_bounded": dict(case="FedAdam", opts=dict(max_client_norm=1.0), weights=None),
+    "fedexp_list": dict(case="FedExP", opts=dict(), weights="list"),
+    "fedavgm_propagate": dict(case="FedAvgM", opts=dict(nonfinite="propagate"), weights="sizes", finite=True),
 }
 # per round: (counts per rank, NaN clients); round 3 leaves rank 0 empty, round 4 is all NaN (skipped)
 SERVER_ROUNDS = [((2, 3), ()), ((4, 1), (4,)), ((0, 2), ()), ((1, 1), (0, 1)), ((3, 2), ())]
@@ -135,10 +133,8 @@ def server_round(case, r):
 
 
 def make_server_opt(case, params):
-    from fedopt_kernels import server as S
-
     c = SERVER_CASES[case]
-    return getattr(S, c["cls"])(params, **c["opts"])
+    return CASES[c["case"]].make(params, **c["opts"])
 
 
 SIM_BASE = dict(dataset="digits", hidden=(32,), clients=10, per_round=5, rounds=3, local_steps=5, batch_size=32,
@@ -380,21 +376,6 @@ def ranks3(tmp_path_factory):
 
 
 # ============================================================================ checks
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a tensor (so NaN == NaN and -0 != +0)."""
-    if t.dtype == torch.bool or not t.is_floating_point():
-        return t
-    return t.contiguous().view({F64: torch.int64, F32: torch.int32, F16: torch.int16, BF16: torch.int16}[t.dtype])
-
-
-def assert_bitwise(a, b, what):
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), what
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    diff = (bits(a) != bits(b)).flatten()
-    assert not bool(diff.any()), (f"{what}: {int(diff.sum())} of {a.numel()} elements differ, e.g. "
-                                  f"{a.flatten()[diff][:3].tolist()} vs {b.flatten()[diff][:3].tolist()}")
-
-
 def assert_tree_bitwise(a, b, what):
     if isinstance(a, torch.Tensor):
         assert_bitwise(a, b, what)
@@ -535,7 +516,7 @@ def test_all_aggregate_all_reduce_is_within_the_documented_bound(ranks, case):
     ref_out, ref = single_aggregate(case)
     X, w, counts, kw = agg_data(case)
     gamma = float(kw.get("gamma", 1.0))
-    acc = _acc(X.dtype)
+    acc = acc_of(X.dtype)
     u = torch.finfo(acc).eps / 2
     C, W = X.shape[0], len(counts)
     Xa = torch.where(ref.weights[:, None] != 0, X.to(acc), torch.zeros((), dtype=acc))

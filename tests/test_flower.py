@@ -171,17 +171,9 @@ def _flower_run(sim, algo: str, model_factory=None):
             sim._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, server_round))
             return loader
 
-        strategy = fk.make_strategy("fedlaw", model, proxy_loader=proxy, loss_fn=nn.CrossEntropyLoss(),
-                                    learn=cfg.fedlaw_learn, server_epochs=cfg.fedlaw_epochs, lr=cfg.fedlaw_lr, **kw)
-    else:
-        hyper = dict(sim.server.hyper)
-        if algo in ("fedadam", "fedyogi"):
-            hyper.update(betas=cfg.server_betas, tau=cfg.server_tau)
-        elif algo == "fedadagrad":  # hyper holds its momentum (beta1, 0 by default)
-            hyper.update(tau=cfg.server_tau)
-        elif algo == "fedexp":
-            hyper.update(eps=cfg.fedexp_eps)
-        strategy = fk.make_strategy(algo, model, **hyper, **kw)
+        kw.update(proxy_loader=proxy, loss_fn=nn.CrossEntropyLoss())
+    # the simulator's server hyperparameters (the registry's defaults and the config's values)
+    strategy = fk.make_strategy(algo, model, **sim.server.hyper, **kw)
     states = []
 
     def evaluate_fn(server_round, arrays):

@@ -12,6 +12,7 @@ import torch
 from types import SimpleNamespace
 
 import _fp64_oracle as fp64
+from _asserts import bits
 from fedopt_kernels import backends, ops
 from fedopt_kernels.benchmarks.shapes import resnet18_shapes
 
@@ -25,11 +26,6 @@ def make_case(shapes, dtype, device, *, seed=0, grad_scale=1.0, param_scale=1.0)
     grads = [(torch.randn(s, generator=g) * grad_scale).to(dtype).to(device) for s in shapes]
     bufs = [torch.randn(s, generator=g).to(dtype).to(device) for s in shapes]
     return params, grads, bufs
-
-
-def bits(t):
-    """The raw bits of a tensor (so -0.0 != 0.0 and NaN payloads count)."""
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def clone(ts):

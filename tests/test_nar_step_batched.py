@@ -13,13 +13,10 @@ import pytest
 import torch
 
 import _fp64_oracle as fp64
+from _asserts import bits
 from fedopt_kernels import backends, ops
 
 MODES = ["co", "grad", "none"]
-
-
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def make_rows(C, N, device, *, seed=0, dtype=torch.float32):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fedopt_kernels import server as S
-from fedopt_kernels.fl import SERVER_DEFAULTS, Simulation, SimulationConfig
+from fedopt_kernels.fl import Simulation, SimulationConfig
 from fedopt_kernels.fl.server_side import ServerSide
 
 try:
@@ -88,7 +88,7 @@ def test_asnes_step_is_the_gain_ratio_everywhere():
     # [ASNES] eq. (3)-(4c): w <- w - eta_t v with eta_t = r itself, i.e. server lr 1;
     # beta = 0.9 (section 5.1, Fashion-MNIST)
     assert _default(S.ASNES.__init__, "lr") == 1.0 and _default(S.ASNES.__init__, "momentum") == 0.9
-    assert SERVER_DEFAULTS["asnes"] == dict(lr=1.0, momentum=0.9)
+    assert S.ALGORITHMS["asnes"].defaults == dict(lr=1.0, momentum=0.9, smoothing=0.0)
     cfg = SimulationConfig(**{**TINY, "algo": "asnes"})
     model = nn.Linear(3, 2)
     side = ServerSide(cfg, model, torch.zeros(8))
@@ -100,7 +100,7 @@ def test_fedadagrad_beta1_is_zero_everywhere():
     # tf.keras.optimizers.Adagrad (no first moment: google-research/federated
     # utils/optimizers/optimizer_utils.py), and Flower's FedAdagrad fixes beta_1 = 0.
     assert _default(S.FedAdagrad.__init__, "momentum") == 0.0
-    assert SERVER_DEFAULTS["fedadagrad"]["momentum"] == 0.0
+    assert S.ALGORITHMS["fedadagrad"].defaults["momentum"] == 0.0
     cfg = SimulationConfig(**{**TINY, "algo": "fedadagrad"})
     assert cfg.server_betas[0] == 0.9  # FedAdam's beta1 no longer leaks into FedAdagrad
     side = ServerSide(cfg, nn.Linear(3, 2), torch.zeros(8))
@@ -172,11 +172,45 @@ def test_defaults_module_holds_the_papers_values():
     assert defaults.FEDPROX_MU == 0.01
     assert dict(defaults.ADAPTIVE) == dict(betas=(0.9, 0.99), tau=1e-3)
     assert {a: dict(v) for a, v in defaults.SERVER.items()} == {
-        "fedavg": dict(lr=1.0), "fedprox": dict(lr=1.0), "scaffold": dict(lr=1.0),
-        "fedavgm": dict(lr=1.0, momentum=0.9), "fedadam": dict(lr=0.01), "fedyogi": dict(lr=0.01),
-        "fedadagrad": dict(lr=0.1, momentum=0.0), "fedexp": dict(lr=1.0), "asnes": dict(lr=1.0, momentum=0.9),
-        "fedlaw": {}}
-    assert SERVER_DEFAULTS == {a: dict(v) for a, v in defaults.SERVER.items()}
+        "fedavg": dict(lr=1.0), "fedavgm": dict(lr=1.0, momentum=0.9), "fedadam": dict(lr=0.01),
+        "fedyogi": dict(lr=0.01), "fedadagrad": dict(lr=0.1, momentum=0.0), "fedexp": dict(lr=1.0),
+        "asnes": dict(lr=1.0, momentum=0.9)}
+
+
+# The registry's defaults, read from each class, written out with their sources: lr and
+# momentum as above; betas (0.9, 0.99) and tau 1e-3 [Reddi] section 5; FedExP's eps 1e-3
+# [FedExP] section 5; FedLAW's [FedLAW] released code / D.6 (see test_fedlaw_defaults_are_the_papers).
+PAPER_SERVER = {
+    "fedavg": dict(lr=1.0, gamma=1.0), "fedprox": dict(lr=1.0, gamma=1.0), "scaffold": dict(lr=1.0, gamma=1.0),
+    "fedavgm": dict(lr=1.0, momentum=0.9, nesterov=False),
+    "fedadam": dict(lr=0.01, betas=(0.9, 0.99), tau=1e-3), "fedyogi": dict(lr=0.01, betas=(0.9, 0.99), tau=1e-3),
+    "fedadagrad": dict(lr=0.1, momentum=0.0, tau=1e-3),
+    "fedexp": dict(lr=1.0, eps=1e-3, scale_eps_by_clients=False),
+    "asnes": dict(lr=1.0, momentum=0.9, smoothing=0.0),
+    "fedlaw": dict(learn="both", server_epochs=20, lr=0.01, betas=(0.5, 0.999), swa=False, swa_start=5, swa_lr=0.05,
+                   lr_step=(20, 0.5), train_mode=True),
+}
+
+
+def test_registry_defaults_are_read_from_each_class_and_are_the_papers():
+    assert set(S.ALGORITHMS) == set(PAPER_SERVER) == set(PAPER_WEIGHTING)
+    for name, algo in S.ALGORITHMS.items():
+        assert algo.defaults == PAPER_SERVER[name], name
+        assert algo.weighting == PAPER_WEIGHTING[name] and algo.source, name
+    # a class whose default changes changes the registry: nothing else holds the value
+    assert S.ALGORITHMS["fedprox"].cls is S.ALGORITHMS["scaffold"].cls is S.FedAvg
+
+
+def test_simulator_builds_each_algorithm_from_the_registry_with_the_configs_values():
+    cfg = SimulationConfig(**{**TINY, "algo": "fedadam", "server_lr": 0.3, "server_tau": 0.02,
+                              "server_momentum": 0.5})  # fedadam has no momentum: ignored
+    side = ServerSide(cfg, nn.Linear(3, 2), torch.zeros(8))
+    assert type(side.server) is S.FedAdam
+    assert side.hyper == dict(lr=0.3, betas=(0.9, 0.99), tau=0.02)
+    assert _hyper(side.optimizer) == dict(lr=0.3, betas=(0.9, 0.99), tau=0.02)
+    side = ServerSide(SimulationConfig(**{**TINY, "algo": "fedavgm", "server_momentum": 0.5}), nn.Linear(3, 2),
+                      torch.zeros(8))
+    assert _hyper(side.optimizer) == dict(lr=1.0, momentum=0.5, nesterov=False)
 
 
 def _cli_settings(command, argv=()):
@@ -254,7 +288,7 @@ def test_cli_help_states_the_defaults_the_run_uses():
                 "fedlaw_epochs", "proxy_size"} <= set(stated), command
         resolved = _cli_settings(command)
         for dest, text in stated.items():
-            if getattr(resolved, dest) is None:  # "the algorithm's own" (server_momentum): SERVER_DEFAULTS
+            if getattr(resolved, dest) is None:  # "the algorithm's own" (server_momentum): the class's
                 continue
             assert _same(text, getattr(resolved, dest)), (command, dest, text, getattr(resolved, dest))
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _server_cases import one_per_class, params_of
 from fedopt_kernels import ops, server
 
 N, C = 12, 3
@@ -113,11 +114,11 @@ def test_server_optimizer_refuses_dtensor_parameters(mesh):
     assert_same(before, snapshot(opt))
 
 
-@pytest.mark.parametrize("algo", ["FedAvg", "FedAdam", "FedYogi"])
-def test_server_step_refuses_dtensor_updates_and_weights_changing_nothing(mesh, algo):
+@pytest.mark.parametrize("case", params_of(one_per_class()))
+def test_server_step_refuses_dtensor_updates_and_weights_changing_nothing(mesh, case):
     params = model_params()
     names = ["w", "b"]
-    opt = getattr(server, algo)(list(zip(names, params)), lr=0.1)
+    opt = case.make(list(zip(names, params)))
     torch.manual_seed(1)
     opt.step(torch.randn(C, N, dtype=torch.float64))  # a real round first: there is state to keep
     before = snapshot(opt)
@@ -136,7 +137,7 @@ def test_server_step_refuses_dtensor_updates_and_weights_changing_nothing(mesh, 
             opt.step(**kwargs)
         assert_same(before, snapshot(opt))
     # The advice works: the gathered update steps as the plain one does.
-    twin = getattr(server, algo)(list(zip(names, [p.detach().clone() for p in params])), lr=0.1)
+    twin = case.make(list(zip(names, [p.detach().clone() for p in params])))
     twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict would share the tensors
     opt.step(dtensor(U, mesh).full_tensor())
     twin.step(U)

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import _fp64_oracle as fp64
+from _server_cases import one_per_class, params_of
 from fedopt_kernels import ops
-from fedopt_kernels.server import ASNES, FedAdam, FedAvg, FedAvgM, FedExP, FedLAW, FedYogi
+from fedopt_kernels.server import FedAdam, FedAvg, FedLAW
 
 
 def net():
@@ -101,13 +102,10 @@ def test_names_need_a_named_optimizer():
 
 
 # --------------------------------------------------------------------------- nothing changes first
-@pytest.mark.parametrize("make", [lambda m: FedAvg(m.parameters(), lr=0.5), lambda m: FedAvgM(m.parameters()),
-                                  lambda m: FedAdam(m.parameters(), lr=0.1), lambda m: FedYogi(m.parameters()),
-                                  lambda m: FedExP(m.parameters()), lambda m: ASNES(m.parameters())],
-                         ids=["fedavg", "fedavgm", "fedadam", "fedyogi", "fedexp", "asnes"])
-def test_every_server_optimizer_refuses_bad_input_before_writing(make):
+@pytest.mark.parametrize("case", params_of(one_per_class()))
+def test_every_server_optimizer_refuses_bad_input_before_writing(case):
     model = net()
-    opt = make(model)
+    opt = case.make(model.parameters())
     N = opt.numel
     opt.step(torch.randn(3, N), [1, 2, 3])
     before = snapshot(opt)

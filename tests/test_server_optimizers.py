@@ -10,6 +10,7 @@ from torch import nn
 import python_ref.asnes as R_asnes
 import python_ref.fedexp as R_fedexp
 import python_ref.server_optimizers as R
+from _server_cases import CASES  # the one table of server-optimizer cases
 from fedopt_kernels.server import ASNES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedYogi
 from fedopt_kernels.utils import module_to_vector, vector_to_module
 
@@ -19,21 +20,6 @@ def on(device, updates):
     if isinstance(updates, torch.Tensor):
         return updates.to(device)
     return [u.to(device) for u in updates]
-
-
-# name -> (class, hyperparameters); non-default values so that every term matters.
-CASES = {
-    "FedAvg": (FedAvg, dict(lr=0.9, gamma=0.97)),
-    "FedAvgM": (FedAvgM, dict(lr=0.7, momentum=0.8)),
-    "FedAvgM-nesterov": (FedAvgM, dict(lr=0.7, momentum=0.8, nesterov=True)),
-    "FedAdam": (FedAdam, dict(lr=0.05, betas=(0.8, 0.95), tau=1e-2)),
-    "FedYogi": (FedYogi, dict(lr=0.05, betas=(0.8, 0.95), tau=1e-2)),
-    "FedAdagrad": (FedAdagrad, dict(lr=0.05, momentum=0.5, tau=1e-2)),
-    "FedExP": (FedExP, dict(lr=1.0, eps=1e-3)),
-    "FedExP-released-eps": (FedExP, dict(lr=0.9, eps=0.05, scale_eps_by_clients=True)),
-    "ASNES": (ASNES, dict(lr=0.5, momentum=0.85)),
-    "ASNES-smoothed": (ASNES, dict(lr=0.5, momentum=0.85, smoothing=0.7)),
-}
 
 
 class Oracle:
@@ -121,7 +107,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_oracle_over_rounds_float64(name, backend):
     backend, device = backend
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     model = make_model()
     oracle = Oracle(name, kw, module_to_vector(model))
     model.to(device)
@@ -141,7 +127,7 @@ def test_matches_oracle_float32(name, backend):
     GPU machine) against the oracle in fp32.  Tensor weights go to the model's device
     (read there without a sync), list weights stay on the host."""
     backend, device = backend
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     model = make_model(torch.float32)
     oracle = Oracle(name, kw, module_to_vector(model))
     model.to(device)
@@ -204,7 +190,7 @@ def test_channels_last_params_step_like_contiguous_ones(name):
     """The fused step pairs elements by memory position and ``D`` is in logical order:
     a channels_last conv weight (stepped on contiguous copies) must end exactly where
     the same weight stored contiguously does, and keep its memory format."""
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 4, 3).double()
     last = copy.deepcopy(conv).to(memory_format=torch.channels_last)
@@ -225,7 +211,7 @@ def test_channels_last_params_step_like_contiguous_ones(name):
 # --------------------------------------------------------------------------- state_dict
 @pytest.mark.parametrize("name", list(CASES))
 def test_state_dict_restore_continues_bitwise(name):
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     rounds = make_rounds(N_PARAMS, rounds=6)
     model = make_model()
     opt = cls(model.parameters(), **kw)
@@ -252,7 +238,7 @@ def test_state_dict_restore_continues_bitwise(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_nonfinite_client_is_excluded(name, backend):
     backend, device = backend
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     kw = dict(kw, backend=backend)
     model, ref_model = make_model().to(device), make_model().to(device)
     opt = cls(model.parameters(), **kw)
@@ -278,7 +264,7 @@ def test_nonfinite_client_is_excluded(name, backend):
 @pytest.mark.parametrize("name", list(CASES))
 def test_all_clients_nonfinite_skips_the_round(name, backend):
     backend, device = backend
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     kw = dict(kw, backend=backend)
     rounds = [(on(device, u), w) for u, w in make_rounds(N_PARAMS, rounds=4)]
     model, ref_model = make_model().to(device), make_model().to(device)
@@ -381,7 +367,7 @@ def _bad_steps(N):
 
 @pytest.mark.parametrize("name", ["FedAvg", "FedAdam", "ASNES-smoothed", "FedExP"])
 def test_bad_step_input_is_rejected_and_changes_nothing(name):
-    cls, kw = CASES[name]
+    cls, kw = CASES[name].cls, CASES[name].hyper
     model = make_model()
     opt = cls(model.parameters(), **kw)
     opt.step(*make_rounds(opt.numel, rounds=1)[0])  # some state to protect

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import python_ref.server_optimizers as R
-from _fp64_oracle import acc_dtype as acc_of  # the accumulation dtype the op promises
+from _asserts import acc_of, bits
 from _server_update_oracle import server_update_exact
 from fedopt_kernels import backends, ops
 
@@ -20,10 +20,6 @@ RULES = [("sgd", False), ("momentum", False), ("momentum", True), ("adagrad", Fa
 HYPER = dict(beta1=0.8, beta2=0.95, tau=1e-2)
 # Sizes straddle the kernels' chunks (64Ki on CPU) and vector widths; one tensor is empty.
 SIZES = [(1,), (5,), (0,), (33, 31), (1025,), (70001,)]
-
-
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def make_case(rule, dtype, device, sizes=SIZES, *, offset=3, seed=0):

@@ -21,17 +21,13 @@ import pytest
 import torch
 
 from conftest import import_triton_module
+from _asserts import acc_of
 from fedopt_kernels.backends.hyper import split
 
 TB = import_triton_module("fedopt_kernels.backends.triton")
 _tables = importlib.import_module("fedopt_kernels.backends.triton._tables")
 _chunks = importlib.import_module("fedopt_kernels.backends._chunks")
 _kernels = importlib.import_module("fedopt_kernels.backends.triton.server_update")
-
-
-def acc_of(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype the kernels promise: fp64 for fp64 data, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

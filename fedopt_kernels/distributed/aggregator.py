@@ -8,7 +8,8 @@ import torch
 
 from ..ops import ClientPieces
 from ..ops.aggregate import aggregate_runner, check_weight_values
-from ..server.aggregation import RoundAggregate, check_weight_tensor, normalize_weights, weight_numbers
+from ..server.aggregation import (CheckedWeights, RoundAggregate, check_weight_tensor, normalize_weights,
+                                  weight_numbers)
 from ..server.weighting import cap_weight_shares, check_max_weight_share
 from . import comm
 from .aggregate import (BAD_CLIENT_POLICIES, MODES, _aggregate_planned, drop_clients, good_plan, kept_index,
@@ -127,6 +128,10 @@ def _weights_to_exchange(weights, C: int, device: torch.device, exclude: bool = 
     ``bad`` as ``(local index, detail)``) or ``("device", tensor, dtype, [])``."""
     if weights is None:
         return "uniform", None, None, []
+    if isinstance(weights, CheckedWeights):  # checked where the round's weights entered
+        if len(weights) != C:
+            raise ValueError(f"weights has {len(weights)} entries but this rank has {C} clients")
+        return "host", weights.values.tolist(), None, []
     rank = "this rank has {C} clients"
     if isinstance(weights, torch.Tensor):
         check_weight_tensor(weights, C, device, clients=rank)

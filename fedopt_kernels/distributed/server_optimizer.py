@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..server import ServerOptimizer, ServerStats
+from ..server import ServerOptimizer, ServerRoundStats, ServerStats
 from .aggregate import expand_rows
 from .aggregator import DistributedAggregator
 
@@ -85,6 +85,17 @@ class DistributedServerOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+    # A server of fedopt_kernels.server.round: it takes the updates, the caller averages
+    # the buffers, and its round is the wrapped optimizer's on every rank's clients.
+    takes = "updates"
+    keeps_buffers = False
+    weights_are_a_share = True  # this rank's clients' weights: "not all zero" holds for the union
+
+    def round(self, updates, weights=None) -> ServerRoundStats:
+        """One round of :mod:`fedopt_kernels.server.round` over every rank's clients
+        (collective): :meth:`step`, and its statistics by their record names."""
+        return self.optimizer.round_stats(self.step(updates, weights))
 
     @torch.no_grad()
     def step(self, updates, weights=None) -> ServerStats:

@@ -35,7 +35,7 @@ from .models import MLP, SimpleCNN, build_model, model_names, register_model  # 
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition  # noqa: E402
 from .results import Results, plot_comparison  # noqa: E402
 from .seeds import batch_seed, derive_seed, init_seed  # noqa: E402
-from .server_side import SERVER_DEFAULTS, ServerSide  # noqa: E402
+from .server_side import ServerSide  # noqa: E402
 from .simulation import Simulation, make_partition, proxy_split, sample_clients  # noqa: E402
 
 __all__ = [
@@ -45,6 +45,5 @@ __all__ = [
     "proxy_split",
     "MLP", "SimpleCNN", "build_model", "register_model", "model_names",
     "LocalConfig", "LocalTrainer", "ScaffoldState", "derive_seed", "init_seed", "batch_seed", "ServerSide",
-    "SERVER_DEFAULTS",
     "BatchedTrainer", "EngineFallbackWarning",
 ]

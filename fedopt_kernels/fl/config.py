@@ -16,7 +16,7 @@ from .. import defaults as D
 from ..lr_scheduler import KINDS as DECAY_KINDS
 from ..lr_scheduler import PER as DECAY_PER
 from ..ops import MODES as NAR_MODES
-from ..server.weighting import WEIGHTINGS, resolve_weighting
+from ..server.registry import WEIGHTINGS, resolve_weighting
 from .corruption import CORRUPT_KINDS
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
@@ -44,7 +44,7 @@ class SimulationConfig:
     (Dirichlet alpha 0.3, 20 local steps, local lr decayed by 0.998 per round, max norm
     10) scaled to the 1437 training images of
     ``digits``: 20 clients, 10 per round.  ``server_lr=None`` picks the algorithm's own
-    default (:data:`fedopt_kernels.fl.server_side.SERVER_DEFAULTS`).
+    default (the class's, :attr:`fedopt_kernels.server.Algorithm.defaults`).
 
     ``weighting``: how the server weights the round's clients -- ``"auto"`` (default)
     each algorithm's own rule, as its paper states it

@@ -89,10 +89,10 @@ class DistributedSimulation(Simulation):
         config.validate()
         self._check_same_config(config)
         super().__init__(config, **kwargs)
-        if self.server.optimizer is not None:  # the cap needs every rank's weights: the wrapper applies it
-            self.server.optimizer = DistributedServerOptimizer(self.server.optimizer, group, mode=mode,
-                                                               max_weight_share=self.server.max_weight_share,
-                                                               on_bad_client=config.on_bad_client)
+        if self.server.round.takes == "updates":  # the cap needs every rank's weights: the wrapper applies it
+            self.server.server = DistributedServerOptimizer(self.server.server, group, mode=mode,
+                                                            max_weight_share=self.server.max_weight_share,
+                                                            on_bad_client=config.on_bad_client)
             self.server.max_weight_share = None
         self._log_exclusions = self.rank == 0
         self.results.meta["distributed"] = {
@@ -187,7 +187,7 @@ class DistributedSimulation(Simulation):
 
     def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
         plan = self._kept_plan  # this round's clients that took part, per rank
-        if self.server.fedlaw is not None:  # FedLAW needs every client model on every rank
+        if self.server.round.takes == "models":  # FedLAW needs every client model on every rank
             rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
             self.updates[:len(clients)].copy_(rows)
             return super()._server_step(clients, sizes)

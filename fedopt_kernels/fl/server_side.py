@@ -1,4 +1,4 @@
-"""The server side of a simulated round: one interface over every server algorithm.
+"""The server side of a simulated round: the server algorithm of ``config.algo`` and its round.
 
 ``--algo`` picks a (client correction, server step) pair:
 
@@ -17,6 +17,10 @@ asnes         "                      :class:`~fedopt_kernels.server.ASNES`
 fedlaw        "                      :class:`~fedopt_kernels.server.FedLAW` (proxy set)
 ============  =====================  ==============================================
 
+The server column is :data:`fedopt_kernels.server.ALGORITHMS` (the registry: class,
+weighting rule, defaults read from the class); the round is
+:class:`fedopt_kernels.server.ServerRound`, the one the Flower strategies run too.
+
 A round's clients reach :meth:`ServerSide.step` only if they took part: a client left
 out before the step (``no_data``, ``error``: :mod:`.simulation`) has no row; the step
 itself leaves out NaN/Inf updates (``nonfinite``).  ``--max-weight-share`` caps a
@@ -34,31 +38,26 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from .. import defaults as D
 from .. import server as S
-from ..server.weighting import cap_weight_shares
 from .config import SimulationConfig
 
-__all__ = ["SERVER_DEFAULTS", "ServerSide", "BAD_CLIENT_REASONS"]
+__all__ = ["ServerSide", "BAD_CLIENT_REASONS"]
 
 # Why a simulated client is left out of its round, in the order the record lists them:
 # no samples to train on, its local training raised, its update holds NaN/Inf.
 BAD_CLIENT_REASONS = ("no_data", "error", "nonfinite")
-
-# Server hyperparameters used when the config leaves them unset (server_lr=None ...):
-# fedopt_kernels.defaults.SERVER, which the classes of fedopt_kernels.server and the
-# Flower strategies read too (each value's source is written there).
-SERVER_DEFAULTS: Dict[str, dict] = {algo: dict(values) for algo, values in D.SERVER.items()}
 
 
 class ServerSide:
     """Builds the server algorithm of ``config.algo`` over ``model`` (the global model,
     whose parameters are views of the flat vector ``x_global``) and runs its round.
 
-    :meth:`step` takes the round's ``[C, N]`` updates ``D_i = x_global - x_end_i`` and
-    the clients' data sizes, weights the clients by ``config.resolved_weighting``
-    (:mod:`fedopt_kernels.server.weighting`), updates the global model in place and
-    returns its statistics as device tensors (read them once per round).
+    :attr:`server` is the algorithm (from :data:`fedopt_kernels.server.ALGORITHMS`, with
+    the hyperparameters :attr:`hyper`: the class's defaults and what ``config`` sets);
+    :attr:`round` its :class:`~fedopt_kernels.server.ServerRound`, weighting the clients
+    by ``config.resolved_weighting``.  :meth:`step` takes the round's ``[C, N]`` updates
+    ``D_i = x_global - x_end_i`` and the clients' data sizes, updates the global model in
+    place and returns its statistics as device tensors (read them once per round).
     :attr:`last_excluded` is the round's ``[C]`` mask of clients left out (NaN/Inf).
     :attr:`max_weight_share` (``config.max_weight_share`` under ``weighting="size"``,
     else None) caps each client's share of the weights; the distributed simulator
@@ -71,77 +70,75 @@ class ServerSide:
         self.config = config
         self.algo = config.algo
         self.x_global = x_global
-        defaults = dict(SERVER_DEFAULTS[self.algo])
-        if config.server_lr is not None:
-            defaults["lr"] = config.server_lr
-        if config.server_momentum is not None and "momentum" in defaults:
-            defaults["momentum"] = config.server_momentum
-        self.hyper = defaults
+        algo = S.algorithm(self.algo)
+        self.hyper = algo.hyperparameters(config)
         self.weighting = config.resolved_weighting
-        self.max_weight_share = config.max_weight_share if self.weighting == "size" else None
         self.last_excluded: Optional[torch.Tensor] = None
-        params = [p for _, p in model.named_parameters()]
-        b = config.backend
-        algo = self.algo
-        self.fedlaw: Optional[S.FedLAW] = None
-        self.optimizer: Optional[S.ServerOptimizer] = None
-        if algo in ("fedavg", "fedprox", "scaffold"):
-            self.optimizer = S.FedAvg(params, lr=defaults["lr"], backend=b)
-        elif algo == "fedavgm":
-            self.optimizer = S.FedAvgM(params, lr=defaults["lr"], momentum=defaults["momentum"], backend=b)
-        elif algo == "fedadam":
-            self.optimizer = S.FedAdam(params, lr=defaults["lr"], betas=config.server_betas, tau=config.server_tau,
-                                       backend=b)
-        elif algo == "fedyogi":
-            self.optimizer = S.FedYogi(params, lr=defaults["lr"], betas=config.server_betas, tau=config.server_tau,
-                                       backend=b)
-        elif algo == "fedadagrad":
-            self.optimizer = S.FedAdagrad(params, lr=defaults["lr"], momentum=defaults["momentum"],
-                                          tau=config.server_tau, backend=b)
-        elif algo == "fedexp":
-            self.optimizer = S.FedExP(params, lr=defaults["lr"], eps=config.fedexp_eps, backend=b)
-        elif algo == "asnes":
-            self.optimizer = S.ASNES(params, lr=defaults["lr"], momentum=defaults["momentum"], backend=b)
-        elif algo == "fedlaw":
+        if algo.cls.takes == "models":  # FedLAW: built over the model, learns on a proxy set
             if proxy_loader is None or loss_fn is None:
-                raise ValueError("fedlaw needs a proxy loader and a loss function")
-            self.fedlaw = S.FedLAW(model, proxy_loader, loss_fn, learn=config.fedlaw_learn,
-                                   server_epochs=config.fedlaw_epochs, lr=config.fedlaw_lr, backend=b)
-            self.hyper = dict(learn=config.fedlaw_learn, server_epochs=config.fedlaw_epochs, lr=config.fedlaw_lr)
-        else:  # pragma: no cover - the config validates algo
-            raise ValueError(f"unknown algorithm {algo!r}")
+                raise ValueError(f"{self.algo} needs a proxy loader and a loss function")
+            server = algo.cls(model, proxy_loader, loss_fn, backend=config.backend, **self.hyper)
+        else:
+            server = algo.cls([p for _, p in model.named_parameters()], backend=config.backend, **self.hyper)
+        self.round = S.ServerRound(server, self.weighting, config.max_weight_share)
 
+    # ------------------------------------------------------------------ the one server
+    @property
+    def server(self):
+        """The server algorithm (a :class:`~fedopt_kernels.server.ServerOptimizer`, a
+        :class:`~fedopt_kernels.server.FedLAW`, or a wrapper of one such as
+        :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`)."""
+        return self.round.server
+
+    @server.setter
+    def server(self, server) -> None:
+        self.round = S.ServerRound(server, self.weighting, self.round.max_weight_share)
+
+    @property
+    def optimizer(self) -> Optional[S.ServerOptimizer]:
+        """:attr:`server` where it is a server optimizer (or a wrapper of one), else None."""
+        return self.server if self.server.takes == "updates" else None
+
+    @optimizer.setter
+    def optimizer(self, optimizer) -> None:
+        self.server = optimizer
+
+    @property
+    def fedlaw(self) -> Optional[S.FedLAW]:
+        """:attr:`server` where it learns on the client models (FedLAW), else None."""
+        return self.server if self.server.takes == "models" else None
+
+    @property
+    def max_weight_share(self) -> Optional[float]:
+        return self.round.max_weight_share
+
+    @max_weight_share.setter
+    def max_weight_share(self, value: Optional[float]) -> None:
+        self.round.max_weight_share = value
+
+    # ------------------------------------------------------------------ round
     @torch.no_grad()
     def step(self, updates: torch.Tensor, data_sizes: torch.Tensor) -> Dict[str, Optional[torch.Tensor]]:
-        """One server round.  ``updates`` ``[C, N]`` may be overwritten (FedLAW turns
-        it into the client models ``x_global - D_i`` in place, without a copy)."""
-        weights = S.client_weights(self.weighting, data_sizes)
-        if weights is not None and self.max_weight_share is not None:
-            weights = cap_weight_shares(weights, self.max_weight_share)  # shares: what a size can buy
-        if self.fedlaw is not None:
+        """One server round.  ``updates`` ``[C, N]`` may be overwritten (a server that
+        takes the client models gets ``x_global - D_i``, made in place without a copy)."""
+        if self.round.takes == "models":
             updates.neg_().add_(self.x_global)  # client models w_i = x - D_i, in place
-            # lambda starts from the data-size weights ([FedLAW] Algorithm 1 line 10),
-            # or from 1/C under weighting="uniform"
-            lam0 = weights.tolist() if weights is not None else [1.0] * updates.shape[0]
-            gamma, lam = self.fedlaw.step(updates, lam0)
-            self.last_excluded = self.fedlaw.last_round.excluded
-            losses = self.fedlaw.last_round.losses
-            return {"gamma": gamma, "lambda": lam,
-                    "proxy_loss": losses[-1] if losses.numel() else None,
-                    "excluded_clients": self.fedlaw.last_round.excluded.sum()}
-        st = self.optimizer.step(updates, weights)
-        self.last_excluded = st.excluded
-        lr = self.optimizer.param_groups[0]["lr"]
-        out = {
-            "server_lr": st.lr_scale * lr,
-            "lr_scale": st.lr_scale,
-            "update_norm": st.update_sq_norm.sqrt(),
-            "excluded_clients": st.excluded.sum(),
-            "server_skipped": st.skipped,
-        }
-        if st.gain_ratio is not None:
-            out.update(gain_ratio=st.gain_ratio, sigma2=st.sigma2, nu2=st.nu2)
-        return out
+        stats = self.round(updates, data_sizes)
+        self.last_excluded = stats.excluded
+        return stats.metrics
+
+    @property
+    def averages_buffers(self) -> bool:
+        """Whether the round averages the clients' floating buffers (False where the
+        server keeps its own: FedLAW's proxy-trained statistics)."""
+        return not self.server.keeps_buffers
+
+    def buffers(self, rows: torch.Tensor, sizes, current: torch.Tensor,
+                excluded: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The new global floating buffers, weighted like the parameters
+        (:meth:`fedopt_kernels.server.ServerRound.buffers`; None where the server keeps
+        its own)."""
+        return self.round.buffers(rows, sizes, current, excluded)
 
     def state_dict(self) -> dict:
         """The server's state (tensors and plain values only: ``torch.load(weights_only=True)``)."""

@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..server import average_buffers
+from ..server import read_metrics
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
@@ -505,12 +505,12 @@ class Simulation:
                 excluded = self.server.last_excluded
                 if self.scaffold is not None:  # after the step: without the clients it excluded
                     self.scaffold.server_update(excluded, clients=kept)
-                if self._has_buffers and self.server.fedlaw is None:
+                if self._has_buffers and self.server.averages_buffers:
                     # floating buffers (BatchNorm statistics): weighted like the parameters.  FedLAW's
                     # model keeps the statistics of its proxy training ([FedLAW], released code).
                     current = buffers_to_vector(self.global_model)
-                    vector_to_buffers(average_buffers(self.buffer_rows[:C], self.server.weighting, sizes, current,
-                                                      excluded), self.global_model)
+                    vector_to_buffers(self.server.buffers(self.buffer_rows[:C], sizes, current, excluded),
+                                      self.global_model)
             else:  # no client left: the round is skipped, as when every update is NaN/Inf
                 server_stats, excluded = {"server_skipped": True}, None
                 self.server.last_excluded = None
@@ -654,19 +654,6 @@ def _restore(stats: RoundStats, saved: tuple) -> None:
 
 
 def _read_server_stats(stats: dict) -> dict:
-    """Device tensors -> Python numbers, with one host sync for the scalars."""
-    out, scalars = {}, []
-    for key, value in stats.items():
-        if value is None:
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            scalars.append((key, value))
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().cpu().tolist()
-        else:
-            out[key] = value
-    if scalars:
-        values = torch.stack([v.detach().to(torch.float64).cpu() for _, v in scalars]).tolist()
-        for (key, t), v in zip(scalars, values):
-            out[key] = bool(v) if t.dtype == torch.bool else (int(v) if not t.is_floating_point() else v)
-    return out
+    """Device tensors -> Python numbers, with one host sync for the scalars
+    (:func:`fedopt_kernels.server.read_metrics`, the reader of every server round)."""
+    return read_metrics(stats)

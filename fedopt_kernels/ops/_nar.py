@@ -39,14 +39,28 @@ def check_mode(mode) -> int:
     return MODES.index(mode)
 
 
-def check_common(lr, weight_decay, max_norm, mode, momentum, backend, device, dtype, lr_sizes):
+def check_clip(max_norm, mode, backend):
+    """``(max_norm, mode_id)``: the arguments one FedNAR call shares, checked once at the
+    public op's entry and passed down as the kernels take them (``mode`` as its index in
+    :data:`MODES`, the encoding every backend shares)."""
     mode_id = check_mode(mode)
+    max_norm = V.check_real(max_norm, "max_norm", low=0.0, low_open=True, allow_inf=True)
+    V.check_backend(backend)
+    return max_norm, mode_id
+
+
+def check_part(lr, weight_decay, momentum, device, dtype, lr_sizes):
+    """``(lr, weight_decay, momentum)`` of one part (one dtype and device), checked."""
     acc = V.acc_dtype(dtype)
     lr = V.check_hyper(lr, "lr", device, acc, sizes=lr_sizes)
     weight_decay = V.check_hyper(weight_decay, "weight_decay", device, acc, sizes=lr_sizes)
-    max_norm = V.check_real(max_norm, "max_norm", low=0.0, low_open=True, allow_inf=True)
     momentum = V.check_real(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-    V.check_backend(backend)
+    return lr, weight_decay, momentum
+
+
+def check_common(lr, weight_decay, max_norm, mode, momentum, backend, device, dtype, lr_sizes):
+    max_norm, mode_id = check_clip(max_norm, mode, backend)
+    lr, weight_decay, momentum = check_part(lr, weight_decay, momentum, device, dtype, lr_sizes)
     return lr, weight_decay, max_norm, mode_id, momentum
 
 
@@ -84,13 +98,13 @@ def _check_buffers(momentum_buffers, params) -> list:
     return bufs
 
 
-def step(params: list, grads: list, fast: bool, *, lr, weight_decay, max_norm, mode, momentum, momentum_buffers,
-         grad_scale, found_inf, backend) -> NarStats:
-    """The fused step of lists from :func:`checked_lists` (not ``mixed``): the
-    hyperparameters checked, then one backend call (see :func:`nar_step_`)."""
+def step(params: list, grads: list, fast: bool, *, lr, weight_decay, max_norm: float, mode_id: int, momentum,
+         momentum_buffers, grad_scale, found_inf, backend) -> NarStats:
+    """The fused step of lists from :func:`checked_lists` (not ``mixed``), ``max_norm``
+    and ``mode_id`` from :func:`check_clip`: the part's hyperparameters checked, then one
+    backend call (see :func:`nar_step_`)."""
     device, dtype = params[0].device, params[0].dtype
-    lr, weight_decay, max_norm, mode_id, momentum = check_common(
-        lr, weight_decay, max_norm, mode, momentum, backend, device, dtype, lr_sizes=((),))
+    lr, weight_decay, momentum = check_part(lr, weight_decay, momentum, device, dtype, lr_sizes=((),))
     bufs: list = []
     if momentum != 0.0:
         fast_bufs = fast and momentum_buffers is not None  # the fast pass checked them

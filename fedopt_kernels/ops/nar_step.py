@@ -8,7 +8,8 @@ import torch
 
 from ..backends.hyper import split
 from . import _dispatch, _dtensor, validation as V
-from ._nar import MODES, NarStats, check_common, checked_lists, step
+from .. import defaults as D
+from ._nar import MODES, NarStats, check_clip, check_common, checked_lists, step
 from .nar_step_groups import NarGroup, nar_step_groups_
 
 __all__ = ["MODES", "NarStats", "nar_step_", "nar_step_batched_"]
@@ -20,8 +21,8 @@ def nar_step_(
     *,
     lr,
     weight_decay=0.0,
-    max_norm: float = 10.0,
-    mode: str = "co",
+    max_norm: float = D.LOCAL["max_norm"],
+    mode: str = D.LOCAL["nar"],
     momentum: float = 0.0,
     momentum_buffers: Optional[Sequence[torch.Tensor]] = None,
     grad_scale: Optional[torch.Tensor] = None,
@@ -67,9 +68,10 @@ def nar_step_(
     if not _dtensor.any_dtensor(params if isinstance(params, (list, tuple)) else ()):
         checked_params, checked_grads, fast, mixed = checked_lists(params, grads, momentum, momentum_buffers)
         if not mixed:
+            max_norm, mode_id = check_clip(max_norm, mode, backend)
             return step(checked_params, checked_grads, fast, lr=lr, weight_decay=weight_decay, max_norm=max_norm,
-                        mode=mode, momentum=momentum, momentum_buffers=momentum_buffers, grad_scale=grad_scale,
-                        found_inf=found_inf, backend=backend)
+                        mode_id=mode_id, momentum=momentum, momentum_buffers=momentum_buffers,
+                        grad_scale=grad_scale, found_inf=found_inf, backend=backend)
         params, grads = checked_params, checked_grads
     # sharded parameters (one norm over the whole model, ops/_dtensor.py) or tensors of
     # several dtypes or devices: one group of nar_step_groups_
@@ -84,8 +86,8 @@ def nar_step_batched_(
     *,
     lr,
     weight_decay=0.0,
-    max_norm: float = 10.0,
-    mode: str = "co",
+    max_norm: float = D.LOCAL["max_norm"],
+    mode: str = D.LOCAL["nar"],
     momentum: float = 0.0,
     momentum_buffers: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,

@@ -29,7 +29,8 @@ import torch
 
 from ..backends.hyper import split
 from . import _dispatch, _dtensor, validation as V
-from ._nar import NarStats, check_mode, checked_lists, step
+from .. import defaults as D
+from ._nar import NarStats, check_clip, checked_lists, step
 
 Hyper = Union[float, torch.Tensor]
 
@@ -187,8 +188,8 @@ def _parts(groups: Sequence, plain_names: bool = False) -> List[_Part]:
 def nar_step_groups_(
     groups: Sequence[Union[NarGroup, dict]],
     *,
-    max_norm: float = 10.0,
-    mode: str = "co",
+    max_norm: float = D.LOCAL["max_norm"],
+    mode: str = D.LOCAL["nar"],
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
@@ -229,9 +230,7 @@ def nar_step_groups_(
         tensor's device, float32 (float64 if any tensor is float64).
     """
     parts = _parts(groups, plain_names=_plain_names)
-    mode_id = check_mode(mode)
-    max_norm = V.check_real(max_norm, "max_norm", low=0.0, low_open=True, allow_inf=True)
-    V.check_backend(backend)
+    max_norm, mode_id = check_clip(max_norm, mode, backend)  # once: the step below trusts them
     grad_scale = _check_one_element(grad_scale, "grad_scale")
     found_inf = _check_one_element(found_inf, "found_inf")
     if len(parts) == 1 and not parts[0].reduce_over:
@@ -239,7 +238,7 @@ def nar_step_groups_(
         bufs = p.bufs or None
         params, grads, fast, _ = checked_lists(p.params, p.grads, p.momentum, bufs)  # one part: not mixed
         return step(params, grads, fast, lr=_to(p.lr, p.device), weight_decay=_to(p.weight_decay, p.device),
-                    max_norm=max_norm, mode=mode, momentum=p.momentum, momentum_buffers=bufs,
+                    max_norm=max_norm, mode_id=mode_id, momentum=p.momentum, momentum_buffers=bufs,
                     grad_scale=_to(grad_scale, p.device), found_inf=_to(found_inf, p.device), backend=backend)
     return _step_parts(parts, max_norm, mode_id, grad_scale, found_inf, backend)
 

@@ -20,9 +20,13 @@ weights and the shrinking factor on a proxy dataset.
 ``FedLAW``      learned gamma and lambda on a proxy set ([FedLAW] eq. 3, 8)
 ==============  ==========================================================
 
-Shared by the simulator and the Flower strategies: :mod:`.weighting` (each algorithm's
-client weighting, ``weighting="auto"``, and the averaging of floating buffers) and
-:func:`scaffold_control_update_` (SCAFFOLD's control variates).
+Every algorithm, FedLAW included, runs a round through one interface
+(:mod:`.round`: ``takes``, ``keeps_buffers``, ``round(results, weights) ->
+ServerRoundStats``); :class:`ServerRound` adds the client weighting, and the simulator, the
+Flower strategies and ``torch.distributed`` all call it.  :mod:`.registry` names the
+algorithms: class, ``weighting="auto"`` rule with its source, defaults read from the
+class.  Shared too: :mod:`.weighting` (client weights, the averaging of floating
+buffers) and :func:`scaffold_control_update_` (SCAFFOLD's control variates).
 """
 
 from ._base import RoundInfo, ServerOptimizer, ServerStats
@@ -35,12 +39,15 @@ from .fedavgm import FedAvgM
 from .fedexp import FedExP
 from .fedlaw import FedLAW, FedLAWRound
 from .fedyogi import FedYogi
+from .registry import ALGORITHM_WEIGHTING, ALGORITHMS, WEIGHTINGS, Algorithm, algorithm, resolve_weighting
+from .round import ServerRound, ServerRoundStats, read_metrics, round_weights
 from .scaffold import scaffold_control_update_
-from .weighting import ALGORITHM_WEIGHTING, WEIGHTINGS, average_buffers, client_weights, resolve_weighting
+from .weighting import average_buffers, client_weights
 
 __all__ = [
     "ServerOptimizer", "ServerStats", "RoundInfo", "FedAvg", "FedAvgM", "FedAdagrad", "FedAdam", "FedYogi",
     "FedExP", "ASNES", "FedLAW", "FedLAWRound", "scaffold_control_update_", "WEIGHTINGS", "ALGORITHM_WEIGHTING",
     "resolve_weighting", "client_weights", "average_buffers", "Aggregator", "LocalAggregator", "RoundAggregate",
-    "normalize_weights",
+    "normalize_weights", "ALGORITHMS", "Algorithm", "algorithm", "ServerRound", "ServerRoundStats", "round_weights",
+    "read_metrics",
 ]

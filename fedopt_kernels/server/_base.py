@@ -57,6 +57,7 @@ from ..ops import ClientPieces, server_update_
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..optim.eager_base import EagerOptimizer
 from .aggregation import Aggregator, LocalAggregator, RoundAggregate, refuse_dtensor
+from .round import ServerRoundStats
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
 NONFINITE = ("exclude", "propagate")
@@ -161,6 +162,9 @@ class ServerOptimizer(EagerOptimizer):
     :class:`LocalAggregator`; a :class:`~fedopt_kernels.distributed.DistributedAggregator`
     for the clients of every rank).
     """
+
+    takes = "updates"  # a round hands it D_i = x_global - x_i (fedopt_kernels.server.round)
+    keeps_buffers = False  # the caller averages the clients' floating buffers with the round's weights
 
     def __init__(self, params, defaults: dict, *, nonfinite: str = "exclude",
                  max_client_norm: Optional[float] = None, backend: Optional[str] = None,
@@ -417,6 +421,30 @@ class ServerOptimizer(EagerOptimizer):
             update_sq_norm=st.sq_norm, client_sq_norms=st.client_sq_norms, excluded=st.excluded,
             weights=st.weights, skipped=info.skip, num_clients=info.num_clients,
             mean_client_sq_norm=info.mean_sq, **extra)
+
+    def round(self, updates: Updates, weights=None) -> ServerRoundStats:
+        """One round of :mod:`fedopt_kernels.server.round`: :meth:`step`, and its
+        statistics by their record names (:meth:`round_stats`)."""
+        return self.round_stats(self.step(updates, weights))
+
+    def round_stats(self, st: ServerStats) -> ServerRoundStats:
+        """A :class:`ServerStats` as the :class:`~fedopt_kernels.server.round.ServerRoundStats` of
+        every server round: ``server_lr`` (the first group's lr times ``lr_scale``, in
+        float64), ``lr_scale``, ``update_norm`` (``||D||``, in float64),
+        ``excluded_clients``, ``server_skipped`` and, for ASNES, ``gain_ratio``,
+        ``sigma2``, ``nu2``.  No host synchronisation."""
+        lr = self.param_groups[0]["lr"]
+        lr = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+        metrics = {
+            "server_lr": st.lr_scale.to(torch.float64) * lr,
+            "lr_scale": st.lr_scale,
+            "update_norm": st.update_sq_norm.to(torch.float64).sqrt(),
+            "excluded_clients": st.excluded.sum(),
+            "server_skipped": st.skipped,
+        }
+        if st.gain_ratio is not None:
+            metrics.update(gain_ratio=st.gain_ratio, sigma2=st.sigma2, nu2=st.nu2)
+        return ServerRoundStats(excluded=st.excluded, skipped=st.skipped, metrics=metrics, stats=st)
 
     @staticmethod
     def _round_info(round_: RoundAggregate) -> RoundInfo:

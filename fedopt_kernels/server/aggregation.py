@@ -9,24 +9,70 @@ and the *step* its subclass applies to ``D``.  The first half is an
 process's clients with one fused :func:`fedopt_kernels.ops.aggregate`;
 :class:`fedopt_kernels.distributed.DistributedAggregator` averages the union of every
 rank's clients.  Both normalise the weights with :func:`normalize_weights` and describe
-the round with :meth:`RoundAggregate.of`, so a step cannot tell which one ran.
+the round with :meth:`RoundAggregate.of`, so a step cannot tell which one ran.  This is
+the one place where another aggregation rule (a robust one, say) plugs in: an
+:class:`Aggregator` reads from the optimizer only what :class:`AggregatingOptimizer`
+names, so this module does not import the optimizers.
+
+Client weights are checked once, where they enter: a user's ``step(updates, weights)``
+by :func:`normalize_weights`; a round's data sizes (the simulator, the Flower
+strategies: :func:`fedopt_kernels.server.round.round_weights`) by
+:func:`check_round_weights`, whose :class:`CheckedWeights` the layers below trust and
+only normalise (the raw op :func:`~fedopt_kernels.ops.aggregate` keeps its own guard).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 
 from ..ops.aggregate import AggregateStats, aggregate, check_weight_values, host_to_device, norm_bound_factors
 from ..ops import validation as V
 
-if TYPE_CHECKING:  # pragma: no cover - for the annotations only
-    from ._base import ServerOptimizer
+__all__ = ["Aggregator", "AggregatingOptimizer", "LocalAggregator", "RoundAggregate", "CheckedWeights",
+           "check_round_weights", "normalize_weights", "check_weight_tensor", "weight_numbers", "refuse_dtensor"]
 
-__all__ = ["Aggregator", "LocalAggregator", "RoundAggregate", "normalize_weights", "check_weight_tensor",
-           "weight_numbers", "refuse_dtensor"]
+
+class AggregatingOptimizer(Protocol):
+    """What an :class:`Aggregator` reads from the server optimizer it aggregates for
+    (a :class:`~fedopt_kernels.server.ServerOptimizer` is one): the round's options and
+    the check of its updates."""
+
+    nonfinite: str
+    max_client_norm: Optional[float]
+    backend: Optional[str]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        ...
+
+    def check_updates(self, updates, *, allow_empty: bool = False):
+        ...
+
+
+@dataclass(frozen=True)
+class CheckedWeights:
+    """A round's client weights, checked once where they entered
+    (:func:`check_round_weights`): ``values`` is a ``[C]`` float64 CPU tensor of finite
+    numbers ``>= 0`` (not all zero, unless they are one rank's share of a distributed
+    round).  :func:`normalize_weights`, :class:`~fedopt_kernels.server.FedLAW` and the
+    distributed aggregator take them without checking them again."""
+
+    values: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.values.numel()
+
+
+def check_round_weights(weights: torch.Tensor, *, share: bool = False) -> CheckedWeights:
+    """``weights`` (``[C]`` numbers, a tensor) checked by value, once: finite, ``>= 0``
+    and not all zero (``share``: one rank's share of a distributed round, where "not all
+    zero" is a property of the union and is checked there)."""
+    w = weights.detach().to("cpu", torch.float64)
+    check_weight_values(w, "weights", allow_all_zero=share)
+    return CheckedWeights(w)
 
 
 @dataclass(frozen=True)
@@ -75,7 +121,7 @@ class Aggregator(Protocol):
     ``out`` (``[N]``, the accumulation dtype, on the parameters' device) and describe the
     round.  Nothing may be written before every check passed."""
 
-    def __call__(self, optimizer: "ServerOptimizer", updates, weights, out: torch.Tensor) -> RoundAggregate:
+    def __call__(self, optimizer: AggregatingOptimizer, updates, weights, out: torch.Tensor) -> RoundAggregate:
         ...
 
 
@@ -83,7 +129,7 @@ class LocalAggregator:
     """This process's clients: one fused :func:`~fedopt_kernels.ops.aggregate` pass (and
     its exclusion / norm-bound pass, decided on the device)."""
 
-    def __call__(self, optimizer: "ServerOptimizer", updates, weights, out: torch.Tensor) -> RoundAggregate:
+    def __call__(self, optimizer: AggregatingOptimizer, updates, weights, out: torch.Tensor) -> RoundAggregate:
         rows, C = optimizer.check_updates(updates)
         p, valid = normalize_weights(weights, C, out.device, out.dtype)
         _, stats = aggregate(rows, p, out=out, nonfinite=optimizer.nonfinite,
@@ -142,11 +188,16 @@ def normalize_weights(weights, C: int, device: torch.device, acc: torch.dtype
 
     ``weights``: None (uniform), a sequence of numbers or a CPU tensor (checked by value:
     finite, ``>= 0``, not all zero -- free for host data -- then normalised in float64
-    and copied without waiting; ``valid`` None), or a tensor on ``device`` (its values
-    cannot be read without a sync: a total that is not a positive finite number gives
-    ``p = 0`` and ``valid`` False, which skips the round instead of producing NaNs)."""
+    and copied without waiting; ``valid`` None), :class:`CheckedWeights` (checked where
+    they entered: normalised only), or a tensor on ``device`` (its values cannot be read
+    without a sync: a total that is not a positive finite number gives ``p = 0`` and
+    ``valid`` False, which skips the round instead of producing NaNs)."""
     if weights is None:
         return torch.full((C,), 1.0 / C, dtype=acc, device=device), None
+    if isinstance(weights, CheckedWeights):
+        if len(weights) != C:
+            raise ValueError(f"weights has {len(weights)} entries but there are {C} clients")
+        return _normalize_host(weights.values, device, acc), None
     refuse_dtensor(weights, "weights")
     if isinstance(weights, torch.Tensor):
         check_weight_tensor(weights, C, device)
@@ -156,10 +207,16 @@ def normalize_weights(weights, C: int, device: torch.device, acc: torch.dtype
         w, host = torch.tensor(weight_numbers(weights, C), dtype=torch.float64), True
     if host:
         check_weight_values(w, "weights")  # reads values: free for host data
-        w = w.to(dtype=torch.float64)
-        w = w / w.max()  # so that the sum cannot overflow
-        return host_to_device((w / w.sum()).to(acc), device, "weights"), None  # queued, from pinned memory
+        return _normalize_host(w, device, acc), None
     w = w.to(acc)
     total = w.sum()
     valid = torch.isfinite(total) & (total > 0)
     return torch.where(valid, w / total, torch.zeros_like(w)), valid
+
+
+def _normalize_host(w: torch.Tensor, device: torch.device, acc: torch.dtype) -> torch.Tensor:
+    """Checked host weights ``w`` normalised to sum 1 in float64, then in ``acc`` on
+    ``device`` (a queued copy, from pinned memory)."""
+    w = w.to(dtype=torch.float64)
+    w = w / w.max()  # so that the sum cannot overflow
+    return host_to_device((w / w.sum()).to(acc), device, "weights")

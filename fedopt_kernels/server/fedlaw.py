@@ -14,6 +14,8 @@ from ..ops import ClientPieces, aggregate, weighted_sum
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values
 from ..utils.flat import FlatLayout, parameters_layout
+from .aggregation import CheckedWeights
+from .round import ServerRoundStats
 
 LEARN = ("both", "gamma", "lambda")
 ClientModels = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[nn.Module], ClientPieces]
@@ -108,6 +110,9 @@ class FedLAW:
         backend: kernel backend of the aggregation (None: automatic).
     """
 
+    takes = "models"  # a round hands it the client models w_i themselves (fedopt_kernels.server.round)
+    keeps_buffers = True  # the global model keeps the BatchNorm statistics of the proxy training
+
     def __init__(self, model: nn.Module, proxy_loader: Iterable, loss_fn: Callable, *, learn: str = D.FEDLAW["learn"],
                  server_epochs: int = D.FEDLAW["server_epochs"], lr: float = D.FEDLAW["lr"],
                  betas: Tuple[float, float] = D.FEDLAW["betas"],
@@ -188,6 +193,10 @@ class FedLAW:
         return rows
 
     def _sizes(self, data_sizes, C: int) -> torch.Tensor:
+        if isinstance(data_sizes, CheckedWeights):  # checked where the round's weights entered
+            if len(data_sizes) != C:
+                raise ValueError(f"data_sizes has {len(data_sizes)} entries but there are {C} clients")
+            return data_sizes.values
         if isinstance(data_sizes, torch.Tensor):
             if data_sizes.dim() != 1 or data_sizes.numel() != C:
                 raise ValueError(f"data_sizes has shape {tuple(data_sizes.shape)} but there are {C} clients")
@@ -330,3 +339,29 @@ class FedLAW:
         lam_full[torch.tensor(keep, device=device)] = lam
         self.last_round = FedLAWRound(gamma, lam_full, excluded, False, torch.stack(losses))
         return gamma, lam_full
+
+    def round(self, client_models: ClientModels, weights=None) -> ServerRoundStats:
+        """One round of :mod:`fedopt_kernels.server.round`: :meth:`step` with ``weights``
+        as the data sizes lambda starts from (None: ``1/C``, uniform), and its statistics
+        by their record names: ``gamma``, ``lambda``, ``proxy_loss`` (the last server
+        epoch's; None when no client was usable), ``excluded_clients``,
+        ``server_skipped``."""
+        if weights is None:
+            weights = [1.0] * _num_clients(client_models)
+        gamma, lam = self.step(client_models, weights)
+        rnd = self.last_round
+        skipped = torch.tensor(rnd.skipped, device=gamma.device)
+        metrics = {"gamma": gamma, "lambda": lam, "proxy_loss": rnd.losses[-1] if rnd.losses.numel() else None,
+                   "excluded_clients": rnd.excluded.sum(), "server_skipped": skipped}
+        return ServerRoundStats(excluded=rnd.excluded, skipped=skipped, metrics=metrics, stats=rnd)
+
+
+def _num_clients(client_models: ClientModels) -> int:
+    """``C``: how many client models a round hands :meth:`FedLAW.round`."""
+    if isinstance(client_models, torch.Tensor):
+        return client_models.shape[0] if client_models.dim() else 0
+    try:
+        return len(client_models)
+    except TypeError:
+        raise TypeError(f"client_models must be a [C, N] tensor or a list of flat vectors / modules, "
+                        f"got {type(client_models).__name__}") from None

@@ -1,31 +1,11 @@
-"""How each algorithm weights the participating clients, and the floating buffers.
+"""How the participating clients are weighted, and the floating buffers.
 
-One table, used by the simulator (``fedopt_kernels.fl``) and the Flower strategies
-(``fedopt_kernels.integrations.flower``) alike: ``weighting="auto"`` (their default)
-takes the algorithm's own rule from :data:`ALGORITHM_WEIGHTING`; ``"uniform"`` and
-``"size"`` force one.
-
-=============  =========  ===========================================================
-algorithm      auto       source
-=============  =========  ===========================================================
-fedavg         size       McMahan et al. 2017, Algorithm 1: ``sum_k (n_k / n) w_k``
-fedprox        size       Li et al. 2020, released code ``flearn/trainers/fedbase.py``
-                          ``aggregate``: weighted by each client's number of samples
-scaffold       uniform    Karimireddy et al. 2020, Algorithm 1: ``x += eta_g / |S|
-                          sum_{i in S} dy_i``
-fedavgm        size       Hsu et al. 2019: FedAvg's (size-weighted) mean + momentum
-fedadam,       size       Reddi et al. 2021: Algorithm 2 writes the plain mean
-fedyogi,                  ``1/|S| sum_i Delta_i`` for exposition; the released code
-fedadagrad                (google-research/federated ``optimization/shared/
-                          fed_avg_schedule.py``: ``client_weight = num_examples``)
-                          weights by the client's examples, as FedAvg
-fedexp         uniform    Jhunjhunwala et al. 2023, Algorithm 1: ``1/|S| sum_i
-                          Delta_i`` (the ``p_i`` of its eta_g are ``1/|S|``)
-asnes          uniform    [ASNES] eq. (2) and Algorithm 1 line 13: ``1/|S_t| sum``;
-                          S_t = the participating clients (eq. 3)
-fedlaw         size       [FedLAW] eq. (5) and Algorithm 1 line 10: lambda starts
-                          from ``|D_i| / |D|``
-=============  =========  ===========================================================
+Each algorithm's own rule (``weighting="auto"``, with its source) is in
+:mod:`fedopt_kernels.server.registry`; ``"uniform"`` and ``"size"`` force one.  The
+simulator (``fedopt_kernels.fl``) and the Flower strategies
+(``fedopt_kernels.integrations.flower``) turn a round's data sizes into weights with
+:func:`client_weights` and :func:`cap_weight_shares`, through
+:func:`fedopt_kernels.server.round.round_weights`.
 
 ``--nar co`` (FedNAR's local step under any server algorithm, [FedNAR] Table 1)
 does NOT change the rule: [FedNAR] Algorithm 2 line 11 averages uniformly, but
@@ -47,40 +27,11 @@ and the released code; see :class:`~fedopt_kernels.server.FedLAW`).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["WEIGHTINGS", "ALGORITHM_WEIGHTING", "resolve_weighting", "client_weights", "average_buffers",
-           "cap_weight_shares", "check_max_weight_share"]
-
-WEIGHTINGS = ("auto", "size", "uniform")
-
-ALGORITHM_WEIGHTING: Dict[str, str] = {
-    "fedavg": "size",
-    "fedprox": "size",
-    "scaffold": "uniform",
-    "fedavgm": "size",
-    "fedadam": "size",
-    "fedyogi": "size",
-    "fedadagrad": "size",
-    "fedexp": "uniform",
-    "asnes": "uniform",
-    "fedlaw": "size",
-}
-
-
-def resolve_weighting(weighting: str, algorithm: str) -> str:
-    """``"size"`` or ``"uniform"``: ``weighting`` itself, or with ``"auto"`` the rule of
-    ``algorithm`` (a key of :data:`ALGORITHM_WEIGHTING`)."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
-    if weighting != "auto":
-        return weighting
-    if algorithm not in ALGORITHM_WEIGHTING:
-        raise ValueError(f"weighting='auto' does not know the algorithm {algorithm!r}; choose one of "
-                         f"{', '.join(ALGORITHM_WEIGHTING)} or pass weighting='size' or 'uniform'")
-    return ALGORITHM_WEIGHTING[algorithm]
+__all__ = ["client_weights", "average_buffers", "cap_weight_shares", "check_max_weight_share"]
 
 
 def client_weights(weighting: str, sizes: Union[torch.Tensor, Sequence[float]]) -> Optional[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedopt_kernels.fl import SERVER_DEFAULTS
+from fedopt_kernels.server import algorithm
 from fedopt_kernels.integrations.flower import load_arrayrecord_, make_strategy, model_to_arrayrecord
 
 from .task import make_model, proxy_loader, test_data
@@ -25,10 +25,11 @@ def main(grid: Grid, context: Context) -> None:
     model = make_model(seed, int(rc["hidden"]))
     backend = str(rc.get("backend", "")) or None
 
-    hyper = dict(SERVER_DEFAULTS[algo])
+    hyper = {}  # what the run config sets; the rest: the class's defaults (fedopt_kernels.server.ALGORITHMS)
     if float(rc["server-lr"]) >= 0 and algo != "fedlaw":
         hyper["lr"] = float(rc["server-lr"])
-    if "momentum" in hyper and float(rc["server-momentum"]) >= 0:  # fedavgm, asnes; fedadagrad's beta1
+    # fedavgm, asnes; fedadagrad's beta1
+    if "momentum" in algorithm(algo).defaults and float(rc["server-momentum"]) >= 0:
         hyper["momentum"] = float(rc["server-momentum"])
     if algo == "fedlaw":
         hyper.update(proxy_loader=proxy_loader(seed, int(rc["proxy-size"])), loss_fn=torch.nn.CrossEntropyLoss(),

@@ -67,7 +67,7 @@ from ...ops import ClientPieces
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
                            vector_to_buffers)
 from .records import arrayrecords_as_pieces, load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
-from .screening import BAD_REPLY_POLICIES, REASONS, cap_weight_shares, screen_train_replies
+from .screening import BAD_REPLY_POLICIES, REASONS, screen_train_replies
 
 __all__ = [
     "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
@@ -146,26 +146,21 @@ class FusedStrategy(_FlowerFedAvg):
         self.buffers_layout = buffers_layout(model)
         self.device = self.x_global.device
         params = [p for _, p in model.named_parameters()]
-        self.fedlaw: Optional[S.FedLAW] = None
-        self.optimizer: Optional[S.ServerOptimizer] = None
         if isinstance(server, S.FedLAW):
             if server.model is not model:
                 raise ValueError("the FedLAW server must be built over the strategy's model")
-            self.fedlaw = server
         elif isinstance(server, S.ServerOptimizer):
             owned = {id(p) for g in server.param_groups for p in g["params"]}
             if owned != {id(p) for p in params} or server.numel != self.layout.numel:
                 raise ValueError("the server optimizer must be built over exactly the model's parameters")
-            self.optimizer = server
         elif callable(server):
-            opt = server(params)
-            if not isinstance(opt, S.ServerOptimizer):
-                raise TypeError(f"the server factory returned {type(opt).__name__}, not a ServerOptimizer")
-            self.optimizer = opt
+            server = server(params)
+            if not isinstance(server, S.ServerOptimizer):
+                raise TypeError(f"the server factory returned {type(server).__name__}, not a ServerOptimizer")
         else:
             raise TypeError("server must be a ServerOptimizer, a FedLAW or a callable params -> ServerOptimizer")
-        if self.optimizer is not None:
-            order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if isinstance(server, S.ServerOptimizer):
+            order = [p for g in server.param_groups for p in g["params"]]
             if [id(p) for p in order] != [id(p) for p in params]:
                 raise ValueError("the server optimizer must hold the model's parameters in named_parameters() "
                                  "order (build it from model.parameters())")
@@ -173,7 +168,9 @@ class FusedStrategy(_FlowerFedAvg):
             raise ValueError(f"scaffold_num_clients must be a positive int, got {scaffold_num_clients!r}")
         self.scaffold = bool(scaffold)
         self.scaffold_num_clients = scaffold_num_clients
-        self.weighting = S.resolve_weighting(weighting, self.algorithm)
+        self.weighting = S.resolve_weighting(weighting, _algorithm_of(server, self.scaffold))
+        # the one server round (fedopt_kernels.server.round): the simulator runs the same
+        self.round = S.ServerRound(server, self.weighting, self.max_weight_share)
         self.c: Optional[torch.Tensor] = torch.zeros_like(self.x_global) if self.scaffold else None
         self._scaffold_m: Optional[int] = None
         self.on_round = on_round
@@ -187,31 +184,36 @@ class FusedStrategy(_FlowerFedAvg):
     # ------------------------------------------------------------------ info
     @property
     def server(self):
-        return self.fedlaw if self.fedlaw is not None else self.optimizer
+        """The server algorithm (a :class:`~fedopt_kernels.server.ServerOptimizer` or a
+        :class:`~fedopt_kernels.server.FedLAW`) of :attr:`round`."""
+        return self.round.server
+
+    @property
+    def optimizer(self) -> Optional[S.ServerOptimizer]:
+        """:attr:`server` where it takes the clients' updates, else None."""
+        return self.server if self.round.takes == "updates" else None
+
+    @property
+    def fedlaw(self) -> Optional[S.FedLAW]:
+        """:attr:`server` where it takes the client models (FedLAW), else None."""
+        return self.server if self.round.takes == "models" else None
 
     @property
     def algorithm(self) -> str:
         """The algorithm name (``fedopt simulate``'s) whose weighting ``"auto"`` takes:
-        ``scaffold`` with ``scaffold=True``, else by the server's class (a subclass
-        counts as its base; an unknown optimizer as ``fedavg``)."""
-        if self.scaffold:
-            return "scaffold"
-        names = {S.FedLAW: "fedlaw", S.ASNES: "asnes", S.FedExP: "fedexp", S.FedAdagrad: "fedadagrad",
-                 S.FedAdam: "fedadam", S.FedYogi: "fedyogi", S.FedAvgM: "fedavgm", S.FedAvg: "fedavg"}
-        for cls in type(self.server).__mro__:
-            if cls in names:
-                return names[cls]
-        return "fedavg"
+        ``scaffold`` with ``scaffold=True``, else by the server's class in
+        :data:`fedopt_kernels.server.ALGORITHMS` (a subclass counts as its base; an
+        unknown optimizer as ``fedavg``)."""
+        return _algorithm_of(self.server, self.scaffold)
 
     def summary(self) -> None:
         """Log the server optimizer, then Flower ``FedAvg``'s summary."""
         srv = self.server
-        if self.fedlaw is not None:
-            desc = (f"FedLAW(learn={srv.learn}, server_epochs={srv.server_epochs}, lr={srv.lr}, "
-                    f"betas={srv.betas}, swa={srv.swa})")
-        else:
+        if hasattr(srv, "param_groups"):
             hyper = {k: v for k, v in srv.param_groups[0].items() if k != "params"}
-            desc = f"{type(srv).__name__}({', '.join(f'{k}={v}' for k, v in hyper.items())})"
+        else:  # FedLAW keeps its hyperparameters as attributes
+            hyper = {k: getattr(srv, k) for k in ("learn", "server_epochs", "lr", "betas", "swa")}
+        desc = f"{type(srv).__name__}({', '.join(f'{k}={v}' for k, v in hyper.items())})"
         log(INFO, "\t├──> fedopt_kernels server: %s", desc)
         log(INFO, "\t│\t├── model: %d parameters in %d tensors (%s, %s)", self.layout.numel, len(self.layout),
             self.layout.dtype, self.device)
@@ -304,13 +306,11 @@ class FusedStrategy(_FlowerFedAvg):
         if sum(weights) <= 0 and self.weighting == "size":
             raise AggregationError(reason=f"round {server_round}: the '{self.weighted_by_key}' of every usable "
                                           "reply is 0")
-        sizes = torch.tensor(weights, dtype=torch.float64)
-        if self.max_weight_share is not None and self.weighting == "size":
-            sizes = cap_weight_shares(sizes, self.max_weight_share)  # shares: what a claimed size can buy
-            weights = sizes.tolist()
+        # the round's weights, once: the sizes as float64 (None: uniform), capped under max_weight_share
+        round_weights = self.round.weights(torch.tensor(weights, dtype=torch.float64))
         C = len(records)
         on_cpu = self.device.type == "cpu"
-        updates = self.fedlaw is None  # server optimizers take D_i = x_global - x_i, FedLAW the models
+        updates = self.round.takes == "updates"  # D_i = x_global - x_i, or the client models (FedLAW)
 
         with torch.no_grad():
             try:
@@ -332,23 +332,21 @@ class FusedStrategy(_FlowerFedAvg):
                 raise AggregationError(reason=str(exc)) from None
             lr_sums = self._lr_sums(metrics) if self.scaffold else None  # checked before anything changes
             scaffold_m = self._scaffold_clients() if self.scaffold else None
-            if self.fedlaw is not None:
-                D = None
-                if self.scaffold:  # D_i = x_global - x_i before the step moves x_global
-                    D = (ClientPieces(U.pieces, subtract_from=self._base()) if isinstance(U, ClientPieces)
-                         else self.x_global - U)
-                server_metrics = self._fedlaw_step(U, weights, nodes)
-                excluded = self.fedlaw.last_round.excluded
-            else:
-                D = U
-                server_metrics = self._optimizer_step(U, sizes, nodes)
-                excluded = self.last_stats.excluded
+            D = U
+            if self.scaffold and not updates:  # D_i = x_global - x_i before the step moves x_global
+                D = (ClientPieces(U.pieces, subtract_from=self._base()) if isinstance(U, ClientPieces)
+                     else self.x_global - U)
+            stats = self.round.step(U, round_weights)
+            self.last_stats = stats.stats
+            server_metrics = self._read_round(stats, nodes)
+            excluded = stats.excluded
             if self.scaffold:  # after the step: a client it excluded never reaches c
                 S.scaffold_control_update_(self.c, D, lr_sums, num_clients=scaffold_m, excluded=excluded)
-            if buffers is not None and self.fedlaw is None:
+            if buffers is not None and not self.server.keeps_buffers:
                 # weighted like the parameters; FedLAW's model keeps its proxy-trained statistics
                 current = buffers_to_vector(self.model).to(buffers.device)
-                vector_to_buffers(S.average_buffers(buffers, self.weighting, sizes, current, excluded), self.model)
+                sizes = torch.tensor(weights, dtype=torch.float64) if round_weights is None else round_weights
+                vector_to_buffers(self.round.buffers(buffers, sizes, current, excluded), self.model)
         out = tensors_to_arrayrecord(self._named_state(self._keys))
         self._sent = out
         try:
@@ -402,46 +400,18 @@ class FusedStrategy(_FlowerFedAvg):
             out.append(float(m[LR_SUM_KEY]))
         return out
 
-    def _optimizer_step(self, D: torch.Tensor, sizes: torch.Tensor, nodes: List[int]) -> Dict[str, object]:
-        st = self.optimizer.step(D, S.client_weights(self.weighting, sizes))
-        self.last_stats = st
-        lr = self.optimizer.param_groups[0]["lr"]
-        lr = float(lr) if isinstance(lr, torch.Tensor) else lr
-        scalars = [st.lr_scale, st.update_sq_norm, st.excluded.sum(), st.skipped]
-        extra = [st.gain_ratio, st.sigma2, st.nu2] if st.gain_ratio is not None else []
-        values = torch.stack([t.detach().to(torch.float64).cpu() for t in scalars + extra]).tolist()  # one sync
-        excluded = st.excluded.cpu().tolist()
-        out: Dict[str, object] = {
-            "server_lr": values[0] * lr,
-            "lr_scale": values[0],
-            "update_norm": values[1] ** 0.5,
-            "excluded_clients": int(values[2]),
-            "server_skipped": int(values[3]),
-        }
-        if extra:
-            out.update(gain_ratio=values[4], sigma2=values[5], nu2=values[6])
+    def _read_round(self, stats: S.ServerRoundStats, nodes: List[int]) -> Dict[str, object]:
+        """The round's statistics as a ``MetricRecord``'s values (one host sync; flags as
+        0/1), and a warning naming the nodes whose results it left out (NaN/Inf)."""
+        out = stats.read()
+        for key, value in out.items():
+            if isinstance(value, bool):
+                out[key] = int(value)
+        excluded = stats.excluded.cpu().tolist()
         if any(excluded):
-            log(WARNING, "aggregate_train: left out the update(s) of node(s) %s (NaN/Inf; nonfinite)%s",
-                [n for n, e in zip(nodes, excluded) if e], "; round skipped" if values[3] else "")
-        return out
-
-    def _fedlaw_step(self, X: torch.Tensor, weights: List[float], nodes: List[int]) -> Dict[str, object]:
-        # lambda starts from the replies' sizes ([FedLAW] Algorithm 1 line 10), or 1/C
-        gamma, lam = self.fedlaw.step(X, weights if self.weighting == "size" else [1.0] * len(weights))
-        rnd = self.fedlaw.last_round
-        self.last_stats = rnd
-        excluded = rnd.excluded.cpu().tolist()
-        out: Dict[str, object] = {
-            "gamma": float(gamma),
-            "lambda": [float(v) for v in lam.cpu().tolist()],
-            "excluded_clients": int(sum(excluded)),
-            "server_skipped": int(rnd.skipped),
-        }
-        if rnd.losses.numel():
-            out["proxy_loss"] = float(rnd.losses[-1])
-        if any(excluded):
-            log(WARNING, "aggregate_train: left out the model(s) of node(s) %s (NaN/Inf)",
-                [n for n, e in zip(nodes, excluded) if e])
+            what = "update(s)" if self.round.takes == "updates" else "model(s)"
+            log(WARNING, "aggregate_train: left out the %s of node(s) %s (NaN/Inf; nonfinite)%s", what,
+                [n for n, e in zip(nodes, excluded) if e], "; round skipped" if out["server_skipped"] else "")
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -576,11 +546,24 @@ class FedLAW(FusedStrategy):
 
         def on_round(server_round: int) -> None:
             if self._proxy_fn is not None:
-                self.fedlaw.proxy_loader = self._proxy_fn(server_round)
+                self.server.proxy_loader = self._proxy_fn(server_round)
             if user_hook is not None:
                 user_hook(server_round)
 
         super().__init__(model, fedlaw, on_round=on_round, **kwargs)
+
+
+def _algorithm_of(server, scaffold: bool) -> str:
+    """The registry name of ``server``'s algorithm (``scaffold`` with SCAFFOLD; the first
+    name of its class or nearest base in :data:`fedopt_kernels.server.ALGORITHMS`, else
+    ``fedavg``)."""
+    if scaffold:
+        return "scaffold"
+    for cls in type(server).__mro__:
+        for name, algo in S.ALGORITHMS.items():
+            if algo.cls is cls:
+                return name
+    return "fedavg"
 
 
 STRATEGIES = {

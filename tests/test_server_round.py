@@ -1,0 +1,135 @@
+"""The one server round (fedopt_kernels.server.round, issue 29 items 1 and 2): every
+algorithm, FedLAW included, through ServerRound; the weights checked once where they
+enter and only normalised below."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from _asserts import assert_bitwise
+from _server_cases import one_per_class, params_of
+from fedopt_kernels import server as S
+from fedopt_kernels.server.aggregation import CheckedWeights, check_round_weights, normalize_weights
+
+SIZES = torch.tensor([3.0, 1.0, 7.0, 5.0], dtype=torch.float64)
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+
+
+def _updates(N, C=4, seed=1):
+    return torch.randn(C, N, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.1
+
+
+@pytest.mark.parametrize("case", params_of(one_per_class()))
+@pytest.mark.parametrize("weighting", ["size", "uniform"])
+def test_the_round_is_the_optimizers_step_and_reports_its_statistics(case, weighting):
+    a, b = _net(), _net()
+    opt_a, opt_b = case.make(a.parameters()), case.make(b.parameters())
+    round_ = S.ServerRound(opt_a, weighting)
+    assert round_.takes == "updates" and not opt_a.keeps_buffers
+    N = opt_a.numel
+    for r in range(3):
+        U = _updates(N, seed=r)
+        got = round_(U.clone(), SIZES)
+        want = opt_b.step(U.clone(), SIZES if weighting == "size" else None)
+        assert_bitwise(list(a.parameters()), list(b.parameters()), f"round {r} params")
+        assert_bitwise(got.stats.weights, want.weights, f"round {r} weights")
+        # the weights of the mean: sizes / sum (size) or 1/C (uniform), formed here in float64
+        p = SIZES / SIZES.sum() if weighting == "size" else torch.full((4,), 0.25, dtype=torch.float64)
+        torch.testing.assert_close(got.stats.weights, p, rtol=1e-15, atol=0)
+        m = got.read()
+        lr = opt_a.param_groups[0]["lr"]
+        assert m["server_lr"] == float(want.lr_scale) * lr
+        assert m["update_norm"] == math.sqrt(float(want.update_sq_norm))
+        assert m["excluded_clients"] == 0 and m["server_skipped"] is False
+        assert ("gain_ratio" in m) == isinstance(opt_a, S.ASNES)
+
+
+def test_a_nan_client_is_reported_excluded_by_the_round():
+    model = _net()
+    opt = S.FedAvg(model.parameters())
+    U = _updates(opt.numel)
+    U[2, 0] = float("nan")
+    st = S.ServerRound(opt, "size")(U, SIZES)
+    assert st.excluded.tolist() == [False, False, True, False]
+    assert st.read()["excluded_clients"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fedlaw_takes_the_models_through_the_same_round():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    g = torch.Generator().manual_seed(2)
+    proxy = [(torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g))]
+    law = S.FedLAW(model, proxy, nn.functional.cross_entropy, server_epochs=2)
+    round_ = S.ServerRound(law, "size")
+    assert round_.takes == "models" and law.keeps_buffers
+    x = torch.cat([p.detach().flatten() for p in model.parameters()])
+    models = x + _updates(x.numel())  # client models near the global one
+    st = round_(models, SIZES)
+    m = st.read()
+    assert set(m) == {"gamma", "lambda", "proxy_loss", "excluded_clients", "server_skipped"}
+    assert len(m["lambda"]) == 4 and math.isclose(sum(m["lambda"]), 1.0, rel_tol=1e-12)
+    assert m["gamma"] > 0 and m["excluded_clients"] == 0 and m["server_skipped"] is False
+    # the buffers are FedLAW's own: the round does not average the clients'
+    assert round_.buffers(torch.zeros(4, 2), SIZES, torch.ones(2), None) is None
+
+
+def test_the_round_refuses_an_object_that_is_no_server():
+    with pytest.raises(TypeError, match="server must be a fedopt_kernels.server algorithm"):
+        S.ServerRound(torch.optim.SGD(_net().parameters(), lr=0.1), "size")
+
+
+# --------------------------------------------------------------------------- weights checked once
+@pytest.mark.parametrize("bad, match", [
+    ([1.0, float("nan"), 2.0], "weights must be finite"),
+    ([1.0, -1.0, 2.0], "weights must be >= 0"),
+    ([0.0, 0.0, 0.0], "weights must not all be zero"),
+])
+def test_round_weights_are_checked_where_they_enter(bad, match):
+    with pytest.raises(ValueError, match=match):
+        S.round_weights("size", torch.tensor(bad, dtype=torch.float64))
+
+
+def test_a_ranks_share_may_be_all_zero_and_uniform_is_none():
+    w = S.round_weights("size", torch.zeros(3), share=True)
+    assert isinstance(w, CheckedWeights) and w.values.tolist() == [0.0, 0.0, 0.0]
+    assert S.round_weights("uniform", SIZES) is None
+
+
+def test_capped_round_weights_are_the_hand_computed_shares():
+    # sizes 1, 1, 8 with a cap of 0.5: the large client holds 0.5, the others share the rest 1:1
+    w = S.round_weights("size", torch.tensor([1.0, 1.0, 8.0]), 0.5)
+    assert w.values.tolist() == [0.25, 0.25, 0.5]
+
+
+@pytest.mark.parametrize("acc", [torch.float32, torch.float64])
+def test_checked_weights_are_normalised_to_the_bits_of_the_unchecked_path(acc):
+    w = torch.tensor([3.0, 1e-3, 7.5, 2.0**40], dtype=torch.float64)
+    p_raw, valid_raw = normalize_weights(w, 4, torch.device("cpu"), acc)
+    p_chk, valid_chk = normalize_weights(check_round_weights(w), 4, torch.device("cpu"), acc)
+    assert valid_raw is None and valid_chk is None
+    assert_bitwise(p_chk, p_raw, "p")
+    with pytest.raises(ValueError, match="weights has 4 entries but there are 3 clients"):
+        normalize_weights(check_round_weights(w), 3, torch.device("cpu"), acc)
+
+
+# --------------------------------------------------------------------------- the registry
+def test_the_registry_builds_what_the_config_sets_over_the_class_defaults():
+    from fedopt_kernels.fl import SimulationConfig
+
+    algo = S.algorithm("fedexp")
+    assert algo.cls is S.FedExP and algo.weighting == "uniform" and "Jhunjhunwala" in algo.source
+    cfg = SimulationConfig(algo="fedexp", fedexp_eps=0.02, server_lr=0.5)
+    assert algo.hyperparameters(cfg) == dict(lr=0.5, eps=0.02, scale_eps_by_clients=False)
+    law = S.algorithm("fedlaw").hyperparameters(SimulationConfig(algo="fedlaw", fedlaw_epochs=3, server_lr=9.0))
+    assert law["server_epochs"] == 3 and law["lr"] == 0.01  # fedlaw's lr is fedlaw_lr, not server_lr
+    with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'"):
+        S.algorithm("fedsgd")

@@ -1,28 +1,19 @@
 """Differential privacy: the clipped sum (every backend) against a float64 oracle, the
 noise's statistics and bits, DP-FedAvg through a server optimizer, adaptive clipping
-against a hand-computed trajectory (Andrew et al. 2021, Algorithm 1), the privacy
-accountant against dp-accounting called directly and against published values, and the
-settings that would void the guarantee."""
+against a hand-computed trajectory (Andrew et al. 2021, Algorithm 1), and the settings
+that would void the guarantee.  The accountant: test_dp_accounting.py."""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from fedopt_kernels import backends
-from fedopt_kernels.ops.dp_noise import CLIP_EPS, clip_updates_, clipped_sum, gaussian_noise_
+from fedopt_kernels.ops.dp_noise import CLIP_EPS, NOISE_CHUNK, clip_updates_, clipped_sum, gaussian_noise_
 from fedopt_kernels.server import ASNES, FedAdam, FedAvg, FedExP
 from fedopt_kernels.server.dp import DPAggregator, dp_noise_seed, effective_noise_multiplier
 
-REPO = Path(__file__).resolve().parents[1]
 ACC = {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: torch.float32,
        torch.float64: torch.float64}
 
@@ -142,14 +133,17 @@ def test_client_side_clip_matches_the_oracle_and_the_server_bound():
 
 # ---------------------------------------------------------------- noise
 def test_noise_statistics_within_five_standard_errors():
-    """Mean and std of 400k seeded draws (deterministic): for a correct N(0, std^2)
-    sampler each lies within 5 standard errors with probability > 1 - 1e-6."""
-    n, std = 400_000, 0.37
+    """Mean and std of 3.1M seeded draws over four chunks (deterministic): for a correct
+    N(0, std^2) sampler each lies within 5 standard errors with probability > 1 - 1e-6;
+    so does the correlation of two chunks (independent streams)."""
+    n, std = 3 * NOISE_CHUNK + 5, 0.37
     out = torch.zeros(n)
     gaussian_noise_(out, std, torch.Generator().manual_seed(1234))
     x = out.double()
     assert abs(float(x.mean())) <= 5 * std / math.sqrt(n)
     assert abs(float(x.std()) - std) <= 5 * std / math.sqrt(2 * n)
+    a, b = x[:NOISE_CHUNK], x[NOISE_CHUNK:2 * NOISE_CHUNK]
+    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) <= 5 / math.sqrt(NOISE_CHUNK)
     # the tails of a Gaussian: |x| > 3 std has probability 0.0027; 5 standard errors of a binomial
     p = 2 * 0.5 * math.erfc(3 / math.sqrt(2))
     assert abs(float((x.abs() > 3 * std).double().mean()) - p) <= 5 * math.sqrt(p * (1 - p) / n)
@@ -164,6 +158,21 @@ def test_noise_same_seed_same_bits_and_std_as_a_tensor():
     half = torch.ones(1001, dtype=torch.float16)  # fp16 data: fp32 draw, one rounding
     gaussian_noise_(half, 0.5, torch.Generator().manual_seed(7))
     assert torch.equal(half, a.to(torch.float16))  # the sum taken in fp32, rounded once
+
+
+def test_cpu_noise_bits_do_not_depend_on_the_number_of_threads():
+    threads = torch.get_num_threads()
+    n = 2 * NOISE_CHUNK + 3
+    draws = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            out = torch.zeros(n)
+            draws.append(gaussian_noise_(out, 1.0, torch.Generator().manual_seed(5)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    assert not torch.equal(draws[0][:NOISE_CHUNK], draws[0][NOISE_CHUNK:2 * NOISE_CHUNK])
 
 
 def test_noise_refuses_a_generator_on_another_device_and_a_negative_std():
@@ -186,7 +195,7 @@ def test_dp_fedavg_is_the_clipped_sum_plus_the_seeded_noise_over_m():
     z, clip, m, seed = 1.3, 2.0, 8.0, 11
     D, stats = dp_step(X, DPAggregator(clip=clip, noise_multiplier=z, expected_clients=m, seed=seed))
     want, *_ = oracle_clipped_sum(X, clip, None, 1 / m)
-    noise = torch.randn(2003, generator=torch.Generator().manual_seed(dp_noise_seed(seed, 1)))
+    noise = gaussian_noise_(torch.zeros(2003), 1.0, torch.Generator().manual_seed(dp_noise_seed(seed, 1)))
     torch.testing.assert_close(D.double(), want + (z * clip / m) * noise.double(), rtol=1e-5, atol=1e-6)
     assert float(stats.update_sq_norm) == pytest.approx(float(D.double().square().sum()), rel=1e-5)
     assert not bool(stats.skipped) and int(stats.num_clients) == 5
@@ -222,7 +231,7 @@ def test_every_client_excluded_skips_without_noise_and_applies_the_noise_with_it
     D, stats = dp_step(X, DPAggregator(clip=1.0, noise_multiplier=0.0, expected_clients=2))
     assert bool(stats.skipped) and torch.equal(D, torch.zeros(9))
     D, stats = dp_step(X, DPAggregator(clip=1.0, noise_multiplier=1.0, expected_clients=2, seed=1))
-    noise = torch.randn(9, generator=torch.Generator().manual_seed(dp_noise_seed(1, 1)))
+    noise = gaussian_noise_(torch.zeros(9), 1.0, torch.Generator().manual_seed(dp_noise_seed(1, 1)))
     assert not bool(stats.skipped)
     torch.testing.assert_close(D, 0.5 * noise, rtol=1e-6, atol=0)
 

@@ -106,3 +106,23 @@ def test_labelflip_attackers_train_on_flipped_labels():
     for c, ix in enumerate(sim.client_indices):
         want = (k - 1 - sim.dataset.y_train[ix]) if c in attackers else sim.dataset.y_train[ix]
         assert torch.equal(sim.train_y[ix], want)
+
+
+def test_fedopt_simulate_writes_epsilon_and_the_attackers(tmp_path):
+    import csv
+    import json
+
+    from fedopt_kernels.cli import main
+
+    pytest.importorskip("dp_accounting", reason="needs the privacy extra: pip install fedopt_kernels[privacy]")
+    out = tmp_path / "run"
+    assert main(["simulate", "--rounds", "1", "--clients", "8", "--per-round", "4", "--local-steps", "2",
+                 "--hidden", "16", "--quiet", "--no-plots", "--weighting", "uniform", "--dp-clip", "0.5",
+                 "--dp-noise-multiplier", "1.0", "--dp-delta", "1e-3", "--attack", "scale", "--attack-fraction",
+                 "0.25", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    rec = data["records"][1]
+    assert rec["dp_epsilon"] > 0 and rec["dp_clip"] == 0.5
+    assert rec["attacked_clients"] == [c for c in rec["clients"] if c in data["meta"]["attack"]["clients"]]
+    row = list(csv.DictReader((out / "results.csv").open()))[1]
+    assert float(row["dp_epsilon"]) == pytest.approx(rec["dp_epsilon"], rel=1e-5)

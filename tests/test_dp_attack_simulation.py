@@ -126,3 +126,17 @@ def test_fedopt_simulate_writes_epsilon_and_the_attackers(tmp_path):
     assert rec["attacked_clients"] == [c for c in rec["clients"] if c in data["meta"]["attack"]["clients"]]
     row = list(csv.DictReader((out / "results.csv").open()))[1]
     assert float(row["dp_epsilon"]) == pytest.approx(rec["dp_epsilon"], rel=1e-5)
+
+
+@pytest.mark.parametrize("settings", [DP, dict(attack="signflip", attack_fraction=0.25)], ids=["dp", "attack"])
+def test_distributed_simulation_refuses_what_it_does_not_wire_yet(tmp_path, settings):
+    import torch.distributed as dist
+
+    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="not supported with --distributed yet"):
+            DistributedSimulation(SimulationConfig(**{**TINY, **settings}))
+    finally:
+        dist.destroy_process_group()

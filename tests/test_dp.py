@@ -347,3 +347,9 @@ def test_dp_bounded_weights_enter_the_sum_unnormalised():
 def test_dp_aggregator_refuses_bad_settings_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         DPAggregator(**kw)
+
+
+def test_dp_refuses_weights_that_are_not_real_numbers():
+    agg = DPAggregator(clip=1.0, noise_multiplier=0.0, expected_clients=2)
+    with pytest.raises(TypeError, match="weights must be real numbers"):
+        FedAvg([torch.nn.Parameter(torch.zeros(3))], aggregator=agg).step(torch.ones(2, 3), torch.tensor([True, True]))

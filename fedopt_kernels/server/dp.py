@@ -72,9 +72,9 @@ import numpy as np
 import torch
 
 from ..ops import validation as V
-from ..ops.aggregate import AggregateStats
+from ..ops.aggregate import AggregateStats, host_to_device
 from ..ops.dp_noise import clipped_sum, gaussian_noise_
-from .aggregation import RoundAggregate, refuse_dtensor, weight_numbers
+from .aggregation import RoundAggregate, check_weight_tensor, refuse_dtensor, weight_numbers
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._base import ServerOptimizer
@@ -207,8 +207,7 @@ class DPAggregator:
             if weights.device.type != "cpu":
                 raise ValueError("weights under differential privacy must be host numbers (a list or a CPU tensor): "
                                  "their bound in [0, 1] is checked by value, which on a device would synchronise")
-            if weights.dim() != 1 or weights.numel() != C:
-                raise ValueError(f"weights has shape {tuple(weights.shape)} but there are {C} clients")
+            check_weight_tensor(weights, C, weights.device)
             w = weights.detach().to(torch.float64)
         else:
             w = torch.tensor(weight_numbers(weights, C), dtype=torch.float64)
@@ -227,7 +226,7 @@ class DPAggregator:
         w = self.check_weights(weights, C)
         device, acc = out.device, out.dtype
         m = self.expected_clients
-        clip = self._clip.to(device)
+        clip = host_to_device(self._clip, device, "the DP clip") if self._clip.device != device else self._clip
         _, st = clipped_sum(rows, clip, weights=w, scale=1.0 / m, out=out, backend=optimizer.backend)
         gen = torch.Generator(device=device).manual_seed(dp_noise_seed(self.seed, self.rounds + 1))
         b_bar = None
@@ -243,7 +242,7 @@ class DPAggregator:
         if self.noise_multiplier > 0:
             gaussian_noise_(out, std, gen)
         zero = torch.zeros((), dtype=acc, device=device)
-        base = torch.ones(C, dtype=acc, device=device) if w is None else w.to(device=device, dtype=acc)
+        base = torch.ones(C, dtype=acc, device=device) if w is None else host_to_device(w.to(acc), device, "weights")
         p = torch.where(st.excluded, zero, base / m)
         bound = torch.where(p > 0, st.factors, zero)
         all_excluded = st.excluded.all()

@@ -10,7 +10,9 @@ import math
 import pytest
 import torch
 
-from fedopt_kernels.ops.dp_noise import CLIP_EPS, NOISE_CHUNK, clip_updates_, clipped_sum, gaussian_noise_
+from fedopt_kernels.ops import aggregate
+from fedopt_kernels.ops.dp_noise import (CLIENT_CLIP_MARGIN, CLIP_EPS, NOISE_CHUNK, clip_updates_, clipped_sum,
+                                        gaussian_noise_)
 from fedopt_kernels.server import ASNES, FedAdam, FedAvg, FedExP
 from fedopt_kernels.server.dp import DPAggregator, dp_noise_seed, effective_noise_multiplier
 
@@ -116,19 +118,31 @@ def test_clipped_sum_refuses_bad_arguments_by_name_and_writes_nothing(call, matc
     assert torch.equal(X, before)
 
 
-def test_client_side_clip_matches_the_oracle_and_the_server_bound():
-    X = clients(6, 301, torch.float32, "cpu")
-    want, factors, _, unclipped, norms = oracle_clipped_sum(X, 2.0)
+def test_client_side_clip_matches_the_oracle_and_leaves_the_server_one_pass(backend):
+    name, device = backend
+    X = clients(6, 301, torch.float32, device)
+    radius = 2.0 * (1 - CLIENT_CLIP_MARGIN)
+    _, factors, _, _, norms = oracle_clipped_sum(X, radius)
     Y = X.clone()
     bits = clip_updates_(Y, 2.0)
-    assert bits.tolist() == unclipped.tolist()
-    torch.testing.assert_close(Y.double(), X.double() * factors[:, None], rtol=2e-6, atol=0)
-    assert (Y.double().norm(dim=1) < 2.0 + 1e-5).all()
+    assert bits.cpu().tolist() == (norms <= 2.0).tolist()
+    torch.testing.assert_close(Y.cpu().double(), X.cpu().double() * factors[:, None], rtol=2e-6, atol=0)
     one = X[0].clone()
-    assert bool(clip_updates_(one, 2.0)) == bool(unclipped[0])  # one [N] update
-    # the server's bound over clipped updates changes them by no more than rounding
-    out, _ = clipped_sum(Y, 2.0, backend="cpu")
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    assert bool(clip_updates_(one, 2.0)) == bool(norms[0] <= 2.0)  # one [N] update
+    assert torch.equal(one, Y[0])
+    # the server's bound at C changes no weight: its output is the first pass's, bit for bit
+    out, st = clipped_sum(Y, 2.0, scale=1 / 6, backend=name)
+    plain, _ = aggregate(Y, torch.ones(6, device=device), gamma=1 / 6, backend=name)
+    assert torch.equal(st.factors, torch.ones(6, device=device)) and torch.equal(out, plain)
+
+
+def test_client_side_clip_of_half_precision_updates():
+    X = clients(3, 257, torch.float16, "cpu")
+    Y = X.clone()
+    clip_updates_(Y, 0.5)
+    want = X.double() * torch.clamp(0.5 * (1 - CLIENT_CLIP_MARGIN) / (X.float().norm(dim=1).double() + CLIP_EPS),
+                                    max=1.0)[:, None]
+    torch.testing.assert_close(Y.double(), want, rtol=2 ** -10, atol=0)  # scaled in fp32, rounded once
 
 
 # ---------------------------------------------------------------- noise
@@ -243,9 +257,10 @@ def test_dp_with_fedadam_is_post_processing_and_client_mode_bounds_an_unclipped_
     assert torch.isfinite(D).all()
     Y = X.clone()
     clip_updates_(Y[:2], 1.0)  # the third client did not clip: the server's bound still does
-    a, _ = dp_step(Y, DPAggregator(clip=1.0, noise_multiplier=0.0, expected_clients=3, mode="client"))
-    b, _ = dp_step(X, DPAggregator(clip=1.0, noise_multiplier=0.0, expected_clients=3))
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    a, stats = dp_step(Y, DPAggregator(clip=1.0, noise_multiplier=0.0, expected_clients=3, mode="client"))
+    want, factors, *_ = oracle_clipped_sum(Y, 1.0, None, 1 / 3)
+    assert factors[:2].tolist() == [1.0, 1.0] and float(factors[2]) < 1  # the server clipped the third alone
+    torch.testing.assert_close(a.double(), want, rtol=1e-5, atol=1e-7)
 
 
 def test_adaptive_clip_trajectory_hand_computed_without_noise():

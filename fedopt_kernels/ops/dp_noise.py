@@ -40,7 +40,8 @@ from . import validation as V
 from .aggregate import (Clients, _check_out_apart, aggregate_runner, check_clients, check_weights,
                         norm_bound_factors)
 
-__all__ = ["ClipStats", "clipped_sum", "gaussian_noise_", "clip_updates_", "CLIP_EPS", "NOISE_CHUNK"]
+__all__ = ["ClipStats", "clipped_sum", "gaussian_noise_", "clip_updates_", "CLIP_EPS", "CLIENT_CLIP_MARGIN",
+           "NOISE_CHUNK"]
 
 CLIP_EPS = 1e-6  # the norm bound's guard (ops.aggregate.norm_bound_factors): a clipped norm is < C
 
@@ -133,13 +134,21 @@ def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out
     return out, ClipStats(q, unclipped, excluded, factors, eff, torch.where(same, Q, Q2))
 
 
+CLIENT_CLIP_MARGIN = 1e-5  # clients clip to C (1 - margin): the server's bound at C is then a no-op
+
+
 def clip_updates_(updates: torch.Tensor, clip) -> torch.Tensor:
     """Client-side clipping, in place: each row of ``updates`` (``[C, N]``, or one ``[N]``
-    update) scaled by ``min(1, C / (||row|| + 1e-6))`` -- the factor the server's bound
-    applies, so the server's pass leaves a clipped update within rounding of itself.
+    update) scaled by ``min(1, R / (||row|| + 1e-6))`` with ``R = C (1 - 1e-5)``.
+
+    The radius is a hair under the server's ``C`` so that the server's bound
+    (:func:`clipped_sum`, which checks every update against ``C`` whoever clipped it)
+    changes no weight for an honest client -- its norms differing from the client's by
+    fp32 rounding -- and its second pass is a no-op: client-side clipping costs the
+    server one pass over the data.  (fp16/bf16 updates are scaled in fp32 and rounded
+    once; that rounding can leave a norm above ``R`` and the server's pass then runs.)
     Returns the unclipped bits ``||row|| <= C`` (``[C]`` or 0-d bool; False for a
-    non-finite row, which is left as it is for the server to exclude).  Norms in the
-    accumulation dtype (fp32 for fp16/bf16)."""
+    non-finite row, which is left as it is for the server to exclude)."""
     V.check_tensor(updates, "updates")
     if updates.dim() not in (1, 2):
         raise ValueError(f"updates must be one [N] update or [C, N] rows, got shape {tuple(updates.shape)}")
@@ -148,9 +157,13 @@ def clip_updates_(updates: torch.Tensor, clip) -> torch.Tensor:
     clip = _check_clip(clip, updates.device, acc)
     norms = torch.linalg.vector_norm(rows, dim=1, dtype=acc)
     finite = torch.isfinite(norms)
-    factors = torch.where(finite, torch.clamp(clip / (torch.where(finite, norms, 0) + CLIP_EPS), max=1.0),
-                          torch.ones_like(norms))
-    rows.mul_(factors.to(rows.dtype).unsqueeze(1))
+    radius = clip * (1 - CLIENT_CLIP_MARGIN)
+    factors = torch.where(finite, torch.clamp(radius / (torch.where(finite, norms, 0) + CLIP_EPS), max=1.0),
+                          torch.ones_like(norms)).unsqueeze(1)
+    if rows.dtype == acc:
+        rows.mul_(factors)
+    else:
+        rows.copy_(rows.to(acc).mul_(factors))
     unclipped = finite & (norms <= clip)
     return unclipped if updates.dim() == 2 else unclipped[0]
 

@@ -49,7 +49,9 @@ that of ``T`` sampled Gaussian mechanisms of multiplier ``z``:
 sending them (:func:`~fedopt_kernels.ops.dp_noise.clip_updates_` with
 :attr:`DPAggregator.clip`), so the server never sees an unclipped update, and the
 server adds the noise.  The server still passes every update through the same norm
-bound, so a client that did not clip cannot void the guarantee.  Adaptive clipping
+bound, so a client that did not clip cannot void the guarantee; the clients clip to a
+hair under ``C`` (``C (1 - 1e-5)``), so for honest clients that bound changes no weight
+and the server reads the data once.  Adaptive clipping
 needs each client's bit ``b_i`` besides its update, which this aggregator's interface
 does not carry: client mode takes a fixed clip.
 

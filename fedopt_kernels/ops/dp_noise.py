@@ -148,14 +148,18 @@ def clip_updates_(updates: torch.Tensor, clip) -> torch.Tensor:
     server one pass over the data.  (fp16/bf16 updates are scaled in fp32 and rounded
     once; that rounding can leave a norm above ``R`` and the server's pass then runs.)
     Returns the unclipped bits ``||row|| <= C`` (``[C]`` or 0-d bool; False for a
-    non-finite row, which is left as it is for the server to exclude)."""
+    non-finite row, which is left as it is for the server to exclude).  Norms in float64
+    (torch's fp32 norm on the CPU is not accurate enough for a bound)."""
     V.check_tensor(updates, "updates")
     if updates.dim() not in (1, 2):
         raise ValueError(f"updates must be one [N] update or [C, N] rows, got shape {tuple(updates.shape)}")
     acc = V.acc_dtype(updates.dtype)
     rows = updates if updates.dim() == 2 else updates.unsqueeze(0)
     clip = _check_clip(clip, updates.device, acc)
-    norms = torch.linalg.vector_norm(rows, dim=1, dtype=acc)
+    # float64, one row at a time: torch's fp32 CPU norm of an 11M-element row is off by ~4e-4
+    # (relative), enough to send an update above the clip; a row's float64 copy is the only temporary
+    norms = torch.stack([torch.linalg.vector_norm(r, dtype=torch.float64) for r in rows]).to(acc) if len(rows) \
+        else torch.zeros(0, dtype=acc, device=rows.device)
     finite = torch.isfinite(norms)
     radius = clip * (1 - CLIENT_CLIP_MARGIN)
     factors = torch.where(finite, torch.clamp(radius / (torch.where(finite, norms, 0) + CLIP_EPS), max=1.0),

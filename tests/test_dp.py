@@ -6,6 +6,11 @@ that would void the guarantee.  The accountant: test_dp_accounting.py."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from fedopt_kernels.ops.dp_noise import (CLIENT_CLIP_MARGIN, CLIP_EPS, NOISE_CHU
 from fedopt_kernels.server import ASNES, FedAdam, FedAvg, FedExP
 from fedopt_kernels.server.dp import DPAggregator, dp_noise_seed, effective_noise_multiplier
 
+REPO = Path(__file__).resolve().parents[1]
 ACC = {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: torch.float32,
        torch.float64: torch.float64}
 
@@ -377,3 +383,22 @@ def test_client_side_clip_of_a_long_update_respects_the_bound():
     clip = 100.0
     clip_updates_(x, clip)
     assert float(x.double().norm()) <= clip * (1 - CLIENT_CLIP_MARGIN) * (1 + 1e-6)
+
+
+def test_without_the_privacy_extra_the_accountant_says_what_to_install():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["dp_accounting"] = None
+        from fedopt_kernels.server.dp import DPAggregator  # the mechanism needs no extra
+        from fedopt_kernels.server.privacy_accountant import PrivacyAccountant
+        from fedopt_kernels.extras import MissingExtraError
+        try:
+            PrivacyAccountant(1.0, sampling="poisson", num_clients=10, clients_per_round=5, delta=1e-5)
+        except MissingExtraError as exc:
+            print(exc)
+        """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("privacy accounting (fedopt_kernels.server.privacy_accountant) needs dp-accounting, "
+                                   "which is not installed: pip install fedopt_kernels[privacy]")

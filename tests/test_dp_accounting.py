@@ -1,25 +1,20 @@
 """The privacy accountant (fedopt_kernels.server.privacy_accountant) against
 dp-accounting called directly, against Abadi et al.'s published moments-accountant
 example, and against the closed forms of the Gaussian mechanism; the samplings it
-refuses; and what it says without the privacy extra."""
+refuses; what it says without the privacy extra is in test_dp.py."""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 # the privacy extra is part of the test extra (make setup installs it)
 dp_accounting = pytest.importorskip("dp_accounting", reason="needs the privacy extra: pip install fedopt_kernels[privacy]")
 
 from fedopt_kernels.server.privacy_accountant import PrivacyAccountant  # noqa: E402
+
 
 def test_epsilon_equals_dp_accounting_called_directly():
     from dp_accounting import NeighboringRelation, dp_event, rdp
@@ -87,22 +82,3 @@ def test_accountant_refuses_what_it_does_not_model(kw, match):
     z = args.pop("noise_multiplier")
     with pytest.raises(ValueError, match=match):
         PrivacyAccountant(z, **args)
-
-
-def test_without_the_privacy_extra_the_accountant_says_what_to_install():
-    code = textwrap.dedent("""
-        import sys
-        sys.modules["dp_accounting"] = None
-        from fedopt_kernels.server.dp import DPAggregator  # the mechanism needs no extra
-        from fedopt_kernels.server.privacy_accountant import PrivacyAccountant
-        from fedopt_kernels.extras import MissingExtraError
-        try:
-            PrivacyAccountant(1.0, sampling="poisson", num_clients=10, clients_per_round=5, delta=1e-5)
-        except MissingExtraError as exc:
-            print(exc)
-        """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == ("privacy accounting (fedopt_kernels.server.privacy_accountant) needs dp-accounting, "
-                                   "which is not installed: pip install fedopt_kernels[privacy]")

@@ -6,7 +6,9 @@ The simulator (:mod:`fedopt_kernels.fl`, ``fedopt simulate`` / ``compare`` and t
 plots) and the benchmarks (:mod:`fedopt_kernels.benchmarks`, ``fedopt bench``) come
 with the ``sim`` extra: ``pip install fedopt_kernels[sim]``.  The Flower integration
 comes with ``flower`` (:data:`fedopt_kernels.integrations.INTEGRATIONS`), which brings
-``sim`` too: its client trains as the simulator's clients do.
+``sim`` too: its client trains as the simulator's clients do.  The privacy accountant of
+differentially private aggregation (:mod:`fedopt_kernels.server.privacy_accountant`)
+comes with ``privacy`` (Google's ``dp-accounting``).
 
 Importing an optional part without its extra raises :class:`MissingExtraError`, an
 ``ImportError`` that says what to install.  Whether a module is there is asked of the
@@ -27,6 +29,8 @@ EXTRAS: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "sim": (("scikit-learn", "sklearn"),  # the digits dataset
             ("matplotlib", "matplotlib"),  # plots of the simulator
             ("rich", "rich")),  # progress bars and tables of fedopt simulate, compare and bench
+    # privacy accounting of DP aggregation (fedopt_kernels.server.privacy_accountant): Google's dp-accounting
+    "privacy": (("dp-accounting", "dp_accounting"),),
 }
 
 

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 from ..fl.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
                          SimulationConfig)
+from ..fl.config import ATTACK_CHOICES, DP_MODES
 from ._errors import CLIError
 
 CLI_ONLY_KEYS = ("out", "threads", "algos", "plots", "checkpoint_every")
@@ -122,6 +123,21 @@ SIM_OPTIONS: List[tuple] = [
                             "client (every label wrong), swap = FedLAW's two classes exchanged, noise = additive "
                             "Gaussian noise on the inputs (default {default})"),
     ("--corrupt-noise-std", float, "std of the input noise of --corrupt-kind noise (default {default})"),
+    # differential privacy (server/dp.py) and attacks for testing (fl/attacks.py), issue 31
+    ("--dp-clip", _optional_float, "DP-FedAvg: clip every client update to this norm, the initial clip with "
+                                   "--dp-target-quantile (default none: no differential privacy)"),
+    ("--dp-noise-multiplier", float, "DP-FedAvg: Gaussian noise of std z * clip on the sum of clipped updates; "
+                                     "0 clips without noise, which is not private (default {default})"),
+    ("--dp-target-quantile", _optional_float, "adaptive clipping (Andrew et al. 2021): the clip tracks this "
+                                              "quantile of the update norms, e.g. 0.5 (default none: fixed clip)"),
+    ("--dp-delta", _optional_float, "delta at which epsilon is written into results.json every round; needed "
+                                    "with noise, below 1/clients (default none)"),
+    ("--dp-mode", str, f"who clips: {', '.join(DP_MODES)} (client: the clients clip, the server adds the noise) "
+                       "(default {default})"),
+    ("--attack", str, f"attack for testing by --attack-fraction of the clients: {', '.join(ATTACK_CHOICES)}; "
+                      "alie = Baruch et al. 2019; recorded in results.json (default {default})"),
+    ("--attack-fraction", float, "fraction of the clients (rounded, chosen by --seed) that attack "
+                                 "(default {default})"),
     ("--seed", int, "seed of everything random (default {default})"),
     ("--eval-every", int, "evaluate every k rounds (default {default})"),
     ("--device", str, "cpu or cuda (default {default})"),

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from ..distributed import DistributedServerOptimizer, RankInputError, comm
 from ..distributed.comm import Plan
 from .client import RoundStats
-from .config import SimulationConfig
+from .config import ConfigError, SimulationConfig
 from .simulation import Simulation
 
 __all__ = ["DistributedSimulation", "rank_block", "init_from_env", "shutdown"]
@@ -87,6 +87,9 @@ class DistributedSimulation(Simulation):
         self.world_size = comm.group_size(group)
         self.mode = mode
         config.validate()
+        if config.dp_clip is not None or config.attack != "none":  # issue 31: wired into the local round only
+            raise ConfigError("dp-clip and attack are not supported with --distributed yet: its server step "
+                              "aggregates every rank's updates, which the DP aggregator and the attacks do not see")
         self._check_same_config(config)
         super().__init__(config, **kwargs)
         if self.server.round.takes == "updates":  # the cap needs every rank's weights: the wrapper applies it

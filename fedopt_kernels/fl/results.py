@@ -23,6 +23,14 @@ client schedule, and one dict per evaluated round (round 0 is the untrained mode
                        training raised), ``excluded_nonfinite`` (NaN/Inf update);
                        ``left_out``: ``[client, reason]`` pairs, in rounds with any
 ``server_skipped``     no client was left: the model and server state did not change
+``dp_epsilon``         with ``dp_clip`` and noise: epsilon at ``dp_delta`` after the
+                       rounds so far (:mod:`fedopt_kernels.fl.privacy`); also
+                       ``dp_clip`` (the clip the round used), ``dp_noise_std`` (the
+                       noise's std in the mean update) and, adaptive,
+                       ``dp_unclipped_fraction`` (the privatised fraction unclipped)
+``attacked_clients``   with ``attack``: the attackers among the round's clients
+                       (:mod:`fedopt_kernels.fl.attacks`; all of them in
+                       ``meta["attack"]``)
 ``clients``            the round's sampled client ids
 ``wall_time``          seconds since the start of the run
 =====================  ===========================================================
@@ -48,7 +56,7 @@ __all__ = ["Results", "CSV_COLUMNS", "write_atomic", "plot_comparison", "compari
 CSV_COLUMNS = ["round", "test_accuracy", "test_loss", "train_loss", "clip_frequency", "mean_clipped_norm",
                "clipped_steps", "skipped_steps", "local_lr", "weight_decay", "server_lr", "lr_scale", "gain_ratio",
                "sigma2", "nu2", "gamma", "proxy_loss", "update_norm", "excluded_clients", "excluded_no_data",
-               "excluded_error", "excluded_nonfinite", "wall_time", "clients"]
+               "excluded_error", "excluded_nonfinite", "dp_epsilon", "dp_clip", "wall_time", "clients"]
 
 
 def write_atomic(path, text: str) -> None:

@@ -14,7 +14,8 @@ from enum import IntEnum
 import numpy as np
 
 __all__ = ["Purpose", "derive_seed", "init_seed", "sampling_seed", "batch_seed", "proxy_seed",
-           "proxy_order_seed", "dropout_seed", "corrupt_seed", "corrupt_client_seed"]
+           "proxy_order_seed", "dropout_seed", "corrupt_seed", "corrupt_client_seed", "attack_seed",
+           "attack_noise_seed"]
 
 
 class Purpose(IntEnum):
@@ -27,6 +28,8 @@ class Purpose(IntEnum):
     PROXY_ORDER = 5  # the proxy set's batch order in a round
     DROPOUT = 6      # random layers of the batched engine
     CORRUPT = 7      # which clients are corrupted, and each one's label map or noise
+    ATTACK = 8       # which clients attack (fl/attacks.py), and the noise of the gaussian attack
+    DP_NOISE = 9     # the noise of differentially private aggregation (server/dp.py: dp_noise_seed)
 
 
 def derive_seed(*keys: int) -> int:
@@ -74,3 +77,13 @@ def corrupt_seed(seed: int) -> int:
 def corrupt_client_seed(seed: int, client: int) -> int:
     """The seed of corrupted client ``client``'s label map or input noise."""
     return derive_seed(seed, Purpose.CORRUPT, 1, client)
+
+
+def attack_seed(seed: int) -> int:
+    """The seed that picks the attacking clients (:mod:`fedopt_kernels.fl.attacks`)."""
+    return derive_seed(seed, Purpose.ATTACK)
+
+
+def attack_noise_seed(seed: int, round_number: int, client: int) -> int:
+    """The seed of attacking client ``client``'s gaussian update in round ``round_number``."""
+    return derive_seed(seed, Purpose.ATTACK, 1, round_number, client)

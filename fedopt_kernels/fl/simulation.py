@@ -74,6 +74,7 @@ from torch import nn
 from .. import __version__
 from ..server import read_metrics
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
+from .attacks import Attack
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
@@ -82,6 +83,7 @@ from .data import FederatedDataset, load_dataset
 from .interrupts import deferred_interrupts
 from .models import build_model
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
+from .privacy import RoundPrivacy
 from .results import Results
 from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
 from .server_side import BAD_CLIENT_REASONS, ServerSide
@@ -202,6 +204,11 @@ class Simulation:
         # what the clients train on: the training set with the corrupted clients' samples
         # damaged (config.corrupt_*); self.dataset itself (test set, proxy set) stays clean
         self.train_x, self.train_y, self.corruption = self._corrupt()
+        # issue 31: attacks for testing (fl/attacks.py); labelflip's attackers train on flipped labels
+        self.attack = (Attack.build(config.attack, config.attack_fraction, config.clients, config.seed)
+                       if config.attack != "none" else None)
+        if self.attack is not None:
+            self.train_y = self.attack.poison_labels(self.train_y, self.client_indices, ds.num_classes)
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
         global_model = self._make_model(model).to(self.device)
@@ -243,6 +250,12 @@ class Simulation:
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
         if self.corruption is not None:
             self.results.meta["corruption"] = self.corruption.to_dict()
+        # issue 31: DP-FedAvg on the server optimizer (fl/privacy.py), and what is recorded of it and the attack
+        self.privacy = RoundPrivacy(config, self.server) if config.dp_clip is not None else None
+        if self.privacy is not None:
+            self.results.meta["dp"] = self.privacy.meta()
+        if self.attack is not None:
+            self.results.meta["attack"] = self.attack.to_dict()
         self.batched: Optional[BatchedTrainer] = None
         self._setup_engine()
 
@@ -560,7 +573,18 @@ class Simulation:
         ``weighting="size"``).
         :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` spreads it over
         ranks."""
-        return self.server.step(self.updates[:len(clients)], sizes)
+        rows = self.updates[:len(clients)]
+        # issue 31: honest clients clip (dp_mode "client"), then the attackers replace their updates;
+        # the round's record gets the attackers among its clients and the DP numbers (epsilon so far)
+        extra = {}
+        if self.privacy is not None:
+            self.privacy.clip_client_updates_(rows)
+        if self.attack is not None:
+            extra["attacked_clients"] = self.attack.apply_(rows, clients, self.round + 1)
+        stats = self.server.step(rows, sizes)
+        if self.privacy is not None:
+            extra.update(self.privacy.record())
+        return {**stats, **extra}
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:
@@ -602,6 +626,7 @@ class Simulation:
             "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
+            "dp": self.privacy.state_dict() if self.privacy is not None else None,  # issue 31: the clip, rounds
         }
 
     _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client")
@@ -623,6 +648,8 @@ class Simulation:
         self.server.load_state_dict(state["server"])
         if self.scaffold is not None:
             self.scaffold.load_state_dict(state["scaffold"])
+        if self.privacy is not None and state.get("dp") is not None:  # issue 31
+            self.privacy.load_state_dict(state["dp"])
         self.round = int(state["round"])
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])

@@ -137,6 +137,13 @@ class SimulationConfig:
     corrupt_fraction: float = 0.0
     corrupt_kind: str = "labels"
     corrupt_noise_std: float = 1.0
+    # the papers' procedures around the step (fl/recipes.py turns them on per paper)
+    fedexp_scale_eps: bool = False  # FedExP's eps times the round's client count (authors' main.py:404)
+    fedexp_eps_decay: float = 1.0  # FedExP's eps times this per round (authors': 0.998^2, main.py:308)
+    eval_avg_last_two: bool = False  # also evaluate the mean of the last two global iterates (FedExP)
+    carry_momentum: bool = False  # a client's local momentum carries to its next round (FedLAW's code)
+    decay_scales_change: bool = False  # FedDecay per epoch: scale the epoch's change by beta^j (authors' code)
+    recipe: Optional[str] = None  # the fl/recipes.py recipe these settings started from (recorded)
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -250,6 +257,18 @@ class SimulationConfig:
         real("corrupt_fraction", 0.0, 1.0)
         real("corrupt_noise_std", 0.0, low_open=True)
         real("max_weight_share", 0.0, 1.0, low_open=True, allow_none=True)
+        for name in ("fedexp_scale_eps", "eval_avg_last_two", "carry_momentum", "decay_scales_change"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
+        real("fedexp_eps_decay", 0.0, 1.0, low_open=True)
+        if self.decay_scales_change and self.decay_per != "epoch":
+            raise ConfigError("decay-scales-change scales each local epoch's parameter change, so it needs "
+                              f"decay-per epoch, got decay-per {self.decay_per!r}")
+        if self.recipe is not None:
+            from .recipes import RECIPES
+
+            if self.recipe not in RECIPES:
+                raise ConfigError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
         if self.corrupt_fraction > 0 and math.floor(self.corrupt_fraction * self.clients + 0.5) == 0:
             raise ConfigError(f"corrupt-fraction {self.corrupt_fraction:g} of {self.clients} clients corrupts no "
                               f"client (the count is rounded); use at least {0.5 / self.clients:.3g}")

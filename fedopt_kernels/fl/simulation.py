@@ -216,7 +216,8 @@ class Simulation:
             weight_decay=config.weight_decay, wd_decay=config.wd_decay, max_norm=config.max_norm, nar=config.nar,
             momentum=config.momentum, prox_mu=config.prox_mu if config.algo == "fedprox" else 0.0,
             scaffold=config.algo == "scaffold", decay_beta=config.decay_beta, decay_kind=config.decay_kind,
-            decay_per=config.decay_per, backend=config.backend)
+            decay_per=config.decay_per, backend=config.backend, carry_momentum=config.carry_momentum,
+            decay_scales_change=config.decay_scales_change)
         self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
         self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype)
                          if self.local.scaffold else None)
@@ -241,6 +242,10 @@ class Simulation:
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
+        if config.recipe is not None:  # the recipe the settings came from: each value, its source, overrides
+            from .recipes import get as get_recipe
+
+            self.results.meta["recipe"] = get_recipe(config.recipe).resolved(config)
         if self.corruption is not None:
             self.results.meta["corruption"] = self.corruption.to_dict()
         self.batched: Optional[BatchedTrainer] = None
@@ -375,6 +380,9 @@ class Simulation:
         self.results.meta["engine"] = engine
         if engine != "batched":
             return
+        if cfg.carry_momentum or cfg.decay_scales_change:  # per-client state / per-epoch rescaling: sequential only
+            self._fall_back("carry_momentum and decay_scales_change run on the sequential engine")
+            return
         reason = unsupported_reason(self.global_model)
         if reason is not None:
             self._fall_back(reason)
@@ -500,7 +508,9 @@ class Simulation:
             sizes = self.client_sizes[kept]
             C = len(kept)
             self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
+            x_before = self.x_global.detach().clone() if cfg.eval_avg_last_two else None
             if C:
+                self._schedule_server(r)
                 server_stats = self._server_step(kept, sizes)
                 excluded = self.server.last_excluded
                 if self.scaffold is not None:  # after the step: without the clients it excluded
@@ -524,11 +534,40 @@ class Simulation:
             self._record_exclusions(record, kept, excluded)
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
+                if x_before is not None:
+                    record["test_accuracy_avg2"], record["test_loss_avg2"] = self.evaluate_average(x_before, r)
             self.round = r
             self._elapsed += time.perf_counter() - t0
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
+
+    def _schedule_server(self, round_number: int) -> None:
+        """FedExP's per-round settings as its authors run it: ``eps * fedexp_eps_decay^(t)``
+        in round ``t + 1`` (released main.py:308 decays eps by 0.998^2 per round) and
+        ``M * eps`` when ``fedexp_scale_eps`` (main.py:404), written into the optimizer's
+        param groups -- a closed form of the round number, so a resumed run agrees."""
+        cfg = self.config
+        if cfg.algo != "fedexp" or self.server.optimizer is None:
+            return
+        for group in self.server.optimizer.param_groups:
+            group["eps"] = cfg.fedexp_eps * cfg.fedexp_eps_decay ** (round_number - 1)
+            group["scale_eps_by_clients"] = cfg.fedexp_scale_eps
+
+    @torch.no_grad()
+    def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
+        """``(accuracy, loss)`` of ``(x_before + x_global) / 2``, the mean of the last two
+        global iterates, which FedExP's authors evaluate (released main.py:414-421 and
+        430-431: in their first round the last iterate alone).  The global model is left
+        as it was (bitwise)."""
+        if round_number == 1:
+            return self.evaluate()
+        current = self.x_global.detach().clone()
+        try:
+            self.x_global.add_(x_before).mul_(0.5)
+            return self.evaluate()
+        finally:
+            self.x_global.copy_(current)
 
     def _record_exclusions(self, record: dict, kept: List[int], excluded: Optional[torch.Tensor]) -> None:
         """``excluded_clients`` (all reasons), ``excluded_<reason>`` and, when any,

@@ -332,3 +332,35 @@ def test_option_errors_name_the_setting():
     with pytest.raises(ValueError, match="carry_momentum needs the client's id"):
         _train(t, 1.0, [0], 0, client=None)
     assert math.isfinite(t.x.item())
+
+
+# ---------------------------------------------------------------------------- held-out clients
+def test_held_out_clients_never_train_and_are_scored_on_their_data():
+    cfg = SimulationConfig(hidden=(8,), clients=10, per_round=4, rounds=6, local_steps=2, holdout_clients=2,
+                           engine="sequential", seed=3)
+    sim = Simulation(cfg)
+    held = sim.holdout_clients
+    assert len(held) == 2 and held == sorted(held)
+    res = sim.run()
+    trained = {c for r in res.records for c in r["clients"]}
+    assert not trained & set(held)
+    assert len(trained) > 4  # the sample still moves over the other clients
+    # the oracle: the final global model on the held-out clients' data, computed here
+    idx = torch.cat([sim.partition.client_indices[c] for c in held])
+    x, y = sim.dataset.x_train[idx], sim.dataset.y_train[idx]
+    sim.global_model.eval()
+    with torch.no_grad():
+        out = sim.global_model(x)
+    assert res.records[-1]["holdout_accuracy"] == pytest.approx((out.argmax(1) == y).double().mean().item(), abs=1e-12)
+    assert res.records[-1]["holdout_loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-5)
+    assert "holdout_accuracy" in res.records[0]
+
+
+def test_no_hold_out_samples_as_before():
+    from fedopt_kernels.fl import sample_clients
+
+    sim = Simulation(SimulationConfig(hidden=(8,), clients=10, per_round=4, rounds=1, engine="sequential"))
+    assert sim.holdout_clients == []
+    assert [sim.sample_clients(r) for r in (1, 2, 3)] == [sample_clients(0, r, 10, 4) for r in (1, 2, 3)]
+    with pytest.raises(ConfigError, match="per-round .4. cannot exceed the clients left for training"):
+        SimulationConfig(clients=10, per_round=4, holdout_clients=7).validate()

@@ -115,6 +115,9 @@ SIM_OPTIONS: List[tuple] = [
     ("--decay-scales-change", _bool, "FedDecay with --decay-per epoch as its authors' code: each epoch at the full "
                                      "lr, its parameter change then scaled by beta^j (sequential engine) "
                                      "(default false: epoch j runs at lr * beta^j)"),
+    ("--holdout-clients", int, "clients never sampled for training; each evaluation also scores the global model "
+                               "on their data (holdout_accuracy), as [FedDecay] holds out 20%% of the users "
+                               "(default {default})"),
     ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default {default})"),
     ("--fedlaw-epochs", int, "FedLAW server epochs per round (default {default})"),
     ("--fedlaw-lr", float, "FedLAW's Adam lr (default {default})"),

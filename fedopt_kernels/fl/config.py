@@ -144,6 +144,7 @@ class SimulationConfig:
     carry_momentum: bool = False  # a client's local momentum carries to its next round (FedLAW's code)
     decay_scales_change: bool = False  # FedDecay per epoch: scale the epoch's change by beta^j (authors' code)
     recipe: Optional[str] = None  # the fl/recipes.py recipe these settings started from (recorded)
+    holdout_clients: int = 0  # clients never sampled for training, evaluated on their data ([FedDecay] section 4)
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -261,6 +262,10 @@ class SimulationConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
         real("fedexp_eps_decay", 0.0, 1.0, low_open=True)
+        integer("holdout_clients", 0)
+        if self.holdout_clients and self.per_round > self.clients - self.holdout_clients:
+            raise ConfigError(f"per-round ({self.per_round}) cannot exceed the clients left for training "
+                              f"({self.clients} - holdout-clients {self.holdout_clients})")
         if self.decay_scales_change and self.decay_per != "epoch":
             raise ConfigError("decay-scales-change scales each local epoch's parameter change, so it needs "
                               f"decay-per epoch, got decay-per {self.decay_per!r}")

@@ -173,7 +173,8 @@ FEDEXP = _r("fedexp", "FedExP (Jhunjhunwala, Wang and Joshi, ICLR 2023)",
 FEDDECAY = _r("feddecay", "FedDecay (anonymous submission; code by J. Lavond, github.com/JoeLavond/FedDecay)",
               "accuracy on clients held out of training (20% of the users, [FedDecay] section 4 'Data') and on "
               "the training clients' data, after local fine-tuning; the simulator records the global model's "
-              "test accuracy", [
+              "test accuracy, and with --holdout-clients (20% of --clients, as the paper) its accuracy on the "
+              "held-out clients' data (holdout_accuracy)", [
                   ("algo", "fedavg", "[FedDecay] section 3: FedDecay is FedAvg with within-round decay"),
                   ("nar", "grad", "feddecay/femnist--s02/base_finetune.yaml (optimizer.grad_clip: 5, gradient "
                                   "clipping)"),

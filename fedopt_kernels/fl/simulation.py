@@ -339,7 +339,36 @@ class Simulation:
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, round_number: int) -> List[int]:
-        return sample_clients(self.config.seed, round_number, self.config.clients, self.config.per_round)
+        """The round's clients; with ``holdout_clients`` drawn from the others only (the
+        same draw, mapped onto the training clients: no hold-out gives the usual sample)."""
+        pool = self.training_clients
+        picked = sample_clients(self.config.seed, round_number, len(pool), self.config.per_round)
+        return [pool[i] for i in picked]
+
+    @property
+    def training_clients(self) -> List[int]:
+        """Every client but the held-out ones (sorted)."""
+        held = set(self.holdout_clients)
+        return [c for c in range(self.config.clients) if c not in held]
+
+    @property
+    def holdout_clients(self) -> List[int]:
+        """``config.holdout_clients`` clients drawn by the seed (round 0 of the sampling
+        stream, which no round uses), never sampled for training; :meth:`evaluate_holdout`
+        scores the global model on their data, as [FedDecay] section 4 holds out 20% of
+        the users to measure generalisation to new ones."""
+        h = self.config.holdout_clients
+        if not h:
+            return []
+        g = torch.Generator().manual_seed(sampling_seed(self.config.seed, 0))
+        return sorted(torch.randperm(self.config.clients, generator=g)[:h].tolist())
+
+    @torch.no_grad()
+    def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
+        """``(accuracy, mean loss)`` of the global model on the held-out clients' pooled
+        (uncorrupted) training data: the sample-weighted mean of their accuracies."""
+        idx = torch.cat([self.client_indices[c] for c in self.holdout_clients])
+        return self._evaluate_on(self.dataset.x_train[idx], self.dataset.y_train[idx], batch_size)
 
     @property
     def num_eval(self) -> int:
@@ -351,11 +380,15 @@ class Simulation:
     def evaluate(self, batch_size: int = 2048) -> tuple:
         """``(accuracy, mean loss)`` of the global model on the test set (on
         :attr:`eval_indices` when FedLAW's proxy set is held out of it)."""
-        model, ds = self.global_model, self.dataset
+        ds = self.dataset
         x_test, y_test = ds.x_test, ds.y_test
         if self.eval_indices is not None:
             idx = self.eval_indices.to(self.device)
             x_test, y_test = x_test[idx], y_test[idx]
+        return self._evaluate_on(x_test, y_test, batch_size)
+
+    def _evaluate_on(self, x_test: torch.Tensor, y_test: torch.Tensor, batch_size: int) -> tuple:
+        model = self.global_model
         n = y_test.shape[0]
         was_training = model.training
         model.eval()
@@ -536,6 +569,8 @@ class Simulation:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
                 if x_before is not None:
                     record["test_accuracy_avg2"], record["test_loss_avg2"] = self.evaluate_average(x_before, r)
+                if cfg.holdout_clients:
+                    record["holdout_accuracy"], record["holdout_loss"] = self.evaluate_holdout()
             self.round = r
             self._elapsed += time.perf_counter() - t0
             record["wall_time"] = self._elapsed
@@ -617,6 +652,9 @@ class Simulation:
             acc, loss = self.evaluate()
             self.results.append({"round": 0, "clients": [], "test_accuracy": acc, "test_loss": loss,
                                  "wall_time": 0.0})
+            if self.config.holdout_clients:
+                self.results.records[-1]["holdout_accuracy"], self.results.records[-1]["holdout_loss"] = \
+                    self.evaluate_holdout()
             if callback is not None:
                 callback(self.results.records[-1], self)
         while self.round < target:

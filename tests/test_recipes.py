@@ -85,8 +85,9 @@ SOURCES = [
     ("feddecay", "weighting", "uniform", "section 2", "we exclusively consider aggregation with equally weighted users"),
     ("asnes", "algo", "asnes", "Algorithm 1", "ASNES"),
     ("asnes", "nar", "none", "section 1", "perform multiple local updates using stochastic gradient descent"),
-    ("asnes", "momentum", 0.0, "Algorithm 1", "local SGD; the momentum is the server's"),
-    ("asnes", "weighting", "uniform", "eq. (2)", "the mean over the round's clients"),
+    ("asnes", "momentum", 0.0, "Algorithm 1 line 9", "w_{n,k+1} = w_{n,k} - eta g_{n,k}"),
+    ("asnes", "weight_decay", 0.0, "Algorithm 1 line 9", "w_{n,k+1} = w_{n,k} - eta g_{n,k}"),
+    ("asnes", "weighting", "uniform", "Algorithm 1 line 13", "nabla_t := 1/|S| sum_{n in S} nabla_{n,t}"),
     ("asnes", "server_lr", 1.0, "eq. (3)-(4c)", "Server update the learning rate eta_t via (3)"),
     ("asnes", "server_momentum", 0.9, "section 5.1", "we set beta = 0.9 in the Fashion-MNIST experiment"),
 ]

@@ -209,12 +209,14 @@ ASNES = _r("asnes", "ASNES (papers/asnes.txt)",
                ("algo", "asnes", "[ASNES] Algorithm 1"),
                ("nar", "none", "[ASNES] section 1: clients 'perform multiple local updates using stochastic gradient "
                                "descent' (no clipping stated)"),
-               ("momentum", 0.0, "[ASNES] Algorithm 1: local SGD (the momentum is the server's)"),
-               ("weighting", "uniform", "[ASNES] eq. (2): the mean over the round's clients"),
+               ("momentum", 0.0, "[ASNES] Algorithm 1 line 9: plain local SGD (the momentum is the server's)"),
+               ("weight_decay", 0.0, "[ASNES] Algorithm 1 line 9: w_{n,k+1} = w_{n,k} - eta g_{n,k}, no decay term (the "
+                                     "simulator's default 1e-3 is FedNAR's, defaults.LOCAL)"),
+               ("weighting", "uniform", "[ASNES] eq. (2), Algorithm 1 line 13: the mean over the round's clients"),
                ("server_lr", 1.0, "[ASNES] eq. (3)-(4c): the server step is eta_t = r"),
                ("server_momentum", 0.9, "[ASNES] section 5.1: 'beta = 0.9 in the Fashion-MNIST experiment'"),
            ], departures=(
-               "the paper states no local lr, weight decay, batch size or local steps usable here (its '0.00001' "
+               "the paper states no local lr, batch size or local steps usable here (its '0.00001' "
                "for Fashion-MNIST is the benchmarks' lr); the simulator's defaults are kept",
                "the paper samples 10-90 of 100 clients per round; here per_round is fixed",
            ))

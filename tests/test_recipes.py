@@ -300,6 +300,28 @@ def test_carried_momentum_in_a_simulation_falls_back_to_the_sequential_engine_an
     assert sim.x_global.item() == pytest.approx(0.1226, abs=1e-6)
 
 
+def test_carried_momentum_survives_a_checkpoint(tmp_path):
+    """3 rounds straight == 2 rounds, state_dict through torch.save/load(weights_only), 1 more (bitwise)."""
+    cfg = SimulationConfig(hidden=(8,), clients=4, per_round=2, rounds=3, local_steps=3, momentum=0.9,
+                           carry_momentum=True, engine="sequential")
+    straight = Simulation(cfg)
+    straight.run()
+    first = Simulation(cfg)
+    first.run(2)
+    assert first.trainer.momentum_buffers  # something to carry
+    torch.save(first.state_dict(), tmp_path / "ck.pt")
+    resumed = Simulation(cfg)
+    resumed.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=True))
+    resumed.run()
+    assert torch.equal(resumed.x_global, straight.x_global)
+    lost = Simulation(cfg)  # the same checkpoint without the buffers gives another model
+    state = first.state_dict()
+    state["local_momentum"] = None
+    lost.load_state_dict(state)
+    lost.run()
+    assert not torch.equal(lost.x_global, straight.x_global)
+
+
 def test_feddecay_per_epoch_scaled_change_two_rounds_hand_computed():
     """Two samples with x = 1 (batch 1: 2 steps per epoch), 4 steps = 2 epochs, beta 0.5,
     lr 0.1 decayed 0.5 per round.  Round 1 from 1: epoch 0 at lr 0.1: 0.8, 0.64; epoch 1

@@ -77,6 +77,18 @@ class SimulationConfig:
     the largest share of a round's total weight one client may get under
     ``weighting="size"`` (None, the default: no cap;
     :func:`fedopt_kernels.server.weighting.cap_weight_shares`).
+
+    What the papers' authors do around the step (all off by default; the recipes of
+    :mod:`fedopt_kernels.fl.recipes` turn them on, ``recipe`` records which one the
+    settings started from): ``fedexp_scale_eps`` (FedExP's ``M * eps``),
+    ``fedexp_eps_decay`` (eps times this per round), ``eval_avg_last_two`` (each
+    evaluation also scores the mean of the last two global models:
+    ``test_accuracy_avg2``), ``carry_momentum`` (a client's local momentum buffers
+    carry over to its next round, as FedLAW's code), ``decay_scales_change`` (FedDecay
+    per epoch as its code: the epoch at the full lr, its parameter change scaled by
+    ``beta^j``) -- the last two on the sequential engine.  ``holdout_clients``: that many
+    clients (drawn by the seed) are never sampled, and each evaluation also scores the
+    global model on their data (``holdout_accuracy``, [FedDecay] section 4).
     """
 
     # what runs

@@ -679,6 +679,10 @@ class Simulation:
             "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
+            # carry_momentum: each client's local momentum buffers (they carry into its next round)
+            "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
+                                for c, bufs in self.trainer.momentum_buffers.items()}
+                               if self.trainer.momentum_buffers else None),
         }
 
     _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client")
@@ -700,6 +704,9 @@ class Simulation:
         self.server.load_state_dict(state["server"])
         if self.scaffold is not None:
             self.scaffold.load_state_dict(state["scaffold"])
+        if state.get("local_momentum"):
+            self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
+                                             for c, bufs in state["local_momentum"].items()}
         self.round = int(state["round"])
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])

@@ -158,6 +158,9 @@ def test_a_checkpoints_settings_are_not_overwritten_by_its_recorded_recipe():
     base = recipes.get("fedlaw").config(lr=0.05).to_dict()
     cfg, _ = build_settings(parser.parse_args(["--rounds", "7"]), base=base)
     assert (cfg.lr, cfg.rounds, cfg.recipe) == (0.05, 7, "fedlaw")
+    # resumed with the recipe named again (a --config file holding it): the checkpoint's values stay
+    cfg, _ = build_settings(parser.parse_args(["--recipe", "fedlaw", "--rounds", "7"]), base=base)
+    assert (cfg.lr, cfg.momentum, cfg.rounds) == (0.05, 0.9, 7)
 
 
 def test_simulate_with_a_recipe_records_it_in_results_json(tmp_path):

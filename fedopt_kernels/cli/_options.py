@@ -217,13 +217,14 @@ def load_toml(path: str) -> Dict[str, Any]:
 
 
 def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> Tuple[SimulationConfig, dict]:
-    """``(config, cli_only)`` from defaults <- base <- recipe <- TOML <- explicit flags.
+    """``(config, cli_only)`` from defaults <- recipe <- base <- TOML <- explicit flags.
 
-    The recipe (``--recipe`` or a TOML ``recipe`` key) sits under the TOML file and the
-    flags: only the flags actually given on the command line (argparse leaves the others
-    out of ``args``) and the TOML's keys override it.  A checkpoint's settings (``base``)
-    already hold the resolved values, so its recorded recipe is not applied again."""
-    values: Dict[str, Any] = dict(base or {})
+    The recipe (``--recipe`` or a TOML ``recipe`` key) sits under everything else: only
+    the flags actually given on the command line (argparse leaves the others out of
+    ``args``) and the TOML's keys override it.  A checkpoint's settings (``base``, on
+    ``--resume``) already hold the values the run resolved, recipe and overrides
+    included, so they stay above the recipe."""
+    values: Dict[str, Any] = {}
     cli_only: Dict[str, Any] = {"out": "results", "threads": None, "plots": True, "algos": None}
     source = "command line"
     toml: Dict[str, Any] = {}
@@ -243,6 +244,7 @@ def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> 
             values.update(get_recipe(recipe).values())
         except ValueError as exc:
             raise CLIError(str(exc)) from None
+    values.update(base or {})
     values.update(toml)
     for key, value in explicit.items():
         if key in CLI_ONLY_KEYS:

@@ -28,7 +28,10 @@ from typing import Any, Dict, List, Tuple
 from ..fl.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
                          SimulationConfig)
 from ..fl.config import ATTACK_CHOICES, DP_MODES
+from ..fl.recipes import RECIPES
 from ._errors import CLIError
+
+RECIPE_NAMES = tuple(RECIPES)
 
 CLI_ONLY_KEYS = ("out", "threads", "algos", "plots", "checkpoint_every")
 
@@ -67,6 +70,8 @@ _optional_float.__name__ = "float"
 
 # (flag, type, help); the dest is the flag with dashes -> underscores
 SIM_OPTIONS: List[tuple] = [
+    ("--recipe", str, f"start from a paper's training recipe: {', '.join(RECIPE_NAMES)} (fedopt_kernels.fl.recipes; "
+                      "each value's source is in results.json meta.recipe); flags and --config settings override it"),
     ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
     ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
                    "(default {default})"),
@@ -101,6 +106,19 @@ SIM_OPTIONS: List[tuple] = [
     ("--server-betas", _float_pair, "FedAdam / FedYogi betas, e.g. 0.9,0.99 (default {default})"),
     ("--server-tau", float, "FedAdam / FedYogi / FedAdagrad tau (default {default})"),
     ("--fedexp-eps", float, "FedExP's eps (default {default})"),
+    ("--fedexp-scale-eps", _bool, "FedExP: use M * eps, M the round's clients, as the authors' code (default false)"),
+    ("--fedexp-eps-decay", float, "FedExP: eps times this every round; the authors' code uses 0.998^2 "
+                                  "(default {default}: no decay)"),
+    ("--eval-avg-last-two", _bool, "also evaluate the mean of the last two global models, recorded as "
+                                   "test_accuracy_avg2 (FedExP's authors report it) (default false)"),
+    ("--carry-momentum", _bool, "each client keeps its local momentum buffers across its rounds, as FedLAW's code "
+                                "(sequential engine) (default false)"),
+    ("--decay-scales-change", _bool, "FedDecay with --decay-per epoch as its authors' code: each epoch at the full "
+                                     "lr, its parameter change then scaled by beta^j (sequential engine) "
+                                     "(default false: epoch j runs at lr * beta^j)"),
+    ("--holdout-clients", int, "clients never sampled for training; each evaluation also scores the global model "
+                               "on their data (holdout_accuracy), as [FedDecay] holds out 20%% of the users "
+                               "(default {default})"),
     ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default {default})"),
     ("--fedlaw-epochs", int, "FedLAW server epochs per round (default {default})"),
     ("--fedlaw-lr", float, "FedLAW's Adam lr (default {default})"),
@@ -123,7 +141,7 @@ SIM_OPTIONS: List[tuple] = [
                             "client (every label wrong), swap = FedLAW's two classes exchanged, noise = additive "
                             "Gaussian noise on the inputs (default {default})"),
     ("--corrupt-noise-std", float, "std of the input noise of --corrupt-kind noise (default {default})"),
-    # differential privacy (server/dp.py) and attacks for testing (fl/attacks.py), issue 31
+    # differential privacy (server/dp.py) and attacks for testing (fl/attacks.py)
     ("--dp-clip", _optional_float, "DP-FedAvg: clip every client update to this norm, the initial clip with "
                                    "--dp-target-quantile (default none: no differential privacy)"),
     ("--dp-noise-multiplier", float, "DP-FedAvg: Gaussian noise of std z * clip on the sum of clipped updates; "
@@ -215,18 +233,35 @@ def load_toml(path: str) -> Dict[str, Any]:
 
 
 def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> Tuple[SimulationConfig, dict]:
-    """``(config, cli_only)`` from defaults <- base <- TOML <- explicit flags."""
-    values: Dict[str, Any] = dict(base or {})
+    """``(config, cli_only)`` from defaults <- recipe <- base <- TOML <- explicit flags.
+
+    The recipe (``--recipe`` or a TOML ``recipe`` key) sits under everything else: only
+    the flags actually given on the command line (argparse leaves the others out of
+    ``args``) and the TOML's keys override it.  A checkpoint's settings (``base``, on
+    ``--resume``) already hold the values the run resolved, recipe and overrides
+    included, so they stay above the recipe."""
+    values: Dict[str, Any] = {}
     cli_only: Dict[str, Any] = {"out": "results", "threads": None, "plots": True, "algos": None}
     source = "command line"
+    toml: Dict[str, Any] = {}
     if getattr(args, "config", None):
         source = f"config file {args.config}"
         for key, value in load_toml(args.config).items():
             if key in CLI_ONLY_KEYS:
                 cli_only[key] = value
             else:
-                values[key] = value
+                toml[key] = value
     explicit = {k: v for k, v in vars(args).items() if k not in ("config", "command", "quiet", "func", "resume")}
+    recipe = explicit.get("recipe", toml.get("recipe"))
+    if recipe is not None:
+        from ..fl.recipes import get as get_recipe
+
+        try:
+            values.update(get_recipe(recipe).values())
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+    values.update(base or {})
+    values.update(toml)
     for key, value in explicit.items():
         if key in CLI_ONLY_KEYS:
             cli_only[key] = value

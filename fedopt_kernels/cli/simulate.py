@@ -391,6 +391,8 @@ def run_compare(args) -> int:
 
     config, opts = build_settings(args)
     algos = opts.get("algos")
+    if algos is None and config.recipe is not None:  # --recipe alone: its own algorithm and local step
+        algos = config.algo
     if algos is None:  # not given; an empty --algos "" is an error, not the defaults
         algos = "fedavg,fedprox,scaffold,fedexp"
     runs = parse_runs(algos, config.nar)

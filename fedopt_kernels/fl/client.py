@@ -57,6 +57,11 @@ class LocalConfig:
     decay_kind: str = D.LOCAL["decay_kind"]
     decay_per: str = D.LOCAL["decay_per"]
     backend: Optional[str] = None
+    # FedLAW's released code: each client's SGD momentum buffers carry over to its next round
+    carry_momentum: bool = False
+    # FedDecay's released code (decay_per="epoch"): epoch j runs at the full lr, then its parameter
+    # change is scaled by beta_j (trainer_decay.py:117-145), instead of running epoch j at lr * beta_j
+    decay_scales_change: bool = False
 
     def lr_at(self, round_index: int, k: int) -> float:
         """The local lr of (0-based) decay index ``k`` in round ``round_index``."""
@@ -190,6 +195,9 @@ class LocalTrainer:
         needs_tmp = config.prox_mu != 0.0 or config.scaffold
         self._tmp = torch.empty_like(self.x) if needs_tmp else None
         self._corr = torch.empty_like(self.x) if config.scaffold else None
+        # carry_momentum: client id -> its momentum buffers (a plain dict; a per-client state store may replace it)
+        self.momentum_buffers: dict = {}
+        self._epoch_start = torch.empty_like(self.x) if config.decay_scales_change else None
 
     @property
     def numel(self) -> int:
@@ -221,10 +229,17 @@ class LocalTrainer:
         cfg = self.config
         group = self.optimizer.param_groups[0]
         group["weight_decay"] = cfg.weight_decay_at(round_index)
-        for st in self.optimizer.state.values():  # local momentum restarts at zero per client
-            buf = st.get("momentum_buffer")
-            if buf is not None:
-                buf.zero_()
+        if cfg.carry_momentum and cfg.momentum != 0.0:  # the client's own buffers, kept across its rounds
+            if client is None:
+                raise ValueError("carry_momentum needs the client's id (client=) to keep its momentum")
+            bufs = self.momentum_buffers.setdefault(client, [torch.zeros_like(p) for p in self.params])
+            for p, buf in zip(self.params, bufs):
+                self.optimizer.state[p]["momentum_buffer"] = buf
+        else:
+            for st in self.optimizer.state.values():  # local momentum restarts at zero per client
+                buf = st.get("momentum_buffer")
+                if buf is not None:
+                    buf.zero_()
         with torch.no_grad():
             self.x.copy_(x_global)
             if global_buffers is not None and self.buffers:
@@ -240,9 +255,15 @@ class LocalTrainer:
             torch.manual_seed(seed)  # dropout & co. draw from the client's own stream
             for step in range(cfg.steps):
                 k = step if cfg.decay_per == "step" else step // per_epoch
+                scale = 1.0
+                if cfg.decay_scales_change:  # the epoch at the full lr; its change scaled at its end
+                    scale = within_round_factor(k, cfg.decay_beta, cfg.decay_kind)
+                    k = 0
+                    if step % per_epoch == 0:
+                        self._epoch_start.copy_(self.x)
                 lr = cfg.lr_at(round_index, k)
                 group["lr"] = lr
-                lr_sum += lr
+                lr_sum += lr * scale
                 idx = next(batches)
                 self.grad.zero_()
                 loss = self.loss_fn(self.model(self.x_train[idx]), self.y_train[idx])
@@ -255,6 +276,9 @@ class LocalTrainer:
                         self.grad.add_(correction)
                 self.optimizer.step()
                 stats.add_step(loss, self.optimizer.last_stats[0])
+                if scale != 1.0 and ((step + 1) % per_epoch == 0 or step + 1 == cfg.steps):
+                    with torch.no_grad():  # x <- x_start + beta_j (x - x_start)
+                        self.x.sub_(self._epoch_start).mul_(scale).add_(self._epoch_start)
         with torch.no_grad():
             torch.sub(x_global, self.x, out=out_update)
             if out_buffers is not None and self.buffers:

@@ -87,6 +87,18 @@ class SimulationConfig:
     the largest share of a round's total weight one client may get under
     ``weighting="size"`` (None, the default: no cap;
     :func:`fedopt_kernels.server.weighting.cap_weight_shares`).
+
+    What the papers' authors do around the step (all off by default; the recipes of
+    :mod:`fedopt_kernels.fl.recipes` turn them on, ``recipe`` records which one the
+    settings started from): ``fedexp_scale_eps`` (FedExP's ``M * eps``),
+    ``fedexp_eps_decay`` (eps times this per round), ``eval_avg_last_two`` (each
+    evaluation also scores the mean of the last two global models:
+    ``test_accuracy_avg2``), ``carry_momentum`` (a client's local momentum buffers
+    carry over to its next round, as FedLAW's code), ``decay_scales_change`` (FedDecay
+    per epoch as its code: the epoch at the full lr, its parameter change scaled by
+    ``beta^j``) -- the last two on the sequential engine.  ``holdout_clients``: that many
+    clients (drawn by the seed) are never sampled, and each evaluation also scores the
+    global model on their data (``holdout_accuracy``, [FedDecay] section 4).
     """
 
     # what runs
@@ -156,6 +168,14 @@ class SimulationConfig:
     dp_mode: str = "server"
     attack: str = "none"
     attack_fraction: float = 0.0
+    # the papers' procedures around the step (fl/recipes.py turns them on per paper)
+    fedexp_scale_eps: bool = False  # FedExP's eps times the round's client count (authors' main.py:404)
+    fedexp_eps_decay: float = 1.0  # FedExP's eps times this per round (authors': 0.998^2, main.py:308)
+    eval_avg_last_two: bool = False  # also evaluate the mean of the last two global iterates (FedExP)
+    carry_momentum: bool = False  # a client's local momentum carries to its next round (FedLAW's code)
+    decay_scales_change: bool = False  # FedDecay per epoch: scale the epoch's change by beta^j (authors' code)
+    recipe: Optional[str] = None  # the fl/recipes.py recipe these settings started from (recorded)
+    holdout_clients: int = 0  # clients never sampled for training, evaluated on their data ([FedDecay] section 4)
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -269,6 +289,22 @@ class SimulationConfig:
         real("corrupt_fraction", 0.0, 1.0)
         real("corrupt_noise_std", 0.0, low_open=True)
         real("max_weight_share", 0.0, 1.0, low_open=True, allow_none=True)
+        for name in ("fedexp_scale_eps", "eval_avg_last_two", "carry_momentum", "decay_scales_change"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
+        real("fedexp_eps_decay", 0.0, 1.0, low_open=True)
+        integer("holdout_clients", 0)
+        if self.holdout_clients and self.per_round > self.clients - self.holdout_clients:
+            raise ConfigError(f"per-round ({self.per_round}) cannot exceed the clients left for training "
+                              f"({self.clients} - holdout-clients {self.holdout_clients})")
+        if self.decay_scales_change and self.decay_per != "epoch":
+            raise ConfigError("decay-scales-change scales each local epoch's parameter change, so it needs "
+                              f"decay-per epoch, got decay-per {self.decay_per!r}")
+        if self.recipe is not None:
+            from .recipes import RECIPES
+
+            if self.recipe not in RECIPES:
+                raise ConfigError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
         if self.corrupt_fraction > 0 and math.floor(self.corrupt_fraction * self.clients + 0.5) == 0:
             raise ConfigError(f"corrupt-fraction {self.corrupt_fraction:g} of {self.clients} clients corrupts no "
                               f"client (the count is rounded); use at least {0.5 / self.clients:.3g}")
@@ -305,7 +341,7 @@ class SimulationConfig:
         return self
 
     def _validate_privacy_and_attacks(self, choice, real) -> None:
-        """The DP and attack settings (issue 31): each alone, then every combination that
+        """The DP and attack settings: each alone, then every combination that
         would void the privacy guarantee, refused with the reason."""
         choice("dp_mode", DP_MODES)
         choice("attack", ATTACK_CHOICES)

@@ -87,7 +87,7 @@ class DistributedSimulation(Simulation):
         self.world_size = comm.group_size(group)
         self.mode = mode
         config.validate()
-        if config.dp_clip is not None or config.attack != "none":  # issue 31: wired into the local round only
+        if config.dp_clip is not None or config.attack != "none":  # wired into the local round only
             raise ConfigError("dp-clip and attack are not supported with --distributed yet: its server step "
                               "aggregates every rank's updates, which the DP aggregator and the attacks do not see")
         self._check_same_config(config)

@@ -204,7 +204,7 @@ class Simulation:
         # what the clients train on: the training set with the corrupted clients' samples
         # damaged (config.corrupt_*); self.dataset itself (test set, proxy set) stays clean
         self.train_x, self.train_y, self.corruption = self._corrupt()
-        # issue 31: attacks for testing (fl/attacks.py); labelflip's attackers train on flipped labels
+        # attacks for testing (fl/attacks.py); labelflip's attackers train on flipped labels
         self.attack = (Attack.build(config.attack, config.attack_fraction, config.clients, config.seed)
                        if config.attack != "none" else None)
         if self.attack is not None:
@@ -223,7 +223,8 @@ class Simulation:
             weight_decay=config.weight_decay, wd_decay=config.wd_decay, max_norm=config.max_norm, nar=config.nar,
             momentum=config.momentum, prox_mu=config.prox_mu if config.algo == "fedprox" else 0.0,
             scaffold=config.algo == "scaffold", decay_beta=config.decay_beta, decay_kind=config.decay_kind,
-            decay_per=config.decay_per, backend=config.backend)
+            decay_per=config.decay_per, backend=config.backend, carry_momentum=config.carry_momentum,
+            decay_scales_change=config.decay_scales_change)
         self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
         self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype)
                          if self.local.scaffold else None)
@@ -248,9 +249,13 @@ class Simulation:
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
+        if config.recipe is not None:  # the recipe the settings came from: each value, its source, overrides
+            from .recipes import get as get_recipe
+
+            self.results.meta["recipe"] = get_recipe(config.recipe).resolved(config)
         if self.corruption is not None:
             self.results.meta["corruption"] = self.corruption.to_dict()
-        # issue 31: DP-FedAvg on the server optimizer (fl/privacy.py), and what is recorded of it and the attack
+        # DP-FedAvg on the server optimizer (fl/privacy.py), and what is recorded of it and the attack
         self.privacy = RoundPrivacy(config, self.server) if config.dp_clip is not None else None
         if self.privacy is not None:
             self.results.meta["dp"] = self.privacy.meta()
@@ -347,7 +352,36 @@ class Simulation:
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, round_number: int) -> List[int]:
-        return sample_clients(self.config.seed, round_number, self.config.clients, self.config.per_round)
+        """The round's clients; with ``holdout_clients`` drawn from the others only (the
+        same draw, mapped onto the training clients: no hold-out gives the usual sample)."""
+        pool = self.training_clients
+        picked = sample_clients(self.config.seed, round_number, len(pool), self.config.per_round)
+        return [pool[i] for i in picked]
+
+    @property
+    def training_clients(self) -> List[int]:
+        """Every client but the held-out ones (sorted)."""
+        held = set(self.holdout_clients)
+        return [c for c in range(self.config.clients) if c not in held]
+
+    @property
+    def holdout_clients(self) -> List[int]:
+        """``config.holdout_clients`` clients drawn by the seed (round 0 of the sampling
+        stream, which no round uses), never sampled for training; :meth:`evaluate_holdout`
+        scores the global model on their data, as [FedDecay] section 4 holds out 20% of
+        the users to measure generalisation to new ones."""
+        h = self.config.holdout_clients
+        if not h:
+            return []
+        g = torch.Generator().manual_seed(sampling_seed(self.config.seed, 0))
+        return sorted(torch.randperm(self.config.clients, generator=g)[:h].tolist())
+
+    @torch.no_grad()
+    def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
+        """``(accuracy, mean loss)`` of the global model on the held-out clients' pooled
+        (uncorrupted) training data: the sample-weighted mean of their accuracies."""
+        idx = torch.cat([self.client_indices[c] for c in self.holdout_clients])
+        return self._evaluate_on(self.dataset.x_train[idx], self.dataset.y_train[idx], batch_size)
 
     @property
     def num_eval(self) -> int:
@@ -359,11 +393,15 @@ class Simulation:
     def evaluate(self, batch_size: int = 2048) -> tuple:
         """``(accuracy, mean loss)`` of the global model on the test set (on
         :attr:`eval_indices` when FedLAW's proxy set is held out of it)."""
-        model, ds = self.global_model, self.dataset
+        ds = self.dataset
         x_test, y_test = ds.x_test, ds.y_test
         if self.eval_indices is not None:
             idx = self.eval_indices.to(self.device)
             x_test, y_test = x_test[idx], y_test[idx]
+        return self._evaluate_on(x_test, y_test, batch_size)
+
+    def _evaluate_on(self, x_test: torch.Tensor, y_test: torch.Tensor, batch_size: int) -> tuple:
+        model = self.global_model
         n = y_test.shape[0]
         was_training = model.training
         model.eval()
@@ -387,6 +425,9 @@ class Simulation:
             engine = "batched" if cfg.per_round > 1 else "sequential"
         self.results.meta["engine"] = engine
         if engine != "batched":
+            return
+        if cfg.carry_momentum or cfg.decay_scales_change:  # per-client state / per-epoch rescaling: sequential only
+            self._fall_back("carry_momentum and decay_scales_change run on the sequential engine")
             return
         reason = unsupported_reason(self.global_model)
         if reason is not None:
@@ -513,7 +554,9 @@ class Simulation:
             sizes = self.client_sizes[kept]
             C = len(kept)
             self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
+            x_before = self.x_global.detach().clone() if cfg.eval_avg_last_two else None
             if C:
+                self._schedule_server(r)
                 server_stats = self._server_step(kept, sizes)
                 excluded = self.server.last_excluded
                 if self.scaffold is not None:  # after the step: without the clients it excluded
@@ -537,11 +580,42 @@ class Simulation:
             self._record_exclusions(record, kept, excluded)
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
+                if x_before is not None:
+                    record["test_accuracy_avg2"], record["test_loss_avg2"] = self.evaluate_average(x_before, r)
+                if cfg.holdout_clients:
+                    record["holdout_accuracy"], record["holdout_loss"] = self.evaluate_holdout()
             self.round = r
             self._elapsed += time.perf_counter() - t0
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
+
+    def _schedule_server(self, round_number: int) -> None:
+        """FedExP's per-round settings as its authors run it: ``eps * fedexp_eps_decay^(t)``
+        in round ``t + 1`` (released main.py:308 decays eps by 0.998^2 per round) and
+        ``M * eps`` when ``fedexp_scale_eps`` (main.py:404), written into the optimizer's
+        param groups -- a closed form of the round number, so a resumed run agrees."""
+        cfg = self.config
+        if cfg.algo != "fedexp" or self.server.optimizer is None:
+            return
+        for group in self.server.optimizer.param_groups:
+            group["eps"] = cfg.fedexp_eps * cfg.fedexp_eps_decay ** (round_number - 1)
+            group["scale_eps_by_clients"] = cfg.fedexp_scale_eps
+
+    @torch.no_grad()
+    def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
+        """``(accuracy, loss)`` of ``(x_before + x_global) / 2``, the mean of the last two
+        global iterates, which FedExP's authors evaluate (released main.py:414-421 and
+        430-431: in their first round the last iterate alone).  The global model is left
+        as it was (bitwise)."""
+        if round_number == 1:
+            return self.evaluate()
+        current = self.x_global.detach().clone()
+        try:
+            self.x_global.add_(x_before).mul_(0.5)
+            return self.evaluate()
+        finally:
+            self.x_global.copy_(current)
 
     def _record_exclusions(self, record: dict, kept: List[int], excluded: Optional[torch.Tensor]) -> None:
         """``excluded_clients`` (all reasons), ``excluded_<reason>`` and, when any,
@@ -574,7 +648,7 @@ class Simulation:
         :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` spreads it over
         ranks."""
         rows = self.updates[:len(clients)]
-        # issue 31: honest clients clip (dp_mode "client"), then the attackers replace their updates;
+        # honest clients clip (dp_mode "client"), then the attackers replace their updates;
         # the round's record gets the attackers among its clients and the DP numbers (epsilon so far)
         extra = {}
         if self.privacy is not None:
@@ -602,6 +676,9 @@ class Simulation:
             acc, loss = self.evaluate()
             self.results.append({"round": 0, "clients": [], "test_accuracy": acc, "test_loss": loss,
                                  "wall_time": 0.0})
+            if self.config.holdout_clients:
+                self.results.records[-1]["holdout_accuracy"], self.results.records[-1]["holdout_loss"] = \
+                    self.evaluate_holdout()
             if callback is not None:
                 callback(self.results.records[-1], self)
         while self.round < target:
@@ -626,7 +703,11 @@ class Simulation:
             "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
-            "dp": self.privacy.state_dict() if self.privacy is not None else None,  # issue 31: the clip, rounds
+            "dp": self.privacy.state_dict() if self.privacy is not None else None,  # the DP clip and rounds so far
+            # carry_momentum: each client's local momentum buffers (they carry into its next round)
+            "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
+                                for c, bufs in self.trainer.momentum_buffers.items()}
+                               if self.trainer.momentum_buffers else None),
         }
 
     _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client")
@@ -648,8 +729,11 @@ class Simulation:
         self.server.load_state_dict(state["server"])
         if self.scaffold is not None:
             self.scaffold.load_state_dict(state["scaffold"])
-        if self.privacy is not None and state.get("dp") is not None:  # issue 31
+        if self.privacy is not None and state.get("dp") is not None:
             self.privacy.load_state_dict(state["dp"])
+        if state.get("local_momentum"):
+            self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
+                                             for c, bufs in state["local_momentum"].items()}
         self.round = int(state["round"])
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])

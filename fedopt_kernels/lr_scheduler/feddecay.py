@@ -1,4 +1,8 @@
-"""``FedDecay``: within-round learning-rate decay ([FedDecay] eq. 7 and appendix B.2)."""
+"""``FedDecay``: within-round learning-rate decay ([FedDecay] eq. 7 and appendix B.2).
+
+[FedDecay] is an anonymous submission (``papers/feddecay.txt``: "Anonymous authors,
+Paper under double-blind review"); its released code is github.com/JoeLavond/FedDecay.
+"""
 
 from __future__ import annotations
 
@@ -60,7 +64,10 @@ def _check_positive_int(value, name: str) -> int:
 
 
 class FedDecay(LRScheduler):
-    r"""Within-round learning-rate decay (Kim et al.: [FedDecay]).
+    r"""Within-round learning-rate decay ([FedDecay]: "Balancing Model Performance and Rapid
+    Personalization in Federated Learning with Learning Rate Scheduling", an anonymous
+    submission -- the paper names no authors; its code, github.com/JoeLavond/FedDecay, is J.
+    Lavond's).
 
     Call :meth:`step` after every local optimizer step.  Scheduler step ``t`` belongs to
     round ``j = t // local_steps`` at position ``i = t % local_steps`` of the round, and::
@@ -74,7 +81,13 @@ class FedDecay(LRScheduler):
 
     ``beta = 1`` is FedAvg (constant lr within a round), ``beta = 0`` is FedSGD (only the
     first local step of a round has a non-zero lr).  ``per="epoch"`` decays once per
-    local epoch as the authors' released code does, and needs ``steps_per_epoch``: the
+    local epoch, by running epoch ``j`` at ``lr * beta_j``.  The authors' released code
+    (``federatedscope/core/trainers/trainer_decay.py:42-54, 117-145``) instead runs the
+    epoch at the full lr and then scales its parameter change, ``x <- x_start + beta_j
+    (x_end - x_start)``: the same to first order in the lr, not beyond (one step equal,
+    several not).  A scheduler cannot rescale parameters; the simulator does it with
+    ``decay_scales_change=True`` (:class:`~fedopt_kernels.fl.LocalConfig`, recipe
+    ``feddecay``).  ``per="epoch"`` needs ``steps_per_epoch``: the
     number of batches per epoch when the scheduler is stepped once per batch, or ``1``
     when it is stepped once per epoch (``local_steps`` then counts local epochs).  There
     is no default: a scheduler stepped per batch with an assumed 1 would silently decay

@@ -130,6 +130,11 @@ SIM_OPTIONS: List[tuple] = [
                       "computation, sequential one after another (default auto: batched unless --per-round 1)"),
     ("--client-batch", int, "most clients the batched engine trains at once, to bound memory; the result does not "
                             "depend on it (default 0: chosen from the free memory)"),
+    ("--client-state-dtype", str, "storage dtype of per-client state (SCAFFOLD's c_i): float32, float64, bfloat16, "
+                                  "float16 (default: the model's, bit for bit; a compact one rounds the stored "
+                                  "values)"),
+    ("--client-state-dir", str, "keep per-client state in memory-mapped files in this directory instead of in "
+                                "memory (default: in memory)"),
 ]
 
 

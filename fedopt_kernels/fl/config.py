@@ -29,6 +29,7 @@ ENGINES = ("auto", "batched", "sequential")
 PROXY_SOURCES = ("test", "train")
 FEDLAW_LEARN = ("both", "gamma", "lambda")
 BAD_CLIENT_POLICIES = ("exclude", "raise")  # as the Flower strategies' on_bad_reply
+CLIENT_STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")  # fl/client_state.py's storage dtypes
 
 
 class ConfigError(ValueError):
@@ -137,6 +138,10 @@ class SimulationConfig:
     corrupt_fraction: float = 0.0
     corrupt_kind: str = "labels"
     corrupt_noise_std: float = 1.0
+    # per-client state (fl/client_state.py: SCAFFOLD's c_i): kept only for clients that took part,
+    # in a compact dtype (None: the model's, bit for bit) and/or spilled to memory-mapped files in a directory
+    client_state_dtype: Optional[str] = None
+    client_state_dir: Optional[str] = None
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -216,6 +221,11 @@ class SimulationConfig:
         choice("engine", ENGINES)
         choice("corrupt_kind", CORRUPT_KINDS)
         choice("on_bad_client", BAD_CLIENT_POLICIES)
+        if self.client_state_dtype is not None:
+            choice("client_state_dtype", CLIENT_STATE_DTYPES)
+        if self.client_state_dir is not None and (not isinstance(self.client_state_dir, str)
+                                                  or not self.client_state_dir):
+            raise ConfigError(f"client-state-dir must be a directory path, got {self.client_state_dir!r}")
         integer("client_batch", 0)
         integer("clients", 1)
         integer("per_round", 1)

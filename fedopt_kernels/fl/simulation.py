@@ -218,7 +218,10 @@ class Simulation:
             scaffold=config.algo == "scaffold", decay_beta=config.decay_beta, decay_kind=config.decay_kind,
             decay_per=config.decay_per, backend=config.backend)
         self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
-        self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype)
+        self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype,
+                                       store_dtype=(getattr(torch, config.client_state_dtype)
+                                                    if config.client_state_dtype else None),
+                                       spill_dir=config.client_state_dir)
                          if self.local.scaffold else None)
         self._buffers_layout = buffers_layout(global_model)
         self._has_buffers = len(self._buffers_layout) > 0
@@ -604,12 +607,13 @@ class Simulation:
             "results": self.results.to_dict(),
         }
 
-    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client")
+    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client",
+                  "client_state_dir")
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
-        ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch`` and
-        ``on_bad_client`` may differ)."""
+        ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch``,
+        ``on_bad_client`` and ``client_state_dir`` may differ)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.config.to_dict()

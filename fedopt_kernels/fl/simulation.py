@@ -78,10 +78,10 @@ from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, 
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
-from .data import FederatedDataset, load_dataset
+from .data import FederatedDataset, LazyFederatedDataset, load_dataset
 from .interrupts import deferred_interrupts
 from .models import build_model
-from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
+from .partition import CSRIndices, Partition, dirichlet_partition, iid_partition, natural_partition
 from .results import Results
 from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
 from .server_side import BAD_CLIENT_REASONS, ServerSide
@@ -95,7 +95,7 @@ _log = logging.getLogger(__name__)
 def load_config_dataset(config: SimulationConfig) -> FederatedDataset:
     """The dataset a config names, with its options."""
     opts = {"test_fraction": config.test_fraction}
-    if config.dataset == "synthetic":
+    if config.dataset in ("synthetic", "synthetic-lazy"):
         opts.update(alpha=config.synthetic_alpha, beta=config.synthetic_beta, iid=config.synthetic_iid,
                     max_samples_per_client=config.max_samples_per_client)
     elif config.dataset == "cifar10":
@@ -112,6 +112,9 @@ def make_partition(config: SimulationConfig, dataset: FederatedDataset) -> Parti
     """The partition a config asks for (``auto``: the dataset's natural split if it has
     one, else Dirichlet(alpha))."""
     method = config.partition
+    if isinstance(dataset, LazyFederatedDataset) and method not in ("auto", "natural"):
+        raise ConfigError(f"dataset {dataset.name!r} is made client by client and comes with its own split; "
+                          f"use partition 'natural' (or 'auto'), not {method!r}")
     if method == "auto":
         method = "natural" if dataset.client_indices is not None else "dirichlet"
     if method == "natural":
@@ -197,7 +200,19 @@ class Simulation:
         if self.partition.num_clients != config.clients:
             raise ConfigError(f"the partition has {self.partition.num_clients} clients but clients is {config.clients}")
         self.dataset = ds.to(self.device)
-        self.client_indices = [ix.to(self.device) for ix in self.partition.client_indices]
+        # a lazy dataset's clients are made when sampled (LazyFederatedDataset): each round
+        # trains on its own clients' rows (_round_data), the population costs index tables
+        self._lazy = isinstance(ds, LazyFederatedDataset)
+        if self._lazy and config.corrupt_fraction > 0:
+            raise ConfigError(f"corrupt-fraction needs the whole training set in memory; dataset {ds.name!r} is "
+                              "made client by client")
+        if self._lazy and config.needs_proxy and config.proxy_source == "train":
+            raise ConfigError(f"proxy-source train needs the whole training set in memory; dataset {ds.name!r} is "
+                              "made client by client (use proxy-source test)")
+        self._round_index: Optional[dict] = None  # client -> its rows of the round's data (lazy datasets)
+        parts = self.partition.client_indices
+        self.client_indices = (_OnDevice(parts, self.device) if isinstance(parts, CSRIndices)
+                               else [ix.to(self.device) for ix in parts])
         self.client_sizes = torch.tensor(self.partition.sizes, dtype=torch.float64)
         # what the clients train on: the training set with the corrupted clients' samples
         # damaged (config.corrupt_*); self.dataset itself (test set, proxy set) stays clean
@@ -282,7 +297,7 @@ class Simulation:
         model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = model(self.dataset.x_train[:2])
+                out = model((self.dataset.x_test if self._lazy else self.dataset.x_train)[:2])
         except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
             return
         finally:
@@ -295,6 +310,8 @@ class Simulation:
     def _corrupt(self):
         """``(x_train, y_train, Corruption or None)`` the clients train on."""
         cfg, ds = self.config, self.dataset
+        if self._lazy:  # placeholders of the right kind; a round trains on its clients' rows
+            return ds.x_test[:1], ds.y_test[:1], None
         if cfg.corrupt_fraction == 0:
             return ds.x_train, ds.y_train, None
         try:
@@ -402,7 +419,7 @@ class Simulation:
         if C == 0:
             return stats
         self.batched.train_round(
-            self.x_global, [self.partition.client_indices[cid] for cid in clients], round_index=round_number - 1,
+            self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
             seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
             out=self.updates[:C], stats=stats, clients=clients, scaffold=self.scaffold)
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
@@ -430,6 +447,38 @@ class Simulation:
         skip = {cid for cid, _, _ in bad}
         todo = [cid for cid in clients if cid not in skip]
         self._round_bad, self._round_kept = bad, todo
+        if self._lazy:
+            self._round_data(todo)
+        try:
+            return self._train_round_clients(round_number, clients, todo, bad)
+        finally:
+            if self._lazy:
+                self._round_data(None)
+
+    def _client_rows(self, cid: int) -> torch.Tensor:
+        """Client ``cid``'s sample indices into what the engines train on: the training
+        set, or (lazy datasets) the round's own rows."""
+        return self.client_indices[cid] if self._round_index is None else self._round_index[cid]
+
+    def _round_data(self, clients: Optional[List[int]]) -> None:
+        """Lazy datasets: make the round's ``clients``' samples and point the engines at
+        them (None: drop them).  Client ``i``'s sample ``j`` is row ``start_i + j``,
+        so its batches (drawn from positions) pick the samples they pick in the
+        materialised dataset: the same bits."""
+        if clients is None:
+            x, y = self.dataset.x_test[:1], self.dataset.y_test[:1]
+            self._round_index = None
+        else:
+            x, y, starts = self.dataset.gather(clients)
+            sizes = self.partition.client_indices.sizes()
+            self._round_index = {cid: torch.arange(s, s + int(sizes[cid]), device=self.device)
+                                 for cid, s in zip(clients, starts)}
+        self.train_x, self.train_y = x, y
+        self.trainer.x_train, self.trainer.y_train = x, y
+        if self.batched is not None:
+            self.batched.x_train, self.batched.y_train = x, y
+
+    def _train_round_clients(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
         if self.batched is not None:
             try:
                 return self._train_clients_batched(round_number, todo)
@@ -453,7 +502,7 @@ class Simulation:
             saved = _snapshot(stats) if exclude else None
             try:
                 self.trainer.train(
-                    self.x_global, self.client_indices[cid], round_index=round_number - 1,
+                    self.x_global, self._client_rows(cid), round_index=round_number - 1,
                     seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[row],
                     stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
                     out_buffers=self.buffer_rows[row] if self._has_buffers else None)
@@ -631,6 +680,20 @@ class Simulation:
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
+
+
+class _OnDevice:
+    """A read-only sequence of index tensors moved to ``device`` on access (a
+    :class:`~fedopt_kernels.fl.partition.CSRIndices` population is never copied whole)."""
+
+    def __init__(self, indices, device):
+        self.indices, self.device = indices, device
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.indices[i].to(self.device)
 
 
 def _detached_copy(value):

@@ -133,6 +133,9 @@ SIM_OPTIONS: List[tuple] = [
     ("--client-state-dtype", str, "storage dtype of per-client state (SCAFFOLD's c_i): float32, float64, bfloat16, "
                                   "float16 (default: the model's, bit for bit; a compact one rounds the stored "
                                   "values)"),
+    ("--memory-budget", str, "bound a round's memory: its clients train in chunks that fit this size (4G, 512M, "
+                             "bytes), each chunk folded into the running aggregate for the weighted-sum algorithms "
+                             "(same result, bit for bit); default none: the whole round at once"),
     ("--client-state-dir", str, "keep per-client state in memory-mapped files in this directory instead of in "
                                 "memory (default: in memory)"),
 ]

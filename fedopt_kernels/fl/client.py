@@ -161,6 +161,36 @@ class ScaffoldState:
 
     def discard_round(self) -> None:
         self._pending.clear()
+        self._staged, self._total = None, None
+
+    def discard_pending(self) -> None:
+        """Forget the updates recorded since the last :meth:`fold_chunk` (a chunk being
+        retrained), keeping the chunks already folded."""
+        self._pending.clear()
+
+    _staged: Optional[dict] = None  # chunked rounds: client -> its c_i^+, committed by server_update
+    _total: Optional[torch.Tensor] = None  # chunked rounds: sum dc_i so far, in the round's client order
+
+    def fold_chunk(self, clients, excluded: torch.Tensor) -> None:
+        """A chunked round (:mod:`~fedopt_kernels.fl.chunked`): apply option II to the
+        pending ``clients`` of a chunk now -- their updates are about to be overwritten --
+        with ``excluded`` (``[k]`` bool, the aggregation's NaN/Inf mask for them).  The
+        arithmetic of :func:`~fedopt_kernels.server.scaffold_control_update_`, term by
+        term in the same order, so the round's ``c`` and ``c_i`` are the unchunked
+        round's bits; staged until :meth:`server_update` commits the round."""
+        if self._staged is None:
+            self._staged, self._total = {}, torch.zeros_like(self.c)
+        for i, cid in enumerate(clients):
+            cid = int(cid)
+            update, lr_sum = self._pending.pop(cid, (self.c, 0.0))
+            row = self.store.get("c_i", cid).clone()  # staged: the stored row changes when the round commits
+            if lr_sum > 0 and lr_sum != float("inf"):
+                delta = update.to(self.c.dtype) / lr_sum - self.c
+                ok = torch.isfinite(delta).all() & ~excluded[i].to(device=self.c.device, dtype=torch.bool)
+                delta = torch.where(ok, delta, torch.zeros_like(delta))
+                self._total += delta
+                row.add_(delta)
+            self._staged[cid] = row
 
     def server_update(self, excluded: Optional[torch.Tensor] = None, *, clients=None) -> None:
         """Apply the round: ``c_i <- c_i^+`` for its clients, then
@@ -168,6 +198,13 @@ class ScaffoldState:
         ``excluded`` marks (``[C]`` bool in the order of ``clients``; default: the order
         of the :meth:`client_update` calls) and any whose change is not finite.  Every
         client that trained gets a row (its ``c_i`` unchanged if it did not count)."""
+        if self._staged is not None:  # a chunked round: its clients were folded chunk by chunk
+            for cid, row in self._staged.items():
+                self.store.put("c_i", cid, row)
+            self.c.add_(self._total, alpha=1.0 / self.num_clients)
+            self._staged, self._total = None, None
+            self._pending.clear()
+            return
         if not self._pending:
             return
         order = list(self._pending) if clients is None else [int(cid) for cid in clients]
@@ -199,7 +236,7 @@ class ScaffoldState:
         else:
             self.store.load_state_dict({"c_i": {"clients": state["clients"], "rows": state["controls"]}})
         self.c.copy_(state["c"])
-        self._pending.clear()
+        self.discard_round()
 
 
 class LocalTrainer:

@@ -142,6 +142,8 @@ class SimulationConfig:
     # in a compact dtype (None: the model's, bit for bit) and/or spilled to memory-mapped files in a directory
     client_state_dtype: Optional[str] = None
     client_state_dir: Optional[str] = None
+    # a round's memory bounded by a chunk (fl/chunked.py): "4G", "512M" or bytes; None: the whole round at once
+    memory_budget: Optional[Any] = None
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -221,6 +223,13 @@ class SimulationConfig:
         choice("engine", ENGINES)
         choice("corrupt_kind", CORRUPT_KINDS)
         choice("on_bad_client", BAD_CLIENT_POLICIES)
+        if self.memory_budget is not None:
+            from .chunked import parse_bytes
+
+            try:
+                parse_bytes(self.memory_budget)
+            except ValueError as exc:
+                raise ConfigError(f"memory-budget: {exc}") from None
         if self.client_state_dtype is not None:
             choice("client_state_dtype", CLIENT_STATE_DTYPES)
         if self.client_state_dir is not None and (not isinstance(self.client_state_dir, str)
@@ -293,6 +302,15 @@ class SimulationConfig:
             if self.backend not in BACKENDS:
                 raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         return self
+
+    @property
+    def memory_budget_bytes(self) -> Optional[int]:
+        """:attr:`memory_budget` in bytes (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        from .chunked import parse_bytes
+
+        return parse_bytes(self.memory_budget)
 
     @property
     def needs_proxy(self) -> bool:

@@ -75,6 +75,7 @@ from .. import __version__
 from ..server import average_buffers
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
+from .chunked import FOLDABLE, RoundFold, chunk_clients, folded_server_step, parse_bytes, round_weights
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
@@ -255,7 +256,7 @@ class Simulation:
                                                 name="the training set", need_rest=False)
         proxy_loader = self._proxy_loader() if config.needs_proxy else None
         self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn)
-        self.updates = torch.empty(config.per_round, self.numel, device=self.device, dtype=self.x_global.dtype)
+        self.updates: Optional[torch.Tensor] = None  # the rows clients train into (_allocate_rounds)
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
@@ -263,6 +264,7 @@ class Simulation:
             self.results.meta["corruption"] = self.corruption.to_dict()
         self.batched: Optional[BatchedTrainer] = None
         self._setup_engine()
+        self._allocate_rounds()
 
     # ------------------------------------------------------------------ setup
     def _make_model(self, model) -> nn.Module:
@@ -421,7 +423,7 @@ class Simulation:
         self.batched.train_round(
             self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
             seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
-            out=self.updates[:C], stats=stats, clients=clients, scaffold=self.scaffold)
+            out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold)
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
             self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
         self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
@@ -447,6 +449,8 @@ class Simulation:
         skip = {cid for cid, _, _ in bad}
         todo = [cid for cid in clients if cid not in skip]
         self._round_bad, self._round_kept = bad, todo
+        if self._chunk is not None:
+            return self._train_chunked(round_number, clients, todo, bad)
         if self._lazy:
             self._round_data(todo)
         try:
@@ -454,6 +458,92 @@ class Simulation:
         finally:
             if self._lazy:
                 self._round_data(None)
+
+    # ------------------------------------------------------------------ chunked rounds (memory_budget)
+    _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
+    _foldable = False  # chunks folded into a running sum (fl/chunked.py), else kept in `updates`
+    _fold: Optional[RoundFold] = None  # the running sum of the round being trained
+    _rows_at = 0  # the row of `updates` the clients being trained write first
+    #: ``progress(round, clients_done, clients_in_round)`` after each chunk of a chunked round
+    #: (``fedopt simulate`` shows it as a second progress bar); None: not called
+    progress: Optional[Callable[[int, int, int], None]] = None
+
+    def _allocate_rounds(self) -> None:
+        """The rows a round's clients train into: ``[per_round, N]``, or with
+        ``memory_budget`` chunks of ``K`` clients (:mod:`.chunked`): a ``[K, N]`` buffer
+        folded into a running sum for the weighted-sum algorithms, else the round's
+        ``[per_round, N]`` table (memory-mapped under ``client_state_dir`` when set)
+        with the clients still trained ``K`` at a time."""
+        cfg = self.config
+        dtype = self.x_global.dtype
+        rows = cfg.per_round
+        budget = cfg.memory_budget_bytes
+        if budget is not None and type(self)._server_step is Simulation._server_step:  # distributed: whole rounds
+            itemsize = self.x_global.element_size()
+            per_client = self.numel * itemsize
+            if self.batched is not None:
+                per_client += self.batched.planner.client_bytes(cfg.batch_size)
+            fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
+            chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
+            if chunk < cfg.per_round:
+                self._chunk = chunk
+                self._foldable = (cfg.algo in FOLDABLE and not self._has_buffers and self.server.optimizer is not None
+                                  and dtype in (torch.float32, torch.float64))
+                if self.batched is not None:
+                    planner = self.batched.planner
+                    planner.client_batch = min(planner.client_batch or chunk, chunk)
+                if self._foldable:
+                    rows = chunk
+            self.results.meta["memory_budget"] = budget
+            self.results.meta["round_chunk"] = self._chunk
+            self.results.meta["round_fold"] = self._foldable
+        if self._chunk is not None and not self._foldable and cfg.client_state_dir:
+            import os
+
+            os.makedirs(cfg.client_state_dir, exist_ok=True)
+            path = os.path.join(cfg.client_state_dir, "round_updates.bin")
+            self.updates = torch.from_file(path, shared=True, size=rows * self.numel, dtype=dtype).view(rows, -1)
+        else:
+            self.updates = torch.empty(rows, self.numel, device=self.device, dtype=dtype)
+
+    def _train_chunked(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
+        """The round's ``todo`` clients trained ``_chunk`` at a time (see
+        :meth:`_allocate_rounds`); each chunk folded into :attr:`_fold`, or written to
+        its rows of :attr:`updates`."""
+        stats = RoundStats(self.device)
+        bad, kept = list(bad), []
+        position = {cid: i for i, cid in enumerate(todo)}
+        self._fold = None
+        if self._foldable and todo:
+            self._fold = RoundFold(self.server.optimizer, round_weights(self.server, self.client_sizes[todo]),
+                                   len(todo), self.numel, self.device, self.x_global.dtype)
+        progress = self.progress
+        try:
+            for start in range(0, len(todo), self._chunk):
+                part = todo[start:start + self._chunk]
+                self._round_bad, self._round_kept = [], part
+                self._rows_at = 0 if self._foldable else len(kept)
+                if self._lazy:
+                    self._round_data(part)
+                part_stats = self._train_round_clients(round_number, part, part, [])
+                _add_stats(stats, part_stats)
+                got = list(self._round_kept)
+                bad += self._round_bad
+                if self._fold is not None:
+                    excluded = self._fold.add(self.updates[:len(got)], [position[cid] for cid in got])
+                    if self.scaffold is not None:
+                        self.scaffold.fold_chunk(got, excluded)
+                kept += got
+                if progress is not None:
+                    progress(round_number, len(kept) + len(bad), len(clients))
+        finally:
+            self._rows_at = 0
+            if self._lazy:
+                self._round_data(None)
+        order = {cid: i for i, cid in enumerate(clients)}
+        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
+        self._round_kept = kept
+        return stats
 
     def _client_rows(self, cid: int) -> torch.Tensor:
         """Client ``cid``'s sample indices into what the engines train on: the training
@@ -484,13 +574,13 @@ class Simulation:
                 return self._train_clients_batched(round_number, todo)
             except BatchedUnsupported as exc:  # the first batched round failed: redo it sequentially
                 if self.scaffold is not None:
-                    self.scaffold.discard_round()
+                    self.scaffold.discard_pending()
                 self._fall_back(str(exc))
             except Exception as exc:  # noqa: BLE001 - a group failed: find the client(s) one by one
                 if self.config.on_bad_client == "raise":
                     raise
                 if self.scaffold is not None:
-                    self.scaffold.discard_round()
+                    self.scaffold.discard_pending()
                 self.results.meta.setdefault("sequential_retrains", []).append(round_number)
                 _log.warning("round %d: the batched engine raised (%s: %s); retraining the round client by client "
                              "to leave out the failing client(s)", round_number, type(exc).__name__, exc)
@@ -503,7 +593,7 @@ class Simulation:
             try:
                 self.trainer.train(
                     self.x_global, self._client_rows(cid), round_index=round_number - 1,
-                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[row],
+                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[self._rows_at + row],
                     stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
                     out_buffers=self.buffer_rows[row] if self._has_buffers else None)
             except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out
@@ -612,6 +702,9 @@ class Simulation:
         ``weighting="size"``).
         :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` spreads it over
         ranks."""
+        if self._fold is not None:  # a folded chunked round: the running sum is the aggregation
+            fold, self._fold = self._fold, None
+            return folded_server_step(self.server, fold)
         return self.server.step(self.updates[:len(clients)], sizes)
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
@@ -657,12 +750,12 @@ class Simulation:
         }
 
     _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client",
-                  "client_state_dir")
+                  "client_state_dir", "memory_budget")
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
         ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch``,
-        ``on_bad_client`` and ``client_state_dir`` may differ)."""
+        ``on_bad_client``, ``client_state_dir`` and ``memory_budget`` may differ)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.config.to_dict()
@@ -706,6 +799,14 @@ def _detached_copy(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_detached_copy(v) for v in value)
     return value
+
+
+def _add_stats(total: RoundStats, part: RoundStats) -> None:
+    """``part``'s sums into ``total`` (a chunked round's statistics)."""
+    for a, b in ((total.loss_sum, part.loss_sum), (total.clipped, part.clipped),
+                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped)):
+        a += b
+    total.steps += part.steps
 
 
 def _snapshot(stats: RoundStats) -> tuple:

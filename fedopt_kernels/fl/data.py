@@ -447,7 +447,13 @@ def dataset_names() -> List[str]:
 
 def load_dataset(name: str, *, seed: int = 0, num_clients: int = 20, **options) -> FederatedDataset:
     """Build the registered dataset ``name``, or call ``"package.module:function"``
-    (``function(seed=..., num_clients=..., **options) -> FederatedDataset``)."""
+    (``function(seed=..., num_clients=..., **options) -> FederatedDataset``), or load
+    LEAF's ``"leaf-femnist:/path"`` / ``"leaf-shakespeare:/path"`` (:mod:`.leaf`)."""
+    if name.startswith("leaf-") and ":" in name:
+        from .leaf import load_leaf
+
+        kind, _, root = name[len("leaf-"):].partition(":")
+        return load_leaf(kind, root)
     factory = _DATASETS.resolve(name)
     ds = factory(seed=seed, num_clients=num_clients, **options)
     if not isinstance(ds, (FederatedDataset, LazyFederatedDataset)):
@@ -498,3 +504,5 @@ def _synthetic_lazy_factory(*, seed: int, num_clients: int, alpha: float = 1.0, 
 
 
 register_dataset("synthetic-lazy", _synthetic_lazy_factory)
+
+from . import leaf as _leaf  # noqa: E402,F401 - registers LEAF's character model (chargru)

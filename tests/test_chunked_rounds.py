@@ -165,3 +165,26 @@ def test_budget_parsing_and_config_errors():
     with pytest.raises(ConfigError, match="memory-budget"):
         SimulationConfig(memory_budget="huge").validate()
     assert chunk_clients(10_000, 1_000, 2_000) == 8 and chunk_clients(10, 1_000) == 2
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_device_decided_redo_equals_the_host_decision(nan):
+    """On an accelerator the fold never reads a flag: the redo pass always runs, disabled
+    on the device when no update was left out.  Taken on the CPU here: the same bits."""
+    C, N = 7, 211
+    rows = _rows(C, N, seed=11)
+    if nan:
+        rows[3, 5] = float("nan")
+    w = torch.linspace(1, 2, C, dtype=torch.float64)
+    outs = []
+    for host in (True, False):
+        opt = FedAvg([torch.nn.Parameter(torch.zeros(N))], lr=1.0, backend="cpu")
+        fold = RoundFold(opt, w, C, N, "cpu", torch.float32)
+        fold._host_decides = host
+        for s in range(0, C, 3):
+            fold.add(rows[s:s + 3], range(s, min(s + 3, C)))
+        out = torch.empty(N)
+        ra = fold.finish(out)
+        outs.append((out, ra.stats.excluded))
+    assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
+    assert bool(outs[0][1][3]) == nan

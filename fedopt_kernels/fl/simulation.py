@@ -478,7 +478,12 @@ class Simulation:
         dtype = self.x_global.dtype
         rows = cfg.per_round
         budget = cfg.memory_budget_bytes
-        if budget is not None and type(self)._server_step is Simulation._server_step:  # distributed: whole rounds
+        if budget is not None and type(self)._server_step is not Simulation._server_step:
+            # the distributed simulator spreads a round over ranks, each aggregating its block at once
+            self.results.meta["memory_budget"] = "ignored: a distributed round trains whole blocks per rank"
+            warnings.warn("memory_budget is ignored by the distributed simulator (each rank trains and aggregates "
+                          "its block of the round at once; more ranks bound a rank's memory)", stacklevel=3)
+        elif budget is not None:
             itemsize = self.x_global.element_size()
             per_client = self.numel * itemsize
             if self.batched is not None:

@@ -67,9 +67,10 @@ def _bits(t):
     return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
 
 
-@pytest.mark.parametrize("kw", [dict(alpha=1.0, beta=1.0, num_clients=40, iid=False, seed=0, test_fraction=0.2, cap=None),
-                                dict(alpha=0.5, beta=0.0, num_clients=25, iid=True, seed=3, test_fraction=0.3, cap=70)],
-                         ids=["noniid", "iid-capped"])
+@pytest.mark.parametrize("kw", [
+    dict(alpha=1.0, beta=1.0, num_clients=40, iid=False, seed=0, test_fraction=0.2, cap=None),
+    dict(alpha=0.5, beta=0.0, num_clients=25, iid=True, seed=3, test_fraction=0.3, cap=70),
+], ids=["noniid", "iid-capped"])
 def test_lean_synthetic_has_the_old_bits(kw):
     want = _old_synthetic(**kw)
     got = synthetic(kw["alpha"], kw["beta"], num_clients=kw["num_clients"], iid=kw["iid"], seed=kw["seed"],

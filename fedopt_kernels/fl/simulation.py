@@ -75,7 +75,7 @@ from .. import __version__
 from ..server import average_buffers
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
-from .chunked import FOLDABLE, RoundFold, chunk_clients, folded_server_step, parse_bytes, round_weights
+from .chunked import FOLDABLE, RoundFold, chunk_clients, folded_server_step, round_weights
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data

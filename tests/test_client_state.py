@@ -68,6 +68,31 @@ def test_store_rejects_bad_input():
         s.get("b", 0)
     with pytest.raises(ValueError, match="name"):
         s.register("bad name", 2)
+    s.put("a", 3, torch.ones(4))
+    with pytest.raises(ValueError, match="'zz', which is not registered"):
+        s.load_state_dict({"zz": {"clients": torch.tensor([1]), "rows": torch.zeros(1, 4)}})
+    with pytest.raises(ValueError, match="rows of shape"):
+        s.load_state_dict({"a": {"clients": torch.tensor([1, 2]), "rows": torch.zeros(1, 4)}})
+    assert s.clients("a") == [3]  # a refused load changed nothing
+
+
+def test_one_store_serves_several_owners():
+    """SCAFFOLD's c_i and another per-client state (carried momentum, say) in one store:
+    loading SCAFFOLD's checkpoint leaves the other name's rows alone."""
+    store = ClientStateStore()
+    sc = ScaffoldState(50, 3, device="cpu", store=store)
+    store.register("momentum", 3)
+    store.put("momentum", 9, torch.tensor([1.0, 2.0, 3.0]))
+    sc.client_update(4, torch.ones(3), 0.5)
+    sc.server_update(clients=[4])
+    saved = {k: v.clone() for k, v in sc.state_dict().items()}
+    assert saved["clients"].tolist() == [4]
+    torch.testing.assert_close(sc.control(4), torch.full((3,), 2.0))  # D / lr_sum - c, c = 0
+    sc.client_update(5, torch.ones(3), 1.0)
+    sc.server_update(clients=[5])
+    sc.load_state_dict(saved)
+    assert store.clients("c_i") == [4] and store.clients("momentum") == [9]
+    assert torch.equal(sc.c, saved["c"])
 
 
 def test_scaffold_state_matches_the_dense_option_ii_formula():

@@ -118,12 +118,13 @@ class ScaffoldState:
     """
 
     def __init__(self, num_clients: int, numel: int, *, device, dtype=torch.float32,
-                 store_dtype: Optional[torch.dtype] = None, spill_dir: Optional[str] = None):
+                 store_dtype: Optional[torch.dtype] = None, spill_dir: Optional[str] = None, store=None):
         from .client_state import ClientStateStore
 
         self.num_clients = int(num_clients)
         self.c = torch.zeros(numel, device=device, dtype=dtype)
-        self.store = ClientStateStore(dtype=store_dtype, spill_dir=spill_dir)
+        # the simulation's store (shared with any other per-client state), or one of its own
+        self.store = store if store is not None else ClientStateStore(dtype=store_dtype, spill_dir=spill_dir)
         self.store.register("c_i", numel, dtype=dtype, device=device)
         self._pending: dict = {}  # client -> (its update D_i, read at server_update; its lr sum)
 

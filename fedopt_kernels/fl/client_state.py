@@ -193,18 +193,21 @@ class ClientStateStore:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Replace every registered name's rows by ``state``'s (from :meth:`state_dict`)."""
-        for name in self._names:
-            if name not in state:
-                raise ValueError(f"the per-client state has no {name!r} (has: {sorted(state)})")
-        for name, rows in self._names.items():
-            entry = state[name]
-            clients, stack = entry["clients"].tolist(), entry["rows"]
-            if stack.shape != (len(clients), rows.numel):
-                raise ValueError(f"{name}: rows of shape {tuple(stack.shape)} for {len(clients)} clients of "
-                                 f"{rows.numel} elements")
+        """Replace the rows of the names in ``state`` (from :meth:`state_dict`, or part of
+        it: each owner of a name may load its own); the other names keep theirs.  Every
+        name is checked before any is replaced."""
+        for name in state:
+            if name not in self._names:
+                raise ValueError(f"the per-client state has {name!r}, which is not registered here "
+                                 f"(registered: {sorted(self._names)})")
+            rows, entry = self._names[name], state[name]
+            if tuple(entry["rows"].shape) != (entry["clients"].numel(), rows.numel):
+                raise ValueError(f"{name}: rows of shape {tuple(entry['rows'].shape)} for "
+                                 f"{entry['clients'].numel()} clients of {rows.numel} elements")
+        for name, entry in state.items():
+            rows = self._names[name]
             fresh = _Rows(rows.numel, rows.dtype, rows.compute_dtype, rows.device, rows.path)
-            for cid, row in zip(clients, stack):
+            for cid, row in zip(entry["clients"].tolist(), entry["rows"]):
                 fresh.put(int(cid), row)
             self._names[name] = fresh
 

@@ -77,6 +77,7 @@ from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vect
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .chunked import FOLDABLE, RoundFold, chunk_clients, folded_server_step, round_weights
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
+from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
 from .data import FederatedDataset, LazyFederatedDataset, load_dataset
@@ -234,10 +235,13 @@ class Simulation:
             scaffold=config.algo == "scaffold", decay_beta=config.decay_beta, decay_kind=config.decay_kind,
             decay_per=config.decay_per, backend=config.backend)
         self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
+        # per-client state (fl/client_state.py): rows only for clients that took part, one store for
+        # every kind of it (SCAFFOLD's c_i registers "c_i"; other per-client state registers its own name)
+        self.client_state = ClientStateStore(
+            dtype=getattr(torch, config.client_state_dtype) if config.client_state_dtype else None,
+            spill_dir=config.client_state_dir)
         self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype,
-                                       store_dtype=(getattr(torch, config.client_state_dtype)
-                                                    if config.client_state_dtype else None),
-                                       spill_dir=config.client_state_dir)
+                                       store=self.client_state)
                          if self.local.scaffold else None)
         self._buffers_layout = buffers_layout(global_model)
         self._has_buffers = len(self._buffers_layout) > 0

@@ -164,6 +164,14 @@ SIM_OPTIONS: List[tuple] = [
                       "computation, sequential one after another (default auto: batched unless --per-round 1)"),
     ("--client-batch", int, "most clients the batched engine trains at once, to bound memory; the result does not "
                             "depend on it (default 0: chosen from the free memory)"),
+    ("--client-state-dtype", str, "storage dtype of per-client state (SCAFFOLD's c_i): float32, float64, bfloat16, "
+                                  "float16 (default: the model's, bit for bit; a compact one rounds the stored "
+                                  "values)"),
+    ("--memory-budget", str, "bound a round's memory: its clients train in chunks that fit this size (4G, 512M, "
+                             "bytes), each chunk folded into the running aggregate for the weighted-sum algorithms "
+                             "(same result, bit for bit); default none: the whole round at once"),
+    ("--client-state-dir", str, "keep per-client state in memory-mapped files in this directory instead of in "
+                                "memory (default: in memory)"),
 ]
 
 

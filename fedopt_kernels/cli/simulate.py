@@ -177,6 +177,15 @@ class _Progress:
             status += f"  loss {record['train_loss']:.3f}"
         self.progress.update(task, completed=record["round"], status=status)
 
+    def within_round(self, round_number: int, done: int, total: int) -> None:
+        """Clients trained so far in a round trained in chunks (--memory-budget): a
+        second bar, shown once a round has more than one chunk."""
+        if self.progress is None:
+            return
+        task = getattr(self, "_clients_task", None)
+        if task is None:
+            task = self._clients_task = self.progress.add_task("clients", total=total, completed=0, status="")
+        self.progress.update(task, total=total, completed=done, status=f"round {round_number}")
     def __exit__(self, *exc):
         if self.progress is not None:
             self.progress.__exit__(*exc)
@@ -313,6 +322,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
     with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
         with _Progress(not quiet) as progress:
             task = progress.add(f"{config.algo}", config.rounds, sim.round)
+            sim.progress = progress.within_round  # a chunked round reports its clients as they train
 
             def callback(record, s):
                 save(record, s)

@@ -37,6 +37,10 @@ from .results import Results, plot_comparison  # noqa: E402
 from .seeds import batch_seed, derive_seed, init_seed  # noqa: E402
 from .server_side import ServerSide  # noqa: E402
 from .simulation import Simulation, make_partition, proxy_split, sample_clients  # noqa: E402
+from .client_state import ClientStateStore  # noqa: E402
+from .data import LazyFederatedDataset, synthetic_lazy  # noqa: E402
+from .leaf import CharGRU, load_leaf  # noqa: E402
+from .partition import CSRIndices, contiguous_partition  # noqa: E402
 
 __all__ = [
     "Simulation", "SimulationConfig", "ConfigError", "ALGORITHMS", "Results", "plot_comparison",
@@ -46,4 +50,6 @@ __all__ = [
     "MLP", "SimpleCNN", "build_model", "register_model", "model_names",
     "LocalConfig", "LocalTrainer", "ScaffoldState", "derive_seed", "init_seed", "batch_seed", "ServerSide",
     "BatchedTrainer", "EngineFallbackWarning",
+    "ClientStateStore", "LazyFederatedDataset", "synthetic_lazy", "load_leaf", "CharGRU", "CSRIndices",
+    "contiguous_partition",
 ]

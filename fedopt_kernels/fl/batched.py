@@ -435,8 +435,7 @@ class BatchedTrainer:
         tmp = torch.empty_like(X) if cfg.prox_mu != 0.0 else None
         corr = None
         if scaffold is not None:
-            ids = torch.tensor([clients[r] for r in rows], device=device)
-            corr = torch.sub(scaffold.c, scaffold.c_clients.index_select(0, ids))
+            corr = torch.sub(scaffold.c, scaffold.controls([clients[r] for r in rows]))
         momentum_buffers = torch.zeros_like(X) if cfg.momentum != 0.0 else None
         params = {n: X[:, o:o + k].view(c, *s) for n, o, k, s, t in self._slots if t}
         frozen = {n: X[:, o:o + k].view(c, *s).detach() for n, o, k, s, t in self._slots if not t}

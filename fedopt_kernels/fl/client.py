@@ -106,8 +106,13 @@ class RoundStats:
 
 
 class ScaffoldState:
-    """SCAFFOLD's control variates: the server's ``c`` and every client's ``c_i`` (all
+    """SCAFFOLD's control variates: the server's ``c`` and the clients' ``c_i`` (all
     start at zero), as flat vectors; option II update (Karimireddy et al. Algorithm 1).
+
+    The ``c_i`` live in a :class:`~fedopt_kernels.fl.client_state.ClientStateStore`
+    (name ``"c_i"``): a row only for a client that has taken part, zeros for the others,
+    so the state grows with participation, not with ``num_clients`` (``store_dtype``
+    keeps the rows compactly, ``spill_dir`` in memory-mapped files; see there).
 
     A round is a transaction: :meth:`client_update` only records each client's update
     and lr sum, :meth:`server_update` applies them all (``c_i`` and ``c``) at the end of
@@ -117,14 +122,42 @@ class ScaffoldState:
     ``c_i``).  A round abandoned half way (Ctrl-C) leaves the state as it was.
     """
 
-    def __init__(self, num_clients: int, numel: int, *, device, dtype=torch.float32):
+    def __init__(self, num_clients: int, numel: int, *, device, dtype=torch.float32,
+                 store_dtype: Optional[torch.dtype] = None, spill_dir: Optional[str] = None, store=None):
+        from .client_state import ClientStateStore
+
+        self.num_clients = int(num_clients)
         self.c = torch.zeros(numel, device=device, dtype=dtype)
-        self.c_clients = torch.zeros(num_clients, numel, device=device, dtype=dtype)
+        # the simulation's store (shared with any other per-client state), or one of its own
+        self.store = store if store is not None else ClientStateStore(dtype=store_dtype, spill_dir=spill_dir)
+        self.store.register("c_i", numel, dtype=dtype, device=device)
         self._pending: dict = {}  # client -> (its update D_i, read at server_update; its lr sum)
+
+    def control(self, client: int) -> torch.Tensor:
+        """Client ``client``'s ``c_i`` (zeros if it never took part)."""
+        return self.store.get("c_i", client)
+
+    def set_control(self, client: int, value: torch.Tensor) -> None:
+        self.store.put("c_i", client, value)
+
+    def controls(self, clients) -> torch.Tensor:
+        """``[len(clients), N]``: the clients' ``c_i``."""
+        return self.store.gather("c_i", clients)
+
+    @property
+    def c_clients(self) -> torch.Tensor:
+        """A dense ``[num_clients, N]`` copy of every ``c_i`` (population-sized: for
+        inspecting small runs; the state itself is :attr:`store`)."""
+        dense = torch.zeros(self.num_clients, self.c.numel(), device=self.c.device, dtype=self.c.dtype)
+        for cid, row in self.store.items("c_i"):
+            dense[cid].copy_(row)
+        return dense
 
     def correction(self, client: int, out: torch.Tensor) -> torch.Tensor:
         """``c - c_i`` into ``out``."""
-        return torch.sub(self.c, self.c_clients[client], out=out)
+        if not self.store.has("c_i", client):  # c - 0 = c, bit for bit
+            return out.copy_(self.c)
+        return torch.sub(self.c, self.store.get("c_i", client), out=out)
 
     def client_update(self, client: int, update: torch.Tensor, lr_sum: float) -> None:
         """Record client ``client``'s ``D_i = x0 - x_end`` (a reference: it must stay
@@ -134,12 +167,50 @@ class ScaffoldState:
 
     def discard_round(self) -> None:
         self._pending.clear()
+        self._staged, self._total = None, None
+
+    def discard_pending(self) -> None:
+        """Forget the updates recorded since the last :meth:`fold_chunk` (a chunk being
+        retrained), keeping the chunks already folded."""
+        self._pending.clear()
+
+    _staged: Optional[dict] = None  # chunked rounds: client -> its c_i^+, committed by server_update
+    _total: Optional[torch.Tensor] = None  # chunked rounds: sum dc_i so far, in the round's client order
+
+    def fold_chunk(self, clients, excluded: torch.Tensor) -> None:
+        """A chunked round (:mod:`~fedopt_kernels.fl.chunked`): apply option II to the
+        pending ``clients`` of a chunk now -- their updates are about to be overwritten --
+        with ``excluded`` (``[k]`` bool, the aggregation's NaN/Inf mask for them).  The
+        arithmetic of :func:`~fedopt_kernels.server.scaffold_control_update_`, term by
+        term in the same order, so the round's ``c`` and ``c_i`` are the unchunked
+        round's bits; staged until :meth:`server_update` commits the round."""
+        if self._staged is None:
+            self._staged, self._total = {}, torch.zeros_like(self.c)
+        for i, cid in enumerate(clients):
+            cid = int(cid)
+            update, lr_sum = self._pending.pop(cid, (self.c, 0.0))
+            row = self.store.get("c_i", cid).clone()  # staged: the stored row changes when the round commits
+            if lr_sum > 0 and lr_sum != float("inf"):
+                delta = update.to(self.c.dtype) / lr_sum - self.c
+                ok = torch.isfinite(delta).all() & ~excluded[i].to(device=self.c.device, dtype=torch.bool)
+                delta = torch.where(ok, delta, torch.zeros_like(delta))
+                self._total += delta
+                row.add_(delta)
+            self._staged[cid] = row
 
     def server_update(self, excluded: Optional[torch.Tensor] = None, *, clients=None) -> None:
         """Apply the round: ``c_i <- c_i^+`` for its clients, then
         ``c <- c + (1/N) sum_{i in S} (c_i^+ - c_i)``, leaving out the clients
         ``excluded`` marks (``[C]`` bool in the order of ``clients``; default: the order
-        of the :meth:`client_update` calls) and any whose change is not finite."""
+        of the :meth:`client_update` calls) and any whose change is not finite.  Every
+        client that trained gets a row (its ``c_i`` unchanged if it did not count)."""
+        if self._staged is not None:  # a chunked round: its clients were folded chunk by chunk
+            for cid, row in self._staged.items():
+                self.store.put("c_i", cid, row)
+            self.c.add_(self._total, alpha=1.0 / self.num_clients)
+            self._staged, self._total = None, None
+            self._pending.clear()
+            return
         if not self._pending:
             return
         order = list(self._pending) if clients is None else [int(cid) for cid in clients]
@@ -148,18 +219,30 @@ class ScaffoldState:
             update, lr_sum = self._pending.get(cid, (self.c, 0.0))  # absent: lr sum 0, not counted
             updates.append(update)
             lr_sums.append(lr_sum)
-            controls.append(self.c_clients[cid])
-        scaffold_control_update_(self.c, updates, lr_sums, num_clients=self.c_clients.shape[0], excluded=excluded,
+            controls.append(self.store.get("c_i", cid))  # the stored row itself, or a copy to put back
+        scaffold_control_update_(self.c, updates, lr_sums, num_clients=self.num_clients, excluded=excluded,
                                  client_controls=controls)
+        for cid, row in zip(order, controls):
+            if cid in self._pending:
+                self.store.put("c_i", cid, row)
         self._pending.clear()
 
     def state_dict(self) -> dict:
-        return {"c": self.c, "c_clients": self.c_clients}
+        """``c`` and the rows of the clients that took part (sorted by client)."""
+        rows = self.store.state_dict()["c_i"]
+        return {"c": self.c, "clients": rows["clients"], "controls": rows["rows"]}
 
     def load_state_dict(self, state: dict) -> None:
+        """From :meth:`state_dict`, or an older checkpoint's dense ``c_clients``."""
+        if "c_clients" in state:
+            if tuple(state["c_clients"].shape) != (self.num_clients, self.c.numel()):
+                raise ValueError(f"the checkpoint's c_clients has shape {tuple(state['c_clients'].shape)}, this run "
+                                 f"{(self.num_clients, self.c.numel())}")
+            self.store.load_dense("c_i", state["c_clients"])
+        else:
+            self.store.load_state_dict({"c_i": {"clients": state["clients"], "rows": state["controls"]}})
         self.c.copy_(state["c"])
-        self.c_clients.copy_(state["c_clients"])
-        self._pending.clear()
+        self.discard_round()
 
 
 class LocalTrainer:

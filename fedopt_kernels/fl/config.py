@@ -39,6 +39,7 @@ DP_REFUSED_ALGOS = {
     "fedlaw": "it learns the aggregation weights from every client's model on a proxy set",
     "scaffold": "its control variates carry every client's update unclipped and without noise",
 }
+CLIENT_STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")  # fl/client_state.py's storage dtypes
 
 
 class ConfigError(ValueError):
@@ -176,6 +177,12 @@ class SimulationConfig:
     decay_scales_change: bool = False  # FedDecay per epoch: scale the epoch's change by beta^j (authors' code)
     recipe: Optional[str] = None  # the fl/recipes.py recipe these settings started from (recorded)
     holdout_clients: int = 0  # clients never sampled for training, evaluated on their data ([FedDecay] section 4)
+    # per-client state (fl/client_state.py: SCAFFOLD's c_i): kept only for clients that took part,
+    # in a compact dtype (None: the model's, bit for bit) and/or spilled to memory-mapped files in a directory
+    client_state_dtype: Optional[str] = None
+    client_state_dir: Optional[str] = None
+    # a round's memory bounded by a chunk (fl/chunked.py): "4G", "512M" or bytes; None: the whole round at once
+    memory_budget: Optional[Any] = None
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -255,6 +262,18 @@ class SimulationConfig:
         choice("engine", ENGINES)
         choice("corrupt_kind", CORRUPT_KINDS)
         choice("on_bad_client", BAD_CLIENT_POLICIES)
+        if self.memory_budget is not None:
+            from .chunked import parse_bytes
+
+            try:
+                parse_bytes(self.memory_budget)
+            except ValueError as exc:
+                raise ConfigError(f"memory-budget: {exc}") from None
+        if self.client_state_dtype is not None:
+            choice("client_state_dtype", CLIENT_STATE_DTYPES)
+        if self.client_state_dir is not None and (not isinstance(self.client_state_dir, str)
+                                                  or not self.client_state_dir):
+            raise ConfigError(f"client-state-dir must be a directory path, got {self.client_state_dir!r}")
         integer("client_batch", 0)
         integer("clients", 1)
         integer("per_round", 1)
@@ -393,6 +412,15 @@ class SimulationConfig:
                                   f"noise at {self.per_round} clients per round: the count's noise (per-round / 20 = "
                                   f"{sigma_b:g}) must exceed dp-noise-multiplier / 2 (z_Delta = (z^-2 - (2 sigma_b)^-2)"
                                   f"^-1/2); use dp-noise-multiplier < {2 * sigma_b:g} or raise per-round")
+
+    @property
+    def memory_budget_bytes(self) -> Optional[int]:
+        """:attr:`memory_budget` in bytes (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        from .chunked import parse_bytes
+
+        return parse_bytes(self.memory_budget)
 
     @property
     def needs_proxy(self) -> bool:

@@ -16,13 +16,48 @@ reproducible and independent of everything else the simulator draws.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as _SequenceABC
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["Partition", "dirichlet_partition", "iid_partition", "natural_partition"]
+__all__ = ["Partition", "CSRIndices", "dirichlet_partition", "iid_partition", "natural_partition",
+           "contiguous_partition"]
+
+
+class CSRIndices(_SequenceABC):
+    """Every client's sample indices as ONE flat int64 array and ``M + 1`` offsets
+    (client ``i`` holds ``flat[offsets[i]:offsets[i + 1]]``): a population's index
+    table in two arrays instead of ``M`` tensors.  Indexing gives a tensor view (no
+    copy); it is a read-only sequence, not a list (``torch.cat`` wants
+    ``list(...)``, or :attr:`flat` directly).  ``flat=None``: the indices are
+    ``offsets[i] .. offsets[i + 1] - 1`` (a natural split of data stored client after
+    client), costing the offsets alone."""
+
+    def __init__(self, offsets: np.ndarray, flat: Optional[np.ndarray] = None):
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        self.flat = None if flat is None else np.ascontiguousarray(flat, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"client {i} out of range for {len(self)} clients")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if self.flat is None:
+            return torch.arange(a, b, dtype=torch.int64)
+        return torch.from_numpy(self.flat[a:b])
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
 
 
 @dataclass
@@ -40,6 +75,8 @@ class Partition:
 
     @property
     def sizes(self) -> List[int]:
+        if isinstance(self.client_indices, CSRIndices):
+            return self.client_indices.sizes().tolist()
         return [int(ix.numel()) for ix in self.client_indices]
 
     def label_counts(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -80,26 +117,33 @@ def dirichlet_partition(labels, num_clients: int, alpha: float, *, seed: int = 0
     rng = _rng(seed)
     classes = np.unique(y)
     cap = n / num_clients
+    owners = np.arange(num_clients)
+    by_class = [np.flatnonzero(y == c) for c in classes]
     for _ in range(max_tries):
-        buckets: List[list] = [[] for _ in range(num_clients)]
-        for c in classes:
-            idx_c = np.flatnonzero(y == c)
+        owner = np.empty(n, dtype=np.int64)  # who gets each sample (every sample goes to one client)
+        counts = np.zeros(num_clients, dtype=np.int64)
+        for members in by_class:
+            idx_c = members.copy()
             rng.shuffle(idx_c)
             q = rng.dirichlet(np.full(num_clients, float(alpha)))
-            counts = np.array([len(b) for b in buckets])
             q = q * (counts < cap)  # NIID-Bench: a full client takes no more
             total = q.sum()
             q = q / total if total > 0 else np.full(num_clients, 1.0 / num_clients)
             cuts = (np.cumsum(q) * len(idx_c)).astype(np.int64)[:-1]
-            for b, part in zip(buckets, np.split(idx_c, cuts)):
-                b.extend(part.tolist())
-        if min(len(b) for b in buckets) >= min_size:
+            # np.split(idx_c, cuts)'s part k: idx_c[cuts[k-1]:cuts[k]] (cuts clipped as slicing does)
+            bounds = np.concatenate([[0], np.clip(np.maximum.accumulate(cuts), 0, len(idx_c)), [len(idx_c)]])
+            take = np.diff(bounds)
+            owner[idx_c] = np.repeat(owners, take)
+            counts += take
+        if counts.min() >= min_size:
             break
     else:
         raise ValueError(f"could not give every one of {num_clients} clients at least {min_size} samples in "
                          f"{max_tries} Dirichlet(alpha={alpha}) draws; use fewer clients, a larger alpha or a "
                          "smaller min_size")
-    idx = [torch.tensor(sorted(b), dtype=torch.int64) for b in buckets]
+    # each client's indices ascending: a stable sort by owner keeps the index order
+    flat = torch.from_numpy(np.argsort(owner, kind="stable"))
+    idx = list(flat.split(counts.tolist()))
     return Partition(idx, "dirichlet", float(alpha), int(seed))
 
 
@@ -110,13 +154,34 @@ def iid_partition(num_samples: int, num_clients: int, *, seed: int = 0) -> Parti
     if num_samples < num_clients:
         raise ValueError(f"cannot split {num_samples} samples over {num_clients} clients")
     perm = _rng(seed).permutation(num_samples)
-    idx = [torch.tensor(np.sort(p), dtype=torch.int64) for p in np.array_split(perm, num_clients)]
+    # np.array_split's parts (the first n mod M one longer), each sorted: one lexsort
+    base, extra = divmod(num_samples, num_clients)
+    counts = np.full(num_clients, base, dtype=np.int64)
+    counts[:extra] += 1
+    part = np.repeat(np.arange(num_clients), counts)
+    flat = torch.from_numpy(np.ascontiguousarray(perm[np.lexsort((perm, part))], dtype=np.int64))
+    idx = list(flat.split(counts.tolist()))
     return Partition(idx, "iid", None, int(seed))
 
 
 def natural_partition(client_indices: Sequence[torch.Tensor]) -> Partition:
-    """The split a dataset comes with (e.g. FedProx's Synthetic, one part per user)."""
+    """The split a dataset comes with (e.g. FedProx's Synthetic, one part per user);
+    a :class:`CSRIndices` is kept as it is (no tensor per client)."""
+    if isinstance(client_indices, CSRIndices):
+        if (client_indices.sizes() < 1).any():
+            raise ValueError("every client of a natural partition must hold at least one sample")
+        return Partition(client_indices, "natural")
     idx = [torch.as_tensor(ix, dtype=torch.int64) for ix in client_indices]
     if any(ix.numel() == 0 for ix in idx):
         raise ValueError("every client of a natural partition must hold at least one sample")
     return Partition(idx, "natural")
+
+
+def contiguous_partition(sizes) -> Partition:
+    """The natural split of data stored client after client: client ``i`` holds the
+    next ``sizes[i]`` samples.  Index tables only (:class:`CSRIndices` without a flat
+    array): 10^5 clients cost one array of offsets."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    if sizes.size == 0 or (sizes < 1).any():
+        raise ValueError("every client of a natural partition must hold at least one sample")
+    return Partition(CSRIndices(np.concatenate([[0], np.cumsum(sizes)])), "natural")

@@ -76,13 +76,15 @@ from ..server import read_metrics
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .attacks import Attack
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
+from .chunked import FOLDABLE, RoundFold, chunk_clients, folded_server_step, round_weights
 from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
+from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
-from .data import FederatedDataset, load_dataset
+from .data import FederatedDataset, LazyFederatedDataset, load_dataset
 from .interrupts import deferred_interrupts
 from .models import build_model
-from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
+from .partition import CSRIndices, Partition, dirichlet_partition, iid_partition, natural_partition
 from .privacy import RoundPrivacy
 from .results import Results
 from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
@@ -97,7 +99,7 @@ _log = logging.getLogger(__name__)
 def load_config_dataset(config: SimulationConfig) -> FederatedDataset:
     """The dataset a config names, with its options."""
     opts = {"test_fraction": config.test_fraction}
-    if config.dataset == "synthetic":
+    if config.dataset in ("synthetic", "synthetic-lazy"):
         opts.update(alpha=config.synthetic_alpha, beta=config.synthetic_beta, iid=config.synthetic_iid,
                     max_samples_per_client=config.max_samples_per_client)
     elif config.dataset == "cifar10":
@@ -114,6 +116,9 @@ def make_partition(config: SimulationConfig, dataset: FederatedDataset) -> Parti
     """The partition a config asks for (``auto``: the dataset's natural split if it has
     one, else Dirichlet(alpha))."""
     method = config.partition
+    if isinstance(dataset, LazyFederatedDataset) and method not in ("auto", "natural"):
+        raise ConfigError(f"dataset {dataset.name!r} is made client by client and comes with its own split; "
+                          f"use partition 'natural' (or 'auto'), not {method!r}")
     if method == "auto":
         method = "natural" if dataset.client_indices is not None else "dirichlet"
     if method == "natural":
@@ -199,7 +204,19 @@ class Simulation:
         if self.partition.num_clients != config.clients:
             raise ConfigError(f"the partition has {self.partition.num_clients} clients but clients is {config.clients}")
         self.dataset = ds.to(self.device)
-        self.client_indices = [ix.to(self.device) for ix in self.partition.client_indices]
+        # a lazy dataset's clients are made when sampled (LazyFederatedDataset): each round
+        # trains on its own clients' rows (_round_data), the population costs index tables
+        self._lazy = isinstance(ds, LazyFederatedDataset)
+        if self._lazy and config.corrupt_fraction > 0:
+            raise ConfigError(f"corrupt-fraction needs the whole training set in memory; dataset {ds.name!r} is "
+                              "made client by client")
+        if self._lazy and config.needs_proxy and config.proxy_source == "train":
+            raise ConfigError(f"proxy-source train needs the whole training set in memory; dataset {ds.name!r} is "
+                              "made client by client (use proxy-source test)")
+        self._round_index: Optional[dict] = None  # client -> its rows of the round's data (lazy datasets)
+        parts = self.partition.client_indices
+        self.client_indices = (_OnDevice(parts, self.device) if isinstance(parts, CSRIndices)
+                               else [ix.to(self.device) for ix in parts])
         self.client_sizes = torch.tensor(self.partition.sizes, dtype=torch.float64)
         # what the clients train on: the training set with the corrupted clients' samples
         # damaged (config.corrupt_*); self.dataset itself (test set, proxy set) stays clean
@@ -226,7 +243,13 @@ class Simulation:
             decay_per=config.decay_per, backend=config.backend, carry_momentum=config.carry_momentum,
             decay_scales_change=config.decay_scales_change)
         self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
-        self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype)
+        # per-client state (fl/client_state.py): rows only for clients that took part, one store for
+        # every kind of it (SCAFFOLD's c_i registers "c_i"; other per-client state registers its own name)
+        self.client_state = ClientStateStore(
+            dtype=getattr(torch, config.client_state_dtype) if config.client_state_dtype else None,
+            spill_dir=config.client_state_dir)
+        self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype,
+                                       store=self.client_state)
                          if self.local.scaffold else None)
         self._buffers_layout = buffers_layout(global_model)
         self._has_buffers = len(self._buffers_layout) > 0
@@ -245,7 +268,7 @@ class Simulation:
                                                 name="the training set", need_rest=False)
         proxy_loader = self._proxy_loader() if config.needs_proxy else None
         self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn)
-        self.updates = torch.empty(config.per_round, self.numel, device=self.device, dtype=self.x_global.dtype)
+        self.updates: Optional[torch.Tensor] = None  # the rows clients train into (_allocate_rounds)
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
@@ -263,6 +286,7 @@ class Simulation:
             self.results.meta["attack"] = self.attack.to_dict()
         self.batched: Optional[BatchedTrainer] = None
         self._setup_engine()
+        self._allocate_rounds()
 
     # ------------------------------------------------------------------ setup
     def _make_model(self, model) -> nn.Module:
@@ -297,7 +321,7 @@ class Simulation:
         model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = model(self.dataset.x_train[:2])
+                out = model((self.dataset.x_test if self._lazy else self.dataset.x_train)[:2])
         except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
             return
         finally:
@@ -310,6 +334,8 @@ class Simulation:
     def _corrupt(self):
         """``(x_train, y_train, Corruption or None)`` the clients train on."""
         cfg, ds = self.config, self.dataset
+        if self._lazy:  # placeholders of the right kind; a round trains on its clients' rows
+            return ds.x_test[:1], ds.y_test[:1], None
         if cfg.corrupt_fraction == 0:
             return ds.x_train, ds.y_train, None
         try:
@@ -453,9 +479,9 @@ class Simulation:
         if C == 0:
             return stats
         self.batched.train_round(
-            self.x_global, [self.partition.client_indices[cid] for cid in clients], round_index=round_number - 1,
+            self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
             seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
-            out=self.updates[:C], stats=stats, clients=clients, scaffold=self.scaffold)
+            out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold)
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
             self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
         self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
@@ -481,18 +507,145 @@ class Simulation:
         skip = {cid for cid, _, _ in bad}
         todo = [cid for cid in clients if cid not in skip]
         self._round_bad, self._round_kept = bad, todo
+        if self._chunk is not None:
+            return self._train_chunked(round_number, clients, todo, bad)
+        if self._lazy:
+            self._round_data(todo)
+        try:
+            return self._train_round_clients(round_number, clients, todo, bad)
+        finally:
+            if self._lazy:
+                self._round_data(None)
+
+    # ------------------------------------------------------------------ chunked rounds (memory_budget)
+    _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
+    _foldable = False  # chunks folded into a running sum (fl/chunked.py), else kept in `updates`
+    _fold: Optional[RoundFold] = None  # the running sum of the round being trained
+    _rows_at = 0  # the row of `updates` the clients being trained write first
+    #: ``progress(round, clients_done, clients_in_round)`` after each chunk of a chunked round
+    #: (``fedopt simulate`` shows it as a second progress bar); None: not called
+    progress: Optional[Callable[[int, int, int], None]] = None
+
+    def _allocate_rounds(self) -> None:
+        """The rows a round's clients train into: ``[per_round, N]``, or with
+        ``memory_budget`` chunks of ``K`` clients (:mod:`.chunked`): a ``[K, N]`` buffer
+        folded into a running sum for the weighted-sum algorithms, else the round's
+        ``[per_round, N]`` table (memory-mapped under ``client_state_dir`` when set)
+        with the clients still trained ``K`` at a time."""
+        cfg = self.config
+        dtype = self.x_global.dtype
+        rows = cfg.per_round
+        budget = cfg.memory_budget_bytes
+        if budget is not None and type(self)._server_step is not Simulation._server_step:
+            # the distributed simulator spreads a round over ranks, each aggregating its block at once
+            self.results.meta["memory_budget"] = "ignored: a distributed round trains whole blocks per rank"
+            warnings.warn("memory_budget is ignored by the distributed simulator (each rank trains and aggregates "
+                          "its block of the round at once; more ranks bound a rank's memory)", stacklevel=3)
+        elif budget is not None:
+            itemsize = self.x_global.element_size()
+            per_client = self.numel * itemsize
+            if self.batched is not None:
+                per_client += self.batched.planner.client_bytes(cfg.batch_size)
+            fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
+            chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
+            if chunk < cfg.per_round:
+                self._chunk = chunk
+                # DP clips every row and an attack reads the honest ones: both need the whole round's rows
+                self._foldable = (cfg.algo in FOLDABLE and not self._has_buffers and self.server.optimizer is not None
+                                  and dtype in (torch.float32, torch.float64)
+                                  and self.privacy is None and self.attack is None)
+                if self.batched is not None:
+                    planner = self.batched.planner
+                    planner.client_batch = min(planner.client_batch or chunk, chunk)
+                if self._foldable:
+                    rows = chunk
+            self.results.meta["memory_budget"] = budget
+            self.results.meta["round_chunk"] = self._chunk
+            self.results.meta["round_fold"] = self._foldable
+        if self._chunk is not None and not self._foldable and cfg.client_state_dir:
+            import os
+
+            os.makedirs(cfg.client_state_dir, exist_ok=True)
+            path = os.path.join(cfg.client_state_dir, "round_updates.bin")
+            self.updates = torch.from_file(path, shared=True, size=rows * self.numel, dtype=dtype).view(rows, -1)
+        else:
+            self.updates = torch.empty(rows, self.numel, device=self.device, dtype=dtype)
+
+    def _train_chunked(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
+        """The round's ``todo`` clients trained ``_chunk`` at a time (see
+        :meth:`_allocate_rounds`); each chunk folded into :attr:`_fold`, or written to
+        its rows of :attr:`updates`."""
+        stats = RoundStats(self.device)
+        bad, kept = list(bad), []
+        position = {cid: i for i, cid in enumerate(todo)}
+        self._fold = None
+        if self._foldable and todo:
+            self._fold = RoundFold(self.server.optimizer, round_weights(self.server, self.client_sizes[todo]),
+                                   len(todo), self.numel, self.device, self.x_global.dtype)
+        progress = self.progress
+        try:
+            for start in range(0, len(todo), self._chunk):
+                part = todo[start:start + self._chunk]
+                self._round_bad, self._round_kept = [], part
+                self._rows_at = 0 if self._foldable else len(kept)
+                if self._lazy:
+                    self._round_data(part)
+                part_stats = self._train_round_clients(round_number, part, part, [])
+                _add_stats(stats, part_stats)
+                got = list(self._round_kept)
+                bad += self._round_bad
+                if self._fold is not None:
+                    excluded = self._fold.add(self.updates[:len(got)], [position[cid] for cid in got])
+                    if self.scaffold is not None:
+                        self.scaffold.fold_chunk(got, excluded)
+                kept += got
+                if progress is not None:
+                    progress(round_number, len(kept) + len(bad), len(clients))
+        finally:
+            self._rows_at = 0
+            if self._lazy:
+                self._round_data(None)
+        order = {cid: i for i, cid in enumerate(clients)}
+        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
+        self._round_kept = kept
+        return stats
+
+    def _client_rows(self, cid: int) -> torch.Tensor:
+        """Client ``cid``'s sample indices into what the engines train on: the training
+        set, or (lazy datasets) the round's own rows."""
+        return self.client_indices[cid] if self._round_index is None else self._round_index[cid]
+
+    def _round_data(self, clients: Optional[List[int]]) -> None:
+        """Lazy datasets: make the round's ``clients``' samples and point the engines at
+        them (None: drop them).  Client ``i``'s sample ``j`` is row ``start_i + j``,
+        so its batches (drawn from positions) pick the samples they pick in the
+        materialised dataset: the same bits."""
+        if clients is None:
+            x, y = self.dataset.x_test[:1], self.dataset.y_test[:1]
+            self._round_index = None
+        else:
+            x, y, starts = self.dataset.gather(clients)
+            sizes = self.partition.client_indices.sizes()
+            self._round_index = {cid: torch.arange(s, s + int(sizes[cid]), device=self.device)
+                                 for cid, s in zip(clients, starts)}
+        self.train_x, self.train_y = x, y
+        self.trainer.x_train, self.trainer.y_train = x, y
+        if self.batched is not None:
+            self.batched.x_train, self.batched.y_train = x, y
+
+    def _train_round_clients(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
         if self.batched is not None:
             try:
                 return self._train_clients_batched(round_number, todo)
             except BatchedUnsupported as exc:  # the first batched round failed: redo it sequentially
                 if self.scaffold is not None:
-                    self.scaffold.discard_round()
+                    self.scaffold.discard_pending()
                 self._fall_back(str(exc))
             except Exception as exc:  # noqa: BLE001 - a group failed: find the client(s) one by one
                 if self.config.on_bad_client == "raise":
                     raise
                 if self.scaffold is not None:
-                    self.scaffold.discard_round()
+                    self.scaffold.discard_pending()
                 self.results.meta.setdefault("sequential_retrains", []).append(round_number)
                 _log.warning("round %d: the batched engine raised (%s: %s); retraining the round client by client "
                              "to leave out the failing client(s)", round_number, type(exc).__name__, exc)
@@ -504,8 +657,8 @@ class Simulation:
             saved = _snapshot(stats) if exclude else None
             try:
                 self.trainer.train(
-                    self.x_global, self.client_indices[cid], round_index=round_number - 1,
-                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[row],
+                    self.x_global, self._client_rows(cid), round_index=round_number - 1,
+                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[self._rows_at + row],
                     stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
                     out_buffers=self.buffer_rows[row] if self._has_buffers else None)
             except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out
@@ -647,6 +800,9 @@ class Simulation:
         ``weighting="size"``).
         :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` spreads it over
         ranks."""
+        if self._fold is not None:  # a folded chunked round: the running sum is the aggregation
+            fold, self._fold = self._fold, None
+            return folded_server_step(self.server, fold)
         rows = self.updates[:len(clients)]
         # honest clients clip (dp_mode "client"), then the attackers replace their updates;
         # the round's record gets the attackers among its clients and the DP numbers (epsilon so far)
@@ -710,12 +866,13 @@ class Simulation:
                                if self.trainer.momentum_buffers else None),
         }
 
-    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client")
+    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client",
+                  "client_state_dir", "memory_budget")
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
-        ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch`` and
-        ``on_bad_client`` may differ)."""
+        ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch``,
+        ``on_bad_client``, ``client_state_dir`` and ``memory_budget`` may differ)."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.config.to_dict()
@@ -740,6 +897,20 @@ class Simulation:
         self.results.records = [r for r in res.records if r["round"] <= self.round]
 
 
+class _OnDevice:
+    """A read-only sequence of index tensors moved to ``device`` on access (a
+    :class:`~fedopt_kernels.fl.partition.CSRIndices` population is never copied whole)."""
+
+    def __init__(self, indices, device):
+        self.indices, self.device = indices, device
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.indices[i].to(self.device)
+
+
 def _detached_copy(value):
     """``value`` with every tensor in it (nested dicts, lists, tuples) cloned: a state
     dict that later rounds do not change under its holder."""
@@ -750,6 +921,14 @@ def _detached_copy(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_detached_copy(v) for v in value)
     return value
+
+
+def _add_stats(total: RoundStats, part: RoundStats) -> None:
+    """``part``'s sums into ``total`` (a chunked round's statistics)."""
+    for a, b in ((total.loss_sum, part.loss_sum), (total.clipped, part.clipped),
+                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped)):
+        a += b
+    total.steps += part.steps
 
 
 def _snapshot(stats: RoundStats) -> tuple:

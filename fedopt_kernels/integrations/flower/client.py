@@ -196,14 +196,14 @@ class FedNARClient:
                    if ci_record is not None else torch.zeros_like(x_global))
             scaffold = ScaffoldState(1, x_global.numel(), device=self.device, dtype=x_global.dtype)
             scaffold.c.copy_(c)
-            scaffold.c_clients[0].copy_(c_i)
+            scaffold.set_control(0, c_i)
         indices = torch.arange(n, device=self.device)
         lr_sum = trainer.train(x_global, indices, round_index=server_round - 1,
                                seed=batch_seed(self._seed(context), server_round, cid), out_update=update,
                                stats=stats, client=0, scaffold=scaffold)
         if scaffold is not None and lr_sum > 0:
             with torch.no_grad():  # option II, as ScaffoldState: c_i += D / lr_sum - c
-                c_i_new = scaffold.c_clients[0] + (update / lr_sum - scaffold.c)
+                c_i_new = scaffold.control(0) + (update / lr_sum - scaffold.c)
             layout = parameters_layout(model)
             context.state[SCAFFOLD_STATE_KEY] = tensors_to_arrayrecord(
                 (s.name, c_i_new[s.offset:s.offset + s.numel].view(s.shape)) for s in layout.slots)

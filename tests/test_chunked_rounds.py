@@ -1,0 +1,190 @@
+"""A round's memory bounded by a chunk (fl/chunked.py): clients trained K at a time,
+each chunk folded into the running weighted sum -- the unchunked round's bits for every
+weighted-sum algorithm, a stated bound when clients are left out."""
+
+import pytest
+import torch
+
+from fedopt_kernels.fl import Simulation, SimulationConfig
+from fedopt_kernels.fl.chunked import FOLDABLE, RoundFold, chunk_clients, parse_bytes
+from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.ops import aggregate
+from fedopt_kernels.server import FedAvg
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _strip(records):
+    return [{k: v for k, v in r.items() if k != "wall_time"} for r in records]
+
+
+BASE = dict(dataset="synthetic-lazy", clients=200, per_round=9, rounds=2, local_steps=2, hidden=(16,),
+            max_samples_per_client=50, seed=1)
+
+
+def _tree_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(_bits(a), _bits(b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_tree_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_tree_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("engine,budget", [("batched", "100K"), ("sequential", "42K")])
+@pytest.mark.parametrize("algo", FOLDABLE)
+def test_folded_round_equals_the_unchunked_round_bitwise(algo, engine, budget):
+    kw = dict(BASE, algo=algo, engine=engine)
+    whole = Simulation(SimulationConfig(**kw))
+    whole.run()
+    chunked = Simulation(SimulationConfig(**kw, memory_budget=budget))
+    assert chunked._foldable and 2 <= chunked._chunk < 9
+    assert chunked.updates.shape[0] == chunked._chunk  # the round's rows: one chunk, not per_round
+    chunked.run()
+    assert chunked.results.meta["round_chunk"] == chunked._chunk
+    assert torch.equal(_bits(chunked.x_global), _bits(whole.x_global))
+    assert _tree_equal(chunked.server.state_dict(), whole.server.state_dict())
+    assert _strip(chunked.results.records) == _strip(whole.results.records)  # update norms, FedExP/ASNES stats
+    if algo == "scaffold":
+        assert _tree_equal(chunked.scaffold.state_dict(), whole.scaffold.state_dict())
+
+
+def test_fedlaw_trains_in_chunks_into_a_memory_mapped_table(tmp_path):
+    kw = dict(BASE, algo="fedlaw", fedlaw_epochs=1, proxy_size=20)
+    whole = Simulation(SimulationConfig(**kw))
+    whole.run()
+    chunked = Simulation(SimulationConfig(**kw, memory_budget="100K", client_state_dir=str(tmp_path)))
+    assert not chunked._foldable and chunked._chunk < 9
+    assert (tmp_path / "round_updates.bin").stat().st_size == 9 * chunked.numel * 4
+    chunked.run()
+    assert torch.equal(_bits(chunked.x_global), _bits(whole.x_global))
+    assert _strip(chunked.results.records) == _strip(whole.results.records)
+
+
+def test_chunked_scaffold_resumes_bitwise(tmp_path):
+    kw = dict(BASE, algo="scaffold", rounds=4, memory_budget="100K")
+    straight = Simulation(SimulationConfig(**kw))
+    straight.run()
+    first = Simulation(SimulationConfig(**kw))
+    first.run(2)
+    torch.save(first.state_dict(), tmp_path / "c.pt")
+    resumed = Simulation(SimulationConfig(**kw))
+    resumed.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
+    resumed.run()
+    assert torch.equal(_bits(resumed.x_global), _bits(straight.x_global))
+    assert _tree_equal(resumed.scaffold.state_dict(), straight.scaffold.state_dict())
+
+
+def _rows(C, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(C, N, generator=g) * torch.rand(C, 1, generator=g) * 3
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 10])
+def test_fold_equals_aggregate_bitwise_for_any_chunking(chunk):
+    C, N = 10, 1031
+    rows = _rows(C, N)
+    w = torch.rand(C, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.1
+    opt = FedAvg([torch.nn.Parameter(torch.zeros(N))], lr=1.0, backend="cpu")
+    fold = RoundFold(opt, w, C, N, "cpu", torch.float32)
+    for s in range(0, C, chunk):
+        assert not fold.add(rows[s:s + chunk], range(s, min(s + chunk, C))).any()
+    got = torch.empty(N)
+    ra = fold.finish(got)
+    p = (w / w.max() / (w / w.max()).sum()).float()  # normalize_weights' p
+    want, st = aggregate(rows, p, backend="cpu")
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(ra.stats.client_sq_norms), _bits(st.client_sq_norms))
+    assert torch.equal(_bits(ra.stats.sq_norm), _bits(st.sq_norm))
+
+
+def _bound(rows, p_eff):
+    u = 2.0 ** -24
+    C = rows.shape[0]
+    terms = (p_eff.double()[:, None] * rows.double()).abs()
+    terms[~torch.isfinite(terms)] = 0
+    return (C + 2) * u * terms.sum(0)
+
+
+@pytest.mark.parametrize("chunk", [2, 4])
+def test_fold_with_a_nan_client_is_within_the_stated_bound(chunk):
+    C, N = 9, 517
+    rows = _rows(C, N, seed=5)
+    rows[4, 7] = float("nan")
+    rows[6, 0] = float("inf")
+    w = torch.linspace(1, 3, C, dtype=torch.float64)
+    opt = FedAvg([torch.nn.Parameter(torch.zeros(N))], lr=1.0, backend="cpu")
+    fold = RoundFold(opt, w, C, N, "cpu", torch.float32)
+    masks = []
+    for s in range(0, C, chunk):
+        masks.append(fold.add(rows[s:s + chunk], range(s, min(s + chunk, C))))
+    assert torch.cat(masks).tolist() == [i in (4, 6) for i in range(C)]
+    got = torch.empty(N)
+    ra = fold.finish(got)
+    p = (w / w.max() / (w / w.max()).sum()).float()
+    want, st = aggregate(rows, p, backend="cpu")
+    assert torch.isfinite(got).all()
+    assert torch.equal(ra.stats.excluded, st.excluded)
+    torch.testing.assert_close(ra.stats.weights, st.weights, rtol=1e-6, atol=0)
+    err = (got.double() - want.double()).abs()
+    assert (err <= _bound(rows, st.weights)).all(), float((err - _bound(rows, st.weights)).max())
+    # an independent float64 oracle of the renormalised mean, to the same bound
+    keep = torch.tensor([i not in (4, 6) for i in range(C)])
+    oracle = (w[keep, None] * rows[keep].double()).sum(0) / w[keep].sum()
+    assert ((got.double() - oracle).abs() <= _bound(rows, st.weights) + 1e-12).all()
+
+
+def test_fold_leaves_out_a_client_without_a_row():
+    """A client whose training failed has no row: the mean of the others, within the bound."""
+    C, N = 6, 300
+    rows = _rows(C, N, seed=9)
+    w = torch.tensor([1.0, 2, 3, 4, 5, 6], dtype=torch.float64)
+    opt = FedAvg([torch.nn.Parameter(torch.zeros(N))], lr=1.0, backend="cpu")
+    fold = RoundFold(opt, w, C, N, "cpu", torch.float32)
+    fold.add(rows[[0, 1]], [0, 1])
+    fold.add(rows[[3]], [3])  # client 2 failed
+    fold.add(rows[[4, 5]], [4, 5])
+    got = torch.empty(N)
+    ra = fold.finish(got)
+    keep = [0, 1, 3, 4, 5]
+    oracle = (w[keep, None] * rows[keep].double()).sum(0) / w[keep].sum()
+    p = w[keep] / w[keep].sum()
+    assert ((got.double() - oracle).abs() <= _bound(rows[keep], p) + 1e-12).all()
+    assert ra.stats.client_sq_norms.shape == (5,) and torch.allclose(ra.p.double(), p, rtol=1e-6)
+
+
+def test_budget_parsing_and_config_errors():
+    assert parse_bytes("4G") == 4 << 30 and parse_bytes("512MB") == 512 << 20 and parse_bytes(1000) == 1000
+    assert parse_bytes("1.5k") == 1536
+    for bad in ("lots", "-1G", "4X", True, 0):
+        with pytest.raises(ValueError, match="size such as|at least 1 byte"):
+            parse_bytes(bad)
+    with pytest.raises(ConfigError, match="memory-budget"):
+        SimulationConfig(memory_budget="huge").validate()
+    assert chunk_clients(10_000, 1_000, 2_000) == 8 and chunk_clients(10, 1_000) == 2
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_device_decided_redo_equals_the_host_decision(nan):
+    """On an accelerator the fold never reads a flag: the redo pass always runs, disabled
+    on the device when no update was left out.  Taken on the CPU here: the same bits."""
+    C, N = 7, 211
+    rows = _rows(C, N, seed=11)
+    if nan:
+        rows[3, 5] = float("nan")
+    w = torch.linspace(1, 2, C, dtype=torch.float64)
+    outs = []
+    for host in (True, False):
+        opt = FedAvg([torch.nn.Parameter(torch.zeros(N))], lr=1.0, backend="cpu")
+        fold = RoundFold(opt, w, C, N, "cpu", torch.float32)
+        fold._host_decides = host
+        for s in range(0, C, 3):
+            fold.add(rows[s:s + 3], range(s, min(s + 3, C)))
+        out = torch.empty(N)
+        ra = fold.finish(out)
+        outs.append((out, ra.stats.excluded))
+    assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
+    assert bool(outs[0][1][3]) == nan

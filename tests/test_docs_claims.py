@@ -118,14 +118,14 @@ def test_the_fl_quick_start_runs_in_a_fresh_directory(tmp_path, monkeypatch):
         "accuracy_loss.png", "clipping.png", "results.csv", "results.json", "server.png"]
 
 
-def _claims_commands():
-    """Every ``fedopt ...`` command of docs/claims.md's bash blocks (continuation lines
-    joined, the loop variables given their first value)."""
+def _claims_commands(page="docs/claims.md"):
+    """Every ``fedopt ...`` command of ``page``'s bash blocks (continuation lines joined,
+    the loop variables given their first value)."""
     import re
     import shlex
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "claims.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / page).read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         block = block.replace("\\\n", " ")
@@ -136,7 +136,7 @@ def _claims_commands():
                 continue
             for var, first in loops.items():
                 line = line.replace(f"${var}", first)
-            commands.append(shlex.split(line)[1:])
+            commands.append(shlex.split(line, comments=True)[1:])
     return commands
 
 
@@ -155,3 +155,25 @@ def test_every_command_on_the_claims_page_is_accepted_by_the_cli():
         config, _ = build_settings(args)
         if "--recipe" in argv:
             assert config.recipe == argv[argv.index("--recipe") + 1]
+
+
+def test_every_simulate_command_of_the_readme_is_accepted_by_the_cli():
+    """README.md's quick start: each ``fedopt simulate``/``compare`` command parses and
+    resolves to a valid configuration (recipe, DP, attack and scale flags included)."""
+    from fedopt_kernels.cli import build_parser
+    from fedopt_kernels.cli._options import build_settings
+
+    commands = [c for c in _claims_commands("README.md") if c[0] in ("simulate", "compare")]
+    assert len(commands) >= 5 and any("--recipe" in c for c in commands)
+    parser = build_parser()
+    for argv in commands:
+        args = parser.parse_args(argv)
+        vars(args).pop("distributed", None)
+        config, _ = build_settings(args)
+        config.validate()
+        if "--recipe" in argv:
+            assert config.recipe == argv[argv.index("--recipe") + 1]
+        if "--dp-clip" in argv:
+            assert config.dp_clip == float(argv[argv.index("--dp-clip") + 1]) and config.attack == "signflip"
+        if "--memory-budget" in argv:
+            assert config.clients == 100000 and config.memory_budget_bytes == 256 * 2 ** 20

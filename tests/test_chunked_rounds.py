@@ -10,10 +10,9 @@ from fedopt_kernels.fl.chunked import FOLDABLE, RoundFold, chunk_clients, parse_
 from fedopt_kernels.fl.config import ConfigError
 from fedopt_kernels.ops import aggregate
 from fedopt_kernels.server import FedAvg
+from _asserts import bits
 
 
-def _bits(t):
-    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
 
 
 def _strip(records):
@@ -26,7 +25,7 @@ BASE = dict(dataset="synthetic-lazy", clients=200, per_round=9, rounds=2, local_
 
 def _tree_equal(a, b):
     if isinstance(a, torch.Tensor):
-        return torch.equal(_bits(a), _bits(b))
+        return torch.equal(bits(a), bits(b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_tree_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -45,11 +44,26 @@ def test_folded_round_equals_the_unchunked_round_bitwise(algo, engine, budget):
     assert chunked.updates.shape[0] == chunked._chunk  # the round's rows: one chunk, not per_round
     chunked.run()
     assert chunked.results.meta["round_chunk"] == chunked._chunk
-    assert torch.equal(_bits(chunked.x_global), _bits(whole.x_global))
+    assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
     assert _tree_equal(chunked.server.state_dict(), whole.server.state_dict())
     assert _strip(chunked.results.records) == _strip(whole.results.records)  # update norms, FedExP/ASNES stats
     if algo == "scaffold":
         assert _tree_equal(chunked.scaffold.state_dict(), whole.scaffold.state_dict())
+
+
+@pytest.mark.parametrize("extra", [dict(dp_clip=0.5, dp_noise_multiplier=0.3, dp_delta=1e-3, weighting="uniform"),
+                                   dict(attack="alie", attack_fraction=0.3)])
+def test_dp_and_attacks_train_in_chunks_without_folding(extra):
+    """DP clips every row and ALIE reads the honest rows: under a memory budget the round
+    trains in chunks but keeps its rows, and equals the unchunked round bit for bit."""
+    kw = dict(BASE, algo="fedavg", **extra)
+    whole = Simulation(SimulationConfig(**kw))
+    whole.run()
+    chunked = Simulation(SimulationConfig(**kw, memory_budget="100K"))
+    assert not chunked._foldable and 2 <= chunked._chunk < 9
+    chunked.run()
+    assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
+    assert _strip(chunked.results.records) == _strip(whole.results.records)  # epsilon, attacked clients
 
 
 def test_fedlaw_trains_in_chunks_into_a_memory_mapped_table(tmp_path):
@@ -60,7 +74,7 @@ def test_fedlaw_trains_in_chunks_into_a_memory_mapped_table(tmp_path):
     assert not chunked._foldable and chunked._chunk < 9
     assert (tmp_path / "round_updates.bin").stat().st_size == 9 * chunked.numel * 4
     chunked.run()
-    assert torch.equal(_bits(chunked.x_global), _bits(whole.x_global))
+    assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
     assert _strip(chunked.results.records) == _strip(whole.results.records)
 
 
@@ -74,7 +88,7 @@ def test_chunked_scaffold_resumes_bitwise(tmp_path):
     resumed = Simulation(SimulationConfig(**kw))
     resumed.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
     resumed.run()
-    assert torch.equal(_bits(resumed.x_global), _bits(straight.x_global))
+    assert torch.equal(bits(resumed.x_global), bits(straight.x_global))
     assert _tree_equal(resumed.scaffold.state_dict(), straight.scaffold.state_dict())
 
 
@@ -96,9 +110,9 @@ def test_fold_equals_aggregate_bitwise_for_any_chunking(chunk):
     ra = fold.finish(got)
     p = (w / w.max() / (w / w.max()).sum()).float()  # normalize_weights' p
     want, st = aggregate(rows, p, backend="cpu")
-    assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(ra.stats.client_sq_norms), _bits(st.client_sq_norms))
-    assert torch.equal(_bits(ra.stats.sq_norm), _bits(st.sq_norm))
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(ra.stats.client_sq_norms), bits(st.client_sq_norms))
+    assert torch.equal(bits(ra.stats.sq_norm), bits(st.sq_norm))
 
 
 def _bound(rows, p_eff):
@@ -186,5 +200,5 @@ def test_device_decided_redo_equals_the_host_decision(nan):
         out = torch.empty(N)
         ra = fold.finish(out)
         outs.append((out, ra.stats.excluded))
-    assert torch.equal(_bits(outs[0][0]), _bits(outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(bits(outs[0][0]), bits(outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
     assert bool(outs[0][1][3]) == nan

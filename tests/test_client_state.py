@@ -8,10 +8,8 @@ import torch
 from fedopt_kernels.fl import SimulationConfig, Simulation
 from fedopt_kernels.fl.client import ScaffoldState
 from fedopt_kernels.fl.client_state import ClientStateStore
+from _asserts import bits
 
-
-def _bits(t):
-    return t.detach().cpu().contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
 @pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
@@ -49,7 +47,7 @@ def test_store_rows_follow_writes(tmp_path, spill, dtype):
     other.register("mom", 3, dtype=torch.float64)
     other.load_state_dict(state)
     for cid in want:
-        assert torch.equal(_bits(other.get("c_i", cid)), _bits(store.get("c_i", cid)))
+        assert torch.equal(bits(other.get("c_i", cid)), bits(store.get("c_i", cid)))
     if spill:
         assert (tmp_path / "s" / "c_i.bin").stat().st_size >= len(want) * 5 * itemsize
 
@@ -161,9 +159,9 @@ def test_scaffold_resume_is_bitwise(tmp_path, engine, spill):
     resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
     resumed.run()
     rd = resumed.state_dict()
-    assert torch.equal(_bits(resumed.x_global), _bits(straight.x_global))
+    assert torch.equal(bits(resumed.x_global), bits(straight.x_global))
     for key in ("c", "controls"):
-        assert torch.equal(_bits(rd["scaffold"][key]), _bits(sd["scaffold"][key])), key
+        assert torch.equal(bits(rd["scaffold"][key]), bits(sd["scaffold"][key])), key
     assert torch.equal(rd["scaffold"]["clients"], sd["scaffold"]["clients"])
     strip = lambda recs: [{k: v for k, v in r.items() if k != "wall_time"} for r in recs]  # noqa: E731
     assert strip(resumed.results.records) == strip(straight.results.records)

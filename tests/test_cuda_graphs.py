@@ -23,6 +23,7 @@ import torch
 
 from fedopt_kernels import ops
 from fedopt_kernels.backends import triton_interpret_mode, why_unavailable
+from _asserts import same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -48,10 +49,6 @@ def _cache_info():
     entries, captured, hits, misses, capacity = torch.ops.fedopt_C._cuda_table_cache_info()
     return dict(entries=entries, captured=captured, hits=hits, misses=misses, capacity=capacity)
 
-
-def _bits_equal(a, b):
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
 
 
 def _lists(shapes, seed, dtype=torch.float32):
@@ -97,7 +94,7 @@ def test_cuda_list_form_capture_without_warm_up_fails_clearly():
         with torch.cuda.graph(graph):
             cuda.nar_step_(params, grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None, None)
     torch.cuda.synchronize()
-    assert all(_bits_equal(p, b) for p, b in zip(params, before))
+    assert all(same_bits(p, b) for p, b in zip(params, before))
     # The same call eagerly (the warm-up) works, and then so does the capture.
     cuda.nar_step_([p.clone() for p in params], grads, [], 0.1, None, 0.0, None, 1.0, 0, 0.0, None,
                    None)  # other tensors
@@ -167,9 +164,9 @@ def test_cuda_list_form_captures_after_warm_up_and_replays_with_new_lr(momentum)
         ref = cuda.nar_step_(exp_p, grads, exp_b if momentum else [], value, None, 0.01, None, 1.0, 0, momentum,
                              None, None)
         torch.cuda.synchronize()
-        assert _bits_equal(norm, ref[0]) and _bits_equal(scale, ref[1]) and not bool(skipped)
+        assert same_bits(norm, ref[0]) and same_bits(scale, ref[1]) and not bool(skipped)
         for a, e in zip(params + (bufs if momentum else []), exp_p + (exp_b if momentum else [])):
-            assert _bits_equal(a, e)
+            assert same_bits(a, e)
 
 
 def test_cuda_sq_norm_and_apply_capture_after_warm_up():
@@ -190,7 +187,7 @@ def test_cuda_sq_norm_and_apply_capture_after_warm_up():
     expected = [s.clone() for s in start]
     cuda.nar_step_(expected, grads, [], 0.1, None, 0.01, None, 1.0, 0, 0.0, None, None)
     torch.cuda.synchronize()
-    assert all(_bits_equal(a, e) for a, e in zip(params, expected))
+    assert all(same_bits(a, e) for a, e in zip(params, expected))
 
 
 def test_cuda_server_update_captures_after_warm_up():
@@ -223,12 +220,12 @@ def test_cuda_server_update_captures_after_warm_up():
         cuda.server_update_(expected[:T], updates, expected[T:2 * T], expected[2 * T:], 3, value, None, 1.0, None,
                             0.8, 0.95, 1e-2, False, None)
         torch.cuda.synchronize()
-        assert all(_bits_equal(a, e) for a, e in zip(state, expected))
+        assert all(same_bits(a, e) for a, e in zip(state, expected))
     skip.fill_(True)  # read on the device at replay: nothing is written
     before = [t.clone() for t in state]
     graph.replay()
     torch.cuda.synchronize()
-    assert all(_bits_equal(a, b) for a, b in zip(state, before))
+    assert all(same_bits(a, b) for a, b in zip(state, before))
 
 
 def test_cuda_list_form_aggregate_and_client_dots_capture_after_warm_up():
@@ -252,7 +249,7 @@ def test_cuda_list_form_aggregate_and_client_dots_capture_after_warm_up():
         q_e, Q_e = cuda.aggregate(clients, weights, 1.0, None, out_e, None)
         d_e = cuda.client_dots(clients, g)
         torch.cuda.synchronize()
-        assert _bits_equal(out, out_e) and _bits_equal(q, q_e) and _bits_equal(Q, Q_e) and _bits_equal(d, d_e)
+        assert same_bits(out, out_e) and same_bits(q, q_e) and same_bits(Q, Q_e) and same_bits(d, d_e)
 
 
 def test_cuda_table_cache_hits_by_content_and_is_bounded():
@@ -297,7 +294,7 @@ def test_cuda_table_uploaded_on_one_stream_used_on_another():
     info = _cache_info()
     assert (info["misses"], info["hits"]) == (2, 2)
     torch.cuda.synchronize()
-    assert _bits_equal(sq_a, sq_b) and _bits_equal(d_a, d_b)
+    assert same_bits(sq_a, sq_b) and same_bits(d_a, d_b)
     expected_sq = sum(float((gr.double() + 0.01 * p.double()).square().sum()) for p, gr in zip(params, grads))
     assert abs(float(sq_b) - expected_sq) <= 1e-4 * expected_sq
     torch.testing.assert_close(d_b, torch.stack([c @ g for c in clients]), rtol=1e-4, atol=1e-3)

@@ -11,6 +11,8 @@ from fedopt_kernels.fl import Simulation, SimulationConfig
 from fedopt_kernels.fl.config import ConfigError
 from fedopt_kernels.fl.data import LazyFederatedDataset, synthetic, synthetic_lazy
 from fedopt_kernels.fl.partition import CSRIndices, contiguous_partition, dirichlet_partition, iid_partition
+from _asserts import bits
+
 
 
 # ---------------------------------------------------------------- oracles: the previous implementations
@@ -63,20 +65,17 @@ def _old_iid(n, M, seed):
     return [np.sort(p).tolist() for p in np.array_split(perm, M)]
 
 
-def _bits(t):
-    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
-
 
 @pytest.mark.parametrize("kw", [
     dict(alpha=1.0, beta=1.0, num_clients=40, iid=False, seed=0, test_fraction=0.2, cap=None),
     dict(alpha=0.5, beta=0.0, num_clients=25, iid=True, seed=3, test_fraction=0.3, cap=70),
 ], ids=["noniid", "iid-capped"])
-def test_lean_synthetic_has_the_old_bits(kw):
+def test_lean_synthetic_has_the_oldbits(kw):
     want = _old_synthetic(**kw)
     got = synthetic(kw["alpha"], kw["beta"], num_clients=kw["num_clients"], iid=kw["iid"], seed=kw["seed"],
                     test_fraction=kw["test_fraction"], max_samples_per_client=kw["cap"])
     for w, g in zip(want, (got.x_train, got.y_train, got.x_test, got.y_test)):
-        assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
+        assert g.dtype == w.dtype and torch.equal(bits(g), bits(w))
     assert torch.equal(torch.cat(got.client_indices), torch.arange(got.num_train))
 
 
@@ -132,7 +131,7 @@ def test_synthetic_lazy_clients_come_from_their_own_seed():
     for k in (0, 77_777, M - 1):
         x, y = ds.client_data(k)
         wx, wy = _client_oracle(4, k, int(sizes[k]), int(n_test[k]), u[k], bb[k])
-        assert torch.equal(_bits(x), _bits(wx)) and torch.equal(y, wy)
+        assert torch.equal(bits(x), bits(wx)) and torch.equal(y, wy)
         x2, _ = ds.client_data(k)
         assert torch.equal(x, x2)  # the same on every call
     assert ds.num_test == int(sum(n_test[k] for k in np.sort(r.choice(M, 20, replace=False))))
@@ -148,7 +147,7 @@ def test_lazy_rounds_equal_the_materialised_dataset_bitwise(algo, engine):
     full = synthetic_lazy(num_clients=150, seed=2, max_samples_per_client=60).materialise()
     eager = Simulation(SimulationConfig(**kw), dataset=full)
     eager.run()
-    assert torch.equal(_bits(lazy.x_global), _bits(eager.x_global))
+    assert torch.equal(bits(lazy.x_global), bits(eager.x_global))
     strip = lambda recs: [{k: v for k, v in r.items() if k != "wall_time"} for r in recs]  # noqa: E731
     assert strip(lazy.results.records) == strip(eager.results.records)
     assert lazy.train_x.shape[0] == 1  # the round's rows are dropped after it

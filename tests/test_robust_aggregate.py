@@ -71,14 +71,14 @@ def assert_mean_close(got, want, X, coef, dtype):
 @pytest.mark.parametrize("C", [1, 2, 3, 20])
 def test_median_and_trimmed_mean_match_the_oracle(backend, dtype, C):
     name, device = backend
-    for N in ([0, 1, 37, 301] if small(name) else [0, 1, 37, 4099, 9001]):
+    for N in ([0, 37, 301] if small(name) else [0, 1, 37, 4099, 9001]):
         X = clients(C, N, dtype, device, seed=C + N)
         kept = torch.ones(C, dtype=torch.bool)
         out, st = R.coordinate_median(X, backend=name)
         assert out.dtype == dtype and out.shape == (N,)
         assert_coordinate_close(out, O.coordinate_median(X.cpu()), X, kept, dtype)
         assert not st.excluded.any() and st.selected.all() and bool(st.bound_met)
-        for beta in (0.0, 0.1, 0.25, 0.45):
+        for beta in ((0.0, 0.25) if small(name) else (0.0, 0.1, 0.25, 0.45)):
             out, _ = R.trimmed_mean(X, beta, backend=name)
             assert_coordinate_close(out, O.trimmed_mean(X.cpu(), beta), X, kept, dtype)
 
@@ -385,3 +385,31 @@ def test_server_entry_runs_every_rule_and_reports_clients():
         robust_aggregate(X, "fedmedian")
     with pytest.raises(TypeError, match="does not take beta"):
         robust_aggregate(X, "median", beta=0.1)
+
+
+def test_clients_as_a_list_or_pieces_give_the_rows_result(backend):
+    """A list of rows (read in place by the CPU kernel, stacked elsewhere) and
+    ClientPieces give bit for bit the ``[C, N]`` result."""
+    from fedopt_kernels.ops import ClientPieces
+
+    name, device = backend
+    X = clients(5, 203, torch.float32, device, seed=11)
+    rows = [x.clone() for x in X.unbind(0)]
+    pieces = ClientPieces([[x[:100].clone(), x[100:].clone()] for x in X.unbind(0)])
+    for fn in (lambda c: R.coordinate_median(c, backend=name), lambda c: R.trimmed_mean(c, 0.2, backend=name),
+               lambda c: R.bulyan(c, 0, backend=name), lambda c: R.multi_krum(c, 1, backend=name)):
+        want, _ = fn(X)
+        assert torch.equal(fn(rows)[0], want)
+        assert torch.equal(fn(pieces)[0], want)
+
+
+def test_cpu_kernel_results_do_not_depend_on_the_thread_count(cpu_extension, threads):
+    X = clients(20, 3 * 4096 + 77, torch.float32, "cpu", seed=12)
+    X[7, 9000] = float("nan")
+    got = {}
+    for t in (1, 2):
+        threads(t)
+        got[t] = [R.coordinate_median(X, backend="cpu")[0], R.trimmed_mean(X, 0.1, backend="cpu")[0],
+                  R.bulyan(X, 4, backend="cpu")[0]]
+    for a, b in zip(got[1], got[2]):
+        assert torch.equal(a, b)

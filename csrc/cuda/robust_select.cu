@@ -21,11 +21,11 @@
 // register sorting network per warp is the obvious next step.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -91,7 +91,7 @@ void launch(const at::Tensor& X, const at::Tensor& keep, const at::Tensor& count
   const int64_t C = X.size(0), N = X.size(1);
   const int64_t blocks = (N + kSelectThreads - 1) / kSelectThreads;
   coordinate_select_kernel<MAXC, scalar_t, acc_t, out_t>
-      <<<blocks, kSelectThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      <<<blocks, kSelectThreads, 0, c10::cuda::getCurrentCUDAStream(X.device().index()).stream()>>>(
           X.const_data_ptr<scalar_t>(), keep.const_data_ptr<bool>(), count.const_data_ptr<int64_t>(), mode, C, N,
           out.data_ptr<out_t>(), bad.data_ptr<int>(), skip);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

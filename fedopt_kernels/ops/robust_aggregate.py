@@ -240,8 +240,9 @@ def trimmed_mean(clients, beta: float, *, out: Optional[torch.Tensor] = None, ba
 def _check_f(f, C: int, need: int, mult: int, rule: str) -> int:
     f = _check_int(f, "f", low=0)
     if C < mult * f + need:
-        raise ValueError(f"f = {f} is too large for {C} clients: {rule} needs C >= {mult} f + {need} "
-                         f"(f <= {(C - need) // mult if C >= need else 'none'})")
+        most = (f"f <= {(C - need) // mult} here" if C >= need else
+                f"it needs at least {need} clients whatever f")
+        raise ValueError(f"f = {f} is too large for {C} clients: {rule} needs C >= {mult} f + {need} ({most})")
     return f
 
 

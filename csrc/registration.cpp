@@ -86,6 +86,19 @@ TORCH_LIBRARY(fedopt_C, m) {
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");
   // client_dots over clients read in place from pieces (as aggregate_pieces; CPU only).
   m.def("client_dots_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, Tensor g) -> Tensor");
+  // Coordinate-wise order statistics of the KEPT clients (keep[i] true; a [C] bool
+  // tensor on the data's device), ONE pass over them: per column, the m kept values
+  // sorted in the acc dtype, then mode 0 (trim): out = mean of sorted[k .. m-k) with
+  // k = min(count, (m-1)/2) (the median is k = (m-1)/2, a beta-trimmed mean
+  // k = floor(beta m)); mode 1 (closest, Bulyan): out = mean of the `count` values
+  // closest to the median (the farther end dropped first, the upper one on a tie).
+  // `count`: one-element int64 tensor on the data's device (read there: no sync).
+  // m = 0 writes zeros.  `out`: [N], clients' dtype or acc dtype.  `skip` as aggregate's.
+  // Returns [C] bool: kept clients holding a NaN/Inf (all false when skipped); the ops
+  // layer reruns without them.  Oracle: python_ref/robust.py.
+  m.def(
+      "coordinate_select(Tensor[] clients, Tensor keep, Tensor count, int mode, Tensor(a!) out, "
+      "Tensor? skip) -> Tensor");
   // The elementwise step of a server optimizer over a list of tensors, in ONE pass
   // (rules and formulas: fedopt::ServerRule in include/fedopt/math.h).  `updates[i]`
   // is the mean update for params[i] (same numel, contiguous, acc dtype); `exp_avg`

@@ -13,6 +13,9 @@ change what the suite tests:
 * ``MKL_CBWR`` and ``FEDOPT_MKL_STRICT`` are cleared before fedopt_kernels sets MKL's
   strict mode (backends/mkl.py): the suite tests the library's own setting; the tests
   of the variables set them in their subprocesses.
+* In the interpreter, a device-function call skips Triton's redundant re-patching of
+  ``triton.language`` (tests/_fast_interpreter.py: the same bits, 3-4x faster; checked
+  by tests/test_triton_fast_interpreter.py).
 """
 
 import importlib
@@ -29,6 +32,11 @@ os.environ.pop("MKL_CBWR", None)
 os.environ.pop("FEDOPT_MKL_STRICT", None)
 
 from fedopt_kernels import backends  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    import _fast_interpreter
+
+    _fast_interpreter.install()
 
 # Backends whose absence is a build failure, not a reason to skip: CI always builds the
 # C++ CPU extension, and the CUDA extension whenever torch has CUDA.

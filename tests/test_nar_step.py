@@ -136,8 +136,9 @@ def resnet18_case_shapes(name):
 @pytest.mark.parametrize("mode", MODES)
 def test_resnet18_list(backend, mode):
     """The 62 tensors of ResNet-18, clipped: ||g|| ~ 3.3 and ||wd x|| ~ 8 against
-    max_norm 0.1 (~1.1 and ~0.4 on the interpreter's smaller shapes), and a weight decay large enough that dropping it, or applying it on the
-    wrong side of the clip, moves the result outside the tolerance (checked below)."""
+    max_norm 0.1 (~1.1 and ~0.4 on the smaller shapes of the interpreter and the
+    reference backend), and a weight decay large enough that dropping it, or applying it
+    on the wrong side of the clip, moves the result outside the tolerance (checked below)."""
     name, device = backend
     shapes = resnet18_case_shapes(name)
     assert len(shapes) == 62

@@ -22,8 +22,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 MAX_JOBS ?= 2
-# pytest-xdist workers (one test file per worker at a time: module fixtures run once)
+# pytest-xdist workers (one test file per worker at a time: module fixtures run once),
+# given the files in collection order: tests/conftest.py puts the longest first
 TEST_JOBS ?= 2
+PYTEST_XDIST := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedopt-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
@@ -45,10 +47,10 @@ demo: setup
 	$(VENV)/bin/fedopt compare --dataset digits --algos fedavg:grad,fedavg:co,scaffold:co,fedadam:co,fedexp:co,asnes:co,fedlaw:co --rounds 40 --weight-decay 0.1 --max-norm 0.5 --out results/digits
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q $(PYTEST_XDIST)
 
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow"
+	$(PY) -m pytest -q $(PYTEST_XDIST) -m "not slow"
 
 docs: setup
 	$(PY) -m pip install --quiet "fedopt_kernels[docs]"

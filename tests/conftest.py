@@ -13,6 +13,9 @@ change what the suite tests:
 * ``MKL_CBWR`` and ``FEDOPT_MKL_STRICT`` are cleared before fedopt_kernels sets MKL's
   strict mode (backends/mkl.py): the suite tests the library's own setting; the tests
   of the variables set them in their subprocesses.
+* In the interpreter, a device-function call skips Triton's redundant re-patching of
+  ``triton.language`` (tests/_fast_interpreter.py: the same bits, 3-4x faster; checked
+  by tests/test_triton_fast_interpreter.py).
 """
 
 import importlib
@@ -29,6 +32,31 @@ os.environ.pop("MKL_CBWR", None)
 os.environ.pop("FEDOPT_MKL_STRICT", None)
 
 from fedopt_kernels import backends  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    import _fast_interpreter
+
+    _fast_interpreter.install()
+
+# Scheduling only (no result depends on it).  `make test` gives pytest-xdist's workers one
+# file at a time in collection order (--dist loadfile --no-loadscope-reorder), so the
+# files that take longest go first -- longest-processing-time-first -- and the many short
+# ones fill in at the end.  xdist's own order (most tests first) ran the slow tier's
+# few, long tests last, one worker alone with them while the other idled.
+LONGEST_FIRST = (
+    "test_oldest_torch.py",  # builds against torch 2.11, runs the contract suites there
+    "test_contract_nar_step.py", "test_contract_server_update.py", "test_contract_aggregate.py",
+    "test_nar_step.py", "test_flower_deployment.py", "test_flower.py", "test_distributed.py",
+    "test_nar_step_batched.py", "test_aggregate.py", "test_wheel.py", "test_docs_site.py",
+    "test_server_optimizers.py", "test_selftest.py", "test_fedlaw.py", "test_code_paths.py", "test_sharded_fednar.py",
+    "test_flower_run_bench.py", "test_batched_engine.py", "test_ragged_bmm.py", "test_paper_defaults.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
+
 
 # Backends whose absence is a build failure, not a reason to skip: CI always builds the
 # C++ CPU extension, and the CUDA extension whenever torch has CUDA.

@@ -24,11 +24,12 @@ CLIENTS = [1, 2, 20, 100]
 
 def size_for(C, name):
     """An odd N that spans several of every backend's blocks and, on CPU, several
-    stripes of column chunks; smaller where Triton runs in its (slow) interpreter."""
-    interpreted = name == "triton" and backends.triton_interpret_mode()
+    stripes of column chunks; smaller where Triton runs in its (slow) interpreter and on
+    the reference backend (python_ref: torch's own sums, no blocks or stripes to span)."""
+    small = (name == "triton" and backends.triton_interpret_mode()) or name == "reference"
     if C == 100:
-        return 4099 if interpreted else 70001
-    return 10007 if interpreted else 140001
+        return 4099 if small else 70001
+    return 10007 if small else 140001
 
 
 def make_clients(C, N, dtype, device, seed):

@@ -257,7 +257,9 @@ def test_server_update_tensor_lr_and_gamma(be, dtype, rule):
     both must round the same way); the kernel reads the tensors when it runs (a value
     changed on the device is used)."""
     acc = acc_of(dtype)
-    shapes = be.size(LIST, [(3000,), (5,), (1025,), (4099,)])
+    # The CPU kernels read lr and gamma once on the host, before any chunk or thread
+    # (csrc/cpu/server_update.cpp): several chunks, not the threads of LIST, show it.
+    shapes = be.size(LIST, [(3000,), (5,), (1025,), (4099,)], host=[(70001,), (5,), (1025,), (4099,)])
     base = ServerCase(be, rule, dtype, shapes, seed=20 + RULES[rule][0])
     lr_t = torch.tensor(0.05, dtype=acc, device=be.device)
     gamma_t = torch.tensor(1.3, dtype=acc, device=be.device)
@@ -284,7 +286,9 @@ def test_server_update_tensor_lr_and_gamma(be, dtype, rule):
 def test_server_update_skip_flag(be, dtype, rule):
     """skip true writes nothing (even with NaN / Inf updates, with a float or tensor lr);
     the flag is read on the device when the kernel runs; false is exactly None."""
-    shapes = be.size(LIST, [(2049,), (0,), (1,), (1025,), (3,)])
+    # The CPU kernels read the flag once on the host, before any chunk or thread
+    # (csrc/cpu/server_update.cpp): several chunks, not the threads of LIST, show it.
+    shapes = be.size(LIST, [(2049,), (0,), (1,), (1025,), (3,)], host=[(70001,), (0,), (1,), (1025,), (3,)])
     case = ServerCase(be, rule, dtype, shapes, seed=30)
     case.updates[0].view(-1)[17] = float("nan")
     case.updates[3].view(-1)[5] = float("inf")

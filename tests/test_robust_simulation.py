@@ -127,3 +127,16 @@ def test_a_robust_round_trains_in_chunks_without_folding():
     assert not chunked._foldable and 2 <= chunked._chunk < 9
     chunked.run()
     assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
+
+
+def test_distributed_simulation_refuses_a_robust_rule(tmp_path):
+    import torch.distributed as dist
+
+    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="aggregator median is not supported with --distributed yet"):
+            DistributedSimulation(SimulationConfig(**{**TINY, "aggregator": "median"}))
+    finally:
+        dist.destroy_process_group()

@@ -202,3 +202,36 @@ def test_krum_with_too_few_clients_is_refused_before_the_step():
     with pytest.raises(ValueError, match="Krum needs C >= 2 f \\+ 3"):
         FedAvg([x], aggregator=RobustAggregator("krum", f=2)).step(clients(6, 8))
     assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_half_and_double_parameters_step_by_the_median_exactly(dtype):
+    """Five clients: each coordinate's median is a stored value, so from zero parameters
+    FedAvg(lr=1) lands on minus it exactly, whatever the dtype (fp32 accumulation)."""
+    X = clients(5, 41, seed=11, dtype=dtype)
+    x = torch.zeros(41, dtype=dtype)
+    FedAvg([x], aggregator=RobustAggregator("median")).step(X)
+    assert torch.equal(x, (-O.coordinate_median(X)).to(dtype))
+
+
+def test_a_list_of_rows_and_named_updates_aggregate_as_the_tensor():
+    model = torch.nn.Linear(4, 3)
+    names = [n for n, _ in model.named_parameters()]
+    X = clients(5, 15, seed=12)
+    outs = []
+    for form in ("tensor", "list", "named"):
+        m = torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.zero_()
+        opt = FedAvg(list(m.named_parameters()), aggregator=RobustAggregator("geomed"))
+        if form == "tensor":
+            opt.step(X)
+        elif form == "list":
+            opt.step(list(X))
+        else:
+            opt.step([{"weight": r[:12].view(3, 4), "bias": r[12:]} for r in X])
+        outs.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert names == ["weight", "bias"]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(-outs[0].double(), O.geometric_median(X)[0], rtol=1e-5, atol=1e-6)

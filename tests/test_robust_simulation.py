@@ -140,3 +140,21 @@ def test_distributed_simulation_refuses_a_robust_rule(tmp_path):
             DistributedSimulation(SimulationConfig(**{**TINY, "aggregator": "median"}))
     finally:
         dist.destroy_process_group()
+
+
+def test_fedopt_simulate_writes_the_aggregator_and_the_selected_clients(tmp_path):
+    import csv
+    import json
+
+    from fedopt_kernels.cli import main
+
+    out = tmp_path / "run"
+    assert main(["simulate", "--rounds", "2", "--clients", "8", "--per-round", "5", "--local-steps", "2",
+                 "--hidden", "16", "--quiet", "--no-plots", "--aggregator", "multi-krum", "--byzantine-f", "1",
+                 "--krum-m", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["aggregator"] == {"rule": "multi-krum", "f": 1, "m": 2, "weighted": True}
+    for rec in data["records"][1:]:
+        assert len(rec["robust_selected"]) == 2 and set(rec["robust_selected"]) <= set(rec["clients"])
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 3

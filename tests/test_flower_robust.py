@@ -70,3 +70,48 @@ def test_robust_settings_the_strategy_refuses(make, match):
 
     with pytest.raises((ValueError, TypeError), match=match):
         make(fk, _net())
+
+
+def _spread_replies(C: int):
+    """Replies of the test net whose distances to the global model grow with the client
+    (noise of std 0.02 (1 + c)), so that Krum's scores are far from ties."""
+    from test_flower import _net, _replies
+
+    replies = _replies(_net(), C, seed=6, scale=0.0)
+    base = _net().state_dict()
+    g = torch.Generator().manual_seed(8)
+    from fedopt_kernels.integrations import flower as fk
+
+    for c, m in enumerate(replies):
+        sd = {k: v + 0.02 * (1 + c) * torch.randn(v.shape, generator=g) for k, v in base.items()}
+        m.content["arrays"] = fk.tensors_to_arrayrecord(sd.items())
+    return replies
+
+
+@pytest.mark.parametrize("name", ["FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum"])
+def test_the_fused_rules_give_flowers_own_global_model(name):
+    """Flower's FedMedian, FedTrimmedAvg(beta 0.2), Krum and MultiKrum (f 1, 4 selected)
+    take the rule over the client models; the fused FedAvg (lr 1) takes it over the
+    updates x - x_i and returns x - agg: the same model up to rounding."""
+    import copy
+
+    from flwr.serverapp import strategy as F
+
+    from fedopt_kernels.integrations import flower as fk
+    from test_flower import _net
+
+    replies = _spread_replies(6)
+    flwr_s, ours_kw = {
+        "FedMedian": (F.FedMedian(fraction_evaluate=0.0), dict(aggregator="median")),
+        "FedTrimmedAvg": (F.FedTrimmedAvg(beta=0.2, fraction_evaluate=0.0),
+                          dict(aggregator="trimmed-mean", trim_beta=0.2)),
+        "Krum": (F.Krum(num_malicious_nodes=1, fraction_evaluate=0.0), dict(aggregator="krum", byzantine_f=1)),
+        "MultiKrum": (F.MultiKrum(num_malicious_nodes=1, num_nodes_to_select=4, fraction_evaluate=0.0),
+                      dict(aggregator="multi-krum", byzantine_f=1, krum_m=4)),
+    }[name]
+    ours = fk.FedAvg(_net(), fraction_evaluate=0.0, **ours_kw)
+    ours.load_global_arrays(fk.model_to_arrayrecord(_net()))
+    got, _ = ours.aggregate_train(1, replies)
+    want, _ = flwr_s.aggregate_train(1, copy.deepcopy(replies))  # Flower pops the arrays it reads
+    flat = lambda a: torch.cat([torch.from_numpy(x.numpy()).flatten() for x in a.values()])  # noqa: E731
+    torch.testing.assert_close(flat(got), flat(want), rtol=1e-5, atol=1e-6)

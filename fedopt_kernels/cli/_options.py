@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 from ..fl.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
                          SimulationConfig)
-from ..fl.config import ATTACK_CHOICES, DP_MODES
+from ..fl.config import AGGREGATORS, ATTACK_CHOICES, DP_MODES
 from ..fl.recipes import RECIPES
 from ._errors import CLIError
 
@@ -67,6 +67,13 @@ _int_list.__name__ = "comma-separated int list"
 _float_pair.__name__ = "pair of numbers"
 _bool.__name__ = "boolean"
 _optional_float.__name__ = "float"
+
+
+def _optional_int(text: str):
+    return None if text.strip().lower() in ("none", "default") else int(text)
+
+
+_optional_int.__name__ = "int"
 
 # (flag, type, help); the dest is the flag with dashes -> underscores
 SIM_OPTIONS: List[tuple] = [
@@ -156,6 +163,21 @@ SIM_OPTIONS: List[tuple] = [
                       "alie = Baruch et al. 2019; recorded in results.json (default {default})"),
     ("--attack-fraction", float, "fraction of the clients (rounded, chosen by --seed) that attack "
                                  "(default {default})"),
+    # Byzantine-robust aggregation (server/robust_aggregator.py; docs/robustness.md)
+    ("--aggregator", str, f"how the server aggregates the round's updates: {', '.join(AGGREGATORS)}; mean is the "
+                          "weighted mean, the others are robust rules (default {default})"),
+    ("--trim-beta", _optional_float, "trimmed-mean: fraction of the values dropped at each end of every "
+                                     "coordinate, in [0, 0.5) (default 0.1)"),
+    ("--byzantine-f", _optional_int, "krum, multi-krum, bulyan: the number f of Byzantine clients tolerated per "
+                                     "round; needs per-round >= 2f + 3 (bulyan: 4f + 3)"),
+    ("--krum-m", _optional_int, "multi-krum: how many clients with the lowest Krum scores are averaged "
+                                "(default per-round - f)"),
+    ("--geomed-iters", _optional_int, "geomed: most smoothed Weiszfeld iterations (default 4, as RFA)"),
+    ("--geomed-tol", _optional_float, "geomed: stop once the objective changes by at most tol times itself "
+                                      "(default 1e-5)"),
+    ("--cclip-tau", _optional_float, "centered-clip: the clipping radius tau around the previous aggregate"),
+    ("--cclip-iters", _optional_int, "centered-clip: clipping iterations per round (default 1)"),
+    ("--norm-bound-radius", _optional_float, "norm-bound: every update is scaled to at most this norm"),
     ("--seed", int, "seed of everything random (default {default})"),
     ("--eval-every", int, "evaluate every k rounds (default {default})"),
     ("--device", str, "cpu or cuda (default {default})"),

@@ -21,7 +21,7 @@ from .attacks import ATTACKS
 from .corruption import CORRUPT_KINDS
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
-           "CORRUPT_KINDS", "BAD_CLIENT_POLICIES", "ATTACK_CHOICES", "DP_MODES"]
+           "CORRUPT_KINDS", "BAD_CLIENT_POLICIES", "ATTACK_CHOICES", "DP_MODES", "AGGREGATORS"]
 
 ALGORITHMS = ("fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp", "asnes",
               "fedlaw")
@@ -38,6 +38,27 @@ DP_REFUSED_ALGOS = {
     "asnes": "its gain ratio reads every client's ||D_i||^2",
     "fedlaw": "it learns the aggregation weights from every client's model on a proxy set",
     "scaffold": "its control variates carry every client's update unclipped and without noise",
+}
+# robust aggregation rules (server/robust_aggregator.py); each parameter field and the rules it applies to
+AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geomed", "centered-clip",
+               "norm-bound")
+AGGREGATOR_PARAMS = {  # field: (rules, the RobustAggregator parameter)
+    "trim_beta": (("trimmed-mean",), "beta"),
+    "byzantine_f": (("krum", "multi-krum", "bulyan"), "f"),
+    "krum_m": (("multi-krum",), "m"),
+    "geomed_iters": (("geomed",), "max_iter"),
+    "geomed_tol": (("geomed",), "tol"),
+    "cclip_tau": (("centered-clip",), "tau"),
+    "cclip_iters": (("centered-clip",), "iterations"),
+    "norm_bound_radius": (("norm-bound",), "radius"),
+}
+TRIM_BETA = 0.1  # trim-beta's default: 10% dropped at each end (Yin et al. 2018 need beta >= the Byzantine share)
+# server algorithms a robust rule cannot serve, with the reason
+ROBUST_REFUSED_ALGOS = {
+    "fedexp": "its step size is a function of sum_i p_i ||D_i||^2 and ||D||^2 that holds only for the weighted mean",
+    "asnes": "its gain ratio estimates the variance of the weighted mean from the clients' norms",
+    "fedlaw": "it learns its own aggregation weights from every client's model on a proxy set",
+    "scaffold": "its control variates average every client's correction, poisoned ones included",
 }
 CLIENT_STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")  # fl/client_state.py's storage dtypes
 
@@ -169,6 +190,18 @@ class SimulationConfig:
     dp_mode: str = "server"
     attack: str = "none"
     attack_fraction: float = 0.0
+    # Byzantine-robust aggregation (server/robust_aggregator.py); a parameter left None takes the
+    # rule's default (trim-beta 0.1, krum-m per-round - f, geomed 4 iterations / tol 1e-5, 1 cclip
+    # iteration); validated by _validate_aggregator
+    aggregator: str = "mean"
+    trim_beta: Optional[float] = None
+    byzantine_f: Optional[int] = None
+    krum_m: Optional[int] = None
+    geomed_iters: Optional[int] = None
+    geomed_tol: Optional[float] = None
+    cclip_tau: Optional[float] = None
+    cclip_iters: Optional[int] = None
+    norm_bound_radius: Optional[float] = None
     # the papers' procedures around the step (fl/recipes.py turns them on per paper)
     fedexp_scale_eps: bool = False  # FedExP's eps times the round's client count (authors' main.py:404)
     fedexp_eps_decay: float = 1.0  # FedExP's eps times this per round (authors': 0.998^2, main.py:308)
@@ -357,7 +390,57 @@ class SimulationConfig:
             if self.backend not in BACKENDS:
                 raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         self._validate_privacy_and_attacks(choice, real)
+        self._validate_aggregator(choice, integer, real)
         return self
+
+    def _validate_aggregator(self, choice, integer, real) -> None:
+        """The robust rule and its parameters: each parameter only with its rule, the
+        rule's requirements on the round's size, and the settings it cannot serve."""
+        choice("aggregator", AGGREGATORS)
+        for name, (rules, _) in AGGREGATOR_PARAMS.items():
+            if getattr(self, name) is not None and self.aggregator not in rules:
+                raise ConfigError(f"{name.replace('_', '-')} applies to aggregator {' / '.join(rules)}, got "
+                                  f"aggregator {self.aggregator}")
+        real("trim_beta", 0.0, 0.5, high_open=True, allow_none=True)
+        integer("byzantine_f", 0, allow_none=True)
+        integer("krum_m", 1, allow_none=True)
+        integer("geomed_iters", 1, allow_none=True)
+        real("geomed_tol", 0.0, allow_none=True)
+        real("cclip_tau", 0.0, low_open=True, allow_none=True)
+        integer("cclip_iters", 1, allow_none=True)
+        real("norm_bound_radius", 0.0, low_open=True, allow_none=True)
+        rule = self.aggregator
+        if rule == "mean":
+            return
+        need = {"krum": "byzantine-f", "multi-krum": "byzantine-f", "bulyan": "byzantine-f",
+                "centered-clip": "cclip-tau", "norm-bound": "norm-bound-radius"}.get(rule)
+        if need is not None and getattr(self, need.replace("-", "_")) is None:
+            raise ConfigError(f"aggregator {rule} needs {need}")
+        f, C = self.byzantine_f, self.per_round
+        if rule in ("krum", "multi-krum") and C < 2 * f + 3:
+            raise ConfigError(f"aggregator {rule} with byzantine-f {f} needs per-round >= 2 byzantine-f + 3 = "
+                              f"{2 * f + 3} (Blanchard et al. 2017: n > 2f + 2), got per-round {C}")
+        if rule == "bulyan" and C < 4 * f + 3:
+            raise ConfigError(f"aggregator bulyan with byzantine-f {f} needs per-round >= 4 byzantine-f + 3 = "
+                              f"{4 * f + 3} (El Mhamdi et al. 2018: n >= 4f + 3), got per-round {C}")
+        if self.krum_m is not None and self.krum_m > C:
+            raise ConfigError(f"krum-m {self.krum_m} selects more clients than per-round ({C})")
+        if self.dp_clip is not None:
+            raise ConfigError(f"aggregator {rule} cannot be combined with dp-clip: DP-FedAvg's sensitivity argument "
+                              "is for the clipped weighted sum (one client moves it by at most clip / m), which a "
+                              "robust rule does not compute; use aggregator mean with dp-clip")
+        if self.algo in ROBUST_REFUSED_ALGOS:
+            raise ConfigError(f"aggregator {rule} cannot be used with algo {self.algo}: {ROBUST_REFUSED_ALGOS[self.algo]}")
+
+    @property
+    def aggregator_params(self) -> Dict[str, Any]:
+        """The parameters of :attr:`aggregator` set here, by the names
+        :class:`~fedopt_kernels.server.RobustAggregator` takes."""
+        out = {param: getattr(self, name) for name, (rules, param) in AGGREGATOR_PARAMS.items()
+               if self.aggregator in rules and getattr(self, name) is not None}
+        if self.aggregator == "trimmed-mean":
+            out.setdefault("beta", TRIM_BETA)
+        return out
 
     def _validate_privacy_and_attacks(self, choice, real) -> None:
         """The DP and attack settings: each alone, then every combination that

@@ -87,6 +87,9 @@ class DistributedSimulation(Simulation):
         self.world_size = comm.group_size(group)
         self.mode = mode
         config.validate()
+        if config.aggregator != "mean":  # the distributed aggregator would replace the robust rule
+            raise ConfigError(f"aggregator {config.aggregator} is not supported with --distributed yet: its server "
+                              "step averages every rank's updates with the distributed weighted mean")
         if config.dp_clip is not None or config.attack != "none":  # wired into the local round only
             raise ConfigError("dp-clip and attack are not supported with --distributed yet: its server step "
                               "aggregates every rank's updates, which the DP aggregator and the attacks do not see")

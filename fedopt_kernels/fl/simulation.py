@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..server import read_metrics
+from ..server import RobustAggregator, read_metrics
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .attacks import Attack
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
@@ -284,6 +284,13 @@ class Simulation:
             self.results.meta["dp"] = self.privacy.meta()
         if self.attack is not None:
             self.results.meta["attack"] = self.attack.to_dict()
+        # a Byzantine-robust rule as the server optimizer's aggregation (server/robust_aggregator.py);
+        # the config refuses it with DP and with the algorithms it cannot serve
+        self.robust: Optional[RobustAggregator] = None
+        if config.aggregator != "mean":
+            self.robust = RobustAggregator(config.aggregator, **config.aggregator_params)
+            self.server.optimizer.aggregator = self.robust
+            self.results.meta["aggregator"] = self.robust.to_dict()
         self.batched: Optional[BatchedTrainer] = None
         self._setup_engine()
         self._allocate_rounds()
@@ -550,10 +557,11 @@ class Simulation:
             chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
             if chunk < cfg.per_round:
                 self._chunk = chunk
-                # DP clips every row and an attack reads the honest ones: both need the whole round's rows
+                # DP clips every row, an attack reads the honest ones and a robust rule compares
+                # them: all need the whole round's rows, which a running sum does not keep
                 self._foldable = (cfg.algo in FOLDABLE and not self._has_buffers and self.server.optimizer is not None
                                   and dtype in (torch.float32, torch.float64)
-                                  and self.privacy is None and self.attack is None)
+                                  and self.privacy is None and self.attack is None and self.robust is None)
                 if self.batched is not None:
                     planner = self.batched.planner
                     planner.client_batch = min(planner.client_batch or chunk, chunk)
@@ -814,6 +822,8 @@ class Simulation:
         stats = self.server.step(rows, sizes)
         if self.privacy is not None:
             extra.update(self.privacy.record())
+        if self.robust is not None:  # Krum, Multi-Krum, Bulyan: which clients' updates entered
+            extra.update(self.robust.record(clients))
         return {**stats, **extra}
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
@@ -860,6 +870,8 @@ class Simulation:
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
             "dp": self.privacy.state_dict() if self.privacy is not None else None,  # the DP clip and rounds so far
+            # the robust rule's rounds and centered clipping's reference point (the previous aggregate)
+            "robust": self.robust.state_dict() if self.robust is not None else None,
             # carry_momentum: each client's local momentum buffers (they carry into its next round)
             "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
                                 for c, bufs in self.trainer.momentum_buffers.items()}
@@ -888,6 +900,8 @@ class Simulation:
             self.scaffold.load_state_dict(state["scaffold"])
         if self.privacy is not None and state.get("dp") is not None:
             self.privacy.load_state_dict(state["dp"])
+        if self.robust is not None and state.get("robust") is not None:
+            self.robust.load_state_dict(state["robust"])
         if state.get("local_momentum"):
             self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
                                              for c, bufs in state["local_momentum"].items()}

@@ -40,6 +40,7 @@ from .fedexp import FedExP
 from .fedlaw import FedLAW, FedLAWRound
 from .fedyogi import FedYogi
 from .registry import ALGORITHM_WEIGHTING, ALGORITHMS, WEIGHTINGS, Algorithm, algorithm, resolve_weighting
+from .robust_aggregator import RobustAggregator
 from .round import ServerRound, ServerRoundStats, read_metrics, round_weights
 from .scaffold import scaffold_control_update_
 from .weighting import average_buffers, client_weights
@@ -49,5 +50,5 @@ __all__ = [
     "FedExP", "ASNES", "FedLAW", "FedLAWRound", "scaffold_control_update_", "WEIGHTINGS", "ALGORITHM_WEIGHTING",
     "resolve_weighting", "client_weights", "average_buffers", "Aggregator", "LocalAggregator", "RoundAggregate",
     "normalize_weights", "ALGORITHMS", "Algorithm", "algorithm", "ServerRound", "ServerRoundStats", "round_weights",
-    "read_metrics",
+    "read_metrics", "RobustAggregator",
 ]

@@ -66,6 +66,8 @@ from ... import server as S
 from ...ops import ClientPieces
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
                            vector_to_buffers)
+from ...fl.config import AGGREGATOR_PARAMS, AGGREGATORS, TRIM_BETA
+from ...server.robust_aggregator import RobustAggregator, refuse_robust_statistics
 from .records import arrayrecords_as_pieces, load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
 from .screening import BAD_REPLY_POLICIES, REASONS, screen_train_replies
 
@@ -117,6 +119,15 @@ class FusedStrategy(_FlowerFedAvg):
             estimator honest federations use (FedAvg weights by data size) -- set one
             where clients are not trusted; it composes with the server optimizer's
             ``max_client_norm`` (which bounds what an update can do with its share).
+        aggregator: ``"mean"`` (default: the server optimizer's weighted mean) or a
+            Byzantine-robust rule, by ``fedopt simulate --aggregator``'s names (median,
+            trimmed-mean, krum, multi-krum, bulyan, geomed, centered-clip, norm-bound;
+            :class:`~fedopt_kernels.server.RobustAggregator`, docs/robustness.md), with its
+            parameters by the same names as the flags: ``trim_beta``, ``byzantine_f``,
+            ``krum_m``, ``geomed_iters``, ``geomed_tol``, ``cclip_tau``, ``cclip_iters``,
+            ``norm_bound_radius``.  Krum, Multi-Krum and Bulyan report the node ids they
+            selected in the round's metrics (``robust_selected``).  Refused with FedLAW,
+            SCAFFOLD, FedExP and ASNES (their steps need the weighted mean).
         **kwargs: Flower ``FedAvg``'s (``fraction_train``, ``fraction_evaluate``,
             ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``,
             ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
@@ -126,7 +137,14 @@ class FusedStrategy(_FlowerFedAvg):
     def __init__(self, model: nn.Module, server: Union[S.ServerOptimizer, S.FedLAW, ServerFactory], *,
                  scaffold: bool = False, scaffold_num_clients: Optional[int] = None, weighting: str = "auto",
                  on_round: Optional[Callable[[int], None]] = None, on_bad_reply: str = "exclude",
-                 max_weight_share: Optional[float] = None, read_in_place: bool = True, **kwargs):
+                 max_weight_share: Optional[float] = None, read_in_place: bool = True, aggregator: str = "mean",
+                 trim_beta: Optional[float] = None, byzantine_f: Optional[int] = None, krum_m: Optional[int] = None,
+                 geomed_iters: Optional[int] = None, geomed_tol: Optional[float] = None,
+                 cclip_tau: Optional[float] = None, cclip_iters: Optional[int] = None,
+                 norm_bound_radius: Optional[float] = None, **kwargs):
+        robust = _robust_aggregator(aggregator, dict(
+            trim_beta=trim_beta, byzantine_f=byzantine_f, krum_m=krum_m, geomed_iters=geomed_iters,
+            geomed_tol=geomed_tol, cclip_tau=cclip_tau, cclip_iters=cclip_iters, norm_bound_radius=norm_bound_radius))
         super().__init__(**kwargs)
         self.read_in_place = bool(read_in_place)
         if on_bad_reply not in BAD_REPLY_POLICIES:
@@ -168,6 +186,16 @@ class FusedStrategy(_FlowerFedAvg):
             raise ValueError(f"scaffold_num_clients must be a positive int, got {scaffold_num_clients!r}")
         self.scaffold = bool(scaffold)
         self.scaffold_num_clients = scaffold_num_clients
+        self.robust: Optional[RobustAggregator] = robust  # None: the weighted mean
+        if robust is not None:
+            if not isinstance(server, S.ServerOptimizer):
+                raise ValueError(f"aggregator {aggregator!r} needs a server optimizer that takes the clients' "
+                                 "updates; FedLAW learns its own aggregation weights from the client models")
+            if self.scaffold:
+                raise ValueError(f"aggregator {aggregator!r} cannot be used with scaffold=True: SCAFFOLD's control "
+                                 "variate averages every client's correction, poisoned ones included")
+            refuse_robust_statistics(server, aggregator)  # FedExP, ASNES, max_client_norm: refused here
+            server.aggregator = robust
         self.weighting = S.resolve_weighting(weighting, _algorithm_of(server, self.scaffold))
         # the one server round (fedopt_kernels.server.round): the simulator runs the same
         self.round = S.ServerRound(server, self.weighting, self.max_weight_share)
@@ -361,6 +389,8 @@ class FusedStrategy(_FlowerFedAvg):
             server_metrics[f"excluded_{reason}"] = counts.get(reason, 0)
         for k, v in server_metrics.items():
             agg[k] = v
+        if self.robust is not None and self.robust.selects:  # the node ids whose updates entered
+            agg["robust_selected"] = self.robust.record(nodes)["robust_selected"]
         self.last_aggregation_time = time.perf_counter() - t0
         return out, agg
 
@@ -422,6 +452,7 @@ class FusedStrategy(_FlowerFedAvg):
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "scaffold_c": self.c.clone() if self.c is not None else None,
             "keys": list(self._keys) if self._keys is not None else None,
+            "robust": self.robust.state_dict() if self.robust is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -435,11 +466,35 @@ class FusedStrategy(_FlowerFedAvg):
             self.optimizer.load_state_dict(state["optimizer"])
         if self.c is not None and state.get("scaffold_c") is not None:
             self.c.copy_(state["scaffold_c"])
+        if self.robust is not None and state.get("robust") is not None:
+            self.robust.load_state_dict(state["robust"])
         self._keys = state.get("keys")
         self._sent = None
 
 
 # ---------------------------------------------------------------------------- named strategies
+def _robust_aggregator(rule: str, given: dict) -> Optional[RobustAggregator]:
+    """The strategy's ``aggregator=`` and its parameters, by ``fedopt simulate``'s
+    names (``trim_beta``, ``byzantine_f``, ...: :data:`fedopt_kernels.fl.config.AGGREGATOR_PARAMS`),
+    as a :class:`~fedopt_kernels.server.RobustAggregator` (None for ``"mean"``); a
+    parameter given for another rule is refused by name."""
+    if rule not in AGGREGATORS:
+        raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {rule!r}")
+    params = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        rules, param = AGGREGATOR_PARAMS[name]
+        if rule not in rules:
+            raise ValueError(f"{name} applies to aggregator {' / '.join(rules)}, got aggregator {rule!r}")
+        params[param] = value
+    if rule == "mean":
+        return None
+    if rule == "trimmed-mean":
+        params.setdefault("beta", TRIM_BETA)
+    return RobustAggregator(rule, **params)
+
+
 def _common(kwargs: dict) -> dict:
     return {k: kwargs.pop(k) for k in ("nonfinite", "max_client_norm", "backend") if k in kwargs}
 

@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .corruption import owned_samples
 from .seeds import attack_noise_seed, attack_seed
 
 __all__ = ["ATTACKS", "UPDATE_ATTACKS", "Attack", "attacked_clients", "alie_z_max", "attack_updates_",
@@ -129,14 +130,7 @@ def flip_labels(y: torch.Tensor, client_indices: Sequence[torch.Tensor], clients
         raise ValueError(f"labelflip needs at least 2 classes, got {num_classes}")
     if not clients:
         return y
-    chosen = set(clients)
-    mask = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
-    for c in clients:
-        mask[client_indices[c].to(y.device)] = True
-    for c, ix in enumerate(client_indices):
-        if c not in chosen and bool(mask[ix.to(y.device)].any()):
-            raise ValueError(f"client {c} shares training samples with an attacking client; labelflip needs a "
-                             "partition in which every sample belongs to one client")
+    mask = owned_samples(client_indices, clients, y.shape[0], y.device, who="an attacking client", what="labelflip")
     y = y.clone()
     y[mask] = (num_classes - 1) - y[mask]
     return y

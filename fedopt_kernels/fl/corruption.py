@@ -86,6 +86,22 @@ def label_map(seed: int, client: int, num_classes: int, kind: str) -> List[int]:
     raise ValueError(f"unknown label corruption {kind!r}")
 
 
+def owned_samples(client_indices: Sequence[torch.Tensor], clients: Sequence[int], num_samples: int,
+                  device: torch.device, *, who: str, what: str) -> torch.Tensor:
+    """The ``[num_samples]`` mask of the samples that ``clients`` hold; refused (naming
+    the first other client that holds one of them too) unless no other client does --
+    damaging a shared sample would damage an honest client as well."""
+    chosen = set(clients)
+    mask = torch.zeros(num_samples, dtype=torch.bool, device=device)
+    for c in clients:
+        mask[client_indices[c].to(device)] = True
+    for c, ix in enumerate(client_indices):
+        if c not in chosen and bool(mask[ix.to(device)].any()):
+            raise ValueError(f"client {c} shares training samples with {who}; {what} needs a partition in which "
+                             "every sample belongs to one client")
+    return mask
+
+
 def corrupt_client_data(x: torch.Tensor, y: torch.Tensor, client_indices: Sequence[torch.Tensor], *, fraction: float,
                         kind: str, seed: int, num_classes: int, noise_std: float = 1.0
                         ) -> Tuple[torch.Tensor, torch.Tensor, Corruption]:
@@ -98,14 +114,8 @@ def corrupt_client_data(x: torch.Tensor, y: torch.Tensor, client_indices: Sequen
     record = Corruption(float(fraction), kind, clients, noise_std=float(noise_std) if kind == "noise" else None)
     if not clients:
         return x, y, record
-    chosen = set(clients)
-    mask = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
-    for c in clients:
-        mask[client_indices[c].to(y.device)] = True
-    for c, ix in enumerate(client_indices):
-        if c not in chosen and bool(mask[ix.to(y.device)].any()):
-            raise ValueError(f"client {c} shares training samples with a corrupted client; corruption needs a "
-                             "partition in which every sample belongs to one client")
+    mask = owned_samples(client_indices, clients, y.shape[0], y.device, who="a corrupted client",
+                         what="corruption")
     if kind == "noise":
         x = x.clone()
         for c in clients:

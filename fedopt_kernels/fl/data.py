@@ -212,6 +212,16 @@ def digits(*, seed: int = 0, test_fraction: float = 0.2, standardize: bool = Tru
 
 
 # ---------------------------------------------------------------------------- synthetic
+def _check_synthetic(alpha: float, beta: float, num_clients: int, test_fraction: float) -> None:
+    """The arguments :func:`synthetic` and :func:`synthetic_lazy` share."""
+    if alpha < 0 or beta < 0:
+        raise ValueError(f"synthetic alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+
+
 def synthetic(alpha: float = 1.0, beta: float = 1.0, *, num_clients: int = 30, iid: bool = False,
               dimension: int = 60, num_classes: int = 10, seed: int = 0, test_fraction: float = 0.2,
               max_samples_per_client: Optional[int] = None) -> FederatedDataset:
@@ -220,12 +230,7 @@ def synthetic(alpha: float = 1.0, beta: float = 1.0, *, num_clients: int = 30, i
     ``max_samples_per_client`` caps the heavy lognormal tail of client sizes (None: no
     cap, as in FedProx).  Every client keeps at least one training and one test sample.
     """
-    if alpha < 0 or beta < 0:
-        raise ValueError(f"synthetic alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    _check_synthetic(alpha, beta, num_clients, test_fraction)
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x5E]))
     sizes = rng.lognormal(4, 2, num_clients).astype(np.int64) + 50
     if max_samples_per_client is not None:
@@ -369,12 +374,7 @@ def synthetic_lazy(alpha: float = 1.0, beta: float = 1.0, *, num_clients: int = 
     drawn by the seed (all clients when there are fewer), so it does not grow with
     the population.
     """
-    if alpha < 0 or beta < 0:
-        raise ValueError(f"synthetic alpha and beta must be >= 0, got alpha={alpha}, beta={beta}")
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    _check_synthetic(alpha, beta, num_clients, test_fraction)
     if isinstance(test_clients, bool) or not isinstance(test_clients, int) or test_clients < 1:
         raise ValueError(f"test_clients must be a positive int, got {test_clients!r}")
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x5E, 0]))

@@ -52,10 +52,12 @@ def test_folded_round_equals_the_unchunked_round_bitwise(algo, engine, budget):
 
 
 @pytest.mark.parametrize("extra", [dict(dp_clip=0.5, dp_noise_multiplier=0.3, dp_delta=1e-3, weighting="uniform"),
-                                   dict(attack="alie", attack_fraction=0.3)])
-def test_dp_and_attacks_train_in_chunks_without_folding(extra):
-    """DP clips every row and ALIE reads the honest rows: under a memory budget the round
-    trains in chunks but keeps its rows, and equals the unchunked round bit for bit."""
+                                   dict(attack="alie", attack_fraction=0.3),
+                                   dict(aggregator="trimmed-mean", trim_beta=0.2)])
+def test_dp_attacks_and_robust_rules_train_in_chunks_without_folding(extra):
+    """DP clips every row, ALIE reads the honest rows and a robust rule ranks them: under
+    a memory budget the round trains in chunks but keeps its rows, and equals the
+    unchunked round bit for bit."""
     kw = dict(BASE, algo="fedavg", **extra)
     whole = Simulation(SimulationConfig(**kw))
     whole.run()

@@ -15,7 +15,6 @@ from fedopt_kernels.cli._options import build_settings
 from fedopt_kernels.fl import Simulation, SimulationConfig
 from fedopt_kernels.fl.config import ConfigError
 
-from _asserts import bits
 
 TINY = dict(dataset="digits", hidden=(16,), clients=8, per_round=5, rounds=2, local_steps=2, batch_size=16,
             lr=0.05, seed=1, engine="sequential")
@@ -116,17 +115,6 @@ def test_a_resumed_centered_clipping_run_continues_from_its_reference():
     fresh.load_state_dict({**state, "robust": None})
     fresh.run()
     assert not torch.equal(fresh.x_global, whole.x_global)
-
-
-def test_a_robust_round_trains_in_chunks_without_folding():
-    kw = dict(dataset="synthetic-lazy", clients=200, per_round=9, rounds=2, local_steps=2, hidden=(16,),
-              max_samples_per_client=50, seed=1, algo="fedavg", aggregator="trimmed-mean", trim_beta=0.2)
-    whole = Simulation(SimulationConfig(**kw))
-    whole.run()
-    chunked = Simulation(SimulationConfig(**kw, memory_budget="100K"))
-    assert not chunked._foldable and 2 <= chunked._chunk < 9
-    chunked.run()
-    assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
 
 
 def test_distributed_simulation_refuses_a_robust_rule(tmp_path):

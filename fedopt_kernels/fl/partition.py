@@ -154,12 +154,13 @@ def iid_partition(num_samples: int, num_clients: int, *, seed: int = 0) -> Parti
     if num_samples < num_clients:
         raise ValueError(f"cannot split {num_samples} samples over {num_clients} clients")
     perm = _rng(seed).permutation(num_samples)
-    # np.array_split's parts (the first n mod M one longer), each sorted: one lexsort
+    # np.array_split's parts (the first n mod M one longer)
     base, extra = divmod(num_samples, num_clients)
     counts = np.full(num_clients, base, dtype=np.int64)
     counts[:extra] += 1
-    part = np.repeat(np.arange(num_clients), counts)
-    flat = torch.from_numpy(np.ascontiguousarray(perm[np.lexsort((perm, part))], dtype=np.int64))
+    part = np.repeat(np.arange(num_clients, dtype=np.int64), counts)
+    # each part sorted: one sort of the key (part, index) packed into an int64 (< M * n)
+    flat = torch.from_numpy(np.sort(part * num_samples + perm) % num_samples)
     idx = list(flat.split(counts.tolist()))
     return Partition(idx, "iid", None, int(seed))
 

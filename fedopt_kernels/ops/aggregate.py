@@ -234,17 +234,7 @@ def aggregate(
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
     if max_client_norm is not None:
         max_client_norm = V.check_real(max_client_norm, "max_client_norm", low=0.0, low_open=True)
-    if out is None:
-        out = torch.empty(N, dtype=dtype, device=device)
-    else:
-        V.refuse_dtensor(out, "out", who="aggregate")
-        V.check_tensor(out, "out", dims=1)
-        if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
-            dtypes = str(dtype) if dtype == acc else f"{dtype} or {acc}"
-            raise ValueError(
-                f"out must be a contiguous [{N}] tensor on {device} with dtype {dtypes}, got "
-                f"{tuple(out.shape)} {out.dtype} on {out.device}")
-        _check_out_apart(out, rows)
+    out = check_out(out, N, dtype, device, who="aggregate", apart_from=rows)
     V.check_backend(backend)
     run = aggregate_runner(backend, device)
 
@@ -262,6 +252,26 @@ def aggregate(
 def _byte_range(t: torch.Tensor) -> tuple:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
+
+
+def check_out(out: Optional[torch.Tensor], N: int, dtype: torch.dtype, device: torch.device, *, who: str,
+              apart_from=None) -> torch.Tensor:
+    """The ``[N]`` output of an aggregation over clients of ``dtype`` on ``device``: a new
+    tensor of ``dtype`` when ``out`` is None, else ``out`` checked (contiguous, ``[N]``,
+    on ``device``, of ``dtype`` or its accumulation dtype, not a DTensor) and, with
+    ``apart_from`` (the clients' rows), sharing no memory with them."""
+    if out is None:
+        return torch.empty(N, dtype=dtype, device=device)
+    acc = V.acc_dtype(dtype)
+    V.refuse_dtensor(out, "out", who=who)
+    V.check_tensor(out, "out", dims=1)
+    if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
+        dtypes = str(dtype) if dtype == acc else f"{dtype} or {acc}"
+        raise ValueError(f"out must be a contiguous [{N}] tensor on {device} with dtype {dtypes}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if apart_from is not None:
+        _check_out_apart(out, apart_from)
+    return out
 
 
 def _check_out_apart(out: torch.Tensor, rows) -> None:

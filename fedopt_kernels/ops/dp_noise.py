@@ -37,8 +37,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import validation as V
-from .aggregate import (Clients, _check_out_apart, aggregate_runner, check_clients, check_weights,
-                        norm_bound_factors)
+from .aggregate import Clients, aggregate_runner, check_clients, check_out, check_weights, norm_bound_factors
 
 __all__ = ["ClipStats", "clipped_sum", "gaussian_noise_", "clip_updates_", "CLIP_EPS", "CLIENT_CLIP_MARGIN",
            "NOISE_CHUNK"]
@@ -110,15 +109,7 @@ def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out
         w = check_weights(weights, C, device, acc)
     clip = _check_clip(clip, device, acc)
     scale = V.check_real(scale, "scale", low=0.0, low_open=True)
-    if out is None:
-        out = torch.empty(N, dtype=dtype, device=device)
-    else:
-        V.refuse_dtensor(out, "out", who="clipped_sum")
-        V.check_tensor(out, "out", dims=1)
-        if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous [{N}] tensor on {device} with dtype {dtype} or {acc}, got "
-                             f"{tuple(out.shape)} {out.dtype} on {out.device}")
-        _check_out_apart(out, rows)
+    out = check_out(out, N, dtype, device, who="clipped_sum", apart_from=rows)
     V.check_backend(backend)
     run = aggregate_runner(backend, device)
 

@@ -44,7 +44,7 @@ import torch
 from .. import backends
 from ..backends import robust as robust_backends
 from . import validation as V
-from .aggregate import aggregate_runner, check_clients, check_weights
+from .aggregate import aggregate_runner, check_clients, check_out, check_weights
 from .client_pieces import ClientPieces
 
 __all__ = ["RobustStats", "client_gram", "coordinate_median", "trimmed_mean", "krum", "multi_krum", "bulyan",
@@ -99,19 +99,6 @@ def _rows(clients):
     if isinstance(rows, ClientPieces):
         rows = rows.stacked()
     return rows, C, N, dtype, device
-
-
-def _check_out(out, N, dtype, device):
-    acc = V.acc_dtype(dtype)
-    if out is None:
-        return torch.empty(N, dtype=dtype, device=device)
-    V.refuse_dtensor(out, "out", who="robust aggregation")
-    V.check_tensor(out, "out", dims=1)
-    if out.shape[0] != N or out.device != device or out.dtype not in (dtype, acc) or not out.is_contiguous():
-        dtypes = str(dtype) if dtype == acc else f"{dtype} or {acc}"
-        raise ValueError(f"out must be a contiguous [{N}] tensor on {device} with dtype {dtypes}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    return out
 
 
 def _row_block(X, j0: int, j1: int) -> torch.Tensor:
@@ -205,7 +192,7 @@ def _zero(device):
 
 def _coordinate(clients, mode: int, count_of, out, backend):
     X, C, N, dtype, device = _rows(clients)
-    out = _check_out(out, N, dtype, device)
+    out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     backends.resolve(backend, device)  # raises if it cannot run here (and loads it)
     run = robust_backends.coordinate_select(backends.resolve_name(backend, device.type))
@@ -256,7 +243,7 @@ def multi_krum(clients, f: int, m: Optional[int] = None, *, weights=None, out: O
     f = _check_f(f, C, 3, 2, "Krum")
     m = C - f if m is None else _check_int(m, "m", low=1, high=C)
     w = _base_weights(weights, C, device)
-    out = _check_out(out, N, dtype, device)
+    out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     aggregate_runner(backend, device)  # the backend can run here, before any pass
     G = client_gram(X)
@@ -284,7 +271,7 @@ def bulyan(clients, f: int, *, out: Optional[torch.Tensor] = None, backend: Opti
     Returns ``(out, RobustStats)``."""
     X, C, N, dtype, device = _rows(clients)
     f = _check_f(f, C, 3, 4, "Bulyan")
-    out = _check_out(out, N, dtype, device)
+    out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     backends.resolve(backend, device)
     run = robust_backends.coordinate_select(backends.resolve_name(backend, device.type))
@@ -333,7 +320,7 @@ def geometric_median(clients, weights=None, *, nu: float = 1e-6, tol: float = 1e
     tol = V.check_real(tol, "tol", low=0.0)
     max_iter = _check_int(max_iter, "max_iter", low=0)
     w = _base_weights(weights, C, device)
-    out = _check_out(out, N, dtype, device)
+    out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     aggregate_runner(backend, device)
     kept, Gk = _gram_parts(client_gram(X))
@@ -384,7 +371,7 @@ def centered_clip(clients, tau: float, *, iterations: int = 1, reference: Option
         if reference.shape[0] != N or reference.device != device:
             raise ValueError(f"reference must be a [{N}] tensor on {device} (the previous aggregate), got "
                              f"{tuple(reference.shape)} on {reference.device}")
-    out = _check_out(out, N, dtype, device)
+    out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     aggregate_runner(backend, device)
     if reference is None:
@@ -445,7 +432,7 @@ def norm_bounded_mean(clients, weights=None, *, radius: Optional[float] = None,
     acc = V.acc_dtype(dtype)
     w = (torch.full((C,), 1.0 / C, dtype=torch.float64, device=device) if weights is None
          else check_weights(weights, C, device, torch.float64))
-    out = _check_out(out, N, dtype, device)
+    out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     run = aggregate_runner(backend, device)
     w_acc = w.to(acc)

@@ -46,6 +46,19 @@ def _write(root, kind, *, files=2, users=4, length=80, seed=0):
     return written
 
 
+def _assert_batched_trains_as_sequential(kw):
+    """The run of ``kw`` trains on the batched engine (no fallback, no warning) to the
+    sequential engine's model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no engine fallback
+        bat = Simulation(SimulationConfig(**kw, engine="batched"))
+        bat.run()
+    seq = Simulation(SimulationConfig(**kw, engine="sequential"))
+    seq.run()
+    assert bat.results.meta["engine"] == "batched" and "engine_fallback" not in bat.results.meta
+    torch.testing.assert_close(bat.x_global, seq.x_global, rtol=1e-5, atol=1e-6)
+
+
 def test_femnist_per_writer_partition_and_cache(tmp_path):
     written = _write(tmp_path, "femnist")
     ds = load_leaf("femnist", str(tmp_path))
@@ -112,14 +125,7 @@ def test_femnist_trains_on_the_batched_engine(tmp_path):
     _write(tmp_path, "femnist", files=1, users=4)
     kw = dict(dataset=f"leaf-femnist:{tmp_path}", model="logreg", clients=4, per_round=3, rounds=2, local_steps=2,
               batch_size=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no engine fallback
-        bat = Simulation(SimulationConfig(**kw, engine="batched"))
-        bat.run()
-    seq = Simulation(SimulationConfig(**kw, engine="sequential"))
-    seq.run()
-    assert bat.results.meta["engine"] == "batched" and "engine_fallback" not in bat.results.meta
-    torch.testing.assert_close(bat.x_global, seq.x_global, rtol=1e-5, atol=1e-6)
+    _assert_batched_trains_as_sequential(kw)
 
 
 def test_chargru_is_a_gru_and_trains_batched(tmp_path):
@@ -141,11 +147,4 @@ def test_chargru_is_a_gru_and_trains_batched(tmp_path):
     _write(tmp_path, "shakespeare", files=1, users=4, length=12)  # LEAF's layout, short lines: a quick run
     kw = dict(dataset=f"leaf-shakespeare:{tmp_path}", model="chargru", clients=4, per_round=3, rounds=1,
               local_steps=2, batch_size=4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        bat = Simulation(SimulationConfig(**kw, engine="batched"))
-        bat.run()
-    seq = Simulation(SimulationConfig(**kw, engine="sequential"))
-    seq.run()
-    assert bat.results.meta["engine"] == "batched" and "engine_fallback" not in bat.results.meta
-    torch.testing.assert_close(bat.x_global, seq.x_global, rtol=1e-5, atol=1e-6)
+    _assert_batched_trains_as_sequential(kw)

@@ -110,6 +110,16 @@ def dp_weights(case, sizes):
     return (sizes / sizes.max()).tolist()  # in [0, 1]: the bound DP needs
 
 
+def _views(row):
+    """One flat update as views shaped like the parameters (contiguous: read in place)."""
+    out, offset = [], 0
+    for shape in SHAPES:
+        n = math.prod(shape)
+        out.append(row[offset:offset + n].view(shape))
+        offset += n
+    return out
+
+
 def _snapshot(st, params, opt):
     return ({k: v for k, v in vars(st).items()}, [p.clone() for p in params], opt.state_dict())
 
@@ -130,6 +140,8 @@ def _scenario_robust(rank, world):
             local = U[a:b].contiguous()
             if r == 2:
                 local = list(local.unbind(0))  # a list of vectors works as a [C_r, N] tensor does
+            elif r == 3 and a < b:  # named updates: ClientPieces, read in place (rank 0) or stacked to send
+                local = [dict(zip(params, _views(row))) for row in local]
             st = opt.step(local, sizes[a:b] if agg.weighted else None)
             rounds.append(_snapshot(st, params, opt) + (agg.record(), agg.state_dict()))
         got[rule] = rounds

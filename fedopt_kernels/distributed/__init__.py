@@ -11,7 +11,12 @@ clients, then rank 1's, ...):
   ``all_reduce`` of partial sums and statistics, within a stated tolerance.
 * :class:`DistributedServerOptimizer` -- wraps a server optimizer (FedAvg, FedAdam,
   ASNES, ...) so ``step(local_updates, local_weights)`` on every rank applies the
-  global step to every rank's copy of the global model.
+  global step to every rank's copy of the global model, with the optimizer's own
+  aggregation in its distributed form (:func:`distributed_form`): the weighted mean,
+  a Byzantine-robust rule (:class:`DistributedRobustAggregator`: rows gathered on rank
+  0, result broadcast) or DP-FedAvg (:class:`DistributedDPAggregator`: local
+  clipping, one distributed sum, noise drawn once) -- each the single-process result,
+  bitwise.
 
 gloo carries CPU tensors, NCCL CUDA tensors; the small host-side metadata exchange
 uses gloo (a gloo group over the same ranks is made for an NCCL-only group).  The
@@ -22,6 +27,9 @@ simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distr
 from .comm import RankInputError
 from .aggregate import MODES, all_aggregate
 from .aggregator import DistributedAggregator
-from .server_optimizer import DistributedServerOptimizer
+from .dp import DistributedDPAggregator
+from .robust import DistributedRobustAggregator
+from .server_optimizer import DistributedServerOptimizer, distributed_form
 
-__all__ = ["all_aggregate", "DistributedAggregator", "DistributedServerOptimizer", "RankInputError", "MODES"]
+__all__ = ["all_aggregate", "DistributedAggregator", "DistributedServerOptimizer", "DistributedRobustAggregator",
+           "DistributedDPAggregator", "distributed_form", "RankInputError", "MODES"]

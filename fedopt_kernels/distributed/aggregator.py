@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -12,6 +12,7 @@ from ..server.aggregation import (CheckedWeights, RoundAggregate, check_weight_t
                                   weight_numbers)
 from ..server.weighting import cap_weight_shares, check_max_weight_share
 from . import comm
+from .comm import Plan
 from .aggregate import (BAD_CLIENT_POLICIES, MODES, _aggregate_planned, drop_clients, good_plan, kept_index,
                         left_out_list, screen_weights)
 
@@ -57,10 +58,32 @@ class DistributedAggregator:
 
     def __call__(self, opt, updates, weights, out: torch.Tensor) -> RoundAggregate:
         """Collective: this rank's ``updates`` and ``weights`` into the global mean ``out``."""
+        rnd = self._gather_round(opt, updates, weights, out, "DistributedAggregator (a server step)")
+        C, plan = rnd.plan.C, rnd.plan
+        # The single-process normalisation, on the union: same p, same validity flag.
+        p, valid = normalize_weights(rnd.weights, C, out.device, out.dtype)
+        _, st = _aggregate_planned(rnd.rows, p[plan.start:plan.stop].contiguous(), 1.0, out, plan, self.group,
+                                   run=rnd.run, nonfinite=opt.nonfinite, max_client_norm=opt.max_client_norm,
+                                   mode=self.mode, dtype=opt.param_dtype, device=out.device)
+        return RoundAggregate.of(p, st, valid, opt.max_client_norm)
+
+    # ------------------------------------------------------------------ shared by every distributed rule
+    def _check_local(self, opt, rows, C_r: int, kind: str) -> None:
+        """This rank's checks that a subclass adds before the exchange (they raise; the
+        exchange then stops every rank)."""
+
+    def _gather_round(self, opt, updates, weights, out: torch.Tensor, what: str) -> "GatheredRound":
+        """Check this rank's inputs, run the one host-side exchange of the round (counts,
+        weights, errors: :func:`comm.exchange`) and return what every rule needs: this
+        rank's rows (without the clients left out for a bad weight), the plan of the
+        clients kept, the union's weights (None: uniform; a float64 CPU tensor of host
+        weights, capped by :attr:`max_weight_share`; or the gathered device weights) and
+        the aggregation kernel's runner.  Sets :attr:`last_left_out` / :attr:`last_kept`.
+        Raises on every rank if any rank's inputs are wrong."""
         self.last_left_out, self.last_kept = (), None
         dtype, device = opt.param_dtype, out.device
-        acc, N = out.dtype, out.numel()
-        error, rows, C_r, kind, values, wdtype, bad = None, [], 0, None, None, None, []
+        N = out.numel()
+        error, rows, C_r, kind, values, wdtype, bad, run = None, [], 0, None, None, None, [], None
         try:
             rows, C_r = opt.check_updates(updates, allow_empty=True)
             if isinstance(rows, torch.Tensor):
@@ -68,12 +91,13 @@ class DistributedAggregator:
             elif not isinstance(rows, ClientPieces):  # named updates stay pieces: read in place
                 rows = list(rows)
             kind, values, wdtype, bad = _weights_to_exchange(weights, C_r, device, self.on_bad_client == "exclude")
+            self._check_local(opt, rows, C_r, kind)
             if bad:  # left out here, before anything is summed
                 rows = drop_clients(rows, {i for i, _ in bad})
             run = aggregate_runner(opt.backend, device)  # raises now, before any collective, if it cannot run
         except Exception as exc:  # noqa: BLE001 - shared with the group, then re-raised
             error, bad = exc, []
-        plan = comm.exchange(self.group, what="DistributedAggregator (a server step)", count=C_r, N=N, dtype=dtype,
+        plan = comm.exchange(self.group, what=what, count=C_r, N=N, dtype=dtype,
                              device_type=device.type, error=error,
                              extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad})
         kinds = [(e["kind"], e["dtype"]) for e in plan.extras]
@@ -94,7 +118,6 @@ class DistributedAggregator:
             self.last_left_out = tuple(left_out)
             self.last_kept = (plan.C, kept_index(plan, left_out))
             plan = good_plan(plan, bad_all)  # the step over the good clients alone, in the global order
-        C = plan.C
         if kind == "uniform":
             global_w = None
         elif kind == "host":
@@ -104,12 +127,16 @@ class DistributedAggregator:
         if self.max_weight_share is not None and global_w is not None:
             check_weight_values(global_w, "weights")  # on_bad_client="raise": a bad weight raises here
             global_w = cap_weight_shares(global_w, self.max_weight_share)  # shares of the union
-        # The single-process normalisation, on the union: same p, same validity flag.
-        p, valid = normalize_weights(global_w, C, device, acc)
-        _, st = _aggregate_planned(rows, p[plan.start:plan.stop].contiguous(), 1.0, out, plan, self.group,
-                                   run=run, nonfinite=opt.nonfinite, max_client_norm=opt.max_client_norm,
-                                   mode=self.mode, dtype=dtype, device=device)
-        return RoundAggregate.of(p, st, valid, opt.max_client_norm)
+        return GatheredRound(rows=rows, plan=plan, weights=global_w, run=run)
+
+
+class GatheredRound(NamedTuple):
+    """What :meth:`DistributedAggregator._gather_round` hands a distributed rule."""
+
+    rows: Union[list, ClientPieces]  # this rank's kept clients
+    plan: Plan  # every rank's kept clients (global order: rank order)
+    weights: Optional[torch.Tensor]  # the union's weights (None: uniform)
+    run: Callable  # the fused aggregation kernel of the optimizer's backend
 
 
 def _screen(values: List, exclude: bool):

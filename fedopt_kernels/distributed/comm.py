@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Plan", "RankInputError", "exchange", "gather_rows", "send", "recv", "broadcast", "all_reduce",
-           "group_rank", "group_size"]
+           "group_rank", "group_size", "broadcast_object"]
 
 
 def _group(group):
@@ -155,6 +155,14 @@ def recv(tensor: torch.Tensor, src: int, group) -> None:
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:
     dist.broadcast(tensor, _global(group, src), group=_group(group))
+
+
+def broadcast_object(obj: Any, src: int, group) -> Any:
+    """``obj`` of group rank ``src`` on every rank (host side, over the CPU-capable
+    :func:`object_group`: no device memory is read)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global(group, src), group=object_group(group))
+    return box[0]
 
 
 def all_reduce(tensor: torch.Tensor, group) -> None:

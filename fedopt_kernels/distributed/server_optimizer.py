@@ -11,7 +11,37 @@ from ..server import ServerOptimizer, ServerRoundStats, ServerStats
 from .aggregate import expand_rows
 from .aggregator import DistributedAggregator
 
-__all__ = ["DistributedServerOptimizer"]
+__all__ = ["DistributedServerOptimizer", "distributed_form"]
+
+
+def distributed_form(aggregator, group=None, *, mode: str = "ordered", on_bad_client: str = "exclude",
+                     max_weight_share: Optional[float] = None) -> DistributedAggregator:
+    """The collective that does over every rank's clients what ``aggregator`` (a server
+    optimizer's :attr:`~fedopt_kernels.server.ServerOptimizer.aggregator`) does over one
+    process's: the weighted mean (:class:`~fedopt_kernels.server.aggregation.LocalAggregator`,
+    or the rule ``"mean"``) -> :class:`DistributedAggregator`; a robust rule
+    (:class:`~fedopt_kernels.server.robust_aggregator.RobustAggregator`) ->
+    :class:`~fedopt_kernels.distributed.robust.DistributedRobustAggregator` (rows
+    gathered on rank 0, the result broadcast; ``mode`` does not apply); DP-FedAvg
+    (:class:`~fedopt_kernels.server.dp.DPAggregator`) ->
+    :class:`~fedopt_kernels.distributed.dp.DistributedDPAggregator`.  Anything else has
+    no distributed form: refused (it would be silently replaced by the mean)."""
+    from ..server.aggregation import LocalAggregator
+    from ..server.dp import DPAggregator
+    from ..server.robust_aggregator import RobustAggregator
+    from .dp import DistributedDPAggregator
+    from .robust import DistributedRobustAggregator
+
+    if isinstance(aggregator, RobustAggregator) and aggregator.rule != "mean":
+        return DistributedRobustAggregator(aggregator, group, on_bad_client=on_bad_client,
+                                           max_weight_share=max_weight_share)
+    if isinstance(aggregator, DPAggregator):
+        return DistributedDPAggregator(aggregator, group, mode=mode, on_bad_client=on_bad_client,
+                                       max_weight_share=max_weight_share)
+    if isinstance(aggregator, (LocalAggregator, RobustAggregator)):
+        return DistributedAggregator(group, mode=mode, on_bad_client=on_bad_client, max_weight_share=max_weight_share)
+    raise TypeError(f"the optimizer's aggregator {type(aggregator).__name__} has no distributed form (the weighted "
+                    "mean, a RobustAggregator and a DPAggregator have one): a distributed step would replace it")
 
 
 class DistributedServerOptimizer:
@@ -46,6 +76,13 @@ class DistributedServerOptimizer:
     left: ``ValueError`` on every rank, nothing changed.  ``"raise"``: as before, a bad
     weight raises ``ValueError`` on every rank before anything changes.
 
+    The optimizer's own :attr:`~fedopt_kernels.server.ServerOptimizer.aggregator` (as
+    set when the wrapper is made) decides the collective (:func:`distributed_form`):
+    the weighted mean, a :class:`~fedopt_kernels.server.robust_aggregator.RobustAggregator`
+    (gathered on rank 0, broadcast) or a :class:`~fedopt_kernels.server.dp.DPAggregator`
+    (local clipping, one distributed sum, the noise drawn once), each bitwise the
+    single-process round; any other aggregator is refused.
+
     ``max_weight_share`` (None: no cap) caps each client's share of the round's total
     weight over ALL ranks (:func:`~fedopt_kernels.server.weighting.cap_weight_shares`:
     the same shares one process computes); it needs host weights.
@@ -62,8 +99,8 @@ class DistributedServerOptimizer:
             raise TypeError(f"optimizer must be a fedopt_kernels.server.ServerOptimizer, got "
                             f"{type(optimizer).__name__} (FedLAW learns its weights on a proxy set and has no "
                             "distributed form)")
-        self._aggregator = DistributedAggregator(group, mode=mode, on_bad_client=on_bad_client,
-                                                 max_weight_share=max_weight_share)
+        self._aggregator = distributed_form(optimizer.aggregator, group, mode=mode, on_bad_client=on_bad_client,
+                                            max_weight_share=max_weight_share)
         self.optimizer = optimizer
         self.group = group
         self.mode = mode

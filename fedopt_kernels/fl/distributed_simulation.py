@@ -14,6 +14,15 @@ as one process, with each round's clients trained on W ranks at once:
 * the server step is :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`:
   contiguous blocks keep the global client order (rank 0's block first) equal to the
   single-process order, so every rank applies the single-process step bit for bit;
+* a robust rule (``--aggregator``) and DP-FedAvg (``--dp-clip``) run in their
+  distributed forms (:func:`~fedopt_kernels.distributed.distributed_form`): the rule on
+  rank 0 over the gathered rows, its result broadcast; DP with each rank clipping its
+  own clients, one distributed sum and the noise drawn once -- both the
+  single-process round bit for bit, so ``dp_epsilon`` and ``robust_selected`` are
+  recorded alike.  Client-side clipping and the attacks other than ``alie`` are each
+  client's own and run on its rank (the attackers are a function of the seed, so every
+  rank records all of a round's); ``alie``'s attackers send statistics of every
+  client's update, which no rank holds, and it is refused;
 * what a round needs besides the mean update is gathered in the same order: BatchNorm
   style floating buffers (their weighted mean is then the single-process one),
   SCAFFOLD's client updates and lr sums (its control variates are updated after the
@@ -87,12 +96,10 @@ class DistributedSimulation(Simulation):
         self.world_size = comm.group_size(group)
         self.mode = mode
         config.validate()
-        if config.aggregator != "mean":  # the distributed aggregator would replace the robust rule
-            raise ConfigError(f"aggregator {config.aggregator} is not supported with --distributed yet: its server "
-                              "step averages every rank's updates with the distributed weighted mean")
-        if config.dp_clip is not None or config.attack != "none":  # wired into the local round only
-            raise ConfigError("dp-clip and attack are not supported with --distributed yet: its server step "
-                              "aggregates every rank's updates, which the DP aggregator and the attacks do not see")
+        if config.attack == "alie":  # the other attacks are each client's own, applied on its rank
+            raise ConfigError("attack alie is not supported with --distributed: its attackers send the mean and std "
+                              "of every client's update of the round, which no rank holds (the other attacks, "
+                              "robust rules and DP are)")
         self._check_same_config(config)
         super().__init__(config, **kwargs)
         if self.server.round.takes == "updates":  # the cap needs every rank's weights: the wrapper applies it
@@ -197,7 +204,22 @@ class DistributedSimulation(Simulation):
             rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
             self.updates[:len(clients)].copy_(rows)
             return super()._server_step(clients, sizes)
-        return self.server.step(self.updates[:plan.stop - plan.start], sizes[plan.start:plan.stop])
+        rows = self.updates[:plan.stop - plan.start]
+        # as one process's round (Simulation._server_step): honest clients clip (dp_mode
+        # "client"), then the attackers replace their updates -- each client on its own rank
+        extra = {}
+        if self.privacy is not None:
+            self.privacy.clip_client_updates_(rows)
+        if self.attack is not None:
+            self.attack.apply_(rows, clients[plan.start:plan.stop], self.round + 1)
+            # the attackers are a function of the seed alone: every rank names all of the round's
+            extra["attacked_clients"] = self.attack.round_attackers(clients)[1]
+        stats = self.server.step(rows, sizes[plan.start:plan.stop])
+        if self.privacy is not None:  # the mechanism's state is the same on every rank
+            extra.update(self.privacy.record())
+        if self.robust is not None:  # the selection, broadcast by the robust aggregator
+            extra.update(self.robust.record(clients))
+        return {**stats, **extra}
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:

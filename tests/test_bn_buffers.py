@@ -152,3 +152,36 @@ def test_the_buffers_leave_out_the_excluded_and_nonfinite_clients():
     # nobody left: the current buffers stay
     none = round_.buffers(rows, w, torch.full((3,), 7.0), torch.ones(4, dtype=torch.bool))
     assert none.tolist() == [7.0, 7.0, 7.0]
+
+
+class _UnionCappingServer:
+    """A server that, like the distributed one, takes one rank's share of the weights
+    and caps the union itself (``max_weight_share`` is its own, not the round's)."""
+
+    takes = "updates"
+    keeps_buffers = False
+    weights_are_a_share = True
+    max_weight_share = CAP
+
+    def round(self, results, weights):  # pragma: no cover - the buffers are asked without a step
+        raise AssertionError("no step in this test")
+
+
+def test_buffers_of_a_server_that_caps_the_union_use_its_cap():
+    """The distributed simulator's server side: its round has no cap of its own (the
+    server applies it over every rank's weights), and its step saw this rank's share of
+    the sizes; the buffers of all the round's clients get the union's capped shares."""
+    from fedopt_kernels.fl import SimulationConfig
+    from fedopt_kernels.fl.server_side import ServerSide
+
+    model = _bn_net()
+    side = ServerSide(SimulationConfig(algo="fedavg", weighting="size", max_weight_share=CAP), model,
+                      parameters_to_vector(model.parameters()))
+    side.server = _UnionCappingServer()
+    side.max_weight_share = None  # as the distributed simulator leaves it
+    states = _client_states()
+    rows = torch.stack([torch.cat([sd["1.running_mean"], sd["1.running_var"]]) for sd in states])
+    got = side.buffers(rows, torch.tensor(SIZES, dtype=torch.float64), torch.zeros(10), None)
+    want = _oracle(states, SHARES)
+    torch.testing.assert_close(got.double(), torch.cat([want["1.running_mean"], want["1.running_var"]]),
+                               rtol=1e-6, atol=1e-6)

@@ -142,9 +142,16 @@ class ServerSide:
         the round's weights (:meth:`fedopt_kernels.server.ServerRound.buffers`, the rule
         of the Flower strategies too; None where the server keeps its own): those
         :meth:`step` formed from these very ``sizes``, else the round's rule applied to
-        them (a step that saw other sizes: a distributed rank's share, a folded round)."""
+        them (a step that saw other sizes: a distributed rank's share -- capped here with
+        the cap its server applies to the union of the ranks' weights --, a folded round)."""
         last = self._last_weights
-        weights = last[1] if last is not None and last[0] is sizes else self.round.weights(sizes)
+        if last is not None and last[0] is sizes:
+            weights = last[1]
+        else:
+            cap = self.round.max_weight_share
+            if cap is None and getattr(self.server, "weights_are_a_share", False):
+                cap = getattr(self.server, "max_weight_share", None)  # the distributed server caps the union
+            weights = S.round_weights(self.weighting, sizes, cap)
         return self.round.buffers(rows, weights, current, excluded)
 
     def state_dict(self) -> dict:

@@ -152,6 +152,9 @@ def test_the_buffers_leave_out_the_excluded_and_nonfinite_clients():
     # nobody left: the current buffers stay
     none = round_.buffers(rows, w, torch.full((3,), 7.0), torch.ones(4, dtype=torch.bool))
     assert none.tolist() == [7.0, 7.0, 7.0]
+    # raw sizes are refused: they would bypass the round's rule (its cap, or uniform weighting)
+    with pytest.raises(TypeError, match=r"weights must be the round's weights \(ServerRound.weights\(sizes\)"):
+        round_.buffers(rows, torch.tensor([1.0, 1.0, 2.0, 8.0]), torch.zeros(3), None)
 
 
 class _UnionCappingServer:

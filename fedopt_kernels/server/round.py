@@ -157,4 +157,7 @@ class ServerRound:
         (:func:`~.weighting.average_buffers`); None where the server keeps its own (FedLAW)."""
         if self.server.keeps_buffers:
             return None
+        if weights is not None and not isinstance(weights, CheckedWeights):  # raw sizes would skip the rule
+            raise TypeError(f"weights must be the round's weights (ServerRound.weights(sizes), None for uniform), "
+                            f"got {type(weights).__name__}")
         return average_buffers(rows, weights, current, excluded)

@@ -163,7 +163,8 @@ def _flower_run(sim, algo: str, model_factory=None):
     app.train()(client.train)
     grid = LocalGrid(app, cfg.clients)
     model = model_fn()
-    kw = dict(fraction_evaluate=0.0, min_available_nodes=cfg.clients, min_train_nodes=cfg.clients)
+    kw = dict(fraction_evaluate=0.0, min_available_nodes=cfg.clients, min_train_nodes=cfg.clients,
+              max_weight_share=cfg.max_weight_share)
     if algo == "fedlaw":
         loader = sim.server.fedlaw.proxy_loader  # the simulator's proxy set, reseeded per round as it does
 
@@ -237,10 +238,18 @@ class _BNNet(nn.Module):
 
 
 @needs_flwr
-def test_batchnorm_buffers_match_simulator():
+@pytest.mark.parametrize("cap", [None, 0.26])
+def test_batchnorm_buffers_match_simulator(cap):
     """Floating buffers are the num-examples weighted mean of the clients' (as the
-    simulator does); integer buffers (num_batches_tracked) keep the server's."""
-    sim, sim_rounds = _simulation("fedadam", model=_BNNet)
+    simulator does), under the round's weights: with a weight cap that acts (the sizes
+    394:261:372:411 capped at 0.26 cap three of the four clients) the capped shares, in
+    both; integer buffers (num_batches_tracked) keep the server's."""
+    sim, sim_rounds = _simulation("fedadam", model=_BNNet, max_weight_share=cap)
+    if cap is not None:
+        from fedopt_kernels.server import round_weights
+
+        shares = round_weights("size", sim.client_sizes, cap).values
+        assert int((shares == cap).sum()) == 3
     strategy, fl_rounds, _ = _flower_run(sim, "fedadam", model_factory=_BNNet)
     for (_, sd_sim), sd_fl in zip(sim_rounds, fl_rounds):
         assert sd_fl.keys() == sd_sim.keys()

@@ -133,3 +133,67 @@ def test_the_registry_builds_what_the_config_sets_over_the_class_defaults():
     assert law["server_epochs"] == 3 and law["lr"] == 0.01  # fedlaw's lr is fedlaw_lr, not server_lr
     with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'"):
         S.algorithm("fedsgd")
+
+
+def test_the_kernel_gets_the_boundarys_normalised_weights_and_the_bound_factors_once(monkeypatch):
+    """Through the round (what the simulator and the Flower strategies call): the sizes
+    are checked and capped once where they enter, normalised once, and the aggregation
+    kernel's first pass gets that very tensor; the norm-bound factors are computed once
+    (by the op, handed to the step's statistics)."""
+    import importlib
+
+    # by module (``fedopt_kernels.ops.aggregate`` is also the name of the function)
+    A, G, R = (importlib.import_module(f"fedopt_kernels.{m}") for m in ("ops.aggregate", "server.aggregation",
+                                                                       "server.round"))
+
+    calls = {}
+
+    def spy(module, name):
+        orig = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            calls.setdefault(f"{module.__name__}.{name}", []).append(out)
+            return out
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    for module, name in [(R, "cap_weight_shares"), (G, "check_weight_values"), (A, "check_weight_values"),
+                         (G, "normalize_weights"), (G, "_normalize_host"), (A, "norm_bound_factors"),
+                         (G, "norm_bound_factors")]:
+        spy(module, name)
+    passes = []
+    runner = A.aggregate_runner
+
+    def spy_runner(backend, device):
+        run = runner(backend, device)
+
+        def recorded(rows, w, gamma, out, skip):
+            passes.append(w)
+            return run(rows, w, gamma, out, skip)
+
+        return recorded
+
+    monkeypatch.setattr(A, "aggregate_runner", spy_runner)
+
+    model = _net()
+    M = 0.15
+    round_ = S.ServerRound(S.FedAvg(model.parameters(), max_client_norm=M), "size", 0.4)
+    U = _updates(sum(p.numel() for p in model.parameters()))
+    st = round_(U.clone(), SIZES)
+
+    count = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]: len(v) for k, v in calls.items()}
+    assert count == {"round.cap_weight_shares": 1, "aggregation.check_weight_values": 1,  # the boundary
+                     "aggregate.check_weight_values": 1,  # the raw op's own guard (reads host values)
+                     "aggregation.normalize_weights": 1, "aggregation._normalize_host": 1,
+                     "aggregate.norm_bound_factors": 1}, count
+    p = calls["fedopt_kernels.server.aggregation.normalize_weights"][0][0]
+    assert passes[0] is p  # the kernel's weights are the boundary's tensor, not a copy or a rescaled one
+    # sizes 3:1:7:5 capped at 0.4 by hand: 7/16 > 0.4 -> 0.4, the rest 0.6 split 3:1:5
+    shares = torch.tensor([0.6 * 3 / 9, 0.6 / 9, 0.4, 0.6 * 5 / 9], dtype=torch.float64)
+    torch.testing.assert_close(p, shares, rtol=1e-15, atol=0)
+    # the second pass: each share times min(1, M / (||D_i|| + 1e-6)), float64 by hand
+    bound = torch.clamp(M / (U.norm(dim=1) + 1e-6), max=1.0)
+    assert (bound < 1).sum() >= 2  # the bound acts
+    torch.testing.assert_close(passes[1], shares * bound, rtol=1e-14, atol=0)
+    torch.testing.assert_close(st.stats.weights, shares * bound, rtol=1e-14, atol=0)

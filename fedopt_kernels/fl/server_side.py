@@ -74,6 +74,7 @@ class ServerSide:
         self.hyper = algo.hyperparameters(config)
         self.weighting = config.resolved_weighting
         self.last_excluded: Optional[torch.Tensor] = None
+        self._last_weights = None  # (data sizes, the round's weights) of the last step
         if algo.cls.takes == "models":  # FedLAW: built over the model, learns on a proxy set
             if proxy_loader is None or loss_fn is None:
                 raise ValueError(f"{self.algo} needs a proxy loader and a loss function")
@@ -123,8 +124,10 @@ class ServerSide:
         takes the client models gets ``x_global - D_i``, made in place without a copy)."""
         if self.round.takes == "models":
             updates.neg_().add_(self.x_global)  # client models w_i = x - D_i, in place
-        stats = self.round(updates, data_sizes)
+        weights = self.round.weights(data_sizes)  # checked (and capped) once: the buffers reuse them
+        stats = self.round.step(updates, weights)
         self.last_excluded = stats.excluded
+        self._last_weights = (data_sizes, weights)
         return stats.metrics
 
     @property
@@ -135,10 +138,21 @@ class ServerSide:
 
     def buffers(self, rows: torch.Tensor, sizes, current: torch.Tensor,
                 excluded: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The new global floating buffers, weighted like the parameters
-        (:meth:`fedopt_kernels.server.ServerRound.buffers`; None where the server keeps
-        its own)."""
-        return self.round.buffers(rows, sizes, current, excluded)
+        """The new global floating buffers of the round's clients (data ``sizes``), with
+        the round's weights (:meth:`fedopt_kernels.server.ServerRound.buffers`, the rule
+        of the Flower strategies too; None where the server keeps its own): those
+        :meth:`step` formed from these very ``sizes``, else the round's rule applied to
+        them (a step that saw other sizes: a distributed rank's share -- capped here with
+        the cap its server applies to the union of the ranks' weights --, a folded round)."""
+        last = self._last_weights
+        if last is not None and last[0] is sizes:
+            weights = last[1]
+        else:
+            cap = self.round.max_weight_share
+            if cap is None and getattr(self.server, "weights_are_a_share", False):
+                cap = getattr(self.server, "max_weight_share", None)  # the distributed server caps the union
+            weights = S.round_weights(self.weighting, sizes, cap)
+        return self.round.buffers(rows, weights, current, excluded)
 
     def state_dict(self) -> dict:
         """The server's state (tensors and plain values only: ``torch.load(weights_only=True)``)."""

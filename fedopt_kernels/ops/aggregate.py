@@ -226,6 +226,20 @@ def aggregate(
 
     Returns ``(out, AggregateStats)``; ``out`` has the clients' dtype unless given.
     """
+    out, stats, _ = aggregate_bounded(clients, weights, gamma=gamma, out=out, nonfinite=nonfinite,
+                                      max_client_norm=max_client_norm, backend=backend)
+    return out, stats
+
+
+def aggregate_bounded(clients: Clients, weights: torch.Tensor, *, gamma=1.0, out: Optional[torch.Tensor] = None,
+                      nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
+                      backend: Optional[str] = None):
+    """:func:`aggregate` (the same checks, passes and bits), and the norm-bound factors
+    it applied: ``(out, AggregateStats, bound)``, ``bound`` ``[C]`` each client's
+    ``min(1, M / (||X_i|| + 1e-6))`` (1 for an excluded client), None without
+    ``max_client_norm``.  For a caller that describes the round with them (the server's
+    :class:`~fedopt_kernels.server.aggregation.LocalAggregator`) instead of computing
+    them a second time."""
     rows, C, N, dtype, device = check_clients(clients)
     acc = V.acc_dtype(dtype)
     w = check_weights(weights, C, device, acc)
@@ -239,14 +253,18 @@ def aggregate(
     run = aggregate_runner(backend, device)
 
     q, Q = run(rows, w, gamma, out, None)
+    bound = None
     if nonfinite == "exclude" or max_client_norm is not None:
-        eff, excluded = robust_weights(w, q, nonfinite == "exclude", max_client_norm)
+        eff, excluded = robust_weights(w, q, nonfinite == "exclude", None)
+        if max_client_norm is not None:  # the factors, once: returned for the server round to read
+            bound = norm_bound_factors(q, excluded, max_client_norm)
+            eff = eff * bound
         same = (eff == w).all()  # nothing changed: the second pass does nothing
         _, Q2 = run(rows, eff, gamma, out, same)
         Q = torch.where(same, Q, Q2)
     else:
         eff, excluded = w, torch.zeros(C, dtype=torch.bool, device=device)
-    return out, AggregateStats(q, Q, excluded, eff, excluded.all())
+    return out, AggregateStats(q, Q, excluded, eff, excluded.all()), bound
 
 
 def _byte_range(t: torch.Tensor) -> tuple:

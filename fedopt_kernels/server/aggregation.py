@@ -28,7 +28,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
-from ..ops.aggregate import AggregateStats, aggregate, check_weight_values, host_to_device, norm_bound_factors
+from ..ops.aggregate import AggregateStats, aggregate_bounded, check_weight_values, host_to_device, norm_bound_factors
 from ..ops import validation as V
 
 __all__ = ["Aggregator", "AggregatingOptimizer", "LocalAggregator", "RoundAggregate", "CheckedWeights",
@@ -97,19 +97,24 @@ class RoundAggregate:
 
     @classmethod
     def of(cls, weights: torch.Tensor, stats: AggregateStats, valid: Optional[torch.Tensor],
-           max_client_norm: Optional[float]) -> "RoundAggregate":
+           max_client_norm: Optional[float], factors: Optional[torch.Tensor] = None) -> "RoundAggregate":
         """The round described from the normalised ``weights`` the clients were averaged
         with, the aggregation's ``stats`` and the validity flag of
         :func:`normalize_weights`: the excluded clients' weights dropped and the rest
-        renormalised, and the bound factors of the clients kept."""
+        renormalised to sum 1 over the clients kept (the op rescales them to the weights'
+        own total instead, for the mean; ``p`` is what the step's statistics sum over),
+        and the bound factors of the clients kept -- ``factors``, those the aggregation
+        applied (:func:`~fedopt_kernels.ops.aggregate.aggregate_bounded`), derived here
+        only for an aggregation that does not hand them on."""
         zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
         kept = torch.where(stats.excluded, zero, weights)
         total = kept.sum()
         p = torch.where(total > 0, kept / torch.where(total > 0, total, torch.ones_like(total)), zero)
         bound = None
         if max_client_norm is not None:
-            bound = torch.where(p > 0, norm_bound_factors(stats.client_sq_norms.to(p.dtype), stats.excluded,
-                                                          max_client_norm), zero)
+            if factors is None:
+                factors = norm_bound_factors(stats.client_sq_norms.to(p.dtype), stats.excluded, max_client_norm)
+            bound = torch.where(p > 0, factors.to(p.dtype), zero)
         skip = stats.all_excluded if valid is None else (stats.all_excluded | ~valid)
         return cls(stats=stats, p=p, bound=bound, skip=skip)
 
@@ -132,9 +137,9 @@ class LocalAggregator:
     def __call__(self, optimizer: AggregatingOptimizer, updates, weights, out: torch.Tensor) -> RoundAggregate:
         rows, C = optimizer.check_updates(updates)
         p, valid = normalize_weights(weights, C, out.device, out.dtype)
-        _, stats = aggregate(rows, p, out=out, nonfinite=optimizer.nonfinite,
-                             max_client_norm=optimizer.max_client_norm, backend=optimizer.backend)
-        return RoundAggregate.of(p, stats, valid, optimizer.max_client_norm)
+        _, stats, factors = aggregate_bounded(rows, p, out=out, nonfinite=optimizer.nonfinite,
+                                              max_client_norm=optimizer.max_client_norm, backend=optimizer.backend)
+        return RoundAggregate.of(p, stats, valid, optimizer.max_client_norm, factors)
 
     def __repr__(self) -> str:
         return "LocalAggregator()"

@@ -149,13 +149,15 @@ class ServerRound:
         (for a caller that uses them again, e.g. for the buffers)."""
         return self.server.round(results, weights)
 
-    def buffers(self, rows: torch.Tensor, sizes, current: torch.Tensor,
+    def buffers(self, rows: torch.Tensor, weights: Optional[CheckedWeights], current: torch.Tensor,
                 excluded: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The new global floating buffers from the clients' ``rows`` (``[C, M]``), weighted
-        like the parameters (:func:`~.weighting.average_buffers`); None where the server
-        keeps its own (FedLAW)."""
+        with the round's ``weights`` -- those of :meth:`weights` that :meth:`step` took,
+        ``max_weight_share`` included -- without the clients the step ``excluded``
+        (:func:`~.weighting.average_buffers`); None where the server keeps its own (FedLAW)."""
         if self.server.keeps_buffers:
             return None
-        if isinstance(sizes, CheckedWeights):
-            sizes = sizes.values
-        return average_buffers(rows, self.weighting, sizes, current, excluded)
+        if weights is not None and not isinstance(weights, CheckedWeights):  # raw sizes would skip the rule
+            raise TypeError(f"weights must be the round's weights (ServerRound.weights(sizes), None for uniform), "
+                            f"got {type(weights).__name__}")
+        return average_buffers(rows, weights, current, excluded)

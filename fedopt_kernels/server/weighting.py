@@ -20,9 +20,13 @@ round's total weight (``max_weight_share`` of the Flower strategies, the simulat
 implementation).  Off by default: a cap changes the estimator honest federations use.
 
 Floating buffers (BatchNorm running statistics) are averaged with the SAME weights as
-the parameters (:func:`average_buffers`: excluded clients left out), except for FedLAW,
-whose global model keeps the statistics of its proxy training ([FedLAW] section 6
-and the released code; see :class:`~fedopt_kernels.server.FedLAW`).
+the parameters -- the round's weights of :meth:`fedopt_kernels.server.ServerRound.weights`,
+checked once and capped under ``max_weight_share`` -- with the clients the aggregation
+excluded left out (:func:`average_buffers`, through
+:meth:`~fedopt_kernels.server.ServerRound.buffers`: one rule for the simulator and the
+Flower strategies), except for FedLAW, whose global model keeps the statistics of its
+proxy training ([FedLAW] section 6 and the released code; see
+:class:`~fedopt_kernels.server.FedLAW`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
+
+from .aggregation import CheckedWeights
 
 __all__ = ["client_weights", "average_buffers", "cap_weight_shares", "check_max_weight_share"]
 
@@ -86,23 +92,30 @@ def cap_weight_shares(weights: torch.Tensor, max_share: Optional[float]) -> torc
 
 
 @torch.no_grad()
-def average_buffers(rows: torch.Tensor, weighting: str, sizes, current: torch.Tensor,
+def average_buffers(rows: torch.Tensor, weights, current: torch.Tensor,
                     excluded: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The new global floating buffers: the mean of the clients' ``rows`` (``[C, M]``)
-    under the resolved ``weighting`` (``sizes``: the clients' data sizes), leaving out
+    under the round's ``weights`` -- the very weights its parameters were averaged
+    with (:meth:`fedopt_kernels.server.ServerRound.weights`: None for uniform, else the
+    checked ``[C]`` float64 weights, capped under ``max_weight_share``) -- leaving out
     the clients the aggregation ``excluded`` (``[C]`` bool, on any device) and rows that
     are not finite; ``current`` (``[M]``, the global buffers) if no client is left.
+
+    With ``p_i`` the weights over the clients kept, ``sum_i p_i rows_i``: the weights are
+    divided by their largest (so that the sum cannot overflow), cast to the rows' dtype
+    and divided by the total of the kept ones -- renormalised here because a client's
+    buffers can be left out (non-finite) where its update was not.
 
     Runs on the rows' device without a host synchronisation.
     """
     C = rows.shape[0]
     device, dtype = rows.device, rows.dtype
-    if weighting == "uniform":
+    if weights is None:
         w = torch.ones(C, dtype=torch.float64)
     else:
-        w = client_weights(weighting, sizes)
+        w = (weights.values if isinstance(weights, CheckedWeights) else weights).to(torch.float64)
         if w.numel() != C:
-            raise ValueError(f"sizes has {w.numel()} entries but there are {C} rows of buffers")
+            raise ValueError(f"weights has {w.numel()} entries but there are {C} rows of buffers")
     w = (w / w.max().clamp(min=1e-300)).to(device=device, dtype=dtype)
     keep = torch.isfinite(rows).all(dim=1) & (w > 0)
     if excluded is not None:

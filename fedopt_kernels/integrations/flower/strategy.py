@@ -371,10 +371,9 @@ class FusedStrategy(_FlowerFedAvg):
             if self.scaffold:  # after the step: a client it excluded never reaches c
                 S.scaffold_control_update_(self.c, D, lr_sums, num_clients=scaffold_m, excluded=excluded)
             if buffers is not None and not self.server.keeps_buffers:
-                # weighted like the parameters; FedLAW's model keeps its proxy-trained statistics
+                # with the round's weights (the step's, capped); FedLAW's model keeps its proxy-trained statistics
                 current = buffers_to_vector(self.model).to(buffers.device)
-                sizes = torch.tensor(weights, dtype=torch.float64) if round_weights is None else round_weights
-                vector_to_buffers(self.round.buffers(buffers, sizes, current, excluded), self.model)
+                vector_to_buffers(self.round.buffers(buffers, round_weights, current, excluded), self.model)
         out = tensors_to_arrayrecord(self._named_state(self._keys))
         self._sent = out
         try:

@@ -485,10 +485,12 @@ class Simulation:
         C = len(clients)
         if C == 0:
             return stats
+        base = self._progress_base
         self.batched.train_round(
             self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
             seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
-            out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold)
+            out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold,
+            on_group=(None if self.progress is None else lambda done: self._report_progress(round_number, base + done)))
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
             self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
         self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
@@ -514,24 +516,39 @@ class Simulation:
         skip = {cid for cid, _, _ in bad}
         todo = [cid for cid in clients if cid not in skip]
         self._round_bad, self._round_kept = bad, todo
+        self._progress_total = len(clients)
+        self._report_progress(round_number, 0)
         if self._chunk is not None:
             return self._train_chunked(round_number, clients, todo, bad)
         if self._lazy:
             self._round_data(todo)
         try:
-            return self._train_round_clients(round_number, clients, todo, bad)
+            self._progress_base = len(bad)  # the clients screened out are done
+            stats = self._train_round_clients(round_number, clients, todo, bad)
         finally:
+            self._progress_base = 0
             if self._lazy:
                 self._round_data(None)
+        self._report_progress(round_number, len(clients))
+        return stats
+
+    def _report_progress(self, round_number: int, done: int) -> None:
+        """``progress(round, done, clients in the round)``, when someone listens."""
+        if self.progress is not None:
+            self.progress(round_number, done, self._progress_total)
 
     # ------------------------------------------------------------------ chunked rounds (memory_budget)
     _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
     _foldable = False  # chunks folded into a running sum (fl/chunked.py), else kept in `updates`
     _fold: Optional[RoundFold] = None  # the running sum of the round being trained
     _rows_at = 0  # the row of `updates` the clients being trained write first
-    #: ``progress(round, clients_done, clients_in_round)`` after each chunk of a chunked round
-    #: (``fedopt simulate`` shows it as a second progress bar); None: not called
+    #: ``progress(round, clients_done, clients_in_round)`` as a round's clients train: at its
+    #: start (0), after each client (sequential engine), group of clients (batched) and chunk
+    #: (``memory_budget``), and at its end (``fedopt simulate`` shows it as a second progress
+    #: bar once a round runs long); None: not called.  It only reads counts: no host sync.
     progress: Optional[Callable[[int, int, int], None]] = None
+    _progress_total = 0  # the clients of the round being trained
+    _progress_base = 0  # of them, the ones done before the piece being trained
 
     def _allocate_rounds(self) -> None:
         """The rows a round's clients train into: ``[per_round, N]``, or with
@@ -590,11 +607,11 @@ class Simulation:
         if self._foldable and todo:
             self._fold = RoundFold(self.server.optimizer, round_weights(self.server, self.client_sizes[todo]),
                                    len(todo), self.numel, self.device, self.x_global.dtype)
-        progress = self.progress
         try:
             for start in range(0, len(todo), self._chunk):
                 part = todo[start:start + self._chunk]
                 self._round_bad, self._round_kept = [], part
+                self._progress_base = len(kept) + len(bad)
                 self._rows_at = 0 if self._foldable else len(kept)
                 if self._lazy:
                     self._round_data(part)
@@ -607,10 +624,10 @@ class Simulation:
                     if self.scaffold is not None:
                         self.scaffold.fold_chunk(got, excluded)
                 kept += got
-                if progress is not None:
-                    progress(round_number, len(kept) + len(bad), len(clients))
+                self._report_progress(round_number, len(kept) + len(bad))
         finally:
             self._rows_at = 0
+            self._progress_base = 0
             if self._lazy:
                 self._round_data(None)
         order = {cid: i for i, cid in enumerate(clients)}
@@ -661,7 +678,9 @@ class Simulation:
         global_buffers = buffers_to_vector(self.global_model) if self._has_buffers else None
         exclude = self.config.on_bad_client == "exclude"
         kept, row = [], 0
-        for cid in todo:
+        for i, cid in enumerate(todo):
+            if i:
+                self._report_progress(round_number, self._progress_base + i)
             saved = _snapshot(stats) if exclude else None
             try:
                 self.trainer.train(

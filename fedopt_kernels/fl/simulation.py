@@ -561,11 +561,12 @@ class Simulation:
         rows = cfg.per_round
         budget = cfg.memory_budget_bytes
         if budget is not None and type(self)._server_step is not Simulation._server_step:
-            # the distributed simulator spreads a round over ranks, each aggregating its block at once
-            self.results.meta["memory_budget"] = "ignored: a distributed round trains whole blocks per rank"
-            warnings.warn("memory_budget is ignored by the distributed simulator (each rank trains and aggregates "
-                          "its block of the round at once; more ranks bound a rank's memory)", stacklevel=3)
-        elif budget is not None:
+            # the distributed simulator spreads a round over ranks, each aggregating its block at once: a
+            # budget it silently ignored would promise a bound it does not keep
+            raise ConfigError("memory-budget is not supported with --distributed: each rank trains and aggregates "
+                              "its block of a round's clients at once (more ranks bound a rank's memory); drop "
+                              "memory-budget or run without --distributed")
+        if budget is not None:
             itemsize = self.x_global.element_size()
             per_client = self.numel * itemsize
             if self.batched is not None:

@@ -123,3 +123,102 @@ def test_from_datasets_user_hook():
     assert ds.num_classes == int(max(ds.y_train.max(), ds.y_test.max())) + 1
     with pytest.raises(ValueError, match="labels"):
         FederatedDataset("bad", torch.zeros(2, 1), torch.tensor([0, 5]), torch.zeros(1, 1), torch.tensor([0]), 3)
+
+
+# ------------------------------------------------------------------ repeats and top-up (issue 32)
+from test_lazy_data import _old_dirichlet  # noqa: E402 - the old retry loop, the oracle (tests/ is on sys.path)
+
+import numpy as np  # noqa: E402
+
+from fedopt_kernels.fl import partition as partition_mod  # noqa: E402
+
+
+def _count_draws(monkeypatch):
+    calls = []
+    real = partition_mod._dirichlet_draw
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(int((out[1] < counted.min_size).sum()))
+        return out
+
+    monkeypatch.setattr(partition_mod, "_dirichlet_draw", counted)
+    return counted, calls
+
+
+@pytest.mark.parametrize("M,alpha,seed,draws", [(20, 0.3, 0, 2), (50, 0.1, 1, 9), (100, 0.1, 1, 37)])
+def test_dirichlet_repeats_draws_as_before(labels, monkeypatch, M, alpha, seed, draws):
+    """Settings where NIID-Bench's repeats succeed keep the old loop's partition bit for
+    bit, and take the same number of draws (counted, so a change of the repeat rule shows)."""
+    min_size = max(1, min(10, labels.numel() // (10 * M)))
+    counted, calls = _count_draws(monkeypatch)
+    counted.min_size = min_size
+    got = dirichlet_partition(labels, M, alpha, seed=seed)
+    assert len(calls) == draws and calls[-1] == 0 and all(0 < s <= partition_mod.RETRY_SHORT for s in calls[:-1])
+    want = _old_dirichlet(labels.numpy(), M, alpha, seed, min_size)
+    assert [ix.tolist() for ix in got.client_indices] == want
+
+
+def _owners(parts, n):
+    owner = np.full(n, -1)
+    for c, ix in enumerate(parts):
+        owner[np.asarray(ix, dtype=np.int64)] = c
+    return owner
+
+
+@pytest.mark.parametrize("n,M,alpha,min_size", [(20_000, 2_000, 0.05, None), (6_000, 2_000, 0.3, 3),
+                                                (2_000, 2_000, 0.3, None)])
+def test_dirichlet_tops_up_a_hopeless_draw(monkeypatch, n, M, alpha, min_size):
+    """A population where every draw leaves many clients short: one draw (no repeats),
+    then each short client gets exactly what it lacks from the others' surplus; every
+    other sample stays where the Dirichlet draw (the old loop's first draw) put it."""
+    y = np.random.default_rng(3).integers(0, 10, n)
+    m = min_size if min_size is not None else max(1, min(10, n // (10 * M)))
+    counted, calls = _count_draws(monkeypatch)
+    counted.min_size = m
+    got = dirichlet_partition(y, M, alpha, seed=11, min_size=min_size)
+    assert len(calls) == 1 and calls[0] > partition_mod.RETRY_SHORT  # no repeats
+    first = _old_dirichlet(y, M, alpha, 11, 0)  # min_size 0: the loop stops at its first draw
+    before, after = _owners(first, n), _owners(got.client_indices, n)
+    assert (after >= 0).all() and sum(got.sizes) == n  # every sample held once
+    assert all(torch.equal(ix, ix.sort().values) for ix in got.client_indices)
+    counts_before = np.bincount(before, minlength=M)
+    need = np.maximum(m - counts_before, 0)
+    moved = np.flatnonzero(before != after)
+    assert moved.size == need.sum()  # only the deficit moves
+    assert np.array_equal(np.bincount(after[moved], minlength=M), need)  # each short client gets what it lacks
+    sizes = np.asarray(got.sizes)
+    assert sizes.min() >= m
+    donors = np.unique(before[moved])
+    assert (counts_before[donors] > m).all() and (sizes[donors] >= m).all()  # no donor drops below min_size
+    others = np.setdiff1d(np.arange(M), np.concatenate([donors, np.flatnonzero(need)]))
+    assert np.array_equal(sizes[others], counts_before[others])
+    again = dirichlet_partition(y, M, alpha, seed=11, min_size=min_size)
+    assert all(torch.equal(a, b) for a, b in zip(got.client_indices, again.client_indices))
+    other = dirichlet_partition(y, M, alpha, seed=12, min_size=min_size)
+    assert any(not torch.equal(a, b) for a, b in zip(got.client_indices, other.client_indices))
+
+
+def test_dirichlet_repeats_stop_within_the_work_budget(monkeypatch):
+    """Draws that each leave a few clients short are repeated only while the work
+    budget lasts (here two draws' worth), then the last one is topped up."""
+    y = np.random.default_rng(3).integers(0, 10, 4_000)
+    M = 400  # alpha 0.05, min_size 1: a few short in each draw, never none
+    counted, calls = _count_draws(monkeypatch)
+    counted.min_size = 1
+    monkeypatch.setattr(partition_mod, "RETRY_WORK", 2 * (4_000 + 10 * M) + 1)
+    monkeypatch.setattr(partition_mod, "RETRY_SHORT", 10**9)
+    got = dirichlet_partition(y, M, 0.05, seed=0)
+    assert len(calls) == 2 and calls[-1] > 0 and min(got.sizes) >= 1 and sum(got.sizes) == 4_000
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_dirichlet_rejects_bad_max_tries(labels, bad):
+    with pytest.raises(ValueError, match="max_tries"):
+        dirichlet_partition(labels, 10, 0.3, max_tries=bad)
+
+
+def test_the_papers_settings_keep_every_repeat():
+    """The work budget leaves NIID-Bench's 1000 repeats to the papers' largest split
+    (CIFAR-10's 50,000 training samples, 10 classes, over 100 clients)."""
+    assert partition_mod.RETRY_WORK // (50_000 + 10 * 100) >= 1000

@@ -19,7 +19,10 @@ with the profiler once every suite of the run is timed; NaN off CUDA; the JSON a
 Suites: ``nar_step``, ``aggregate``, ``server``, ``simulation`` and ``device_vs_cpu`` (the
 same real run with the batched engine on ``--device`` and on the CPU).  All run by
 default: ``device_vs_cpu`` costs nothing on a CPU device (one row says it was skipped)
-and on a GPU only a few CPU rounds.
+and on a GPU only a few CPU rounds.  ``scale`` (:mod:`.scale`: round time and peak
+memory against the population and the clients per round, each case in a fresh process,
+on the CPU; the sampling and partitions of 10^5 clients) runs only when named
+(``--only scale``): it takes minutes (``--quick``: seconds).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from .shapes import numel, resnet18_shapes, small_cnn_shapes
 from .timing import measured_copy_bandwidth, peak_bandwidth
 
 SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu")
+EXTRA_SUITES = ("scale",)  # run only when named with --only
+SCALE_COLUMNS = (("case", "case"), ("clients", "clients"), ("per_round", "per round"), ("chunk", "chunk"),
+                 ("setup_s", "setup s"), ("first_round_s", "first round s"), ("round_s", "round s"),
+                 ("peak_rss_mb", "peak RSS MB"))
 SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                ("vs hand loop", "x faster than hand loop"), ("time / batched", "time / batched"))
 KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
@@ -47,7 +54,8 @@ DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median m
                   ("vs cpu", "x faster than the CPU"))
 
 
-def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quick: bool = False) -> list:
+def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quick: bool = False,
+        threads: Optional[int] = None) -> list:
     """The rows of the suites in ``only``.  The launch counts of the kernel candidates (on
     CUDA) are taken last, once every suite is timed: the profiler must not perturb any
     timing of the run (``timing.count_launches``)."""
@@ -84,6 +92,10 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
         from . import simulation
 
         rows += simulation.run_device_vs_cpu(device=device, backend=backend, quick=quick)
+    if "scale" in only:  # fresh processes, CPU, one thread each unless --threads
+        from . import scale
+
+        rows += scale.run(quick=quick, threads=threads or 1)
     for count in deferred:
         count()
     return rows
@@ -120,6 +132,9 @@ def summary_lines(rows: list) -> list:
     one per device-vs-CPU comparison (or the reason it was skipped)."""
     lines = []
     for r in rows:
+        if r.get("benchmark") == "scale":
+            lines += _scale_lines(r)
+            continue
         if "vs cpu" in r:
             lines += _device_vs_cpu_line(r)
             continue
@@ -144,6 +159,23 @@ def summary_lines(rows: list) -> list:
     return lines
 
 
+def _scale_lines(r: dict) -> list:
+    """The scale suite's sampling row in words, and any case that failed."""
+    if "error" in r:
+        return [f"scale: {r['case']} ({r.get('clients')} clients, {r.get('per_round')} per round) failed: "
+                f"{' '.join(r['error'])}"]
+    if r["case"] != "sampling":
+        return []
+    line = (f"scale: {r['clients']:,} clients: population {r['dataset_s']:.3g} s, natural partition "
+            f"{r['partition_s'] * 1e3:.3g} ms, sampling a round {r['sample_s'] * 1e3:.3g} ms")
+    for key in r:
+        if key.startswith("dirichlet_") and key.endswith("_s"):
+            n = key[len("dirichlet_"):-2]
+            line += (f"; {int(n):,} samples: Dirichlet(0.3) {r[key]:.3g} s (min {r[f'dirichlet_{n}_min']}), "
+                     f"IID {r[f'iid_{n}_s']:.3g} s")
+    return [line]
+
+
 def _device_vs_cpu_line(r: dict) -> list:
     if r["case"].startswith("skipped"):
         return [f"{r['benchmark']}: {r['case']}"]
@@ -155,6 +187,8 @@ def _device_vs_cpu_line(r: dict) -> list:
 
 def format_rows(rows: list, keys=tuple(k for k, _ in KERNEL_COLUMNS)) -> list:
     def fmt(v):
+        if v is None:  # e.g. the scale rows' chunk of a round trained whole
+            return "-"
         if isinstance(v, float):
             return "-" if math.isnan(v) else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
         return str(v)
@@ -165,13 +199,15 @@ def format_rows(rows: list, keys=tuple(k for k, _ in KERNEL_COLUMNS)) -> list:
 def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
     """One table for the kernel rows, one for the simulated rounds, one for the device
     against the CPU (each with its own columns)."""
-    rows = [r for r in rows if r.get("benchmark") != "meta"]
+    scale = [r for r in rows if r.get("benchmark") == "scale" and r.get("case") != "sampling" and "error" not in r]
+    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale")]
     rounds = [r for r in rows if "vs hand loop" in r]
     versus = [r for r in rows if "vs cpu" in r]
     kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r]
     for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
-                                (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU")):
-        if part or (not rows and columns is KERNEL_COLUMNS):
+                                (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU"),
+                                (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)")):
+        if part or (not rows and not scale and columns is KERNEL_COLUMNS):
             _print_one(part, columns, name)
 
 
@@ -195,7 +231,8 @@ def _print_one(rows: list, columns, title: str) -> None:
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=SUITES, action="append", help="run only this suite (repeatable)")
+    parser.add_argument("--only", choices=SUITES + EXTRA_SUITES, action="append",
+                        help="run only this suite (repeatable); scale runs only when named")
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no torch.compile")
@@ -213,7 +250,8 @@ def main(argv=None) -> int:
 def run_from_args(args) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    rows = run(only=tuple(args.only or SUITES), backend=args.backend, device=args.device, quick=args.quick)
+    rows = run(only=tuple(args.only or SUITES), backend=args.backend, device=args.device, quick=args.quick,
+               threads=getattr(args, "threads", None))
     print_table(rows, title=f"fedopt_kernels benchmarks on {args.device} ({torch.get_num_threads()} threads)")
     meta = meta_row(args.device)
     print(device_line(meta))

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import List, Optional
@@ -144,11 +145,21 @@ def print_summary(results: List[Results], title: str) -> None:
 
 
 class _Progress:
-    """A rich progress bar over rounds showing the latest accuracy (or nothing)."""
+    """A rich progress bar over rounds showing the latest accuracy (or nothing); and,
+    once a round runs long, a second bar of the clients trained within the round
+    (:meth:`within_round`).
 
-    def __init__(self, enabled: bool):
+    ``clock`` and ``console`` are for tests (a fake clock, a console writing to a buffer)."""
+
+    #: a round that has been training this long (seconds) gets the clients bar
+    LONG_ROUND_S = 2.0
+
+    def __init__(self, enabled: bool, *, clock=time.monotonic, console=None):
         self.enabled = enabled
         self.progress = None
+        self._clock, self._console = clock, console
+        self._clients_task = None
+        self._round, self._round_start = None, 0.0
 
     def __enter__(self):
         if self.enabled:
@@ -157,7 +168,7 @@ class _Progress:
 
             self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                     transient=False)
+                                     transient=False, console=self._console)
             self.progress.__enter__()
         return self
 
@@ -178,12 +189,19 @@ class _Progress:
         self.progress.update(task, completed=record["round"], status=status)
 
     def within_round(self, round_number: int, done: int, total: int) -> None:
-        """Clients trained so far in a round trained in chunks (--memory-budget): a
-        second bar, shown once a round has more than one chunk."""
+        """``Simulation.progress``: clients trained so far in the round.  The second bar
+        appears once a round has trained for :attr:`LONG_ROUND_S` without finishing
+        (with or without --memory-budget; short rounds never show it), then follows
+        every round."""
         if self.progress is None:
             return
-        task = getattr(self, "_clients_task", None)
+        now = self._clock()
+        if round_number != self._round or done == 0:  # a round starts (the simulator reports 0 first)
+            self._round, self._round_start = round_number, now
+        task = self._clients_task
         if task is None:
+            if done >= total or now - self._round_start < self.LONG_ROUND_S:
+                return
             task = self._clients_task = self.progress.add_task("clients", total=total, completed=0, status="")
         self.progress.update(task, total=total, completed=done, status=f"round {round_number}")
     def __exit__(self, *exc):
@@ -322,7 +340,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
     with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
         with _Progress(not quiet) as progress:
             task = progress.add(f"{config.algo}", config.rounds, sim.round)
-            sim.progress = progress.within_round  # a chunked round reports its clients as they train
+            sim.progress = progress.within_round if not quiet else None  # clients trained within a round
 
             def callback(record, s):
                 save(record, s)
@@ -461,6 +479,7 @@ def run_compare(args) -> int:
                     sim.results.label = label
                     current = sim.results
                     task = progress.add(label, cfg.rounds)
+                    sim.progress = progress.within_round if not args.quiet else None  # clients within a round
                     run_dir = out / _safe(label)
                     run_dir.mkdir(exist_ok=True)
 

@@ -15,7 +15,10 @@ vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.batch
 of a round's clients as one vmapped computation, the default engine) and
 :mod:`~fedopt_kernels.fl.round_plan` (which clients it trains together, at which shapes),
 :mod:`~fedopt_kernels.fl.server_side` (server optimizers and FedLAW),
-:mod:`~fedopt_kernels.fl.simulation` (the round loop), :mod:`~fedopt_kernels.fl.results`
+:mod:`~fedopt_kernels.fl.simulation` (the round loop: rounds, evaluation, checkpoints),
+:mod:`~fedopt_kernels.fl.round_training` (a round's client training: engines, chunks,
+progress), :mod:`~fedopt_kernels.fl.population` (a config's dataset, partition, sampled
+clients and proxy set), :mod:`~fedopt_kernels.fl.results`
 (records, files, plots), :mod:`~fedopt_kernels.fl.seeds` (the seed of every random draw).
 
 It comes with the ``sim`` extra (``pip install fedopt_kernels[sim]``: scikit-learn for

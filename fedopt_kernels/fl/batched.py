@@ -88,7 +88,7 @@ each client's own stream) -- equal in distribution, not in value.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -347,19 +347,24 @@ class BatchedTrainer:
     # ------------------------------------------------------------------ a round
     def train_round(self, x_global: torch.Tensor, client_indices: Sequence[torch.Tensor], *, round_index: int,
                     seeds: Sequence[int], out: torch.Tensor, stats: RoundStats,
-                    clients: Optional[Sequence[int]] = None, scaffold: Optional[ScaffoldState] = None) -> List[float]:
+                    clients: Optional[Sequence[int]] = None, scaffold: Optional[ScaffoldState] = None,
+                    on_group: Optional[Callable[[int], None]] = None) -> List[float]:
         """Train the round's clients (``client_indices[i]``, batch seeds ``seeds[i]``) from
         ``x_global``; writes ``D_i = x_global - x_end_i`` into ``out[i]`` (``[C, N]``) and
         accumulates ``stats``.  Returns each client's sum of local lrs (SCAFFOLD's
-        ``K eta_l``, recorded into ``scaffold`` for ``clients[i]``).
+        ``K eta_l``, recorded into ``scaffold`` for ``clients[i]``).  ``on_group(done)``,
+        if given, is called after each group with the number of clients trained so far
+        (a progress report: a count, no host sync).
 
         In the first round any exception is re-raised as :class:`BatchedUnsupported`
         (the model cannot be batched; nothing but ``out`` and ``stats`` was written).
         """
         if self.verified:
-            return self._train_round(x_global, client_indices, round_index, seeds, out, stats, clients, scaffold)
+            return self._train_round(x_global, client_indices, round_index, seeds, out, stats, clients, scaffold,
+                                     on_group)
         try:
-            result = self._train_round(x_global, client_indices, round_index, seeds, out, stats, clients, scaffold)
+            result = self._train_round(x_global, client_indices, round_index, seeds, out, stats, clients, scaffold,
+                                       on_group)
         except Exception as exc:  # noqa: BLE001 - any failure of the first round means "cannot batch"
             msg = " ".join(str(exc).split())
             if len(msg) > 200:
@@ -368,7 +373,8 @@ class BatchedTrainer:
         self.verified = True
         return result
 
-    def _train_round(self, x_global, client_indices, round_index, seeds, out, stats, clients, scaffold):
+    def _train_round(self, x_global, client_indices, round_index, seeds, out, stats, clients, scaffold,
+                     on_group=None):
         cfg = self.config
         C = len(client_indices)
         if out.shape != (C, self.numel):
@@ -393,12 +399,16 @@ class BatchedTrainer:
             lr_sums.append(total)
         wd = cfg.weight_decay_at(round_index)
         self.model.train()
+        done = 0
         for gi, group in enumerate(self.planner.plan(sizes)):
             self._train_group(group, gi, x_global, batches, sizes, step_lrs, lrs, wd, out, stats, clients, scaffold,
                               round_index)
             if scaffold is not None:
                 for r in group.rows[:group.real]:
                     scaffold.client_update(clients[r], out[r], lr_sums[r])
+            done += group.real
+            if on_group is not None:
+                on_group(done)
         return lr_sums
 
     def _train_group(self, group: Group, group_index: int, x_global, batches, sizes, step_lrs, lrs, wd, out, stats,

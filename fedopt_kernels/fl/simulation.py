@@ -50,13 +50,11 @@ the same seed gives bit-identical results, two algorithms with the same seed see
 same clients and the same batches (``fedopt compare``), and resuming from a
 :meth:`Simulation.state_dict` needs no RNG state: the round number is enough.
 
-Engines (:meth:`Simulation._train_clients`): ``"batched"`` trains the round's clients
-as one ``[C, N]`` tensor under ``torch.func.vmap`` with the row-wise fused FedNAR step,
-drawing exactly the sequential engine's batches; ``"sequential"`` is the oracle it is
-tested against (same global model to fp32 rounding).  ``"auto"`` (the default) is
-batched unless one client trains per round.  A model ``vmap`` cannot batch falls back
-to sequential with an :class:`~fedopt_kernels.fl.batched.EngineFallbackWarning`;
-``results.meta["engine"]`` says which engine ran.
+The round's client training -- the engines (``"batched"``, ``"sequential"``, ``"auto"``),
+chunked rounds under ``memory_budget`` and the progress reports -- is
+:class:`~fedopt_kernels.fl.round_training.RoundTraining`, which :class:`Simulation`
+inherits; the dataset, partition, sampling and proxy set of a config are
+:mod:`~fedopt_kernels.fl.population` (re-exported here).
 """
 
 from __future__ import annotations
@@ -65,7 +63,6 @@ import copy
 import logging
 import platform
 import time
-import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -75,19 +72,22 @@ from .. import __version__
 from ..server import RobustAggregator, read_metrics
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .attacks import Attack
-from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
-from .chunked import FOLDABLE, RoundFold, chunk_clients, folded_server_step, round_weights
-from .client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
+from .batched import BatchedTrainer
+from .chunked import folded_server_step
+from .client import LocalConfig, LocalTrainer, ScaffoldState
 from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
-from .data import FederatedDataset, LazyFederatedDataset, load_dataset
+from .data import FederatedDataset, LazyFederatedDataset
 from .interrupts import deferred_interrupts
 from .models import build_model
-from .partition import CSRIndices, Partition, dirichlet_partition, iid_partition, natural_partition
+from .partition import CSRIndices, Partition
+# re-exported: fedopt_kernels.fl.simulation has always offered these
+from .population import DeviceIndices, load_config_dataset, make_partition, proxy_split, sample_clients
 from .privacy import RoundPrivacy
 from .results import Results
-from .seeds import batch_seed, init_seed, proxy_order_seed, proxy_seed, sampling_seed
+from .round_training import RoundTraining
+from .seeds import init_seed, proxy_order_seed, sampling_seed
 from .server_side import BAD_CLIENT_REASONS, ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
@@ -96,86 +96,7 @@ STATE_VERSION = 1
 _log = logging.getLogger(__name__)
 
 
-def load_config_dataset(config: SimulationConfig) -> FederatedDataset:
-    """The dataset a config names, with its options."""
-    opts = {"test_fraction": config.test_fraction}
-    if config.dataset in ("synthetic", "synthetic-lazy"):
-        opts.update(alpha=config.synthetic_alpha, beta=config.synthetic_beta, iid=config.synthetic_iid,
-                    max_samples_per_client=config.max_samples_per_client)
-    elif config.dataset == "cifar10":
-        opts = {"root": config.data_root}
-    elif config.dataset != "digits":
-        opts = {}
-    try:
-        return load_dataset(config.dataset, seed=config.seed, num_clients=config.clients, **opts)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def make_partition(config: SimulationConfig, dataset: FederatedDataset) -> Partition:
-    """The partition a config asks for (``auto``: the dataset's natural split if it has
-    one, else Dirichlet(alpha))."""
-    method = config.partition
-    if isinstance(dataset, LazyFederatedDataset) and method not in ("auto", "natural"):
-        raise ConfigError(f"dataset {dataset.name!r} is made client by client and comes with its own split; "
-                          f"use partition 'natural' (or 'auto'), not {method!r}")
-    if method == "auto":
-        method = "natural" if dataset.client_indices is not None else "dirichlet"
-    if method == "natural":
-        if dataset.client_indices is None:
-            raise ConfigError(f"dataset {dataset.name!r} has no natural partition; use partition 'dirichlet' or 'iid'")
-        part = natural_partition(dataset.client_indices)
-        if part.num_clients != config.clients:
-            raise ConfigError(f"dataset {dataset.name!r} comes split over {part.num_clients} clients but clients is "
-                              f"{config.clients}")
-        return part
-    try:
-        if method == "iid":
-            return iid_partition(dataset.num_train, config.clients, seed=config.seed)
-        return dirichlet_partition(dataset.y_train, config.clients, config.alpha, seed=config.seed,
-                                   min_size=config.min_client_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def sample_clients(seed: int, round_number: int, num_clients: int, per_round: int) -> List[int]:
-    """The (sorted) clients of round ``round_number`` (1-based): uniform without
-    replacement, a function of ``(seed, round_number)`` only."""
-    g = torch.Generator().manual_seed(sampling_seed(seed, round_number))
-    return sorted(torch.randperm(num_clients, generator=g)[:per_round].tolist())
-
-
-def proxy_split(labels: torch.Tensor, size: int, seed: int, *, name: str = "the data", need_rest: bool = True
-                ) -> tuple:
-    """FedLAW's class-balanced proxy set: ``(proxy, rest)``, sorted index tensors (CPU)
-    into ``labels``: ``size`` examples, as equal a number per class as the data allow
-    (the first ``size mod classes`` classes one more; [FedLAW] appendix D.2: "a small
-    and class-balanced proxy dataset ... randomly selected from the testset"), drawn by
-    :func:`~fedopt_kernels.fl.seeds.proxy_seed` ``(seed)``, and the other examples.
-
-    Raises :class:`ConfigError` naming ``proxy-size`` when nothing would be left and
-    ``need_rest`` (the rest is the evaluation set).
-    """
-    y = labels.detach().cpu()
-    g = torch.Generator().manual_seed(proxy_seed(seed))
-    classes = torch.unique(y).tolist()
-    per_class, extra = divmod(int(size), len(classes))
-    chosen = []
-    for i, c in enumerate(classes):
-        idx = (y == c).nonzero().flatten()
-        take = min(per_class + (1 if i < extra else 0), idx.numel())
-        chosen.append(idx[torch.randperm(idx.numel(), generator=g)[:take]])
-    proxy = torch.cat(chosen).sort().values
-    keep = torch.ones(y.numel(), dtype=torch.bool)
-    keep[proxy] = False
-    rest = keep.nonzero().flatten()
-    if need_rest and rest.numel() == 0:
-        raise ConfigError(f"proxy-size {size} takes all {y.numel()} examples of {name}; lower proxy-size "
-                          "(or use proxy-source train)")
-    return proxy, rest
-
-
-class Simulation:
+class Simulation(RoundTraining):
     """A simulated federated training run (see the module docstring).
 
     Args:
@@ -215,7 +136,7 @@ class Simulation:
                               "made client by client (use proxy-source test)")
         self._round_index: Optional[dict] = None  # client -> its rows of the round's data (lazy datasets)
         parts = self.partition.client_indices
-        self.client_indices = (_OnDevice(parts, self.device) if isinstance(parts, CSRIndices)
+        self.client_indices = (DeviceIndices(parts, self.device) if isinstance(parts, CSRIndices)
                                else [ix.to(self.device) for ix in parts])
         self.client_sizes = torch.tensor(self.partition.sizes, dtype=torch.float64)
         # what the clients train on: the training set with the corrupted clients' samples
@@ -293,7 +214,8 @@ class Simulation:
             self.results.meta["aggregator"] = self.robust.to_dict()
         self.batched: Optional[BatchedTrainer] = None
         self._setup_engine()
-        self._allocate_rounds()
+        # a subclass that spreads the server step over ranks (DistributedSimulation) refuses a budget
+        self._allocate_rounds(distributed=type(self)._server_step is not Simulation._server_step)
 
     # ------------------------------------------------------------------ setup
     def _make_model(self, model) -> nn.Module:
@@ -448,241 +370,6 @@ class Simulation:
         model.train(was_training)
         acc, total = torch.stack([correct.to(torch.float64), loss]).tolist()
         return acc / n, total / n
-
-    # ------------------------------------------------------------------ engines
-    def _setup_engine(self) -> None:
-        """The client engine ``config.engine`` asks for (see :mod:`.batched`)."""
-        cfg = self.config
-        engine = cfg.engine
-        if engine == "auto":
-            engine = "batched" if cfg.per_round > 1 else "sequential"
-        self.results.meta["engine"] = engine
-        if engine != "batched":
-            return
-        if cfg.carry_momentum or cfg.decay_scales_change:  # per-client state / per-epoch rescaling: sequential only
-            self._fall_back("carry_momentum and decay_scales_change run on the sequential engine")
-            return
-        reason = unsupported_reason(self.global_model)
-        if reason is not None:
-            self._fall_back(reason)
-            return
-        self.batched = BatchedTrainer(self.trainer.model, self.loss_fn, self.train_x, self.train_y,
-                                      self.local, num_classes=self.dataset.num_classes,
-                                      buffers=dict(self.global_model.named_buffers()),
-                                      client_batch=cfg.client_batch, seed=cfg.seed,
-                                      population_sizes=self.partition.sizes, round_clients=cfg.per_round)
-
-    def _fall_back(self, reason: str) -> None:
-        """Use the sequential engine from now on, with a one-line notice."""
-        self.batched = None
-        self.results.meta["engine"] = "sequential"
-        self.results.meta["engine_fallback"] = reason
-        warnings.warn(f"the batched engine cannot train this model ({reason}); using the sequential engine",
-                      EngineFallbackWarning, stacklevel=4)
-
-    def _train_clients_batched(self, round_number: int, clients: List[int]) -> RoundStats:
-        stats = RoundStats(self.device)
-        C = len(clients)
-        if C == 0:
-            return stats
-        self.batched.train_round(
-            self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
-            seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
-            out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold)
-        if self._has_buffers:  # buffers the batched engine allows are not changed by training
-            self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
-        self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
-        if self.batched.trace_failure is not None:  # still correct, only slower: say why
-            self.results.meta["batched_trace_failure"] = self.batched.trace_failure
-        return stats
-
-    def _screen_clients(self, clients: List[int]) -> List[tuple]:
-        """``(client, "no_data", detail)`` for the round's clients without samples;
-        ``on_bad_client="raise"``: raises before anything trains."""
-        empty = [cid for cid in clients if self.client_indices[cid].numel() == 0]
-        if empty and self.config.on_bad_client == "raise":
-            raise ValueError(f"client(s) {empty} hold no samples and cannot train (on_bad_client='raise'; "
-                             "'exclude' leaves them out of their rounds)")
-        return [(cid, "no_data", "holds no samples") for cid in empty]
-
-    def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
-        """Train the round's ``clients``; the ones that take part write their rows
-        ``[:len(self._round_kept)]`` of :attr:`updates` (and :attr:`buffer_rows`) in
-        order, the others are listed in ``self._round_bad`` (``(client, reason,
-        detail)``, in the order of ``clients``)."""
-        bad = self._screen_clients(clients)
-        skip = {cid for cid, _, _ in bad}
-        todo = [cid for cid in clients if cid not in skip]
-        self._round_bad, self._round_kept = bad, todo
-        if self._chunk is not None:
-            return self._train_chunked(round_number, clients, todo, bad)
-        if self._lazy:
-            self._round_data(todo)
-        try:
-            return self._train_round_clients(round_number, clients, todo, bad)
-        finally:
-            if self._lazy:
-                self._round_data(None)
-
-    # ------------------------------------------------------------------ chunked rounds (memory_budget)
-    _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
-    _foldable = False  # chunks folded into a running sum (fl/chunked.py), else kept in `updates`
-    _fold: Optional[RoundFold] = None  # the running sum of the round being trained
-    _rows_at = 0  # the row of `updates` the clients being trained write first
-    #: ``progress(round, clients_done, clients_in_round)`` after each chunk of a chunked round
-    #: (``fedopt simulate`` shows it as a second progress bar); None: not called
-    progress: Optional[Callable[[int, int, int], None]] = None
-
-    def _allocate_rounds(self) -> None:
-        """The rows a round's clients train into: ``[per_round, N]``, or with
-        ``memory_budget`` chunks of ``K`` clients (:mod:`.chunked`): a ``[K, N]`` buffer
-        folded into a running sum for the weighted-sum algorithms, else the round's
-        ``[per_round, N]`` table (memory-mapped under ``client_state_dir`` when set)
-        with the clients still trained ``K`` at a time."""
-        cfg = self.config
-        dtype = self.x_global.dtype
-        rows = cfg.per_round
-        budget = cfg.memory_budget_bytes
-        if budget is not None and type(self)._server_step is not Simulation._server_step:
-            # the distributed simulator spreads a round over ranks, each aggregating its block at once
-            self.results.meta["memory_budget"] = "ignored: a distributed round trains whole blocks per rank"
-            warnings.warn("memory_budget is ignored by the distributed simulator (each rank trains and aggregates "
-                          "its block of the round at once; more ranks bound a rank's memory)", stacklevel=3)
-        elif budget is not None:
-            itemsize = self.x_global.element_size()
-            per_client = self.numel * itemsize
-            if self.batched is not None:
-                per_client += self.batched.planner.client_bytes(cfg.batch_size)
-            fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
-            chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
-            if chunk < cfg.per_round:
-                self._chunk = chunk
-                # DP clips every row, an attack reads the honest ones and a robust rule compares
-                # them: all need the whole round's rows, which a running sum does not keep
-                self._foldable = (cfg.algo in FOLDABLE and not self._has_buffers and self.server.optimizer is not None
-                                  and dtype in (torch.float32, torch.float64)
-                                  and self.privacy is None and self.attack is None and self.robust is None)
-                if self.batched is not None:
-                    planner = self.batched.planner
-                    planner.client_batch = min(planner.client_batch or chunk, chunk)
-                if self._foldable:
-                    rows = chunk
-            self.results.meta["memory_budget"] = budget
-            self.results.meta["round_chunk"] = self._chunk
-            self.results.meta["round_fold"] = self._foldable
-        if self._chunk is not None and not self._foldable and cfg.client_state_dir:
-            import os
-
-            os.makedirs(cfg.client_state_dir, exist_ok=True)
-            path = os.path.join(cfg.client_state_dir, "round_updates.bin")
-            self.updates = torch.from_file(path, shared=True, size=rows * self.numel, dtype=dtype).view(rows, -1)
-        else:
-            self.updates = torch.empty(rows, self.numel, device=self.device, dtype=dtype)
-
-    def _train_chunked(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
-        """The round's ``todo`` clients trained ``_chunk`` at a time (see
-        :meth:`_allocate_rounds`); each chunk folded into :attr:`_fold`, or written to
-        its rows of :attr:`updates`."""
-        stats = RoundStats(self.device)
-        bad, kept = list(bad), []
-        position = {cid: i for i, cid in enumerate(todo)}
-        self._fold = None
-        if self._foldable and todo:
-            self._fold = RoundFold(self.server.optimizer, round_weights(self.server, self.client_sizes[todo]),
-                                   len(todo), self.numel, self.device, self.x_global.dtype)
-        progress = self.progress
-        try:
-            for start in range(0, len(todo), self._chunk):
-                part = todo[start:start + self._chunk]
-                self._round_bad, self._round_kept = [], part
-                self._rows_at = 0 if self._foldable else len(kept)
-                if self._lazy:
-                    self._round_data(part)
-                part_stats = self._train_round_clients(round_number, part, part, [])
-                _add_stats(stats, part_stats)
-                got = list(self._round_kept)
-                bad += self._round_bad
-                if self._fold is not None:
-                    excluded = self._fold.add(self.updates[:len(got)], [position[cid] for cid in got])
-                    if self.scaffold is not None:
-                        self.scaffold.fold_chunk(got, excluded)
-                kept += got
-                if progress is not None:
-                    progress(round_number, len(kept) + len(bad), len(clients))
-        finally:
-            self._rows_at = 0
-            if self._lazy:
-                self._round_data(None)
-        order = {cid: i for i, cid in enumerate(clients)}
-        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
-        self._round_kept = kept
-        return stats
-
-    def _client_rows(self, cid: int) -> torch.Tensor:
-        """Client ``cid``'s sample indices into what the engines train on: the training
-        set, or (lazy datasets) the round's own rows."""
-        return self.client_indices[cid] if self._round_index is None else self._round_index[cid]
-
-    def _round_data(self, clients: Optional[List[int]]) -> None:
-        """Lazy datasets: make the round's ``clients``' samples and point the engines at
-        them (None: drop them).  Client ``i``'s sample ``j`` is row ``start_i + j``,
-        so its batches (drawn from positions) pick the samples they pick in the
-        materialised dataset: the same bits."""
-        if clients is None:
-            x, y = self.dataset.x_test[:1], self.dataset.y_test[:1]
-            self._round_index = None
-        else:
-            x, y, starts = self.dataset.gather(clients)
-            sizes = self.partition.client_indices.sizes()
-            self._round_index = {cid: torch.arange(s, s + int(sizes[cid]), device=self.device)
-                                 for cid, s in zip(clients, starts)}
-        self.train_x, self.train_y = x, y
-        self.trainer.x_train, self.trainer.y_train = x, y
-        if self.batched is not None:
-            self.batched.x_train, self.batched.y_train = x, y
-
-    def _train_round_clients(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
-        if self.batched is not None:
-            try:
-                return self._train_clients_batched(round_number, todo)
-            except BatchedUnsupported as exc:  # the first batched round failed: redo it sequentially
-                if self.scaffold is not None:
-                    self.scaffold.discard_pending()
-                self._fall_back(str(exc))
-            except Exception as exc:  # noqa: BLE001 - a group failed: find the client(s) one by one
-                if self.config.on_bad_client == "raise":
-                    raise
-                if self.scaffold is not None:
-                    self.scaffold.discard_pending()
-                self.results.meta.setdefault("sequential_retrains", []).append(round_number)
-                _log.warning("round %d: the batched engine raised (%s: %s); retraining the round client by client "
-                             "to leave out the failing client(s)", round_number, type(exc).__name__, exc)
-        stats = RoundStats(self.device)
-        global_buffers = buffers_to_vector(self.global_model) if self._has_buffers else None
-        exclude = self.config.on_bad_client == "exclude"
-        kept, row = [], 0
-        for cid in todo:
-            saved = _snapshot(stats) if exclude else None
-            try:
-                self.trainer.train(
-                    self.x_global, self._client_rows(cid), round_index=round_number - 1,
-                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[self._rows_at + row],
-                    stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
-                    out_buffers=self.buffer_rows[row] if self._has_buffers else None)
-            except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out
-                if not exclude:
-                    raise
-                _restore(stats, saved)  # its partial steps do not count
-                if self.scaffold is not None:
-                    self.scaffold._pending.pop(cid, None)
-                bad.append((cid, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
-                continue
-            kept.append(cid)
-            row += 1
-        order = {cid: i for i, cid in enumerate(clients)}
-        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
-        self._round_kept = kept
-        return stats
 
     def run_round(self) -> dict:
         """Run the next round; returns (and records) its record.
@@ -911,20 +598,6 @@ class Simulation:
         self.results.records = [r for r in res.records if r["round"] <= self.round]
 
 
-class _OnDevice:
-    """A read-only sequence of index tensors moved to ``device`` on access (a
-    :class:`~fedopt_kernels.fl.partition.CSRIndices` population is never copied whole)."""
-
-    def __init__(self, indices, device):
-        self.indices, self.device = indices, device
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i):
-        return self.indices[i].to(self.device)
-
-
 def _detached_copy(value):
     """``value`` with every tensor in it (nested dicts, lists, tuples) cloned: a state
     dict that later rounds do not change under its holder."""
@@ -935,26 +608,6 @@ def _detached_copy(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_detached_copy(v) for v in value)
     return value
-
-
-def _add_stats(total: RoundStats, part: RoundStats) -> None:
-    """``part``'s sums into ``total`` (a chunked round's statistics)."""
-    for a, b in ((total.loss_sum, part.loss_sum), (total.clipped, part.clipped),
-                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped)):
-        a += b
-    total.steps += part.steps
-
-
-def _snapshot(stats: RoundStats) -> tuple:
-    return (stats.loss_sum.clone(), stats.clipped.clone(), stats.clipped_norm_sum.clone(), stats.skipped.clone(),
-            stats.steps)
-
-
-def _restore(stats: RoundStats, saved: tuple) -> None:
-    """Undo the steps added since :func:`_snapshot` (the same values: bitwise)."""
-    for t, v in zip((stats.loss_sum, stats.clipped, stats.clipped_norm_sum, stats.skipped), saved[:4]):
-        t.copy_(v)
-    stats.steps = saved[4]
 
 
 def _read_server_stats(stats: dict) -> dict:

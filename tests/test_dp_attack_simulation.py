@@ -129,14 +129,37 @@ def test_fedopt_simulate_writes_epsilon_and_the_attackers(tmp_path):
 
 
 @pytest.mark.parametrize("settings", [DP, dict(attack="signflip", attack_fraction=0.25)], ids=["dp", "attack"])
-def test_distributed_simulation_refuses_what_it_does_not_wire_yet(tmp_path, settings):
+def test_distributed_simulation_on_one_rank_equals_the_simulator(tmp_path, settings):
+    """DP and the per-client attacks run under --distributed (2-rank equality:
+    tests/test_distributed_robust_dp.py); on one rank the run is the simulator's, bit for bit."""
+    import torch.distributed as dist
+
+    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+
+    cfg = SimulationConfig(**{**TINY, **settings})
+    whole_sim = Simulation(cfg)
+    whole = whole_sim.run()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sim = DistributedSimulation(cfg)
+        res = sim.run()
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(sim.x_global, whole_sim.x_global)
+    assert [r.get("dp_epsilon") for r in res.records] == [r.get("dp_epsilon") for r in whole.records]
+    assert [r.get("attacked_clients") for r in res.records] == [r.get("attacked_clients") for r in whole.records]
+    key = "dp_epsilon" if "dp_clip" in settings else "attacked_clients"
+    assert any(r.get(key) for r in whole.records)  # the compared records hold what they are about
+
+
+def test_distributed_simulation_refuses_alie(tmp_path):
     import torch.distributed as dist
 
     from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ConfigError, match="not supported with --distributed yet"):
-            DistributedSimulation(SimulationConfig(**{**TINY, **settings}))
+        with pytest.raises(ConfigError, match="attack alie is not supported with --distributed"):
+            DistributedSimulation(SimulationConfig(**{**TINY, "attack": "alie", "attack_fraction": 0.25}))
     finally:
         dist.destroy_process_group()

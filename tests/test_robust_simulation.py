@@ -117,17 +117,25 @@ def test_a_resumed_centered_clipping_run_continues_from_its_reference():
     assert not torch.equal(fresh.x_global, whole.x_global)
 
 
-def test_distributed_simulation_refuses_a_robust_rule(tmp_path):
+def test_distributed_simulation_on_one_rank_runs_the_rule(tmp_path):
+    """A robust rule runs under --distributed (2-rank equality: tests/test_distributed_robust_dp.py);
+    on one rank the run is the simulator's, bit for bit, selection records included."""
     import torch.distributed as dist
 
     from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
 
+    cfg = SimulationConfig(**{**TINY, "aggregator": "multi-krum", "byzantine_f": 1, "krum_m": 2})
+    whole_sim = Simulation(cfg)
+    whole = whole_sim.run()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ConfigError, match="aggregator median is not supported with --distributed yet"):
-            DistributedSimulation(SimulationConfig(**{**TINY, "aggregator": "median"}))
+        sim = DistributedSimulation(cfg)
+        res = sim.run()
     finally:
         dist.destroy_process_group()
+    assert torch.equal(sim.x_global, whole_sim.x_global)
+    assert [r.get("robust_selected") for r in res.records] == [r.get("robust_selected") for r in whole.records]
+    assert any(r.get("robust_selected") for r in whole.records)
 
 
 def test_fedopt_simulate_writes_the_aggregator_and_the_selected_clients(tmp_path):

@@ -324,3 +324,25 @@ def test_a_flower_run_with_dp_arguments_is_the_simulators_run(dp, monkeypatch):
         assert "dp_epsilon" in keys and ("dp_unclipped_fraction" in keys) == ("dp_target_quantile" in dp)
         for k in keys:
             assert metrics[k] == rec[k], (r, k)
+
+
+def test_a_restored_strategy_goes_on_as_an_uninterrupted_one():
+    """state_dict carries the rounds and the clip: round 3 after a restore draws round
+    3's noise and reports 3 rounds' epsilon, as the run that never stopped."""
+    B, g, replies = _replies()
+    dp = dict(dp_clip=0.3, dp_target_quantile=0.5, dp_noise_multiplier=0.5, dp_delta=1e-2, dp_num_clients=M)
+    whole = _strategy(**dp)
+    whole.load_global_arrays(g)
+    for r in (1, 2):
+        whole.aggregate_train(r, replies)
+    state = whole.state_dict()
+    _, want = whole.aggregate_train(3, replies)
+    resumed = _strategy(**dp)
+    resumed.load_state_dict(state)
+    _, got = resumed.aggregate_train(3, replies)
+    assert torch.equal(resumed.x_global, whole.x_global)
+    assert got["dp_epsilon"] == want["dp_epsilon"] and got["dp_clip"] == want["dp_clip"] != 0.3
+    fresh = _strategy(**dp)  # without the state: round 1's clip, noise and epsilon
+    fresh.load_state_dict({**state, "privacy": None})
+    _, first = fresh.aggregate_train(3, replies)
+    assert first["dp_clip"] == 0.3 and first["dp_epsilon"] < want["dp_epsilon"]

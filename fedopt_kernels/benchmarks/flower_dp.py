@@ -1,6 +1,7 @@
-"""DP-FedAvg in Flower: the fused strategy with a :class:`~fedopt_kernels.server.dp.DPAggregator`
-against Flower's own server-side DP wrappers around its ``FedAvg``
-(``DifferentialPrivacyServerSideFixedClipping`` and ``...AdaptiveClipping``).
+"""DP-FedAvg in Flower: the fused strategy with its ``dp_*`` arguments (the simulator's
+:class:`~fedopt_kernels.server.dp.DPAggregator` and accountant) against Flower's own
+server-side DP wrappers around its ``FedAvg`` (``DifferentialPrivacyServerSideFixedClipping``
+and ``...AdaptiveClipping``).
 
 One round's ``aggregate_train`` on the SAME ``C`` client replies
 (:func:`~fedopt_kernels.benchmarks.flower.make_replies`, every reply given the same
@@ -8,8 +9,9 @@ One round's ``aggregate_train`` on the SAME ``C`` client replies
 ``m = C``), timed interleaved (medians, same run).  Both sides decode the replies, clip
 each client's update ``x_i - x`` to the clip ``C``, average, add Gaussian noise of std
 ``z C / m`` to the new global model and encode it.  The fused side is ``FedAvg`` (``lr =
-1``, uniform weighting) whose aggregator is ``DPAggregator(clip=C, noise_multiplier=z,
-expected_clients=m)``: its global model ``x - (1/m) sum_i clip(x - x_i) + noise`` is
+1``, uniform weighting) with ``dp_clip=C, dp_noise_multiplier=z, dp_num_clients=m`` (every
+node sampled, so ``m`` is the divisor; with noise ``dp_delta`` too, so its round also
+reports epsilon, which Flower's wrappers do not): its global model ``x - (1/m) sum_i clip(x - x_i) + noise`` is
 Flower's up to the noise and rounding (and, for adaptive clipping, the noise's scale: see
 :func:`agreement`).
 
@@ -37,6 +39,7 @@ from .flower import MODELS, ShapesModel, make_replies
 from .timing import interleaved
 
 NUM_EXAMPLES = 100  # every reply's weight: Flower's FedAvg is then the uniform mean
+DELTA = 1e-5  # the fused side's dp_delta with noise (epsilon in its metrics)
 
 
 def _flat(arrays) -> torch.Tensor:
@@ -52,7 +55,7 @@ def equal_weight_replies(shapes, C: int, *, seed: int = 0, scale: float = 1e-2):
 
 
 def pairs(C: int, z: float, clip: float, count_stddev=None) -> Dict[str, Tuple[Callable, dict]]:
-    """``name: (Flower strategy factory (z), DPAggregator keyword arguments (z))``;
+    """``name: (Flower strategy factory (z), the fused strategy's dp_* keyword arguments)``;
     ``count_stddev``: adaptive clipping's ``sigma_b`` on both sides (None: ``C / 20``,
     both sides' default)."""
     sb = C / 20 if count_stddev is None else count_stddev
@@ -67,10 +70,11 @@ def pairs(C: int, z: float, clip: float, count_stddev=None) -> Dict[str, Tuple[C
                                                                clip_norm_lr=0.2, clipped_count_stddev=sb)
 
     return {
-        f"server-side fixed clip C={clip:g} z={z:g}": (flwr_fixed, dict(clip=clip, expected_clients=C)),
-        f"server-side adaptive clip C0={clip:g} z={z:g}": (flwr_adaptive, dict(clip=clip, expected_clients=C,
-                                                                                target_quantile=0.5, clip_lr=0.2,
-                                                                                clip_count_stddev=sb)),
+        f"server-side fixed clip C={clip:g} z={z:g}": (flwr_fixed, dict(dp_clip=clip, dp_num_clients=C)),
+        f"server-side adaptive clip C0={clip:g} z={z:g}": (flwr_adaptive, dict(dp_clip=clip, dp_num_clients=C,
+                                                                                dp_target_quantile=0.5,
+                                                                                dp_clip_lr=0.2,
+                                                                                dp_clip_count_stddev=sb)),
     }
 
 
@@ -79,7 +83,6 @@ class _Sides:
 
     def __init__(self, shapes, global_arrays, replies, flwr_factory, ours_kw, z: float, seed: int = 0):
         from ..integrations import flower as fk
-        from ..server.dp import DPAggregator
 
         self.global_arrays, self.replies = global_arrays, replies
         # Flower's wrapper replaces each reply's ArrayRecord by its clipped one: every call
@@ -87,9 +90,10 @@ class _Sides:
         self.kept = [(m, dict(m.content.array_records.items())) for m in replies]
         self.flwr = flwr_factory(z)
         self.flwr.current_arrays = global_arrays  # what configure_train would have set
-        self.ours = fk.FedAvg(ShapesModel(shapes), lr=1.0, fraction_evaluate=0.0, weighting="uniform")
-        self.dp = DPAggregator(noise_multiplier=z, seed=seed, **ours_kw)
-        self.ours.optimizer.aggregator = self.dp
+        noise = dict(dp_noise_multiplier=z, dp_delta=DELTA) if z > 0 else {}
+        self.ours = fk.FedAvg(ShapesModel(shapes), lr=1.0, fraction_evaluate=0.0, weighting="uniform",
+                              min_train_nodes=1, dp_seed=seed, **noise, **ours_kw)
+        self.dp = self.ours.privacy.aggregator
         self.ours.load_global_arrays(global_arrays)
         self.rounds = iter(range(1, 10 ** 9))
 
@@ -153,8 +157,8 @@ def agreement(shapes, C: int, z: float, clip: float, *, seed: int = 0, count_std
             noisy = _Sides(shapes, global_arrays, replies, factory, kw, z, seed)
             row["flwr noise std"] = float((_flat(noisy.run_flwr()).double() - want.double()).std())
             row["fused noise std"] = float((_flat(noisy.run_ours()).double() - got.double()).std())
-            adaptive = "target_quantile" in kw
-            z_update = effective_noise_multiplier(z, kw["clip_count_stddev"]) if adaptive else z
+            adaptive = "dp_target_quantile" in kw
+            z_update = effective_noise_multiplier(z, kw["dp_clip_count_stddev"]) if adaptive else z
             row["mechanism std"] = z_update * clip / C
             if adaptive:
                 row["flwr clip after"] = float(noisy.flwr.clipping_norm)

@@ -72,7 +72,8 @@ import torch
 
 from ..ops import validation as V
 from ..ops.aggregate import (NONFINITE, AggregateStats, ClientPieces, aggregate_runner, as_weight_tensor,
-                             check_clients, check_gamma, check_weight_values, host_to_device, robust_weights)
+                             check_clients, check_gamma, check_weight_values, host_to_device, norm_bound_factors,
+                             robust_weights)
 from ..ops.validation import acc_dtype
 from . import comm
 from .comm import Plan
@@ -257,11 +258,11 @@ def all_aggregate(
         raise ValueError("all_aggregate: the weights of the clients of all ranks must not all be zero"
                          + (f" (after leaving out {len(left_out)} with a bad weight)" if left_out else ""))
     if not left_out:
-        out, st = _aggregate_planned(rows, w_local, gamma, out, plan, group, run=run, nonfinite=nonfinite,
+        out, st, _ = _aggregate_planned(rows, w_local, gamma, out, plan, group, run=run, nonfinite=nonfinite,
                                      max_client_norm=max_client_norm, mode=mode, dtype=dtype, device=device)
         return out, AllAggregateStats(*st)
     # the good clients alone, in the global order; the statistics then name every client
-    out, st = _aggregate_planned(rows, w_local, gamma, out, good_plan(plan, bad_all), group, run=run,
+    out, st, _ = _aggregate_planned(rows, w_local, gamma, out, good_plan(plan, bad_all), group, run=run,
                                  nonfinite=nonfinite, max_client_norm=max_client_norm, mode=mode, dtype=dtype,
                                  device=device)
     full = expand_stats(st, plan.C, kept_index(plan, left_out))
@@ -290,7 +291,10 @@ def expand_stats(st: AggregateStats, C: int, kept: List[int]) -> AggregateStats:
 
 def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, nonfinite, max_client_norm, mode,
                        dtype, device):
-    """The aggregation once every rank has agreed on ``plan`` (inputs already checked)."""
+    """The aggregation once every rank has agreed on ``plan`` (inputs already checked):
+    ``(out, AggregateStats, bound)``, ``bound`` the ``[C]`` norm-bound factors it applied
+    (None without ``max_client_norm``), as :func:`~fedopt_kernels.ops.aggregate.aggregate_bounded`
+    returns them, for the round's description to read instead of computing them again."""
     acc = acc_dtype(dtype)
     robust = nonfinite == "exclude" or max_client_norm is not None
     # Reading a CPU flag is free; on CUDA it would sync, so there the second pass always
@@ -306,8 +310,12 @@ def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, non
     qw = comm.gather_rows(torch.stack([q_local, w_local], dim=1), plan, group) if mode == "ordered" \
         else result.gathered
     q, w = qw[:, 0].contiguous(), qw[:, 1].contiguous()
+    bound = None
     if robust:
-        eff, excluded = robust_weights(w, q, nonfinite == "exclude", max_client_norm)
+        eff, excluded = robust_weights(w, q, nonfinite == "exclude", None)
+        if max_client_norm is not None:  # the factors, once (aggregate_bounded's split: the same bits)
+            bound = norm_bound_factors(q, excluded, max_client_norm)
+            eff = eff * bound
         redo = (eff != w).any()
         if not host_decides or bool(redo):
             result.second_pass(eff[plan.start:plan.stop].contiguous(), None if host_decides else ~redo)
@@ -316,7 +324,7 @@ def _aggregate_planned(rows, w_local, gamma, out, plan: Plan, group, *, run, non
     else:
         eff, excluded, redo = w, torch.zeros(plan.C, dtype=torch.bool, device=device), None
     Q = result.finish(out, redo)
-    return out, AggregateStats(q, Q, excluded, eff, excluded.all())
+    return out, AggregateStats(q, Q, excluded, eff, excluded.all()), bound
 
 
 class _Ordered:

@@ -62,10 +62,11 @@ class DistributedAggregator:
         C, plan = rnd.plan.C, rnd.plan
         # The single-process normalisation, on the union: same p, same validity flag.
         p, valid = normalize_weights(rnd.weights, C, out.device, out.dtype)
-        _, st = _aggregate_planned(rnd.rows, p[plan.start:plan.stop].contiguous(), 1.0, out, plan, self.group,
-                                   run=rnd.run, nonfinite=opt.nonfinite, max_client_norm=opt.max_client_norm,
-                                   mode=self.mode, dtype=opt.param_dtype, device=out.device)
-        return RoundAggregate.of(p, st, valid, opt.max_client_norm)
+        _, st, factors = _aggregate_planned(rnd.rows, p[plan.start:plan.stop].contiguous(), 1.0, out, plan,
+                                            self.group, run=rnd.run, nonfinite=opt.nonfinite,
+                                            max_client_norm=opt.max_client_norm, mode=self.mode,
+                                            dtype=opt.param_dtype, device=out.device)
+        return RoundAggregate.of(p, st, valid, opt.max_client_norm, factors)
 
     # ------------------------------------------------------------------ shared by every distributed rule
     def _check_local(self, opt, rows, C_r: int, kind: str) -> None:

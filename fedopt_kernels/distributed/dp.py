@@ -50,11 +50,10 @@ from typing import Optional
 
 import torch
 
-from ..ops.aggregate import AggregateStats, host_to_device, norm_bound_factors
-from ..ops.dp_noise import gaussian_noise_
+from ..ops.aggregate import host_to_device, norm_bound_factors
 from ..ops.validation import acc_dtype
 from ..server.aggregation import RoundAggregate
-from ..server.dp import DPAggregator, DPRound, dp_noise_seed, refuse_client_statistics
+from ..server.dp import DPAggregator, refuse_client_statistics
 from . import comm
 from .aggregate import _AllReduce, _Ordered
 from .aggregator import DistributedAggregator
@@ -98,7 +97,7 @@ class DistributedDPAggregator(DistributedAggregator):
         C = plan.C
         w_all = mech.check_weights(rnd.weights, C)  # the union's bound, checked alike on every rank
         m = mech.expected_clients
-        clip = host_to_device(mech._clip, device, "the DP clip") if mech._clip.device != device else mech._clip
+        clip = mech.clip_on(device)
         clip_acc = clip.reshape(()).to(acc)
         base = (torch.ones(C, dtype=acc, device=device) if w_all is None
                 else host_to_device(w_all.to(acc), device, "weights"))
@@ -133,7 +132,7 @@ class DistributedDPAggregator(DistributedAggregator):
         # 4. the noise, once, on the last rank; D, the count and the next clip broadcast from there
         small = torch.zeros(3, dtype=torch.float64, device=device)  # b_bar, next clip, ||D||^2
         if last:
-            b_bar, next_clip = self._privatise(out, unclipped, clip, device)
+            b_bar, next_clip = mech.privatise_(out, unclipped, clip)
             small[0] = b_bar if b_bar is not None else 0.0
             small[1] = next_clip
             small[2] = torch.dot(out, out).to(torch.float64)
@@ -143,36 +142,5 @@ class DistributedDPAggregator(DistributedAggregator):
         b_bar = small[0] if mech.adaptive else None
         next_clip = small[1].to(clip.dtype)
         sq_norm = small[2].to(acc)
-
-        std = (mech.update_noise_multiplier / m) * clip
-        p = torch.where(excluded, zero, base / m)
-        bound = torch.where(p > 0, factors, zero)
-        all_excluded = excluded.all()
-        skip = all_excluded if mech.noise_multiplier == 0 else torch.zeros((), dtype=torch.bool, device=device)
-        stats = AggregateStats(client_sq_norms=q, sq_norm=sq_norm, excluded=excluded, weights=eff / m,
-                               all_excluded=all_excluded)
-        mech.last = DPRound(clip=clip, noise_std=std if mech.noise_multiplier > 0 else torch.zeros_like(std),
-                            unclipped_fraction=b_bar, next_clip=next_clip)
-        mech._clip = next_clip
-        mech.rounds += 1
-        return RoundAggregate(stats=stats, p=p, bound=bound, skip=skip)
-
-    def _privatise(self, out: torch.Tensor, unclipped: torch.Tensor, clip: torch.Tensor, device):
-        """On the last rank: adaptive clipping's privatised count and next clip, and the
-        update's noise into ``out`` -- :class:`DPAggregator`'s draws, in its order, from
-        round ``t``'s generator."""
-        mech = self.mechanism
-        m = mech.expected_clients
-        gen = torch.Generator(device=device).manual_seed(dp_noise_seed(mech.seed, mech.rounds + 1))
-        b_bar, next_clip = None, clip
-        if mech.adaptive:  # the count's noise first, then the update's: a fixed order of draws
-            count = (unclipped.to(torch.float64) - 0.5).sum()
-            if mech.clip_count_stddev > 0:
-                count = count + mech.clip_count_stddev * torch.randn((), generator=gen, device=device,
-                                                                     dtype=torch.float64)
-            b_bar = count / m + 0.5
-            next_clip = clip * torch.exp(-mech.clip_lr * (b_bar - mech.target_quantile))
-        if mech.noise_multiplier > 0:
-            gaussian_noise_(out, (mech.update_noise_multiplier / m) * clip, gen)
-        return b_bar, next_clip
-
+        return mech.close_round(clip, base, excluded=excluded, factors=factors, client_sq_norms=q,
+                                weights=eff / m, sq_norm=sq_norm, b_bar=b_bar, next_clip=next_clip)

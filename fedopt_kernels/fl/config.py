@@ -19,6 +19,7 @@ from ..ops import MODES as NAR_MODES
 from ..server.registry import WEIGHTINGS, resolve_weighting
 from .attacks import ATTACKS
 from .corruption import CORRUPT_KINDS
+from .dp_settings import DP_MODES, DP_REFUSED_ALGOS, check_dp_settings, robust_with_dp_error  # noqa: F401
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
            "CORRUPT_KINDS", "BAD_CLIENT_POLICIES", "ATTACK_CHOICES", "DP_MODES", "AGGREGATORS"]
@@ -31,14 +32,6 @@ PROXY_SOURCES = ("test", "train")
 FEDLAW_LEARN = ("both", "gamma", "lambda")
 BAD_CLIENT_POLICIES = ("exclude", "raise")  # as the Flower strategies' on_bad_reply
 ATTACK_CHOICES = ("none",) + ATTACKS  # fl/attacks.py
-DP_MODES = ("server", "client")  # server/dp.py: who clips
-# server steps that read what DP does not privatise (server/dp.py), with the reason
-DP_REFUSED_ALGOS = {
-    "fedexp": "its step size reads every client's ||D_i||^2",
-    "asnes": "its gain ratio reads every client's ||D_i||^2",
-    "fedlaw": "it learns the aggregation weights from every client's model on a proxy set",
-    "scaffold": "its control variates carry every client's update unclipped and without noise",
-}
 # robust aggregation rules (server/robust_aggregator.py); each parameter field and the rules it applies to
 AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geomed", "centered-clip",
                "norm-bound")
@@ -426,9 +419,7 @@ class SimulationConfig:
         if self.krum_m is not None and self.krum_m > C:
             raise ConfigError(f"krum-m {self.krum_m} selects more clients than per-round ({C})")
         if self.dp_clip is not None:
-            raise ConfigError(f"aggregator {rule} cannot be combined with dp-clip: DP-FedAvg's sensitivity argument "
-                              "is for the clipped weighted sum (one client moves it by at most clip / m), which a "
-                              "robust rule does not compute; use aggregator mean with dp-clip")
+            raise ConfigError(robust_with_dp_error(rule))
         if self.algo in ROBUST_REFUSED_ALGOS:
             raise ConfigError(f"aggregator {rule} cannot be used with algo {self.algo}: {ROBUST_REFUSED_ALGOS[self.algo]}")
 
@@ -445,12 +436,7 @@ class SimulationConfig:
     def _validate_privacy_and_attacks(self, choice, real) -> None:
         """The DP and attack settings: each alone, then every combination that
         would void the privacy guarantee, refused with the reason."""
-        choice("dp_mode", DP_MODES)
         choice("attack", ATTACK_CHOICES)
-        real("dp_clip", 0.0, low_open=True, allow_none=True)
-        real("dp_noise_multiplier", 0.0)
-        real("dp_target_quantile", 0.0, 1.0, low_open=True, high_open=True, allow_none=True)
-        real("dp_delta", 0.0, 1.0, low_open=True, high_open=True, allow_none=True)
         real("attack_fraction", 0.0, 1.0)
         if self.attack == "none" and self.attack_fraction > 0:
             raise ConfigError(f"attack-fraction {self.attack_fraction:g} needs an attack: set attack to one of "
@@ -459,42 +445,14 @@ class SimulationConfig:
             raise ConfigError(f"attack {self.attack} with attack-fraction {self.attack_fraction:g} of {self.clients} "
                               f"clients attacks no client (the count is rounded); use at least "
                               f"{0.5 / self.clients:.3g}")
-        z = self.dp_noise_multiplier
-        if self.dp_clip is None:
-            given = [name for name, on in (("dp-noise-multiplier", z > 0),
-                                           ("dp-target-quantile", self.dp_target_quantile is not None),
-                                           ("dp-delta", self.dp_delta is not None),
-                                           ("dp-mode", self.dp_mode != "server")) if on]
-            if given:
-                raise ConfigError(f"{given[0]} needs dp-clip (the clip C, the initial clip with "
-                                  "dp-target-quantile): differential privacy clips every update to it")
-            return
-        if self.algo in DP_REFUSED_ALGOS:
-            raise ConfigError(f"dp-clip cannot be used with algo {self.algo}: {DP_REFUSED_ALGOS[self.algo]}, which "
-                              "the DP mechanism does not privatise (that would void the guarantee)")
-        if self.resolved_weighting == "size":
-            raise ConfigError(f"dp-clip with weighting {self.weighting} (data-size weights for {self.algo}): a "
-                              "client's weight has no bound, so neither has its influence on the sum, which voids "
-                              "the guarantee; use weighting uniform")
-        if z > 0 and self.dp_delta is None:
-            raise ConfigError(f"dp-noise-multiplier {z:g} needs dp-delta, the delta at which epsilon is reported "
-                              f"each round (e.g. 1e-5, below 1/clients = {1 / self.clients:.3g})")
-        if z == 0 and self.dp_delta is not None:
-            raise ConfigError("dp-delta asks for epsilon, but dp-noise-multiplier is 0: without noise the "
-                              "clipped mean is not private (epsilon is infinite); set dp-noise-multiplier > 0")
-        if self.dp_delta is not None and self.dp_delta >= 1 / self.clients:
-            raise ConfigError(f"dp-delta {self.dp_delta:g} must be below 1/clients = {1 / self.clients:.3g}: a "
-                              "delta of 1/n allows one client's data to be released whole")
-        if self.dp_target_quantile is not None:
-            if self.dp_mode == "client":
-                raise ConfigError("dp-target-quantile (adaptive clipping) needs every client's unclipped bit, "
-                                  "which dp-mode client does not send: use dp-mode server or a fixed dp-clip")
-            sigma_b = self.per_round / 20  # Andrew et al. 2021's recommendation, server/dp.py's default
-            if z > 0 and not 2 * sigma_b > z:
-                raise ConfigError(f"dp-noise-multiplier {z:g} leaves adaptive clipping's count no share of the "
-                                  f"noise at {self.per_round} clients per round: the count's noise (per-round / 20 = "
-                                  f"{sigma_b:g}) must exceed dp-noise-multiplier / 2 (z_Delta = (z^-2 - (2 sigma_b)^-2)"
-                                  f"^-1/2); use dp-noise-multiplier < {2 * sigma_b:g} or raise per-round")
+        # the Flower strategies' dp_* arguments go through the same checks (fl/dp_settings.py)
+        try:
+            check_dp_settings(clip=self.dp_clip, noise_multiplier=self.dp_noise_multiplier,
+                              target_quantile=self.dp_target_quantile, delta=self.dp_delta, mode=self.dp_mode,
+                              algo=self.algo, weighting=self.weighting, resolved_weighting=self.resolved_weighting,
+                              clients=self.clients, per_round=self.per_round)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     @property
     def memory_budget_bytes(self) -> Optional[int]:

@@ -228,32 +228,64 @@ class DPAggregator:
         w = self.check_weights(weights, C)
         device, acc = out.device, out.dtype
         m = self.expected_clients
-        clip = host_to_device(self._clip, device, "the DP clip") if self._clip.device != device else self._clip
+        clip = self.clip_on(device)
+        # the clip step: (1/m) sum_i w_i clip(D_i) into out, every norm and factor
         _, st = clipped_sum(rows, clip, weights=w, scale=1.0 / m, out=out, backend=optimizer.backend)
-        gen = torch.Generator(device=device).manual_seed(dp_noise_seed(self.seed, self.rounds + 1))
-        b_bar = None
-        next_clip = clip
+        b_bar, next_clip = self.privatise_(out, st.unclipped, clip)
+        base = torch.ones(C, dtype=acc, device=device) if w is None else host_to_device(w.to(acc), device, "weights")
+        sq_norm = torch.dot(out.to(acc), out.to(acc)) if out.dtype != acc else torch.dot(out, out)
+        return self.close_round(clip, base, excluded=st.excluded, factors=st.factors,
+                                client_sq_norms=st.client_sq_norms, weights=st.weights / m, sq_norm=sq_norm,
+                                b_bar=b_bar, next_clip=next_clip)
+
+    # The two steps after the clipped sum, shared with the distributed form
+    # (fedopt_kernels.distributed.dp), which computes that sum over the ranks.
+    def clip_on(self, device) -> torch.Tensor:
+        """The clip of this round as a float64 0-d tensor on ``device``."""
+        return host_to_device(self._clip, device, "the DP clip") if self._clip.device != device else self._clip
+
+    def privatise_(self, out: torch.Tensor, unclipped: torch.Tensor, clip: torch.Tensor):
+        """The privatise step, on the clipped sum ``out`` (``(1/m) sum_i w_i clip(D_i)``):
+        adaptive clipping's privatised count ``b_bar`` and the next clip, then the
+        update's noise of std ``z_Delta C / m`` added to ``out`` in place -- from round
+        ``t``'s generator (``dp_noise_seed(seed, t)``), the count's draw first.  Returns
+        ``(b_bar or None, next clip)``; ``unclipped``: ``[C]`` bools ``||D_i|| <= C``."""
+        m = self.expected_clients
+        gen = torch.Generator(device=out.device).manual_seed(dp_noise_seed(self.seed, self.rounds + 1))
+        b_bar, next_clip = None, clip
         if self.adaptive:  # the count's noise first, then the update's: a fixed order of draws
-            count = (st.unclipped.to(torch.float64) - 0.5).sum()
+            count = (unclipped.to(torch.float64) - 0.5).sum()
             if self.clip_count_stddev > 0:
-                count = count + self.clip_count_stddev * torch.randn((), generator=gen, device=device,
+                count = count + self.clip_count_stddev * torch.randn((), generator=gen, device=out.device,
                                                                      dtype=torch.float64)
             b_bar = count / m + 0.5
             next_clip = clip * torch.exp(-self.clip_lr * (b_bar - self.target_quantile))
-        std = (self.update_noise_multiplier / m) * clip
         if self.noise_multiplier > 0:
-            gaussian_noise_(out, std, gen)
-        zero = torch.zeros((), dtype=acc, device=device)
-        base = torch.ones(C, dtype=acc, device=device) if w is None else host_to_device(w.to(acc), device, "weights")
-        p = torch.where(st.excluded, zero, base / m)
-        bound = torch.where(p > 0, st.factors, zero)
-        all_excluded = st.excluded.all()
+            gaussian_noise_(out, self.noise_std(clip), gen)
+        return b_bar, next_clip
+
+    def noise_std(self, clip: torch.Tensor) -> torch.Tensor:
+        """``z_Delta C / m``: the std of the noise in the mean update."""
+        return (self.update_noise_multiplier / self.expected_clients) * clip
+
+    def close_round(self, clip: torch.Tensor, base: torch.Tensor, *, excluded: torch.Tensor, factors: torch.Tensor,
+                    client_sq_norms: torch.Tensor, weights: torch.Tensor, sq_norm: torch.Tensor,
+                    b_bar: Optional[torch.Tensor], next_clip: torch.Tensor) -> RoundAggregate:
+        """The round's :class:`~fedopt_kernels.server.aggregation.RoundAggregate` (``p_i =
+        w_i / m`` but 0 for an excluded client, the clip factors as bounds) from the
+        clients' ``base`` weights (acc dtype) and what the clip step found; records the
+        round (:attr:`last`) and moves on to the next clip."""
+        m = self.expected_clients
+        zero = torch.zeros((), dtype=base.dtype, device=base.device)
+        p = torch.where(excluded, zero, base / m)
+        bound = torch.where(p > 0, factors, zero)
+        all_excluded = excluded.all()
         # with noise the mechanism's output is applied whatever the clients sent: skipping
         # a round because every client was left out would itself depend on their data
-        skip = all_excluded if self.noise_multiplier == 0 else torch.zeros((), dtype=torch.bool, device=device)
-        sq_norm = torch.dot(out.to(acc), out.to(acc)) if out.dtype != acc else torch.dot(out, out)
-        stats = AggregateStats(client_sq_norms=st.client_sq_norms, sq_norm=sq_norm, excluded=st.excluded,
-                               weights=st.weights / m, all_excluded=all_excluded)
+        skip = all_excluded if self.noise_multiplier == 0 else torch.zeros((), dtype=torch.bool, device=base.device)
+        stats = AggregateStats(client_sq_norms=client_sq_norms, sq_norm=sq_norm, excluded=excluded, weights=weights,
+                               all_excluded=all_excluded)
+        std = self.noise_std(clip)
         self.last = DPRound(clip=clip, noise_std=std if self.noise_multiplier > 0 else torch.zeros_like(std),
                             unclipped_fraction=b_bar, next_clip=next_clip)
         self._clip = next_clip

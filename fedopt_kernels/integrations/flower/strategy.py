@@ -67,6 +67,8 @@ from ...ops import ClientPieces
 from ...utils.flat import (buffers_layout, buffers_to_vector, flatten_parameters_, parameters_layout,
                            vector_to_buffers)
 from ...fl.config import AGGREGATOR_PARAMS, AGGREGATORS, TRIM_BETA
+from ...fl.dp_settings import PYTHON_NAMES, check_dp_settings, robust_with_dp_error
+from ...fl.privacy import RoundPrivacy
 from ...server.robust_aggregator import RobustAggregator, refuse_robust_statistics
 from .records import arrayrecords_as_pieces, load_arrayrecord_, stack_arrayrecords, tensors_to_arrayrecord
 from .screening import BAD_REPLY_POLICIES, REASONS, screen_train_replies
@@ -79,6 +81,7 @@ __all__ = [
 SCAFFOLD_KEY = "scaffold-c"  # ArrayRecord of the server control variate in train messages
 ORDER_KEY = "partition-id"  # a reply's ConfigRecord entry that fixes the aggregation order
 LR_SUM_KEY = "lr_sum"  # a reply's MetricRecord entry: sum of the local lrs (SCAFFOLD)
+DP_CLIP_KEY = "dp-clip"  # the train ConfigRecord's entry with dp_mode="client": the clip the clients clip to
 
 ServerFactory = Callable[[List[nn.Parameter]], S.ServerOptimizer]
 
@@ -128,6 +131,35 @@ class FusedStrategy(_FlowerFedAvg):
             ``norm_bound_radius``.  Krum, Multi-Krum and Bulyan report the node ids they
             selected in the round's metrics (``robust_selected``).  Refused with FedLAW,
             SCAFFOLD, FedExP and ASNES (their steps need the weighted mean).
+        dp_clip: DP-FedAvg (docs/privacy.md): every update is clipped to this norm (the
+            initial clip with ``dp_target_quantile``), the clipped updates summed, Gaussian
+            noise added and the sum divided by the nodes sampled per round ``m``; ``None``
+            (default): no differential privacy.  The other ``dp_*`` arguments are
+            ``fedopt simulate``'s ``--dp-*`` flags, same names and meanings:
+            ``dp_noise_multiplier`` (``z``: noise std ``z`` times the clip),
+            ``dp_target_quantile`` (adaptive clipping, Andrew et al. 2021), ``dp_delta``
+            (the round's metrics carry ``dp_epsilon`` at this delta), ``dp_mode``
+            (``"server"``, or ``"client"``: the current clip goes to the clients in the
+            train ``ConfigRecord`` as ``"dp-clip"``, for them to clip to -- the server
+            bounds every update all the same).  The simulator's mechanism and
+            accountant are built (:class:`~fedopt_kernels.fl.privacy.RoundPrivacy`), so
+            a round equals the simulator's on the same updates, and the round's metrics
+            carry ``dp_clip``, ``dp_noise_std``, ``dp_unclipped_fraction`` (adaptive) and
+            ``dp_epsilon`` (with noise), as results.json does.  Settings that would void
+            the guarantee are refused, naming the argument, by the checks of
+            ``fedopt simulate`` (:func:`~fedopt_kernels.fl.dp_settings.check_dp_settings`):
+            data-size weighting (``weighting="uniform"`` is needed), SCAFFOLD, FedExP,
+            ASNES, FedLAW, a robust ``aggregator``, noise without ``dp_delta``.
+        dp_num_clients: with ``dp_clip``, required: ``n``, the nodes of the federation.
+            Flower's ``FedAvg`` samples ``m = max(int(fraction_train n),
+            min_train_nodes)`` of them uniformly without replacement, which the
+            accountant models (``"fixed"``; ``"all"`` when ``m = n``); ``configure_train``
+            refuses a round where the grid has another number of nodes.
+        dp_clip_lr, dp_clip_count_stddev: adaptive clipping's ``eta_C`` (default 0.2)
+            and ``sigma_b`` (default ``m / 20``), the simulator's defaults (it has no
+            flags for them).
+        dp_seed: the seed of the noise (round ``t`` draws from ``dp_noise_seed(dp_seed,
+            t)``; the simulator uses its ``--seed``).
         **kwargs: Flower ``FedAvg``'s (``fraction_train``, ``fraction_evaluate``,
             ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``,
             ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
@@ -141,11 +173,19 @@ class FusedStrategy(_FlowerFedAvg):
                  trim_beta: Optional[float] = None, byzantine_f: Optional[int] = None, krum_m: Optional[int] = None,
                  geomed_iters: Optional[int] = None, geomed_tol: Optional[float] = None,
                  cclip_tau: Optional[float] = None, cclip_iters: Optional[int] = None,
-                 norm_bound_radius: Optional[float] = None, **kwargs):
+                 norm_bound_radius: Optional[float] = None, dp_clip: Optional[float] = None,
+                 dp_noise_multiplier: float = 0.0, dp_target_quantile: Optional[float] = None,
+                 dp_delta: Optional[float] = None, dp_mode: str = "server", dp_num_clients: Optional[int] = None,
+                 dp_clip_lr: Optional[float] = None, dp_clip_count_stddev: Optional[float] = None,
+                 dp_seed: int = 0, **kwargs):
         robust = _robust_aggregator(aggregator, dict(
             trim_beta=trim_beta, byzantine_f=byzantine_f, krum_m=krum_m, geomed_iters=geomed_iters,
             geomed_tol=geomed_tol, cclip_tau=cclip_tau, cclip_iters=cclip_iters, norm_bound_radius=norm_bound_radius))
+        dp = dict(clip=dp_clip, noise_multiplier=dp_noise_multiplier, target_quantile=dp_target_quantile,
+                  delta=dp_delta, mode=dp_mode, clip_lr=dp_clip_lr, clip_count_stddev=dp_clip_count_stddev)
         super().__init__(**kwargs)
+        self.dp_num_clients = dp_num_clients
+        self._check_dp_arguments(robust, aggregator, dp, dp_seed)  # before the model is taken over
         self.read_in_place = bool(read_in_place)
         if on_bad_reply not in BAD_REPLY_POLICIES:
             raise ValueError(f"on_bad_reply must be one of {BAD_REPLY_POLICIES}, got {on_bad_reply!r}")
@@ -197,6 +237,13 @@ class FusedStrategy(_FlowerFedAvg):
             refuse_robust_statistics(server, aggregator)  # FedExP, ASNES, max_client_norm: refused here
             server.aggregator = robust
         self.weighting = S.resolve_weighting(weighting, _algorithm_of(server, self.scaffold))
+        self.privacy: Optional[RoundPrivacy] = None  # DP-FedAvg's mechanism and accountant (the simulator's)
+        if dp_clip is not None:  # now the checks that need the algorithm and its weighting
+            m = self.dp_clients_per_round
+            check_dp_settings(**dp, algo=_algorithm_of(server, self.scaffold), weighting=weighting,
+                              resolved_weighting=self.weighting, clients=dp_num_clients, per_round=m,
+                              names=PYTHON_NAMES)
+            self.privacy = RoundPrivacy.attach(server, **dp, seed=dp_seed, clients=dp_num_clients, per_round=m)
         # the one server round (fedopt_kernels.server.round): the simulator runs the same
         self.round = S.ServerRound(server, self.weighting, self.max_weight_share)
         self.c: Optional[torch.Tensor] = torch.zeros_like(self.x_global) if self.scaffold else None
@@ -220,6 +267,42 @@ class FusedStrategy(_FlowerFedAvg):
     def optimizer(self) -> Optional[S.ServerOptimizer]:
         """:attr:`server` where it takes the clients' updates, else None."""
         return self.server if self.round.takes == "updates" else None
+
+    def _check_dp_arguments(self, robust, aggregator: str, dp: dict, seed) -> None:
+        """The ``dp_*`` arguments, as far as they can be checked before the server exists
+        (the algorithm and its weighting are checked once it does)."""
+        n = self.dp_num_clients
+        if dp["clip"] is None:
+            check_dp_settings(**dp, algo="", weighting="", resolved_weighting="", clients=1, per_round=1,
+                              names=PYTHON_NAMES)  # refuses any other dp_* given without dp_clip
+            if n is not None:
+                raise ValueError("dp_num_clients needs dp_clip (the clip C): it is the population differential "
+                                 "privacy is accounted over")
+            return
+        if robust is not None:
+            raise ValueError(robust_with_dp_error(aggregator, PYTHON_NAMES))
+        if n is None:
+            raise ValueError("dp_clip needs dp_num_clients, the number of nodes in the federation, which Flower "
+                             "samples from each round: the privacy accountant needs it")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"dp_num_clients must be a positive integer, got {n!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"dp_seed must be an integer >= 0, got {seed!r}")
+        m = self.dp_clients_per_round
+        if m > n:
+            raise ValueError(f"the nodes sampled per round, max(int(fraction_train * dp_num_clients), "
+                             f"min_train_nodes) = {m}, exceed dp_num_clients = {n}")
+        check_dp_settings(**dp, algo="", weighting="uniform", resolved_weighting="uniform", clients=n, per_round=m,
+                          names=PYTHON_NAMES)
+
+    @property
+    def dp_clients_per_round(self) -> Optional[int]:
+        """``m``, the nodes Flower's ``FedAvg`` samples per round out of
+        ``dp_num_clients`` (``max(int(fraction_train n), min_train_nodes)``): DP-FedAvg's
+        divisor and the accountant's sample; None without ``dp_num_clients``."""
+        if self.dp_num_clients is None:
+            return None
+        return max(int(self.dp_num_clients * self.fraction_train), self.min_train_nodes)
 
     @property
     def fedlaw(self) -> Optional[S.FedLAW]:
@@ -246,7 +329,8 @@ class FusedStrategy(_FlowerFedAvg):
         log(INFO, "\t│\t├── model: %d parameters in %d tensors (%s, %s)", self.layout.numel, len(self.layout),
             self.layout.dtype, self.device)
         log(INFO, "\t│\t├── client weighting: %s", self.weighting)
-        log(INFO, "\t│\t└── SCAFFOLD control variates: %s", "on" if self.scaffold else "off")
+        log(INFO, "\t│\t├── SCAFFOLD control variates: %s", "on" if self.scaffold else "off")
+        log(INFO, "\t│\t└── differential privacy: %s", "off" if self.privacy is None else self.privacy.meta())
         super().summary()
 
     def global_arrays(self) -> ArrayRecord:
@@ -275,6 +359,12 @@ class FusedStrategy(_FlowerFedAvg):
         if arrays is not self._sent:
             self.load_global_arrays(arrays)
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        if self.privacy is not None and messages:
+            self._check_dp_sampling(len(messages), len(list(grid.get_node_ids())))
+            if self.privacy.aggregator.mode == "client":  # the clip the clients clip to (one host read)
+                clip = float(self.privacy.aggregator.clip)
+                for msg in messages:
+                    msg.content[self.configrecord_key][DP_CLIP_KEY] = clip
         if self.scaffold and messages:
             if self.scaffold_num_clients is not None:
                 self._scaffold_m = self.scaffold_num_clients
@@ -285,6 +375,15 @@ class FusedStrategy(_FlowerFedAvg):
             for msg in messages:
                 msg.content[SCAFFOLD_KEY] = c_record
         return messages
+
+    def _check_dp_sampling(self, sampled: int, connected: int) -> None:
+        """Refuse a round whose sampling the accountant does not model: ``m`` of
+        ``dp_num_clients`` nodes, uniformly without replacement."""
+        n, m = self.dp_num_clients, self.dp_clients_per_round
+        if connected != n or sampled != m:
+            raise ValueError(f"differential privacy is accounted for {m} of dp_num_clients = {n} nodes sampled per "
+                             f"round, but this round sampled {sampled} of {connected} connected nodes: the accountant "
+                             "would report a wrong epsilon; set dp_num_clients to the federation's size")
 
     def _order(self, replies: List[Message]) -> List[Message]:
         def key(msg: Message):
@@ -388,6 +487,9 @@ class FusedStrategy(_FlowerFedAvg):
             server_metrics[f"excluded_{reason}"] = counts.get(reason, 0)
         for k, v in server_metrics.items():
             agg[k] = v
+        if self.privacy is not None:  # dp_clip, dp_noise_std, dp_unclipped_fraction, dp_epsilon: results.json's
+            for k, v in self.privacy.record().items():
+                agg[k] = v
         if self.robust is not None and self.robust.selects:  # the node ids whose updates entered
             agg["robust_selected"] = self.robust.record(nodes)["robust_selected"]
         self.last_aggregation_time = time.perf_counter() - t0
@@ -452,6 +554,7 @@ class FusedStrategy(_FlowerFedAvg):
             "scaffold_c": self.c.clone() if self.c is not None else None,
             "keys": list(self._keys) if self._keys is not None else None,
             "robust": self.robust.state_dict() if self.robust is not None else None,
+            "privacy": self.privacy.state_dict() if self.privacy is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -467,6 +570,8 @@ class FusedStrategy(_FlowerFedAvg):
             self.c.copy_(state["scaffold_c"])
         if self.robust is not None and state.get("robust") is not None:
             self.robust.load_state_dict(state["robust"])
+        if self.privacy is not None and state.get("privacy") is not None:
+            self.privacy.load_state_dict(state["privacy"])
         self._keys = state.get("keys")
         self._sent = None
 

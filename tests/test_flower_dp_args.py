@@ -346,3 +346,51 @@ def test_a_restored_strategy_goes_on_as_an_uninterrupted_one():
     fresh.load_state_dict({**state, "privacy": None})
     _, first = fresh.aggregate_train(3, replies)
     assert first["dp_clip"] == 0.3 and first["dp_epsilon"] < want["dp_epsilon"]
+
+
+# --------------------------------------------------------------------------- the client's side of dp_mode="client"
+@needs_flwr
+@pytest.mark.parametrize("clip", [1e-3, 1e3])
+def test_the_client_clips_its_update_to_the_clip_the_strategy_sent(clip):
+    """FedNARClient reads the train ConfigRecord's "dp-clip" (dp_mode="client") and sends
+    the model of the clipped update x0 - s D, s = min(1, C(1 - 1e-5) / (||D|| + 1e-6))
+    (float64 oracle); without the key, or with a clip the update is under, its model is
+    the unclipped one, bit for bit."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.app import MessageType
+    from flwr.supercore.task_identity import TaskIdentity
+    from torch import nn
+
+    from fedopt_kernels.fl import LocalConfig
+    from fedopt_kernels.integrations import flower as fk
+    from fedopt_kernels.ops.dp_noise import CLIENT_CLIP_MARGIN
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+
+    def model_fn(context):
+        torch.manual_seed(1)
+        return nn.Linear(6, 3)
+
+    client = fk.FedNARClient(model_fn, lambda c: (x, y), config=LocalConfig(steps=3, lr=0.5, nar="none"), seed=0)
+
+    def train(config):
+        x0 = fk.model_to_arrayrecord(model_fn(None))
+        content = RecordDict({"arrays": x0, "config": ConfigRecord(config)})
+        TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as a ServerApp sets them
+        msg = Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1)
+        msg.metadata.__dict__.update(_message_id="m", _src_node_id=0, _run_id=1)  # as a Grid sends it
+        ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+        reply = client.train(msg, ctx)
+        return torch.cat([torch.from_numpy(a.numpy()).reshape(-1) for a in reply.content["arrays"].values()])
+
+    x0 = torch.cat([p.detach().reshape(-1) for p in model_fn(None).parameters()])
+    plain = train({"server-round": 1})
+    got = train({"server-round": 1, fk.strategy.DP_CLIP_KEY: clip})
+    D = (x0 - plain).double()
+    s = min(1.0, clip * (1 - CLIENT_CLIP_MARGIN) / (D.norm().item() + 1e-6))
+    if s == 1.0:
+        assert torch.equal(got, plain)
+    else:
+        torch.testing.assert_close(got.double(), x0.double() - s * D, rtol=0, atol=1e-6)
+        assert (x0 - got).double().norm() <= clip * (1 + 1e-6)

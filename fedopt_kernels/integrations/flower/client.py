@@ -56,10 +56,11 @@ from torch import nn
 
 from ...fl.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from ...fl.seeds import batch_seed, init_seed
+from ...ops.dp_noise import clip_updates_
 from ...utils.flat import parameters_layout
 from .records import arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord, tensors_to_arrayrecord
 from .screening import ROUND_KEY
-from .strategy import LR_SUM_KEY, ORDER_KEY, SCAFFOLD_KEY
+from .strategy import DP_CLIP_KEY, LR_SUM_KEY, ORDER_KEY, SCAFFOLD_KEY
 
 __all__ = ["FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed", "RUN_CONFIG_KEYS",
            "SCAFFOLD_STATE_KEY", "REPLY_CONFIG_KEY"]
@@ -207,6 +208,12 @@ class FedNARClient:
             layout = parameters_layout(model)
             context.state[SCAFFOLD_STATE_KEY] = tensors_to_arrayrecord(
                 (s.name, c_i_new[s.offset:s.offset + s.numel].view(s.shape)) for s in layout.slots)
+
+        config = content[self.configrecord_key] if self.configrecord_key in content else {}
+        if DP_CLIP_KEY in config:  # the strategy's dp_mode="client": clip before sending (the server bounds it again)
+            with torch.no_grad():
+                if not bool(clip_updates_(update, float(config[DP_CLIP_KEY]))):  # an unclipped model keeps its bits
+                    torch.sub(x_global, update, out=trainer.x)
 
         summary = stats.summary()
         metrics = MetricRecord({

@@ -99,6 +99,21 @@ TORCH_LIBRARY(fedopt_C, m) {
   m.def(
       "coordinate_select(Tensor[] clients, Tensor keep, Tensor count, int mode, Tensor(a!) out, "
       "Tensor? skip) -> Tensor");
+  // coordinate_select over clients read in place from pieces (as aggregate_pieces; CPU only).
+  m.def(
+      "coordinate_select_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, Tensor keep, "
+      "Tensor count, int mode, Tensor(a!) out, Tensor? skip) -> Tensor");
+  // The clients' Gram matrix G_ij = <clients[i], clients[j]> in ONE pass (CPU only), as
+  // a float64 [C, C] tensor (symmetric): each block of 256 columns summed in the acc
+  // dtype (in double with float64_products), the blocks added in float64 in a fixed
+  // order (deterministic, independent of threads).  Error bounds:
+  // csrc/cpu/robust_kernels.h.  Krum, Multi-Krum, Bulyan, the geometric median and
+  // centered clipping read it; nothing else does.
+  m.def("client_gram(Tensor[] clients, bool float64_products) -> Tensor");
+  // client_gram over clients read in place from pieces (as aggregate_pieces; CPU only).
+  m.def(
+      "client_gram_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, bool float64_products) "
+      "-> Tensor");
   // The elementwise step of a server optimizer over a list of tensors, in ONE pass
   // (rules and formulas: fedopt::ServerRule in include/fedopt/math.h).  `updates[i]`
   // is the mean update for params[i] (same numel, contiguous, acc dtype); `exp_avg`

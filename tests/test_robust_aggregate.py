@@ -354,13 +354,15 @@ def test_bad_iterative_parameters_are_named():
 
 # ---------------------------------------------------------------- Gram matrix, server entry
 
-def test_gram_matrix_is_the_float64_products():
+def test_reference_gram_matrix_is_the_float64_products():
+    """The reference backend's Gram matrix (the other backends' and their bounds:
+    tests/test_robust_gram.py)."""
     X = clients(5, 70001, torch.float32, "cpu", seed=8)
-    G = R.client_gram(X)
+    G = R.client_gram(X, backend="reference")
     X64 = X.double()
     assert torch.equal(G, G.T)
     torch.testing.assert_close(G, X64 @ X64.T, rtol=1e-13, atol=0)
-    Gx = R.client_gram(list(X.unbind(0)), extra=X[0])
+    Gx = R.client_gram(list(X.unbind(0)), extra=X[0], backend="reference")
     torch.testing.assert_close(Gx[5, :5], G[0], rtol=1e-13, atol=0)
 
 

@@ -108,6 +108,41 @@ struct ServerUpdateArgs {
   ServerParams<acc_t> params;       // rule and nesterov included
 };
 
+// The Gram matrix of K rows (robust_kernels.h): chunk c covers the columns
+// [c * chunk, min(N, (c + 1) * chunk)) and writes its partial G (the upper triangle,
+// row-major [K][K], in double) to partials + c * K * K.
+template <typename acc_t>
+struct GramArgs {
+  ScalarKind kind;                  // rows' element type
+  int64_t num_rows;                 // K
+  const void* const* rows;          // per row: its first element (unused with pieces)
+  const PieceTable* pieces = nullptr;  // the rows as pieces instead
+  int64_t N;
+  int64_t chunk;                    // columns per chunk, a multiple of the kernel's block
+  bool float64_products;            // products and block sums in double (else in acc_t)
+  double* partials;                 // [num_chunks][K][K]
+};
+
+// coordinate_select over blocks of columns (robust_kernels.h): the m kept clients'
+// order statistics per column.  `ids[r]` is the r-th kept client (its row, or its
+// pieces in `pieces`); block b covers the columns [b * block, min(N, (b + 1) * block))
+// and flags bad[b * m + r] = 1 when kept client r holds a NaN/Inf there.
+template <typename acc_t>
+struct SelectArgs {
+  ScalarKind kind;                  // clients' element type
+  int64_t num_kept;                 // m
+  const void* const* rows;          // per kept client: its first element (unused with pieces)
+  const int64_t* ids;               // per kept client: its client index (for pieces)
+  const PieceTable* pieces = nullptr;
+  int64_t N;
+  int64_t block;                    // columns per block
+  int64_t count;
+  int mode;                         // 0 trim, 1 closest to the median
+  void* out;                        // [N]
+  bool out_is_acc;                  // out holds acc_t (else the clients' type)
+  uint8_t* bad;                     // [num_blocks][m]
+};
+
 template <typename acc_t>
 struct Kernels {
   void (*nar_norm)(const NarArgs<acc_t>&, int64_t c0, int64_t c1);
@@ -116,6 +151,8 @@ struct Kernels {
   void (*aggregate)(const AggregateArgs<acc_t>&, int64_t c0, int64_t c1);
   void (*client_dots)(const DotsArgs<acc_t>&, int64_t c0, int64_t c1);
   void (*server_update)(const ServerUpdateArgs<acc_t>&, int64_t c0, int64_t c1);
+  void (*gram)(const GramArgs<acc_t>&, int64_t c0, int64_t c1);
+  void (*select)(const SelectArgs<acc_t>&, int64_t b0, int64_t b1);
 };
 
 struct KernelTable {

@@ -34,15 +34,18 @@
 #include "nar_kernels.h"
 #include "client_rows_kernels.h"
 #include "server_update_kernels.h"
+#include "robust_kernels.h"
 
 namespace fedopt::cpu::CPU_CAPABILITY {
 
 constexpr KernelTable kTable = {
     C10_STRINGIZE(CPU_CAPABILITY),
     {&nar_norm_pass<float>, &nar_update_pass<float>, &aggregate_pass<float>, &client_dots_pass<float>,
-     &server_update_pass<float>},
+     &server_update_pass<float>, &gram_pass<float>,
+     &select_pass<float>},
     {&nar_norm_pass<double>, &nar_update_pass<double>, &aggregate_pass<double>, &client_dots_pass<double>,
-     &server_update_pass<double>},
+     &server_update_pass<double>, &gram_pass<double>,
+     &select_pass<double>},
 };
 
 }  // namespace fedopt::cpu::CPU_CAPABILITY

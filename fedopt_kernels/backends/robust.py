@@ -3,7 +3,8 @@
 ``coordinate_select(clients, keep, count, mode, out, skip) -> nonfinite``
     Coordinate-wise order statistics of the kept clients in one pass over them (schema
     and semantics: csrc/registration.cpp; oracle: python_ref/robust.py).  ``clients`` a
-    ``[C, N]`` tensor or a list of ``C`` 1-D tensors; ``keep`` ``[C]`` bool and ``count``
+    ``[C, N]`` tensor or a list of ``C`` 1-D tensors (the CPU backend also takes
+    :class:`~fedopt_kernels.ops.ClientPieces`, read in place); ``keep`` ``[C]`` bool and ``count``
     a one-element int64 tensor, both on the data's device; ``mode`` 0 (mean of the sorted
     values ``[k, m - k)``, ``k = min(count, (m - 1) // 2)``) or 1 (mean of the ``count``
     values closest to the median); ``out`` ``[N]`` in the clients' or the acc dtype;
@@ -26,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from ..ops.client_pieces import ClientPieces
 from .dtypes import acc_dtype
 
 MODE_TRIM = 0
@@ -71,6 +73,9 @@ def _reference(clients, keep, count, mode, out, skip):
 
 
 def _cpp(clients, keep, count, mode, out, skip):
+    if isinstance(clients, ClientPieces):  # CPU: read in place (coordinate_select_pieces)
+        return torch.ops.fedopt_C.coordinate_select_pieces(clients.flat(), clients.num_pieces, clients.subtract_from,
+                                                            keep, count, int(mode), out, skip)
     if isinstance(clients, torch.Tensor):
         clients = [clients]
     return torch.ops.fedopt_C.coordinate_select(list(clients), keep, count, int(mode), out, skip)

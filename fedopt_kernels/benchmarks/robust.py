@@ -9,6 +9,9 @@ ratios are reported as results.
 * ``torch.median(dim=0)``: the lower median, no NaN exclusion (a smaller job).
 * ``sort-based trimmed mean``: ``torch.sort(X, dim=0)`` then the mean of the middle rows
   (what Flower's ``trim_mean`` does in numpy).
+* ``Gram (fused, acc-dtype blocks)``: ``client_gram`` on the CPU backend (Krum's, Bulyan's,
+  the geometric median's one pass); ``Gram (float64 blocks)``: the same matrix from
+  float64 blocks (the reference backend's, and every backend's before the CPU kernel).
 
 Run: ``python -m fedopt_kernels.benchmarks.robust [--clients 20] [--numel 11200000]``.
 """
@@ -25,6 +28,8 @@ from ..ops import robust_aggregate as R
 from .timing import interleaved
 
 FLOOR = "floor (torch.sum dim 0)"
+GRAM = "Gram (fused, acc-dtype blocks)"
+GRAM64 = "Gram (float64 blocks)"
 
 
 def candidates(X: torch.Tensor, beta: float, backend=None) -> dict:
@@ -42,6 +47,8 @@ def candidates(X: torch.Tensor, beta: float, backend=None) -> dict:
         f"trimmed mean beta={beta} (fused)": lambda: R.trimmed_mean(X, beta, out=out, backend=backend),
         "torch.median(dim=0)": lambda: torch.median(X, dim=0),
         "sort-based trimmed mean": sort_trimmed,
+        GRAM: lambda: R.client_gram(X, backend=backend),
+        GRAM64: lambda: R.client_gram(X, backend="reference"),
     }
 
 
@@ -56,7 +63,8 @@ def bench(C: int = 20, N: int = 11_200_000, beta: float = 0.1, dtype=torch.float
     fused_trim = times[f"trimmed mean beta={beta} (fused)"]
     return dict(C=C, N=N, dtype=str(dtype), threads=torch.get_num_threads(), cpu=platform.processor(),
                 rows=rows, median_speedup_vs_torch=times["torch.median(dim=0)"] / fused_med,
-                trimmed_speedup_vs_sort=times["sort-based trimmed mean"] / fused_trim)
+                trimmed_speedup_vs_sort=times["sort-based trimmed mean"] / fused_trim,
+                gram_speedup_vs_float64=times[GRAM64] / times[GRAM])
 
 
 def main(argv=None):
@@ -72,6 +80,7 @@ def main(argv=None):
         print(f"  {name:36s} {row['seconds'] * 1e3:9.1f} ms  {row['vs_floor']:6.2f}x floor  {row['gb_s']:6.2f} GB/s")
     print(f"  fused median vs torch.median(dim=0): {r['median_speedup_vs_torch']:.2f}x faster")
     print(f"  fused trimmed mean vs sort-based:    {r['trimmed_speedup_vs_sort']:.2f}x faster")
+    print(f"  fused Gram vs float64 blocks:        {r['gram_speedup_vs_float64']:.2f}x faster")
 
 
 if __name__ == "__main__":

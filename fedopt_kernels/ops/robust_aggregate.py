@@ -11,10 +11,12 @@ How each is computed (``C`` clients of ``N`` values, ``m`` of them kept):
   defines them.
 * **Krum, Multi-Krum, Bulyan's selection** -- from the clients' Gram matrix
   ``G_ij = <x_i, x_j>`` (:func:`client_gram`: one pass over the data, ``[C, C]`` in
-  float64), pairwise squared distances ``G_ii + G_jj - 2 G_ij`` on that ``[C, C]``
-  matrix (never a ``[C, C, N]`` intermediate), the selection as ``[C]``-sized tensor
-  ops on the device, then ONE pass of the fused weighted ``aggregate`` over the
-  selected clients (Bulyan: ``coordinate_select`` in its closest-to-median mode).
+  float64 -- on the CPU backend each block of 256 columns summed in the acc dtype, the
+  blocks in float64, ``fedopt_C::client_gram``), pairwise squared distances
+  ``G_ii + G_jj - 2 G_ij`` on that ``[C, C]`` matrix (never a ``[C, C, N]``
+  intermediate), the selection as ``[C]``-sized tensor ops on the device, then ONE pass
+  of the fused weighted ``aggregate`` over the selected clients (Bulyan:
+  ``coordinate_select`` in its closest-to-median mode).
 * **geometric median, centered clipping** -- the iterate is kept as coefficients over
   the clients, ``v = a r + sum_j c_j x_j`` (``r`` the reference point), so every
   distance ``||v - x_i||^2`` is a quadratic form in ``G`` (and ``<x_i, r>``,
@@ -25,6 +27,11 @@ How each is computed (``C`` clients of ``N`` values, ``m`` of them kept):
 * **norm bounding** -- ``aggregate``'s own two-pass form: the first pass gives every
   ``||x_i||^2``, the radius and the factors are computed on the device, and the second
   pass (skipped on the device when no factor changed a weight) writes the result.
+
+Clients given as :class:`ClientPieces` (a Flower reply's per-layer arrays, subtracted
+from the global model) are read in place by the CPU backend -- ``coordinate_select``,
+``client_gram`` and ``aggregate`` all have a pieces form there -- and stacked into
+``[C, N]`` rows once for the other backends (:func:`reads_pieces`).
 
 Clients holding NaN/Inf are left out, as :func:`~fedopt_kernels.ops.aggregate` leaves
 them out; for Krum, Multi-Krum and Bulyan they count among the ``f`` faulty clients
@@ -47,10 +54,17 @@ from . import validation as V
 from .aggregate import aggregate_runner, check_clients, check_out, check_weights
 from .client_pieces import ClientPieces
 
-__all__ = ["RobustStats", "client_gram", "coordinate_median", "trimmed_mean", "krum", "multi_krum", "bulyan",
-           "geometric_median", "centered_clip", "norm_bounded_mean"]
+__all__ = ["RobustStats", "client_gram", "reads_pieces", "coordinate_median", "trimmed_mean", "krum", "multi_krum",
+           "bulyan", "geometric_median", "centered_clip", "norm_bounded_mean"]
 
-GRAM_CHUNK = 1 << 15  # columns per float64 block of the Gram pass (C x 32K doubles)
+GRAM_CHUNK = 1 << 15  # columns per float64 block of the reference backend's Gram pass (C x 32K doubles)
+# The other backends' Gram blocks (the CPU kernel's kGramBlock; triton, cuda: one batched
+# product of GRAM_BATCH such blocks at a time, each block summed in the acc dtype)
+GRAM_BLOCK = 256
+GRAM_BATCH = 128
+# Roundings in the acc dtype that a term x_ik x_jk of the CPU kernel's Gram matrix goes
+# through (csrc/cpu/robust_kernels.h): fp32 acc 10, fp64 acc 13
+GRAM_ACC_OPS = {torch.float32: 10, torch.float64: 13}
 NORM_EPS = 1e-6  # norm-bound epsilon, as aggregate's max_client_norm
 
 
@@ -71,6 +85,10 @@ class RobustStats(NamedTuple):
       else 0.
     * ``all_excluded``: 0-d bool, every client was left out (the result is zeros, or
       the reference point for centered clipping).
+    * ``client_sq_norms``: ``[C]`` float64 ``||x_i||^2`` where the rule has them
+      anyway (the Gram matrix's diagonal: Krum, Multi-Krum, Bulyan, geometric median,
+      centered clipping; norm bounding: its first pass's, in the acc dtype), else None
+      (the coordinate-wise rules).  NaN/Inf for a client left out for holding them.
     """
 
     excluded: torch.Tensor
@@ -79,6 +97,7 @@ class RobustStats(NamedTuple):
     bound_met: torch.Tensor
     iterations: torch.Tensor
     all_excluded: torch.Tensor
+    client_sq_norms: Optional[torch.Tensor] = None
 
 
 # ----------------------------------------------------------------------------- common
@@ -92,30 +111,41 @@ def _check_int(value, name: str, *, low: int, high: Optional[int] = None, why: s
     return value
 
 
-def _rows(clients):
-    """Validated clients as ``(X, C, N, dtype, device)``; ``X`` a ``[C, N]`` tensor or a
-    list of rows (:class:`ClientPieces` stacked once)."""
+def _backend_name(backend, device) -> str:
+    V.check_backend(backend)
+    backends.resolve(backend, device)  # raises if it cannot run here (and loads it)
+    return backends.resolve_name(backend, device.type)
+
+
+def reads_pieces(backend: Optional[str], device: torch.device) -> bool:
+    """Whether the robust rules read :class:`ClientPieces` in place on ``backend`` (the
+    CPU backend: ``coordinate_select_pieces``, ``client_gram_pieces``,
+    ``aggregate_pieces``), rather than stacking them into ``[C, N]`` rows first."""
+    return _backend_name(backend, torch.device(device)) == "cpu"
+
+
+def _rows(clients, backend=None, *, pieces_ok: bool = True):
+    """Validated clients as ``(X, C, N, dtype, device)``; ``X`` a ``[C, N]`` tensor, a
+    list of rows, or :class:`ClientPieces` where the backend reads them in place
+    (:func:`reads_pieces`; else stacked once)."""
     rows, C, N, dtype, device = check_clients(clients)
-    if isinstance(rows, ClientPieces):
+    if isinstance(rows, ClientPieces) and not (pieces_ok and reads_pieces(backend, device)):
         rows = rows.stacked()
     return rows, C, N, dtype, device
 
 
-def _row_block(X, j0: int, j1: int) -> torch.Tensor:
+def _row_block(X, j0: int, j1: int, dtype=torch.float64) -> torch.Tensor:
     if isinstance(X, torch.Tensor):
-        return X[:, j0:j1].double()
-    return torch.stack([r[j0:j1] for r in X]).double()
+        return X[:, j0:j1].to(dtype)
+    return torch.stack([r[j0:j1] for r in X]).to(dtype)
 
 
-def client_gram(clients, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``G = X X^T`` in float64 (``[C, C]``), one pass over the data in column blocks
-    of :data:`GRAM_CHUNK` added in a fixed order (deterministic); products of
-    fp32/fp16/bf16 values are exact in float64.  With ``extra`` (an ``[N]`` vector) the
-    result is the ``[C + 1, C + 1]`` Gram matrix of the clients and ``extra`` (its last
-    row: ``<x_i, extra>`` and ``||extra||^2``), still one pass.  Symmetric by
-    construction (the upper triangle mirrored)."""
-    X, C, N, dtype, device = _rows(clients)
-    K = C + (extra is not None)
+def _symmetric(G: torch.Tensor) -> torch.Tensor:
+    return torch.triu(G) + torch.triu(G, 1).T
+
+
+def _gram_float64(X, N: int, K: int, extra, device) -> torch.Tensor:
+    """The reference backend's Gram matrix: float64 products of float64 blocks."""
     G = torch.zeros(K, K, dtype=torch.float64, device=device)
     for j0 in range(0, N, GRAM_CHUNK):
         j1 = min(N, j0 + GRAM_CHUNK)
@@ -123,8 +153,78 @@ def client_gram(clients, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
         if extra is not None:
             blk = torch.cat([blk, extra[j0:j1].double()[None]])
         G += blk @ blk.T
-    upper = torch.triu(G)
-    return upper + torch.triu(G, 1).T
+    return _symmetric(G)
+
+
+def _gram_blocks(X, N: int, K: int, extra, acc, device) -> torch.Tensor:
+    """Triton's and CUDA's Gram matrix (and the CPU's with an ``extra`` of another
+    dtype): each block of :data:`GRAM_BLOCK` columns in the acc dtype by one batched
+    product of :data:`GRAM_BATCH` blocks, the blocks' ``[K, K]`` results added in
+    float64.  Any order of a block's sum: ``|error| <= (gamma_256(u_acc) + gamma_n(2^-53))
+    sum_k |x_ik x_jk|``."""
+    G = torch.zeros(K, K, dtype=torch.float64, device=device)
+    step = GRAM_BLOCK * GRAM_BATCH
+    for j0 in range(0, N, step):
+        j1 = min(N, j0 + step)
+        nb = -(-(j1 - j0) // GRAM_BLOCK)
+        blk = torch.zeros(K, nb * GRAM_BLOCK, dtype=acc, device=device)
+        blk[:K - (extra is not None), :j1 - j0] = _row_block(X, j0, j1, acc)
+        if extra is not None:
+            blk[K - 1, :j1 - j0] = extra[j0:j1]
+        B = blk.view(K, nb, GRAM_BLOCK).transpose(0, 1)
+        G += torch.bmm(B, B.transpose(1, 2)).double().sum(dim=0)
+    return _symmetric(G)
+
+
+def client_gram(clients, extra: Optional[torch.Tensor] = None, *, float64_products: bool = False,
+                backend: Optional[str] = None) -> torch.Tensor:
+    """``G = X X^T`` as a float64 ``[C, C]`` tensor, one pass over the data, symmetric
+    by construction.  With ``extra`` (an ``[N]`` vector) the result is the
+    ``[C + 1, C + 1]`` Gram matrix of the clients and ``extra`` (its last row:
+    ``<x_i, extra>`` and ``||extra||^2``), still one pass.
+
+    How, by backend (every one deterministic: fixed blocks added in a fixed order):
+
+    * ``reference``: float64 products of float64 blocks of :data:`GRAM_CHUNK` columns
+      (products of fp32/fp16/bf16 values are exact in float64).
+    * ``cpu``: ``fedopt_C::client_gram`` (:class:`ClientPieces` read in place): each
+      block of 256 columns summed in the acc dtype, the blocks added in float64, so
+      ``|G_ij - <x_i, x_j>| <= (gamma_k(u_acc) + gamma_n(2^-53)) sum_l |x_il x_jl|`` with
+      ``k`` = :data:`GRAM_ACC_OPS` (10 for fp32/fp16/bf16 data, 13 for fp64) and ``n``
+      the number of blocks plus chunks (csrc/cpu/robust_kernels.h); an ``extra`` of
+      another dtype than the clients takes the next form.
+    * ``triton``, ``cuda``: the same blocks by batched products on the device
+      (:func:`_gram_blocks`; ``k = 256``).
+
+    ``float64_products``: the blocks in float64 instead of the acc dtype (products of
+    fp32/fp16/bf16 values exact, ``k = 13`` roundings of ``2^-53``: a float64 Gram's
+    accuracy; triton and cuda take the reference form) -- for the rules whose result
+    moves with every distance (the geometric median's and centered clipping's weights
+    ``1/||v - x_i||``), where the selecting rules (Krum, Multi-Krum, Bulyan) only
+    compare them.
+
+    The relative error of a distance ``G_ii + G_jj - 2 G_ij`` is that bound over
+    ``||x_i - x_j||^2``: clients far closer to each other than to the origin lose
+    digits (by the 2^-24 of fp32 on the CPU, where float64 lost them by 2^-53)."""
+    X, C, N, dtype, device = check_clients(clients)
+    name = _backend_name(backend, device)
+    K = C + (extra is not None)
+    exact = bool(float64_products)
+    if name == "cpu" and (extra is None or extra.dtype == dtype):
+        if isinstance(X, ClientPieces):
+            if extra is None:
+                return torch.ops.fedopt_C.client_gram_pieces(X.flat(), X.num_pieces, X.subtract_from, exact)
+            X = X.stacked()
+        if extra is None:
+            rows = [X.contiguous()] if isinstance(X, torch.Tensor) else list(X)
+        else:
+            rows = list(X.contiguous() if isinstance(X, torch.Tensor) else X) + [extra.contiguous()]
+        return torch.ops.fedopt_C.client_gram(rows, exact)
+    if isinstance(X, ClientPieces):
+        X = X.stacked()
+    if name == "reference" or exact:
+        return _gram_float64(X, N, K, extra, device)
+    return _gram_blocks(X, N, K, extra, V.acc_dtype(dtype), device)
 
 
 def _gram_parts(G: torch.Tensor):
@@ -191,11 +291,9 @@ def _zero(device):
 # ------------------------------------------------------------ coordinate-wise rules
 
 def _coordinate(clients, mode: int, count_of, out, backend):
-    X, C, N, dtype, device = _rows(clients)
+    X, C, N, dtype, device = _rows(clients, backend)
     out = check_out(out, N, dtype, device, who="robust aggregation")
-    V.check_backend(backend)
-    backends.resolve(backend, device)  # raises if it cannot run here (and loads it)
-    run = robust_backends.coordinate_select(backends.resolve_name(backend, device.type))
+    run = robust_backends.coordinate_select(_backend_name(backend, device))
     keep = torch.ones(C, dtype=torch.bool, device=device)
     bad = run(X, keep, count_of(keep.sum()), mode, out, None)
     # a second pass without the non-finite clients, skipped on the device if none
@@ -239,14 +337,14 @@ def multi_krum(clients, f: int, m: Optional[int] = None, *, weights=None, out: O
     (``C - f - 2`` nearest neighbours), averaged -- plainly as in the paper, or with
     ``weights`` renormalised over the selected clients.  Needs ``C > 2 f + 2``;
     ``m`` in ``[1, C]`` (default ``C - f``).  Returns ``(out, RobustStats)``."""
-    X, C, N, dtype, device = _rows(clients)
+    X, C, N, dtype, device = _rows(clients, backend)
     f = _check_f(f, C, 3, 2, "Krum")
     m = C - f if m is None else _check_int(m, "m", low=1, high=C)
     w = _base_weights(weights, C, device)
     out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     aggregate_runner(backend, device)  # the backend can run here, before any pass
-    G = client_gram(X)
+    G = client_gram(X, backend=backend)
     kept, Gk = _gram_parts(G)
     D = sq_distances_from_gram(Gk, kept)
     scores = _krum_scores(D, kept, torch.full((), C - f - 2, dtype=torch.long, device=device))
@@ -256,7 +354,7 @@ def multi_krum(clients, f: int, m: Optional[int] = None, *, weights=None, out: O
     coef = torch.where(total > 0, sw / torch.where(total > 0, total, torch.ones_like(total)), sw)
     _weighted_mean(X, C, N, dtype, device, coef, out, backend)
     e = (~kept).sum()
-    return out, RobustStats(~kept, selected, coef, e <= f, _zero(device), e == C)
+    return out, RobustStats(~kept, selected, coef, e <= f, _zero(device), e == C, torch.diagonal(G).clone())
 
 
 def krum(clients, f: int, *, out: Optional[torch.Tensor] = None, backend: Optional[str] = None):
@@ -269,13 +367,11 @@ def bulyan(clients, f: int, *, out: Optional[torch.Tensor] = None, backend: Opti
     those not yet picked, then per coordinate the mean of the ``theta - 2f`` picked
     values closest to their median.  Needs ``C >= 4f + 3``.  Unweighted, as the paper.
     Returns ``(out, RobustStats)``."""
-    X, C, N, dtype, device = _rows(clients)
+    X, C, N, dtype, device = _rows(clients, backend)
     f = _check_f(f, C, 3, 4, "Bulyan")
     out = check_out(out, N, dtype, device, who="robust aggregation")
-    V.check_backend(backend)
-    backends.resolve(backend, device)
-    run = robust_backends.coordinate_select(backends.resolve_name(backend, device.type))
-    G = client_gram(X)
+    run = robust_backends.coordinate_select(_backend_name(backend, device))
+    G = client_gram(X, backend=backend)
     kept, Gk = _gram_parts(G)
     D = sq_distances_from_gram(Gk, kept)
     chosen = torch.zeros(C, dtype=torch.bool, device=device)
@@ -290,7 +386,7 @@ def bulyan(clients, f: int, *, out: Optional[torch.Tensor] = None, backend: Opti
     theta = chosen.sum()
     run(X, chosen, (theta - 2 * f).clamp_min(1).reshape(1), robust_backends.MODE_CLOSEST, out, None)
     e = (~kept).sum()
-    return out, RobustStats(~kept, chosen, None, e <= f, _zero(device), e == C)
+    return out, RobustStats(~kept, chosen, None, e <= f, _zero(device), e == C, torch.diagonal(G).clone())
 
 
 # ------------------------------------------------------------ iterative rules
@@ -315,7 +411,7 @@ def geometric_median(clients, weights=None, *, nu: float = 1e-6, tol: float = 1e
     held as coefficients over the clients), so the iterations read no data; one
     ``aggregate`` pass writes ``v``.  Returns ``(out, RobustStats)`` (``iterations``:
     how many ran)."""
-    X, C, N, dtype, device = _rows(clients)
+    X, C, N, dtype, device = _rows(clients, backend)
     nu = V.check_real(nu, "nu", low=0.0, low_open=True)
     tol = V.check_real(tol, "tol", low=0.0)
     max_iter = _check_int(max_iter, "max_iter", low=0)
@@ -323,7 +419,8 @@ def geometric_median(clients, weights=None, *, nu: float = 1e-6, tol: float = 1e
     out = check_out(out, N, dtype, device, who="robust aggregation")
     V.check_backend(backend)
     aggregate_runner(backend, device)
-    kept, Gk = _gram_parts(client_gram(X))
+    G = client_gram(X, float64_products=True, backend=backend)  # the weights move with every distance
+    kept, Gk = _gram_parts(G)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     a = torch.where(kept, w, zero)
     total = a.sum()
@@ -349,7 +446,7 @@ def geometric_median(clients, weights=None, *, nu: float = 1e-6, tol: float = 1e
         g = torch.where(active, g_new, g)
         active = active & ~done
     _weighted_mean(X, C, N, dtype, device, c, out, backend)
-    return out, RobustStats(~kept, kept & (a > 0), c, kept.any(), iterations, ~kept.any())
+    return out, RobustStats(~kept, kept & (a > 0), c, kept.any(), iterations, ~kept.any(), torch.diagonal(G).clone())
 
 
 def centered_clip(clients, tau: float, *, iterations: int = 1, reference: Optional[torch.Tensor] = None,
@@ -363,7 +460,8 @@ def centered_clip(clients, tau: float, *, iterations: int = 1, reference: Option
     ``a r + sum_j c_j x_j``: the distances come from the Gram matrix of the clients and
     ``r`` (one float64 pass), the iterations read no data, one ``aggregate`` pass and
     one ``[N]`` add write ``v``.  Returns ``(out, RobustStats)``."""
-    X, C, N, dtype, device = _rows(clients)
+    # the Gram matrix with the reference point reads rows (its pieces form has no extra row)
+    X, C, N, dtype, device = _rows(clients, backend, pieces_ok=reference is None)
     tau = V.check_real(tau, "tau", low=0.0, low_open=True)
     iterations = _check_int(iterations, "iterations", low=1)
     if reference is not None:
@@ -375,12 +473,12 @@ def centered_clip(clients, tau: float, *, iterations: int = 1, reference: Option
     V.check_backend(backend)
     aggregate_runner(backend, device)
     if reference is None:
-        G = client_gram(X)
+        G = client_gram(X, float64_products=True, backend=backend)  # the clip factors move with every distance
         d = torch.zeros(C, dtype=torch.float64, device=device)
         R = torch.zeros((), dtype=torch.float64, device=device)
         a = torch.zeros((), dtype=torch.float64, device=device)
     else:
-        Gx = client_gram(X, extra=reference)
+        Gx = client_gram(X, extra=reference, float64_products=True, backend=backend)
         G, d, R = Gx[:C, :C], Gx[C, :C], Gx[C, C]
         a = torch.ones((), dtype=torch.float64, device=device)
     kept, Gk = _gram_parts(G)
@@ -408,7 +506,7 @@ def centered_clip(clients, tau: float, *, iterations: int = 1, reference: Option
     if buf is not out:
         out.copy_(buf)
     return out, RobustStats(~kept, kept, c, n > 0, torch.full((), iterations, dtype=torch.long, device=device),
-                            n == 0)
+                            n == 0, torch.diagonal(G).clone())
 
 
 def norm_bounded_mean(clients, weights=None, *, radius: Optional[float] = None,
@@ -421,7 +519,7 @@ def norm_bounded_mean(clients, weights=None, *, radius: Optional[float] = None,
     Two passes of the fused aggregation (norms, then the bounded sum; the second
     skipped on the device when no client is bounded or left out).  Returns
     ``(out, RobustStats)``; ``stats.weights`` are the bounded weights."""
-    X, C, N, dtype, device = _rows(clients)
+    X, C, N, dtype, device = _rows(clients, backend)
     if (radius is None) == (median_factor is None):
         raise ValueError("norm_bounded_mean takes exactly one of radius (a fixed bound) and median_factor (a "
                          "multiple of the clients' median norm)")
@@ -458,4 +556,4 @@ def norm_bounded_mean(clients, weights=None, *, radius: Optional[float] = None,
     eff_acc = eff.to(acc)
     same = (eff_acc == w_acc).all()
     run(X, eff_acc, 1.0, out, same.reshape(1))
-    return out, RobustStats(~kept, kept, eff, kept.any(), _zero(device), ~kept.any())
+    return out, RobustStats(~kept, kept, eff, kept.any(), _zero(device), ~kept.any(), q)

@@ -69,7 +69,9 @@ class RobustResult:
       weighted sum (None for the coordinate-wise rules);
     * ``bound_met`` 0-d bool: the rule's bound held after the exclusions;
     * ``iterations`` 0-d int64 (geomed, centered-clip);
-    * ``all_excluded`` 0-d bool: no client was usable -- a server step must be skipped.
+    * ``all_excluded`` 0-d bool: no client was usable -- a server step must be skipped;
+    * ``client_sq_norms`` ``[C]`` float64 or None: every ``||x_i||^2`` where the rule
+      computed them on its way (:class:`~fedopt_kernels.ops.robust_aggregate.RobustStats`).
 
     All tensors stay on the updates' device (nothing here synchronises).
     """
@@ -82,6 +84,7 @@ class RobustResult:
     bound_met: torch.Tensor
     iterations: torch.Tensor
     all_excluded: torch.Tensor
+    client_sq_norms: Optional[torch.Tensor] = None
 
 
 def robust_aggregate(updates, rule: str = "mean", *, out: Optional[torch.Tensor] = None,
@@ -105,7 +108,7 @@ def robust_aggregate(updates, rule: str = "mean", *, out: Optional[torch.Tensor]
         device = res.device
         zero = torch.zeros((), dtype=torch.long, device=device)
         return RobustResult(rule, res, ~st.excluded, st.excluded, st.weights, ~st.all_excluded, zero,
-                            st.all_excluded)
+                            st.all_excluded, st.client_sq_norms)
     res, st = _FUNCS[rule](updates, out=out, backend=backend, **params)
     return RobustResult(rule, res, st.selected, st.excluded, st.weights, st.bound_met, st.iterations,
-                        st.all_excluded)
+                        st.all_excluded, st.client_sq_norms)

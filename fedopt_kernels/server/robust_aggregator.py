@@ -29,9 +29,10 @@ used -- which :attr:`RobustAggregator.weighted` says.
 What the round hands the step (:class:`~fedopt_kernels.server.aggregation.RoundAggregate`):
 ``stats.sq_norm = ||D||^2`` of the robust aggregate; ``stats.excluded`` the clients left
 out for holding NaN/Inf (every rule leaves them out); ``stats.client_sq_norms`` every
-``||D_i||^2`` as sent (one extra read of the updates, so the round's statistics keep
-their meaning); ``stats.weights`` each client's coefficient in ``D`` where ``D`` is a
-weighted sum of the clients (Krum, Multi-Krum, geomed, centered clipping, norm bounding),
+``||D_i||^2`` as sent (the diagonal of the rule's Gram matrix where it has one, else
+one extra read of the updates, so the round's statistics keep their meaning);
+``stats.weights`` each client's coefficient in ``D`` where ``D`` is a weighted sum of
+the clients (Krum, Multi-Krum, geomed, centered clipping, norm bounding),
 else ``1/m`` over the ``m`` clients whose values entered (median, trimmed mean, Bulyan);
 ``p`` those weights normalised over the clients that entered; ``skip`` when no client
 was usable.  FedExP and ASNES are refused: their step sizes are functions of
@@ -39,6 +40,11 @@ was usable.  FedExP and ASNES are refused: their step sizes are functions of
 D_i`` (FedExP's extrapolation bound, ASNES's variance estimate), which a robust
 aggregate is not.  So are ``max_client_norm`` (use the ``norm-bound`` rule) and
 ``nonfinite="propagate"`` (every robust rule leaves NaN/Inf clients out).
+
+Updates given as :class:`~fedopt_kernels.ops.ClientPieces` (a Flower reply's arrays)
+are read in place where the backend can (the CPU backend; not centered clipping once it
+has a reference point), else stacked once into a ``[C, N]`` buffer kept from round to
+round.
 
 Centered clipping starts each round from the previous round's aggregate (zeros before
 the first); :meth:`RobustAggregator.state_dict` saves it, so a restored run continues
@@ -53,7 +59,9 @@ import torch
 
 from ..ops import validation as V
 from .aggregation import LocalAggregator, RoundAggregate, normalize_weights
-from ..ops.aggregate import AggregateStats
+from ..ops.aggregate import AggregateStats, aggregate_runner
+from ..ops.client_pieces import ClientPieces
+from ..ops.robust_aggregate import reads_pieces
 from .robust import _PARAMS, RULES, RobustResult, robust_aggregate
 
 __all__ = ["RobustAggregator", "WEIGHTED_RULES", "SELECTING_RULES", "refuse_robust_statistics"]
@@ -142,6 +150,7 @@ class RobustAggregator:
         self._reference: Optional[torch.Tensor] = None  # centered clipping's previous aggregate
         self.last: Optional[RobustResult] = None
         self._rows: Optional[torch.Tensor] = None  # the [C, N] buffer ClientPieces are stacked into
+        self._scratch: Optional[torch.Tensor] = None  # the [N] output of the client-norm pass over pieces
 
     @property
     def weighted(self) -> bool:
@@ -161,8 +170,11 @@ class RobustAggregator:
         rows, C = optimizer.check_updates(updates)
         device, acc = out.device, out.dtype
         p_in, valid = normalize_weights(weights, C, device, acc)  # checked even where the rule ignores them
-        if hasattr(rows, "stacked"):  # ClientPieces: every rule reads a [C, N] tensor, stacked once
-            rows = self._stack(rows)
+        pieces = isinstance(rows, ClientPieces)
+        if pieces and not (reads_pieces(optimizer.backend, device)
+                           and (self.rule != "centered-clip" or self._reference is None)):
+            rows = self._stack(rows)  # the backend reads [C, N] rows: stacked once, into a kept buffer
+            pieces = False
         params = dict(self.params)
         if self.weighted:
             params["weights"] = p_in
@@ -173,7 +185,11 @@ class RobustAggregator:
                                  f"{out.shape[0]}: load a state saved for this model")
             params["reference"] = ref.to(device=device, dtype=acc)
         res = robust_aggregate(rows, self.rule, out=out, backend=optimizer.backend, **params)
-        if isinstance(rows, torch.Tensor):
+        if res.client_sq_norms is not None:  # the rule's own (a Gram matrix's diagonal)
+            client_sq = res.client_sq_norms.to(acc)
+        elif pieces:  # one pass of the aggregation kernel over the pieces, for its client norms
+            client_sq = self._pieces_sq_norms(rows, optimizer.backend, acc)
+        elif isinstance(rows, torch.Tensor):
             client_sq = torch.linalg.vector_norm(rows, dim=1, dtype=acc).square()
         else:
             client_sq = torch.stack([torch.linalg.vector_norm(r, dtype=acc) for r in rows]).square()
@@ -197,6 +213,18 @@ class RobustAggregator:
         self.last = res
         self.rounds += 1
         return RoundAggregate(stats=stats, p=p, bound=None, skip=skip)
+
+    def _pieces_sq_norms(self, pieces, backend, acc) -> torch.Tensor:
+        """Every ``||x_i||^2`` of clients read in place: the aggregation kernel's client
+        norms (weights 0, so nothing is added; its ``[N]`` output a scratch buffer kept
+        from round to round), without the ``[C, N]`` rows."""
+        N = pieces.numel
+        buf = self._scratch
+        if buf is None or buf.shape[0] != N or buf.dtype != acc or buf.device != pieces.device:
+            buf = self._scratch = torch.empty(N, dtype=acc, device=pieces.device)
+        q, _ = aggregate_runner(backend, pieces.device)(pieces, torch.zeros(len(pieces), dtype=acc,
+                                                                            device=pieces.device), 1.0, buf, None)
+        return q
 
     def _stack(self, pieces) -> torch.Tensor:
         """``pieces`` (:class:`~fedopt_kernels.ops.ClientPieces`) as ``[C, N]`` rows, in a

@@ -54,9 +54,37 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--backends", default=None, metavar="A,B",
+                     help="run the cases of the `backend` fixture for these backends only (of "
+                          f"{', '.join(backends.BACKENDS)}); the others are deselected.  Default: every one")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
+    _only_backends(config, items)
+
+
+def _only_backends(config, items):
+    """``--backends A,B``: deselect the cases of the other backends (tests/test_oldest_torch.py
+    leaves out the reference backend's contract cases under torch 2.11; it says why)."""
+    wanted = config.getoption("backends")
+    if wanted is None:
+        return
+    wanted = set(wanted.split(","))
+    if not wanted <= set(backends.BACKENDS):
+        raise pytest.UsageError(f"--backends: {sorted(wanted - set(backends.BACKENDS))} are not backends "
+                                f"(the backends are {', '.join(backends.BACKENDS)})")
+
+    def keep(item):
+        callspec = getattr(item, "callspec", None)
+        return callspec is None or callspec.params.get("backend", None) in (None, *wanted)
+
+    other = [item for item in items if not keep(item)]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [item for item in items if keep(item)]
 
 
 # Backends whose absence is a build failure, not a reason to skip: CI always builds the

@@ -11,9 +11,12 @@ With faults (issue 16): one SuperNode is killed mid-round and one sends a malfor
 reply; the run finishes its rounds with the rest, and its global model is bit for bit
 that of ``fedopt``'s simulation without those clients in those rounds.
 
-Every process is started in its own session and stopped (SIGTERM, then SIGKILL) when
-the test ends, pass or fail; only 127.0.0.1 is used.  Skipped only on Python 3.10,
-where flwr 1.41 cannot be installed.
+The two deployments run at the same time (one module fixture, each on its own SuperLink
+and SuperNodes): the faulty one spends about a minute waiting for the dead node's
+heartbeats to stop (Flower's fixed 30 s interval, 2 missed), which the other run's work
+fills; each test then checks its own run.  Every process is started in its own session
+and stopped (SIGTERM, then SIGKILL) when its run ends, pass or fail; only 127.0.0.1 is
+used.  Skipped only on Python 3.10, where flwr 1.41 cannot be installed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,29 +40,101 @@ WORKLOAD = dict(clients=NODES, per_round=NODES, rounds=3, local_steps=3, hidden=
                 lr_decay=0.998, weight_decay=1e-3, max_norm=10.0, alpha=0.3, seed=0)
 
 
-@needs_flwr
-@pytest.mark.slow
-def test_superlink_and_supernodes_as_processes_equal_fedopt_simulate(tmp_path, monkeypatch):
-    # One torch thread in every process, as simulate's sequential engine runs: MKL's strict mode
-    # (backends/mkl.py) gives a product's bits for a fixed thread count, and Flower's
-    # processes would otherwise run torch's default (docs/determinism.md).
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    link = FR.start_superlink(tmp_path, simulation=False)
-    nodes = []
+# The faults of the second deployment, by node: node 1's SuperNode is killed as its
+# round-2 training starts, node 2 leaves a layer out of its round-3 reply.
+FAULTS = {1: 'fault="die@2"', 2: 'fault="malformed@3"'}
+
+
+@dataclass
+class Deployment:
+    """One deployment's run: its directory, the Flower result (or the exception that
+    ended the run), which SuperNodes were still running when ``flwr run`` returned,
+    whether every process had exited once stopped, and the run's seconds."""
+
+    path: Path
+    flower: object = None
+    error: BaseException = None
+    alive_after_run: list = field(default_factory=list)
+    all_stopped: bool = False
+    took: float = 0.0
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.flower
+
+
+def _start(path: Path, node_config=None):
+    """A deployment SuperLink and its NODES SuperNodes (they take the environment the
+    SuperLink was started in)."""
+    path.mkdir(parents=True, exist_ok=True)
+    link = FR.start_superlink(path, simulation=False)
     try:
-        nodes = FR.start_supernodes(link, NODES, tmp_path)
-        flower = FR.run_flower(link, tmp_path / "flower", deployment=True, timeout=600, **WORKLOAD)
-        assert all(p.poll() is None for p in nodes), "a SuperNode exited during the run"
+        return link, FR.start_supernodes(link, NODES, path, node_config=node_config)
+    except BaseException:
+        link.stop()
+        raise
+
+
+def _run(deployment: Deployment, link, nodes) -> Deployment:
+    """``flwr run`` of the workload on the deployment, then every process stopped."""
+    try:
+        t0 = time.perf_counter()
+        try:
+            deployment.flower = FR.run_flower(link, deployment.path / "flower", deployment=True, timeout=600,
+                                              **WORKLOAD)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test of this deployment
+            deployment.error = e
+        deployment.took = time.perf_counter() - t0
+        deployment.alive_after_run = [p.poll() is None for p in nodes]
     finally:
         for proc in nodes:
             FR.stop_process(proc)
         link.stop()
-    assert all(p.poll() is not None for p in nodes + [link.proc])  # nothing left running
+    deployment.all_stopped = all(p.poll() is not None for p in nodes + [link.proc])
+    return deployment
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory):
+    """Both deployments, run at once: ``{"plain": ..., "faults": ...}``."""
+    root = tmp_path_factory.mktemp("deployments")
+    # One torch thread in every process of the plain run, as simulate's sequential engine
+    # runs: MKL's strict mode (backends/mkl.py) gives a product's bits for a fixed thread
+    # count, and Flower's processes would otherwise run torch's default
+    # (docs/determinism.md).  The faulty run keeps the environment as it is.
+    plain, faults = Deployment(root / "plain"), Deployment(root / "faults")
+    started = []
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OMP_NUM_THREADS", "1")
+            started.append((plain, *_start(plain.path)))
+        started.append((faults, *_start(faults.path, node_config=FAULTS)))
+    except BaseException:
+        for _, link, nodes in started:
+            for proc in nodes:
+                FR.stop_process(proc)
+            link.stop()
+        raise
+    with ThreadPoolExecutor(len(started)) as pool:
+        for f in [pool.submit(_run, *args) for args in started]:
+            f.result()
+    return {"plain": plain, "faults": faults}
+
+
+@needs_flwr
+@pytest.mark.slow
+def test_superlink_and_supernodes_as_processes_equal_fedopt_simulate(deployments, tmp_path, monkeypatch):
+    run = deployments["plain"]
+    flower = run.result()
+    assert all(run.alive_after_run), "a SuperNode exited during the run"
+    assert run.all_stopped  # nothing left running
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # simulate at one thread, as the Flower processes ran
     fedopt = FR.run_fedopt(tmp_path / "fedopt", engine="sequential", **WORKLOAD)
     assert flower.sampled == [NODES] * WORKLOAD["rounds"] and fedopt.sampled == [NODES] * WORKLOAD["rounds"]
     assert len(flower.accuracy) == WORKLOAD["rounds"] + 1
     assert flower.accuracy == fedopt.accuracy
-    state = torch.load(tmp_path / "flower" / "final_model.pt", weights_only=True)
+    state = torch.load(run.path / "flower" / "final_model.pt", weights_only=True)
     x_flower = torch.cat([v.flatten() for v in state.values()])
     x_fedopt = torch.load(tmp_path / "fedopt" / "checkpoint.pt", weights_only=True)["x_global"]
     assert torch.equal(x_flower, x_fedopt), (x_flower - x_fedopt).abs().max()
@@ -88,7 +166,7 @@ def _simulation_without(workload, absent):
 
 @needs_flwr
 @pytest.mark.slow
-def test_a_killed_supernode_and_a_malformed_reply_cost_only_their_own_updates(tmp_path):
+def test_a_killed_supernode_and_a_malformed_reply_cost_only_their_own_updates(deployments):
     """Node 1's SuperNode is killed as its round-2 training starts (the example app's
     ``fault="die@2"``: the process exits without a reply; the SuperLink answers for it
     once its heartbeats stop) and node 2 leaves a layer out of its round-3 reply
@@ -96,29 +174,19 @@ def test_a_killed_supernode_and_a_malformed_reply_cost_only_their_own_updates(tm
     nodes 0 and 2, round 3 node 0 alone (node 1 is gone, node 2's reply is left out),
     each counted under its reason; every round's accuracy and the final model equal the
     simulation without those clients in those rounds, bit for bit."""
-    faults = {1: 'fault="die@2"', 2: 'fault="malformed@3"'}
-    link = FR.start_superlink(tmp_path, simulation=False)
-    nodes = []
-    try:
-        nodes = FR.start_supernodes(link, NODES, tmp_path, node_config=faults)
-        t0 = time.perf_counter()
-        flower = FR.run_flower(link, tmp_path / "flower", deployment=True, timeout=600, **WORKLOAD)
-        took = time.perf_counter() - t0
-        assert nodes[1].poll() is not None, "node 1 should have been killed in round 2"
-        assert nodes[0].poll() is None and nodes[2].poll() is None, "only node 1 should have died"
-    finally:
-        for proc in nodes:
-            FR.stop_process(proc)
-        link.stop()
-    assert all(p.poll() is not None for p in nodes + [link.proc])  # nothing left running
-    history = {h["round"]: h for h in json.loads((tmp_path / "flower" / "history.json").read_text())}
+    run = deployments["faults"]
+    flower, took = run.result(), run.took
+    assert not run.alive_after_run[1], "node 1 should have been killed in round 2"
+    assert run.alive_after_run[0] and run.alive_after_run[2], "only node 1 should have died"
+    assert run.all_stopped  # nothing left running
+    history = {h["round"]: h for h in json.loads((run.path / "flower" / "history.json").read_text())}
     assert sorted(history) == list(range(WORKLOAD["rounds"] + 1)), f"rounds run: {sorted(history)} ({took:.0f} s)"
     assert history[1].get("excluded_clients", 0) == 0
     assert history[2]["excluded_clients"] == 1 and history[2]["excluded_error_reply"] == 1, history[2]
     assert history[3]["excluded_clients"] == 1 and history[3]["excluded_bad_arrays"] == 1, history[3]
     accuracy, x_oracle = _simulation_without(WORKLOAD, {2: (1,), 3: (1, 2)})
     assert flower.accuracy == accuracy
-    state = torch.load(tmp_path / "flower" / "final_model.pt", weights_only=True)
+    state = torch.load(run.path / "flower" / "final_model.pt", weights_only=True)
     x_flower = torch.cat([v.flatten() for v in state.values()])
     assert torch.equal(x_flower, x_oracle), (x_flower - x_oracle).abs().max()
     # the faults changed the result: the run with every client ends elsewhere

@@ -47,7 +47,7 @@ LONGEST_FIRST = (
     "test_oldest_torch.py",  # builds against torch 2.11, runs the contract suites there
     "test_contract_nar_step.py", "test_contract_server_update.py", "test_contract_aggregate.py",
     "test_nar_step.py", "test_flower_deployment.py", "test_robust_aggregate.py", "test_flower.py",
-    "test_distributed.py",
+    "test_distributed.py", "test_distributed_robust_dp.py", "test_robust_gram.py",
     "test_nar_step_batched.py", "test_aggregate.py", "test_wheel.py", "test_docs_site.py",
     "test_server_optimizers.py", "test_selftest.py", "test_fedlaw.py", "test_code_paths.py", "test_sharded_fednar.py",
     "test_flower_run_bench.py", "test_batched_engine.py", "test_ragged_bmm.py", "test_paper_defaults.py",

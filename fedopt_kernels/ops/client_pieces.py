@@ -7,9 +7,12 @@ a read of all of it.  :class:`ClientPieces` describes the clients as they arrive
 client ``i``'s vector is the concatenation of its pieces, optionally subtracted from a
 base (``D_i = x_global - x_i``, the update, from the client's model) -- and
 :func:`~fedopt_kernels.ops.aggregate` reads them in place: on the CPU backend the
-kernel walks a clients x pieces pointer table and stages each chunk of a row (with the
-subtraction) in a cache-resident buffer, so the extra memory is ``O(N)`` (the result)
-plus a few chunks per thread, and the results are bit for bit those of the copied rows.
+kernel walks a clients x pieces pointer table, reading a chunk of a row where it lies
+inside one piece and staging it in a cache-resident buffer where it straddles two; the
+subtraction from the base is done in registers as the row is read (fp32, fp64), or
+while staging (fp16, bf16: in float, rounded once).  The extra memory is ``O(N)`` (the
+result) plus a few chunks per thread, and the results are bit for bit those of the
+copied rows.
 
 :func:`~fedopt_kernels.ops.client_dots` and :func:`~fedopt_kernels.ops.weighted_sum`
 (FedLAW's passes) read them the same way.  Where a backend has no in-place reader

@@ -222,7 +222,24 @@ def _cpu_noise_(out: torch.Tensor, std, generator: torch.Generator, acc: torch.d
         for k in range(chunks):
             chunk(k)
         return
-    from concurrent.futures import ThreadPoolExecutor
+    # torch releases the GIL in randn and add; which thread draws a chunk does not change its bits
+    list(_noise_pool(workers).map(chunk, range(chunks)))
 
-    with ThreadPoolExecutor(workers) as pool:  # torch releases the GIL in randn and add
-        list(pool.map(chunk, range(chunks)))
+
+_POOLS: dict = {}  # (pid, workers) -> ThreadPoolExecutor, kept: starting threads every round cost ~40 ms
+
+
+def _noise_pool(workers: int):
+    """A thread pool of ``workers`` threads, made once per size and kept for the
+    process (its threads idle between rounds; they exit with the interpreter).  Keyed
+    by the process id too: a forked child (a simulator worker) inherits the parent's
+    executor without its threads, and would wait on it for ever."""
+    import os
+
+    key = (os.getpid(), workers)
+    pool = _POOLS.get(key)
+    if pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="fedopt-dp-noise")
+    return pool

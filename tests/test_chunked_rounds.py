@@ -204,3 +204,153 @@ def test_device_decided_redo_equals_the_host_decision(nan):
         outs.append((out, ra.stats.excluded))
     assert torch.equal(bits(outs[0][0]), bits(outs[1][0])) and torch.equal(outs[0][1], outs[1][1])
     assert bool(outs[0][1][3]) == nan
+
+
+# ------------------------------------------------------------------ BatchNorm models fold too (issue 32 item 2)
+from fedopt_kernels.server import ServerRound, average_buffers  # noqa: E402
+from fedopt_kernels.server.weighting import BufferAverage  # noqa: E402
+from fedopt_kernels.utils import buffers_to_vector  # noqa: E402
+
+# clients of unequal sizes (a Dirichlet split), so that max_weight_share has shares to cap
+BN_BASE = dict(dataset="synthetic", clients=30, per_round=9, rounds=2, local_steps=2, partition="dirichlet",
+               weighting="size", engine="sequential", seed=1)
+
+
+def _bn_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(60, 16), torch.nn.BatchNorm1d(16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+
+def _poison(sim, update_of=None, buffers_of=None):
+    """The clients' training as usual, then a NaN in ``update_of``'s update and an Inf
+    in ``buffers_of``'s buffer row: written where the round reads them, chunked or not."""
+    real = sim.trainer.train
+
+    def train(*args, **kw):
+        out = real(*args, **kw)
+        if kw["client"] == update_of:
+            kw["out_update"][3] = float("nan")
+        if kw["client"] == buffers_of:
+            kw["out_buffers"][1] = float("inf")
+        return out
+
+    sim.trainer.train = train
+
+
+def _bn_pair(algo, cap, rounds=2, **poison):
+    kw = dict(BN_BASE, algo=algo, max_weight_share=cap, rounds=rounds)
+    whole = Simulation(SimulationConfig(**kw), model=_bn_mlp)
+    chunked = Simulation(SimulationConfig(**kw, memory_budget="42K"), model=_bn_mlp)
+    assert chunked._has_buffers and chunked._foldable and chunked.results.meta["round_fold"] is True
+    assert chunked._chunk <= 3  # 9 clients: at least 3 chunks
+    assert chunked.updates.shape[0] == chunked.buffer_rows.shape[0] == chunked._chunk  # rows of one chunk
+    before = buffers_to_vector(whole.global_model).clone()
+    for sim in (whole, chunked):
+        _poison(sim, **poison)
+        sim.run()
+    return whole, chunked, before
+
+
+@pytest.mark.parametrize("cap", [None, 0.12])
+@pytest.mark.parametrize("algo", ["fedavg", "fedyogi", "scaffold"])
+def test_batchnorm_model_folds_to_the_unchunked_round_bitwise(algo, cap):
+    """The parameters AND the BatchNorm statistics of a folded round are the unchunked
+    round's bits, with a ``max_weight_share`` that acts on both."""
+    whole, chunked, before = _bn_pair(algo, cap)
+    assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
+    buffers = buffers_to_vector(whole.global_model)
+    assert not torch.equal(buffers, before)  # the statistics moved: the rounds averaged them
+    assert torch.equal(bits(buffers_to_vector(chunked.global_model)), bits(buffers))
+    assert _strip(chunked.results.records) == _strip(whole.results.records)
+    if cap is not None:  # the cap really acts on round 2's weights (one client holds 478 of 1796 samples)
+        sizes = whole.client_sizes[whole.sample_clients(2)]
+        capped = whole.server.round.weights(sizes).values
+        assert capped.max() == pytest.approx(cap) and (sizes / sizes.sum()).max() > 0.25
+
+
+def test_batchnorm_fold_leaves_out_the_nonfinite_clients_like_the_unchunked_round():
+    """One client's update NaN (the step excludes it, its buffers go with it), another's
+    buffers Inf (its update kept): the buffers are the unchunked round's bits and match a
+    float64 oracle; the parameters are within the fold's stated bound.  One round: once
+    a client is left out the parameters differ by rounding, and so would the next
+    round's statistics."""
+    sampled = Simulation(SimulationConfig(**dict(BN_BASE, algo="fedavg")), model=_bn_mlp).sample_clients(1)
+    nan_update, inf_buffers = sampled[4], sampled[7]
+    whole, chunked, before = _bn_pair("fedavg", 0.12, rounds=1, update_of=nan_update, buffers_of=inf_buffers)
+    for sim in (whole, chunked):
+        rec = sim.results.records[1]
+        assert rec["excluded_nonfinite"] == 1 and rec["left_out"] == [[nan_update, "nonfinite"]]
+    got = buffers_to_vector(chunked.global_model)
+    assert torch.isfinite(got).all() and not torch.equal(got, before)
+    assert torch.equal(bits(got), bits(buffers_to_vector(whole.global_model)))
+    # against the float64 formula: clients 4 and 7 out, the capped shares of the rest renormalised
+    rows = whole.buffer_rows[:9].double()  # the unchunked round's rows (round order)
+    assert not torch.isfinite(rows[7]).all()
+    shares = whole.server.round.weights(whole.client_sizes[sampled]).values
+    assert shares.max() == pytest.approx(0.12) and shares.max() < shares.min() * 10  # the cap acts in round 1
+    keep = torch.tensor([i not in (4, 7) for i in range(9)])
+    oracle = (shares[keep, None] * rows[keep]).sum(0) / shares[keep].sum()
+    torch.testing.assert_close(got.double(), oracle, rtol=1e-6, atol=1e-6)
+    # the parameters: the fold's documented bound on the mean update, |dx| <= (C + 2) u sum_i |D_i| (+ 1 ulp of x)
+    D = whole.updates[:9].double()
+    D[~torch.isfinite(D)] = 0
+    bound = 11 * 2.0 ** -24 * D.abs().sum(0) + 2.0 ** -23 * whole.x_global.double().abs()
+    assert ((chunked.x_global.double() - whole.x_global.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_buffer_average_in_chunks_is_average_buffers_bitwise(chunk):
+    """The running form gives average_buffers' bits for any chunking, NaN rows, exclusions
+    and weight-0 clients, and both match the float64 formula."""
+    C, M = 7, 37
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(C, M, generator=g) * 5 + 3
+    rows[2, 4] = float("nan")
+    w = torch.rand(C, generator=g, dtype=torch.float64) + 0.2
+    w[5] = 0.0
+    excluded = torch.zeros(C, dtype=torch.bool)
+    excluded[0] = True
+    current = torch.full((M,), -1.0)
+    want = average_buffers(rows, w, current, excluded)
+    avg = BufferAverage(w, C, M, "cpu", torch.float32)
+    for s in range(0, C, chunk):
+        avg.add(rows[s:s + chunk], list(range(s, min(s + chunk, C))), excluded[s:s + chunk])
+    assert torch.equal(bits(avg.finish(current)), bits(want))
+    keep = torch.tensor([1, 3, 4, 6])
+    oracle = (w[keep, None] * rows[keep].double()).sum(0) / w[keep].sum()
+    # the sum's rounding: |mean - oracle| <= (C + 3) u sum_i |w_i rows_i| / sum_i w_i (fp32, u = 2^-24)
+    bound = (C + 3) * 2.0 ** -24 * (w[keep, None] * rows[keep].double()).abs().sum(0) / w[keep].sum()
+    assert ((want.double() - oracle).abs() <= bound).all()
+    # nobody kept: the current buffers
+    none = BufferAverage(w, C, M, "cpu", torch.float32)
+    none.add(rows, list(range(C)), torch.ones(C, dtype=torch.bool))
+    assert torch.equal(none.finish(current), current)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_buffer_average_dtypes_accumulate_wide(dtype):
+    """fp16/bf16 buffers sum in fp32 and come back in their dtype; float64 stays float64."""
+    C, M = 40, 9
+    g = torch.Generator().manual_seed(8)
+    rows = (torch.rand(C, M, generator=g) * 4 + 1).to(dtype)
+    got = average_buffers(rows, None, torch.zeros(M, dtype=dtype))
+    assert got.dtype == dtype
+    oracle = rows.double().mean(0)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-14}[dtype]
+    torch.testing.assert_close(got.double(), oracle, rtol=tol, atol=0)
+
+
+def test_batchnorm_model_in_unfolded_chunks_keeps_every_clients_buffer_row():
+    """A robust rule needs every row, so the round trains in chunks without folding: each
+    chunk's buffer rows go to their own rows of the round's table, as its updates do
+    (before, every chunk wrote the first rows and the statistics were those of the last
+    chunk and of uninitialised rows)."""
+    kw = dict(BN_BASE, algo="fedavg", aggregator="trimmed-mean", trim_beta=0.2)
+    whole = Simulation(SimulationConfig(**kw), model=_bn_mlp)
+    whole.run()
+    chunked = Simulation(SimulationConfig(**kw, memory_budget="42K"), model=_bn_mlp)
+    assert not chunked._foldable and chunked._chunk <= 3 and chunked.buffer_rows.shape[0] == 9
+    chunked.run()
+    assert torch.equal(bits(chunked.x_global), bits(whole.x_global))
+    assert torch.equal(bits(buffers_to_vector(chunked.global_model)), bits(buffers_to_vector(whole.global_model)))

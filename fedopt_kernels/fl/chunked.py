@@ -30,6 +30,16 @@ FedAdagrad, FedExP, ASNES (:data:`FOLDABLE`) -- folds each chunk into :class:`Ro
   ``c_i^+`` are staged and ``sum dc_i`` accumulated in the round's client order, then
   committed with the round -- the same additions, the same bits.
 
+* **floating buffers** (BatchNorm statistics) are folded beside the updates: each
+  chunk's buffer rows, with the round's weights (``max_weight_share`` included) and the
+  clients its update fold excluded, go into
+  :class:`~fedopt_kernels.server.weighting.BufferAverage`, the running form of the
+  rule every round applies (:func:`~fedopt_kernels.server.weighting.average_buffers`,
+  a row at a time in round order): the unchunked round's buffers bit for bit, with
+  clients left out as NaN/Inf too (the exclusion only zeroes a weight; the total is
+  divided at the end).  A client whose training failed weighs the others as the update
+  fold does: the round's capped weights without it, not capped again.
+
 FedLAW (and any aggregator that ranks or re-weights clients from all updates at once)
 cannot fold: its clients still train in chunks, their updates kept in the round's
 ``[C, N]`` table, which ``client_state_dir`` puts in a memory-mapped file.

@@ -14,8 +14,9 @@ Each client that takes part writes ``D_i = x_global - x_end_i`` into its row of
 :attr:`updates`; one that cannot (no samples, or its training raised) is listed in
 ``_round_bad`` instead (see the simulation module for how a round treats them).  With
 ``memory_budget`` the round trains ``K`` clients at a time (:mod:`.chunked`): each chunk
-folded into the round's running weighted sum, or written to its rows of the round's
-table.  ``progress(round, done, total)`` reports the clients done as they train.
+folded into the round's running weighted sum (its buffer rows into the running mean of
+:class:`~fedopt_kernels.server.weighting.BufferAverage`), or written to its rows of the
+round's tables.  ``progress(round, done, total)`` reports the clients done as they train.
 
 The class holds no state of its own beyond what it documents: it works on the
 attributes :class:`~fedopt_kernels.fl.simulation.Simulation` sets up (the trainers, the
@@ -30,6 +31,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..server.weighting import BufferAverage
 from ..utils import buffers_to_vector
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .chunked import FOLDABLE, RoundFold, chunk_clients, round_weights
@@ -90,7 +92,8 @@ class RoundTraining:
             out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold,
             on_group=(None if self.progress is None else lambda done: self._report_progress(round_number, base + done)))
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
-            self.buffer_rows[:C].copy_(buffers_to_vector(self.global_model).expand(C, -1))
+            rows = self.buffer_rows[self._rows_at:self._rows_at + C]
+            rows.copy_(buffers_to_vector(self.global_model).expand(C, -1))
         self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
         if self.batched.trace_failure is not None:  # still correct, only slower: say why
             self.results.meta["batched_trace_failure"] = self.batched.trace_failure
@@ -139,6 +142,7 @@ class RoundTraining:
     _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
     _foldable = False  # chunks folded into a running sum (fl/chunked.py), else kept in `updates`
     _fold: Optional[RoundFold] = None  # the running sum of the round being trained
+    _buffer_fold: Optional[BufferAverage] = None  # ... and of its clients' floating buffers (BatchNorm statistics)
     _rows_at = 0  # the row of `updates` the clients being trained write first
     #: ``progress(round, clients_done, clients_in_round)`` as a round's clients train: at its
     #: start (0), after each client (sequential engine), group of clients (batched) and chunk
@@ -168,6 +172,9 @@ class RoundTraining:
         if budget is not None:
             itemsize = self.x_global.element_size()
             per_client = self.numel * itemsize
+            if self._has_buffers:  # its buffer row
+                buffer_dtype = self._buffers_layout.dtype
+                per_client += self._buffers_layout.numel * torch.empty((), dtype=buffer_dtype).element_size()
             if self.batched is not None:
                 per_client += self.batched.planner.client_bytes(cfg.batch_size)
             fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
@@ -175,8 +182,12 @@ class RoundTraining:
             if chunk < cfg.per_round:
                 self._chunk = chunk
                 # DP clips every row, an attack reads the honest ones and a robust rule compares
-                # them: all need the whole round's rows, which a running sum does not keep
-                self._foldable = (cfg.algo in FOLDABLE and not self._has_buffers and self.server.optimizer is not None
+                # them: all need the whole round's rows, which a running sum does not keep.  An
+                # fp16/bf16 model does not fold: the running sum enters the fused kernel as one
+                # more client, so it would be rounded to fp16 after every chunk where the
+                # unchunked round keeps it in fp32 (RoundFold).  Floating buffers (BatchNorm
+                # statistics) fold alongside (BufferAverage, the rule of the unchunked round).
+                self._foldable = (cfg.algo in FOLDABLE and self.server.optimizer is not None
                                   and dtype in (torch.float32, torch.float64)
                                   and self.privacy is None and self.attack is None and self.robust is None)
                 if self.batched is not None:
@@ -195,6 +206,9 @@ class RoundTraining:
             self.updates = torch.from_file(path, shared=True, size=rows * self.numel, dtype=dtype).view(rows, -1)
         else:
             self.updates = torch.empty(rows, self.numel, device=self.device, dtype=dtype)
+        if self._has_buffers:  # the buffer rows follow the update rows (a folded round's: one chunk)
+            self.buffer_rows = torch.empty(rows, self._buffers_layout.numel, device=self.device,
+                                           dtype=self._buffers_layout.dtype)
 
     def _train_chunked(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
         """The round's ``todo`` clients trained ``_chunk`` at a time (see
@@ -203,10 +217,15 @@ class RoundTraining:
         stats = RoundStats(self.device)
         bad, kept = list(bad), []
         position = {cid: i for i, cid in enumerate(todo)}
-        self._fold = None
+        self._fold = self._buffer_fold = None
         if self._foldable and todo:
-            self._fold = RoundFold(self.server.optimizer, round_weights(self.server, self.client_sizes[todo]),
-                                   len(todo), self.numel, self.device, self.x_global.dtype)
+            weights = round_weights(self.server, self.client_sizes[todo])
+            self._fold = RoundFold(self.server.optimizer, weights, len(todo), self.numel, self.device,
+                                   self.x_global.dtype)
+            if self._has_buffers and self.server.averages_buffers:
+                # the buffers with the same weights and the same exclusions as the updates
+                self._buffer_fold = BufferAverage(weights, len(todo), self._buffers_layout.numel, self.device,
+                                                  self._buffers_layout.dtype)
         try:
             for start in range(0, len(todo), self._chunk):
                 part = todo[start:start + self._chunk]
@@ -220,7 +239,10 @@ class RoundTraining:
                 got = list(self._round_kept)
                 bad += self._round_bad
                 if self._fold is not None:
-                    excluded = self._fold.add(self.updates[:len(got)], [position[cid] for cid in got])
+                    where = [position[cid] for cid in got]
+                    excluded = self._fold.add(self.updates[:len(got)], where)
+                    if self._buffer_fold is not None:
+                        self._buffer_fold.add(self.buffer_rows[:len(got)], where, excluded)
                     if self.scaffold is not None:
                         self.scaffold.fold_chunk(got, excluded)
                 kept += got
@@ -287,7 +309,7 @@ class RoundTraining:
                     self.x_global, self._client_rows(cid), round_index=round_number - 1,
                     seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[self._rows_at + row],
                     stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
-                    out_buffers=self.buffer_rows[row] if self._has_buffers else None)
+                    out_buffers=self.buffer_rows[self._rows_at + row] if self._has_buffers else None)
             except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out
                 if not exclude:
                     raise

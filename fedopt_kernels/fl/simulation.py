@@ -174,8 +174,7 @@ class Simulation(RoundTraining):
                          if self.local.scaffold else None)
         self._buffers_layout = buffers_layout(global_model)
         self._has_buffers = len(self._buffers_layout) > 0
-        self.buffer_rows = (torch.empty(config.per_round, self._buffers_layout.numel, device=self.device,
-                                        dtype=self._buffers_layout.dtype) if self._has_buffers else None)
+        self.buffer_rows: Optional[torch.Tensor] = None  # the clients' buffer rows, beside updates (_allocate_rounds)
 
         self._proxy_gen = torch.Generator()
         self.proxy_indices: Optional[torch.Tensor] = None  # into the train or test set (proxy_source)
@@ -398,6 +397,7 @@ class Simulation(RoundTraining):
                 self.scaffold.discard_round()
             raise
         with deferred_interrupts():
+            buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
             kept = self._round_kept
             sizes = self.client_sizes[kept]
             C = len(kept)
@@ -413,8 +413,9 @@ class Simulation(RoundTraining):
                     # floating buffers (BatchNorm statistics): weighted like the parameters.  FedLAW's
                     # model keeps the statistics of its proxy training ([FedLAW], released code).
                     current = buffers_to_vector(self.global_model)
-                    vector_to_buffers(self.server.buffers(self.buffer_rows[:C], sizes, current, excluded),
-                                      self.global_model)
+                    new = (buffer_fold.finish(current) if buffer_fold is not None
+                           else self.server.buffers(self.buffer_rows[:C], sizes, current, excluded))
+                    vector_to_buffers(new, self.global_model)
             else:  # no client left: the round is skipped, as when every update is NaN/Inf
                 server_stats, excluded = {"server_skipped": True}, None
                 self.server.last_excluded = None

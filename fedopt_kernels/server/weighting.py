@@ -24,7 +24,8 @@ the parameters -- the round's weights of :meth:`fedopt_kernels.server.ServerRoun
 checked once and capped under ``max_weight_share`` -- with the clients the aggregation
 excluded left out (:func:`average_buffers`, through
 :meth:`~fedopt_kernels.server.ServerRound.buffers`: one rule for the simulator and the
-Flower strategies), except for FedLAW, whose global model keeps the statistics of its
+Flower strategies; :class:`BufferAverage` is its running form, for a round folded chunk
+by chunk, to the same bits), except for FedLAW, whose global model keeps the statistics of its
 proxy training ([FedLAW] section 6 and the released code; see
 :class:`~fedopt_kernels.server.FedLAW`).
 """
@@ -37,7 +38,7 @@ import torch
 
 from .aggregation import CheckedWeights
 
-__all__ = ["client_weights", "average_buffers", "cap_weight_shares", "check_max_weight_share"]
+__all__ = ["client_weights", "average_buffers", "BufferAverage", "cap_weight_shares", "check_max_weight_share"]
 
 
 def client_weights(weighting: str, sizes: Union[torch.Tensor, Sequence[float]]) -> Optional[torch.Tensor]:
@@ -101,27 +102,79 @@ def average_buffers(rows: torch.Tensor, weights, current: torch.Tensor,
     the clients the aggregation ``excluded`` (``[C]`` bool, on any device) and rows that
     are not finite; ``current`` (``[M]``, the global buffers) if no client is left.
 
-    With ``p_i`` the weights over the clients kept, ``sum_i p_i rows_i``: the weights are
-    divided by their largest (so that the sum cannot overflow), cast to the rows' dtype
-    and divided by the total of the kept ones -- renormalised here because a client's
-    buffers can be left out (non-finite) where its update was not.
+    With ``w_i`` the weights over the clients kept, ``(sum_i w_i rows_i) / sum_i w_i``:
+    the weights are divided by their largest (so that the sum cannot overflow), the
+    sum is taken row after row in round order in the accumulation dtype and divided by
+    the total of the kept weights at the end -- renormalised here because a client's
+    buffers can be left out (non-finite) where its update was not.  It is
+    :class:`BufferAverage` fed all the rows at once, so a round folded chunk by chunk
+    gets the same bits.
 
     Runs on the rows' device without a host synchronisation.
     """
     C = rows.shape[0]
-    device, dtype = rows.device, rows.dtype
-    if weights is None:
-        w = torch.ones(C, dtype=torch.float64)
-    else:
-        w = (weights.values if isinstance(weights, CheckedWeights) else weights).to(torch.float64)
-        if w.numel() != C:
-            raise ValueError(f"weights has {w.numel()} entries but there are {C} rows of buffers")
-    w = (w / w.max().clamp(min=1e-300)).to(device=device, dtype=dtype)
-    keep = torch.isfinite(rows).all(dim=1) & (w > 0)
-    if excluded is not None:
-        keep = keep & ~excluded.to(device=device, dtype=torch.bool)
-    w = torch.where(keep, w, torch.zeros_like(w))
-    total = w.sum()
-    p = w / torch.where(total > 0, total, torch.ones_like(total))
-    mean = p @ torch.where(keep[:, None], rows, torch.zeros_like(rows))
-    return torch.where(total > 0, mean, current.to(device=device, dtype=dtype))
+    avg = BufferAverage(_weight_values(weights), C, rows.shape[1], rows.device, rows.dtype)
+    avg.add(rows, torch.arange(C, device=rows.device), excluded)
+    return avg.finish(current)
+
+
+def _weight_values(weights) -> Optional[torch.Tensor]:
+    return weights.values if isinstance(weights, CheckedWeights) else weights
+
+
+class BufferAverage:
+    """:func:`average_buffers` as a running sum: the round's buffer rows added in any
+    number of pieces, in round order, then :meth:`finish`.
+
+    Every row enters the same chain of roundings whatever the pieces:
+    ``t = 0; t = t + w_i rows_i`` for ``i = 0 .. C-1`` (fp32 for fp16/bf16 buffers, else
+    their dtype), ``w_i`` the weights divided by their largest, 0 for a client left out
+    (its row zeroed, so a NaN cannot leak); :meth:`finish` divides by the kept weights'
+    total, summed over the same ``[C]`` vector.  So a round whose clients' buffers are
+    folded chunk by chunk (:mod:`fedopt_kernels.fl.chunked`) gets exactly the bits of
+    :func:`average_buffers` on all of them.
+
+    Args:
+        weights: the round's raw weights in round order (the values of
+            :meth:`~fedopt_kernels.server.ServerRound.weights`, capped under
+            ``max_weight_share``; None: uniform).
+        num_clients: ``C``; numel, device, dtype: the buffer rows' length, device and dtype.
+    """
+
+    def __init__(self, weights: Optional[torch.Tensor], num_clients: int, numel: int, device, dtype):
+        C = int(num_clients)
+        if weights is None:
+            w = torch.ones(C, dtype=torch.float64)
+        else:
+            w = weights.to(torch.float64)
+            if w.numel() != C:
+                raise ValueError(f"weights has {w.numel()} entries but there are {C} rows of buffers")
+        self.dtype = dtype
+        acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.w = (w / w.max().clamp(min=1e-300)).to(device=device, dtype=acc) if C else w.to(device, acc)
+        self.keep = torch.zeros(C, dtype=torch.bool, device=device)
+        self.t = torch.zeros(int(numel), dtype=acc, device=device)
+
+    def add(self, rows: torch.Tensor, positions, excluded: Optional[torch.Tensor] = None) -> None:
+        """Add ``rows`` (``[k, M]``), the buffers of the clients at ``positions``
+        (ascending, after those added before); ``excluded`` (``[k]`` bool): the ones
+        the aggregation left out."""
+        k = rows.shape[0]
+        if k == 0:
+            return
+        index = torch.as_tensor(positions, device=self.w.device)
+        w = self.w.index_select(0, index)
+        keep = torch.isfinite(rows).all(dim=1) & (w > 0)
+        if excluded is not None:
+            keep = keep & ~excluded.to(device=w.device, dtype=torch.bool)
+        self.keep.index_copy_(0, index, keep)
+        terms = torch.where(keep[:, None], w[:, None] * rows.to(w.dtype), torch.zeros((), dtype=w.dtype,
+                                                                                          device=w.device))
+        for j in range(k):  # one row at a time: the order, and so the bits, of any chunking
+            self.t.add_(terms[j])
+
+    def finish(self, current: torch.Tensor) -> torch.Tensor:
+        """The mean of the rows kept, in the buffers' dtype; ``current`` if none was kept."""
+        total = torch.where(self.keep, self.w, torch.zeros_like(self.w)).sum()
+        mean = self.t / torch.where(total > 0, total, torch.ones_like(total))
+        return torch.where(total > 0, mean, current.to(device=mean.device, dtype=mean.dtype)).to(self.dtype)

@@ -7,9 +7,11 @@ op, server and distributed tests), so that "equal to the bit" means one thing ev
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["acc_of", "bits", "same_bits", "assert_bitwise"]
+__all__ = ["acc_of", "bits", "same_bits", "assert_bitwise", "assert_tree_bitwise"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -50,3 +52,21 @@ def assert_bitwise(a, b, what="", nan_ok=False):
             idx = differ.reshape(-1).nonzero().reshape(-1)[:3].tolist()
             raise AssertionError(f"{what}[{i}]: {int(differ.sum())} of {x.numel()} elements differ in their bits, "
                                  f"first at {idx}: {x.reshape(-1)[idx].tolist()} vs {y.reshape(-1)[idx].tolist()}")
+
+
+def assert_tree_bitwise(a, b, what=""):
+    """Two nested dicts / lists / tuples of tensors and plain values equal leaf by leaf:
+    tensors to the bit (:func:`assert_bitwise`), other values by ``==`` (NaN equal to
+    NaN); the message names the path of the first leaf that differs."""
+    if isinstance(a, torch.Tensor):
+        assert_bitwise(a, b, what)
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{what}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_tree_bitwise(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_bitwise(x, y, f"{what}[{i}]")
+    else:
+        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{what}: {a!r} vs {b!r}"

@@ -37,7 +37,7 @@ from torch import nn
 
 import _fp64_oracle as fp64
 import _gloo as gloo
-from _asserts import acc_of, assert_bitwise
+from _asserts import acc_of, assert_bitwise, assert_tree_bitwise
 from _server_cases import CASES
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -376,21 +376,6 @@ def ranks3(tmp_path_factory):
 
 
 # ============================================================================ checks
-def assert_tree_bitwise(a, b, what):
-    if isinstance(a, torch.Tensor):
-        assert_bitwise(a, b, what)
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{what}: keys {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            assert_tree_bitwise(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{what}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_bitwise(x, y, f"{what}[{i}]")
-    else:
-        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{what}: {a!r} vs {b!r}"
-
-
 def single_aggregate(case):
     """The reference: the public single-process ``ops.aggregate`` on the union."""
     from fedopt_kernels.ops import aggregate

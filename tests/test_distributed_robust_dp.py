@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import _gloo as gloo
-from _asserts import assert_bitwise
+from _asserts import assert_bitwise, assert_tree_bitwise
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available in this torch build")
@@ -260,21 +260,6 @@ def ranks(tmp_path_factory):
 
 
 # ============================================================================ single-process references
-def assert_tree_bitwise(a, b, what):
-    if isinstance(a, torch.Tensor):
-        assert_bitwise(a, b, what)
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{what}: keys {sorted(a)} vs {sorted(b)}"
-        for k in a:
-            assert_tree_bitwise(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{what}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_bitwise(x, y, f"{what}[{i}]")
-    else:
-        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{what}: {a!r} vs {b!r}"
-
-
 def single_robust(rule):
     params = make_params()
     agg = make_rule(rule)

@@ -132,19 +132,12 @@ def test_fedopt_simulate_writes_epsilon_and_the_attackers(tmp_path):
 def test_distributed_simulation_on_one_rank_equals_the_simulator(tmp_path, settings):
     """DP and the per-client attacks run under --distributed (2-rank equality:
     tests/test_distributed_robust_dp.py); on one rank the run is the simulator's, bit for bit."""
-    import torch.distributed as dist
-
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from _gloo import run_on_one_rank
 
     cfg = SimulationConfig(**{**TINY, **settings})
     whole_sim = Simulation(cfg)
     whole = whole_sim.run()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        sim = DistributedSimulation(cfg)
-        res = sim.run()
-    finally:
-        dist.destroy_process_group()
+    sim, res = run_on_one_rank(tmp_path, cfg)
     assert torch.equal(sim.x_global, whole_sim.x_global)
     assert [r.get("dp_epsilon") for r in res.records] == [r.get("dp_epsilon") for r in whole.records]
     assert [r.get("attacked_clients") for r in res.records] == [r.get("attacked_clients") for r in whole.records]

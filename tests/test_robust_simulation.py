@@ -120,19 +120,12 @@ def test_a_resumed_centered_clipping_run_continues_from_its_reference():
 def test_distributed_simulation_on_one_rank_runs_the_rule(tmp_path):
     """A robust rule runs under --distributed (2-rank equality: tests/test_distributed_robust_dp.py);
     on one rank the run is the simulator's, bit for bit, selection records included."""
-    import torch.distributed as dist
-
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from _gloo import run_on_one_rank
 
     cfg = SimulationConfig(**{**TINY, "aggregator": "multi-krum", "byzantine_f": 1, "krum_m": 2})
     whole_sim = Simulation(cfg)
     whole = whole_sim.run()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        sim = DistributedSimulation(cfg)
-        res = sim.run()
-    finally:
-        dist.destroy_process_group()
+    sim, res = run_on_one_rank(tmp_path, cfg)
     assert torch.equal(sim.x_global, whole_sim.x_global)
     assert [r.get("robust_selected") for r in res.records] == [r.get("robust_selected") for r in whole.records]
     assert any(r.get("robust_selected") for r in whole.records)

@@ -429,14 +429,6 @@ def register_dataset(name: str, factory: Callable[..., FederatedDataset], *, ove
                 name="cifar10", num_classes=10)
 
         register_dataset("cifar10", cifar10)
-
-
-def _synthetic_lazy_factory(*, seed: int, num_clients: int, alpha: float = 1.0, beta: float = 1.0,
-                            **options) -> LazyFederatedDataset:
-    return synthetic_lazy(alpha, beta, num_clients=num_clients, seed=seed, **options)
-
-
-register_dataset("synthetic-lazy", _synthetic_lazy_factory)
     """
     _DATASETS.register(name, factory, overwrite=overwrite)
 

@@ -23,8 +23,8 @@ def _setup(clip_quantile=0.5):
     from fedopt_kernels.benchmarks import flower_dp as B
 
     g, replies = B.equal_weight_replies(SHAPES, C, seed=3, scale=0.1)
-    x0 = B._flat(g).double()
-    U = torch.stack([B._flat(r.content["arrays"]).double() - x0 for r in replies])
+    x0 = B.flat_arrays(g).double()
+    U = torch.stack([B.flat_arrays(r.content["arrays"]).double() - x0 for r in replies])
     U[1] *= 3.0  # norms that differ enough for a clip between them
     U[4] *= 0.3
     for r, u in zip(replies, U):
@@ -35,7 +35,7 @@ def _setup(clip_quantile=0.5):
             arrays[key] = type(arrays[key])((x0[offset:offset + a.size] + u[offset:offset + a.size]).float()
                                             .numpy().reshape(a.shape))
             offset += a.size
-    U = torch.stack([B._flat(r.content["arrays"]).double() - x0 for r in replies])  # as the replies hold them
+    U = torch.stack([B.flat_arrays(r.content["arrays"]).double() - x0 for r in replies])  # as the replies hold them
     norms = U.norm(dim=1)
     clip = float(norms.quantile(clip_quantile))
     return B, g, replies, x0, U, norms, clip
@@ -60,7 +60,7 @@ def test_without_noise_both_sides_give_the_oracles_global_model(pair):
     name, (factory, kw) = list(B.pairs(C, 0.0, clip, count_stddev=0.0).items())[0 if pair == "fixed" else 1]
     sides = B._Sides(SHAPES, g, replies, factory, kw, 0.0)
     want = _oracle(x0, U, norms, clip)
-    flwr, ours = B._flat(sides.run_flwr()).double(), B._flat(sides.run_ours()).double()
+    flwr, ours = B.flat_arrays(sides.run_flwr()).double(), B.flat_arrays(sides.run_ours()).double()
     # in fp32 each side makes at most C + 4 roundings per coordinate (a client's update, its
     # clip, x + it, its weight; the C - 1 additions; the division) of values no larger than
     # |x| + max_i |u_i|: within (C + 4) u (|x| + max_i |u_i|), u = 2^-24

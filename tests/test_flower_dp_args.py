@@ -26,7 +26,7 @@ def _replies(seed=3):
     from fedopt_kernels.benchmarks import flower_dp as B
 
     g, replies = B.equal_weight_replies(SHAPES, M, seed=seed, scale=0.1)
-    x0 = B._flat(g)
+    x0 = B.flat_arrays(g)
     for i, r in enumerate(replies):
         arrays, offset = r.content["arrays"], 0
         for key in list(arrays.keys()):
@@ -84,8 +84,8 @@ def test_a_strategy_with_dp_arguments_is_the_simulators_dp_round(case, read_in_p
     dp_unclipped_fraction / dp_epsilon in the round's metrics equal to the simulator's
     records."""
     B, g, replies = _replies()
-    x0 = B._flat(g)
-    models = torch.stack([B._flat(r.content["arrays"]) for r in replies])
+    x0 = B.flat_arrays(g)
+    models = torch.stack([B.flat_arrays(r.content["arrays"]) for r in replies])
     norms = (models.double() - x0.double()).norm(dim=1)
     clip = float(norms.median())
     ours, theirs = (dict(d) for d in CASES[case])
@@ -125,8 +125,8 @@ def test_without_noise_the_dp_round_is_the_clipped_mean_in_float64():
     """The oracle of the noiseless round, independent of the simulator:
     ``x - (1/m) sum_i min(1, C / (||D_i|| + 1e-6)) D_i``, within fp32 rounding."""
     B, g, replies = _replies()
-    x0 = B._flat(g).double()
-    U = torch.stack([B._flat(r.content["arrays"]).double() for r in replies]) - x0
+    x0 = B.flat_arrays(g).double()
+    U = torch.stack([B.flat_arrays(r.content["arrays"]).double() for r in replies]) - x0
     clip = float(U.norm(dim=1).median())
     strategy = _strategy(dp_clip=clip, dp_num_clients=M)
     strategy.load_global_arrays(g)

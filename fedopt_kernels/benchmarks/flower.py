@@ -53,6 +53,30 @@ def _ensure_task_identity() -> None:
         TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
 
 
+def flat_arrays(arrays) -> torch.Tensor:
+    """An ``ArrayRecord``'s arrays as one flat CPU tensor, in the record's order (the
+    comparisons' view of a global model or a reply)."""
+    return torch.cat([torch.from_numpy(a.numpy()).flatten() for a in arrays.values()])
+
+
+ROW_KEYS = ("benchmark", "case", "flwr ms", "fused ms", "speed-up", "threads")
+
+
+def speedup_row(benchmark: str, case: str, flwr_s: float, fused_s: float, **extra) -> dict:
+    """One row of a comparison with Flower: both sides' times (seconds in, ms out), the
+    same-run ratio, the threads, then ``extra`` columns."""
+    return {"benchmark": benchmark, "case": case, "flwr ms": flwr_s * 1e3, "fused ms": fused_s * 1e3,
+            "speed-up": flwr_s / fused_s, "threads": torch.get_num_threads(), **extra}
+
+
+def format_row(r: dict, detail: str = "", skip=()) -> str:
+    """One printed line of a :func:`speedup_row`: ``detail`` after the fused time, the
+    extra columns but those in ``skip`` at the end."""
+    extra = "".join(f", {k} {v:.4g}" for k, v in r.items() if k not in ROW_KEYS and k not in skip)
+    return (f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms{detail}, "
+            f"speed-up {r['speed-up']:.2f}x ({r['threads']} threads){extra}")
+
+
 def make_replies(shapes, C: int, *, seed: int = 0, scale: float = 1e-2):
     """``(global ArrayRecord, [C reply Messages])``: clients = global + small noise,
     ``num-examples`` random in [50, 500)."""
@@ -108,9 +132,8 @@ def bench_flower(C: int = 20, model: str = "resnet18", *, repeats: int = 5, warm
     rows = []
     for algo in ("FedAvg", "FedAdam"):
         flwr_t, ours_t, copy_t = times[f"flwr {algo}"], times[f"fused {algo}"], times[f"fused {algo}, copying"]
-        rows.append({"benchmark": f"flower aggregate_train {label}", "case": algo, "flwr ms": flwr_t * 1e3,
-                     "fused ms": ours_t * 1e3, "speed-up": flwr_t / ours_t, "copying ms": copy_t * 1e3,
-                     "in place vs copying": copy_t / ours_t, "threads": torch.get_num_threads()})
+        rows.append(speedup_row(f"flower aggregate_train {label}", algo, flwr_t, ours_t, **{
+            "copying ms": copy_t * 1e3, "in place vs copying": copy_t / ours_t}))
     return rows
 
 
@@ -122,9 +145,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = bench_flower(args.clients, args.model, repeats=args.repeats)
     for r in rows:
-        print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms "
-              f"(copying {r['copying ms']:.1f} ms, {r['in place vs copying']:.2f}x), "
-              f"speed-up {r['speed-up']:.2f}x ({r['threads']} threads)")
+        print(format_row(r, f" (copying {r['copying ms']:.1f} ms, {r['in place vs copying']:.2f}x)",
+                         skip=("copying ms", "in place vs copying")))
     return 0
 
 

@@ -35,15 +35,11 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .flower import MODELS, ShapesModel, make_replies
+from .flower import MODELS, ShapesModel, flat_arrays, format_row, make_replies, speedup_row
 from .timing import interleaved
 
 NUM_EXAMPLES = 100  # every reply's weight: Flower's FedAvg is then the uniform mean
 DELTA = 1e-5  # the fused side's dp_delta with noise (epsilon in its metrics)
-
-
-def _flat(arrays) -> torch.Tensor:
-    return torch.cat([torch.from_numpy(a.numpy()).flatten() for a in arrays.values()])
 
 
 def equal_weight_replies(shapes, C: int, *, seed: int = 0, scale: float = 1e-2):
@@ -118,10 +114,10 @@ def oracle(global_arrays, replies, clip: float):
     ``C + 4`` roundings per coordinate (a client's update, its clip, ``x + it``, its
     weight, the ``C - 1`` additions, the division) of values no larger than ``|x0| +
     max_i |u_i|``, so ``(C + 4) u (|x0| + max_i |u_i|)`` with ``u = 2^-24``."""
-    x0 = _flat(global_arrays).double()
+    x0 = flat_arrays(global_arrays).double()
     total, biggest = torch.zeros_like(x0), torch.zeros_like(x0)
     for r in replies:
-        u = _flat(r.content["arrays"]).double() - x0
+        u = flat_arrays(r.content["arrays"]).double() - x0
         total += min(1.0, clip / float(u.norm())) * u
         torch.maximum(biggest, u.abs(), out=biggest)
     m = len(replies)
@@ -142,21 +138,22 @@ def agreement(shapes, C: int, z: float, clip: float, *, seed: int = 0, count_std
     from ..server.dp import effective_noise_multiplier
 
     global_arrays, replies = equal_weight_replies(shapes, C, seed=seed)
-    x0 = _flat(global_arrays).double()
+    x0 = flat_arrays(global_arrays).double()
     exact, bound = oracle(global_arrays, replies, clip)
-    clipped = sum(float(torch.linalg.vector_norm(_flat(r.content["arrays"]).double() - x0)) > clip for r in replies)
+    clipped = sum(float(torch.linalg.vector_norm(flat_arrays(r.content["arrays"]).double() - x0)) > clip
+                  for r in replies)
     rows = []
     for name, (factory, kw) in pairs(C, z, clip, count_stddev).items():
         quiet = _Sides(shapes, global_arrays, replies, factory, kw, 0.0, seed)
-        want, got = _flat(quiet.run_flwr()), _flat(quiet.run_ours())
+        want, got = flat_arrays(quiet.run_flwr()), flat_arrays(quiet.run_ours())
         row = {"case": name, "clipped": clipped,
                "flwr error / bound": float(((want.double() - exact).abs() / bound).max()),
                "fused error / bound": float(((got.double() - exact).abs() / bound).max())}
         if z > 0:
             np.random.seed(seed)  # Flower draws from numpy's global generator
             noisy = _Sides(shapes, global_arrays, replies, factory, kw, z, seed)
-            row["flwr noise std"] = float((_flat(noisy.run_flwr()).double() - want.double()).std())
-            row["fused noise std"] = float((_flat(noisy.run_ours()).double() - got.double()).std())
+            row["flwr noise std"] = float((flat_arrays(noisy.run_flwr()).double() - want.double()).std())
+            row["fused noise std"] = float((flat_arrays(noisy.run_ours()).double() - got.double()).std())
             adaptive = "dp_target_quantile" in kw
             z_update = effective_noise_multiplier(z, kw["dp_clip_count_stddev"]) if adaptive else z
             row["mechanism std"] = z_update * clip / C
@@ -197,10 +194,8 @@ def bench(C: int = 20, model: str = "resnet18", *, z: float = 1.0, clip: float =
         names.append(name)
     times = interleaved(candidates, repeats=repeats, warmup=warmup)
     label = f"{C} x {model} ({N / 1e6:.3g}M params)"
-    return [{"benchmark": f"flower DP aggregate_train {label}", "case": n,
-             "flwr ms": times[f"flwr {n}"] * 1e3, "fused ms": times[f"fused {n}"] * 1e3,
-             "speed-up": times[f"flwr {n}"] / times[f"fused {n}"], "threads": torch.get_num_threads(),
-             **{k: v for k, v in checks.get(n, {}).items() if k != "case"}}
+    return [speedup_row(f"flower DP aggregate_train {label}", n, times[f"flwr {n}"], times[f"fused {n}"],
+                        **{k: v for k, v in checks.get(n, {}).items() if k != "case"})
             for n in names]
 
 
@@ -214,10 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     for r in bench(args.clients, args.model, z=args.noise, clip=args.clip, repeats=args.repeats):
-        extra = "".join(f", {k} {v:.4g}" for k, v in r.items() if k not in (
-            "benchmark", "case", "flwr ms", "fused ms", "speed-up", "threads"))
-        print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms, "
-              f"speed-up {r['speed-up']:.2f}x ({r['threads']} threads){extra}")
+        print(format_row(r))
     return 0
 
 

@@ -22,14 +22,8 @@ import argparse
 import math
 from typing import Dict, List
 
-import torch
-
-from .flower import MODELS, ShapesModel, make_replies
+from .flower import MODELS, ShapesModel, flat_arrays, format_row, make_replies, speedup_row
 from .timing import interleaved
-
-
-def _flat(arrays) -> torch.Tensor:
-    return torch.cat([torch.from_numpy(a.numpy()).flatten() for a in arrays.values()])
 
 
 def pairs(C: int, f: int, beta: float) -> Dict[str, tuple]:
@@ -81,7 +75,7 @@ def bench(C: int = 20, model: str = "resnet18", *, f: int = 4, beta: float = 0.2
             want, _ = flwr_s.aggregate_train(next(rnd), restored())
             got, _ = ours.aggregate_train(next(rnd), restored())
             ours.load_global_arrays(global_arrays)
-            w, g = _flat(want), _flat(got)
+            w, g = flat_arrays(want), flat_arrays(got)
             err = float((w - g).abs().max())
             if err > 1e-5 * float(w.abs().max()):
                 raise AssertionError(f"{name}: the fused strategy differs from Flower's by {err:g}")
@@ -90,9 +84,7 @@ def bench(C: int = 20, model: str = "resnet18", *, f: int = 4, beta: float = 0.2
         names.append(name)
     times = interleaved(candidates, repeats=repeats, warmup=warmup)
     label = f"{C} x {model} ({N / 1e6:.3g}M params)"
-    return [{"benchmark": f"flower robust aggregate_train {label}", "case": n,
-             "flwr ms": times[f"flwr {n}"] * 1e3, "fused ms": times[f"fused {n}"] * 1e3,
-             "speed-up": times[f"flwr {n}"] / times[f"fused {n}"], "threads": torch.get_num_threads()}
+    return [speedup_row(f"flower robust aggregate_train {label}", n, times[f"flwr {n}"], times[f"fused {n}"])
             for n in names]
 
 
@@ -105,8 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     for r in bench(args.clients, args.model, f=args.f, beta=args.beta, repeats=args.repeats):
-        print(f"{r['benchmark']} | {r['case']}: flwr {r['flwr ms']:.1f} ms, fused {r['fused ms']:.1f} ms, "
-              f"speed-up {r['speed-up']:.2f}x ({r['threads']} threads)")
+        print(format_row(r))
     return 0
 
 

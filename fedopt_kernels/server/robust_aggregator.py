@@ -200,19 +200,17 @@ class RobustAggregator:
         else:
             n = entered.sum().clamp_min(1).to(acc)
             w = torch.where(entered, 1 / n, zero)
-        total = w.sum()
-        p = torch.where(total > 0, w / torch.where(total > 0, total, torch.ones_like(total)), zero)
-        skip = res.all_excluded if valid is None else (res.all_excluded | ~valid)
-        sq_norm = torch.dot(out, out)
-        stats = AggregateStats(client_sq_norms=client_sq, sq_norm=sq_norm, excluded=res.excluded, weights=w,
-                               all_excluded=res.all_excluded)
+        stats = AggregateStats(client_sq_norms=client_sq, sq_norm=torch.dot(out, out), excluded=res.excluded,
+                               weights=w, all_excluded=res.all_excluded)
+        # p: the clients that entered, renormalised (w is already 0 for the others); no norm bound
+        agg = RoundAggregate.of(w, stats, valid, None)
         if self.rule == "centered-clip":  # the next round starts from this aggregate (not from a skipped one)
             prev = (self._reference.to(device=device, dtype=acc) if self._reference is not None
                     else torch.zeros_like(out))
-            self._reference = torch.where(skip, prev, out)
+            self._reference = torch.where(agg.skip, prev, out)
         self.last = res
         self.rounds += 1
-        return RoundAggregate(stats=stats, p=p, bound=None, skip=skip)
+        return agg
 
     def _pieces_sq_norms(self, pieces, backend, acc) -> torch.Tensor:
         """Every ``||x_i||^2`` of clients read in place: the aggregation kernel's client

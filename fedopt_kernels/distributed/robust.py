@@ -80,7 +80,6 @@ class DistributedRobustAggregator(DistributedAggregator):
                              "along the ranks, no gather)")
         super().__init__(group, on_bad_client=on_bad_client, max_weight_share=max_weight_share)
         self.rule = rule
-        self._rows: Optional[torch.Tensor] = None  # rank 0's [C, N] buffer, kept between rounds
 
     def __repr__(self) -> str:
         return f"DistributedRobustAggregator({self.rule!r})"
@@ -97,7 +96,7 @@ class DistributedRobustAggregator(DistributedAggregator):
         root = plan.rank == ROOT
         error = None
         if root:
-            rows = self._buffer(C, plan.N, opt.param_dtype, device)
+            rows = self.rule.kept_rows(C, plan.N, opt.param_dtype, device)  # the rule's buffer, kept between rounds
             for i in range(plan.counts[ROOT]):
                 _copy_row(rnd.rows, i, rows[i])
             offset = plan.counts[ROOT]
@@ -110,7 +109,7 @@ class DistributedRobustAggregator(DistributedAggregator):
             except Exception as exc:  # noqa: BLE001 - said to every rank, then re-raised
                 error = exc
         elif rnd.rows:
-            local = torch.stack(list(rnd.rows)) if not isinstance(rnd.rows, ClientPieces) else _stack(rnd.rows)
+            local = rnd.rows.stack() if isinstance(rnd.rows, ClientPieces) else torch.stack(list(rnd.rows))
             comm.send(local, ROOT, group)
         # one status word from rank 0 (host side, gloo): did the rule run, and the dtype of
         # its own client weights where its result is a weighted sum of the clients (else None)
@@ -132,27 +131,8 @@ class DistributedRobustAggregator(DistributedAggregator):
             return agg
         rule_dtype = None if status[1] is None else getattr(torch, status[1])
         agg, last = _unpack(packed, C, acc, self.rule.rule, out, rule_dtype=rule_dtype)
-        self._follow(agg, last, out)
+        self.rule.finish_round(last, agg.skip, out)  # the state rank 0's rule is left in
         return agg
-
-    def _follow(self, agg: RoundAggregate, last: RobustResult, out: torch.Tensor) -> None:
-        """A non-root rank's rule state after the round: what
-        :meth:`RobustAggregator.__call__` leaves on rank 0 (the selection it records,
-        the round count, centered clipping's next reference: this round's aggregate
-        unless the round was skipped)."""
-        rule = self.rule
-        if rule.rule == "centered-clip":
-            prev = (rule._reference.to(device=out.device, dtype=out.dtype) if rule._reference is not None
-                    else torch.zeros_like(out))
-            rule._reference = torch.where(agg.skip, prev, out)
-        rule.last = last
-        rule.rounds += 1
-
-    def _buffer(self, C: int, N: int, dtype, device) -> torch.Tensor:
-        buf = self._rows
-        if buf is None or buf.shape[0] < C or buf.shape[1] != N or buf.dtype != dtype or buf.device != device:
-            buf = self._rows = torch.empty(C, N, dtype=dtype, device=device)
-        return buf[:C]
 
 
 def _copy_row(rows, i: int, dst: torch.Tensor) -> None:
@@ -160,13 +140,6 @@ def _copy_row(rows, i: int, dst: torch.Tensor) -> None:
         rows.row(i, out=dst)
     else:
         dst.copy_(rows[i])
-
-
-def _stack(pieces: ClientPieces) -> torch.Tensor:
-    out = torch.empty(len(pieces), pieces.numel, dtype=pieces.dtype, device=pieces.device)
-    for i in range(len(pieces)):
-        pieces.row(i, out=out[i])
-    return out
 
 
 def _packed_size(C: int) -> int:
@@ -195,6 +168,7 @@ def _unpack(packed: torch.Tensor, C: int, acc, rule: str, out: torch.Tensor, *, 
     stats = AggregateStats(client_sq_norms=q.to(acc), sq_norm=sq_norm.to(acc), excluded=excluded, weights=w.to(acc),
                            all_excluded=all_excluded)
     agg = RoundAggregate(stats=stats, p=p.to(acc), bound=None, skip=skip.bool())
-    last = RobustResult(rule, out, sel.bool(), excluded, rw.to(rule_dtype) if rule_dtype is not None else None, bound_met.bool(),
-                        iterations.to(torch.long), all_excluded)
+    rule_w = rw.to(rule_dtype) if rule_dtype is not None else None
+    last = RobustResult(rule, out, sel.bool(), excluded, rule_w, bound_met.bool(), iterations.to(torch.long),
+                        all_excluded)
     return agg, last

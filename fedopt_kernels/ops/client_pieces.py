@@ -133,9 +133,11 @@ class ClientPieces:
             raise IndexError(f"client {i} of {self.num_clients}")
         return self.row(i % self.num_clients)
 
-    def stack(self) -> torch.Tensor:
-        """The ``[C, N]`` rows (``O(C N)`` memory: for backends without an in-place reader)."""
-        out = torch.empty(self.num_clients, self.numel, dtype=self.dtype, device=self.device)
+    def stack(self, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The ``[C, N]`` rows (``O(C N)`` memory: for backends without an in-place reader),
+        into ``out`` if given (``[C, N]`` of this dtype and device: a buffer kept between rounds)."""
+        if out is None:
+            out = torch.empty(self.num_clients, self.numel, dtype=self.dtype, device=self.device)
         for i in range(self.num_clients):
             self.row(i, out=out[i])
         return out

@@ -44,13 +44,22 @@ VENV = ROOT / f".venv-torch{OLDEST.rsplit('.', 1)[0]}"
 SRC = VENV / "src"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".fedopt-oldest-torch"
-# The GPU machines' own stack: the torch under test (it brings its triton), numpy,
-# scikit-learn, rich, matplotlib, pytest and pytest-xdist -- and, to build, setuptools
-# (torch's own dependency on Python >= 3.12) and wheel.  No ninja: they have none, and
-# the build must then compile in parallel by itself (setup.py parallel_compile).
-PACKAGES = [f"torch=={OLDEST}", "setuptools>=64", "wheel", "numpy", "scikit-learn", "rich", "matplotlib",
-            "pytest>=8", "pytest-xdist>=3.5"]
+# The GPU machines' own stack: the torch under test and its triton, numpy, scikit-learn,
+# rich, matplotlib, pytest and pytest-xdist -- and, to build, setuptools (torch's own
+# dependency on Python >= 3.12) and wheel.  No ninja: they have none, and the build must
+# then compile in parallel by itself (setup.py parallel_compile).
+PACKAGES = ["setuptools>=64,<82", "wheel", "numpy", "scikit-learn", "rich", "matplotlib", "pytest>=8",
+            "pytest-xdist>=3.5"]
+# torch 2.11.0's own requirements (its METADATA) but its CUDA runtime wheels: those are
+# taken from the outer environment (see _share_cuda_runtime).
+TORCH = [f"torch=={OLDEST}", "triton==3.6.0"]
+TORCH_REQUIRES = ["filelock", "typing-extensions>=4.10.0", "sympy>=1.13.3", "networkx>=2.5.1", "jinja2",
+                  "fsspec>=0.8.5", "cuda-bindings>=13.0.3,<14"]
 GPU_STEPS = ["selftest", "pytest-gpu", "sanitizer-memcheck", "bench", "bench-triton"]
+# What the set-up needs on the disk at most (downloads and unpacked, measured: 2.2 GB
+# after, ~3 GB at its peak); checked first, so that a full disk fails with this message
+# instead of pip's OSError half-way through.
+DISK_NEEDED = 4 << 30
 
 
 def _env(**extra) -> dict:
@@ -63,15 +72,49 @@ def _env(**extra) -> dict:
     return env
 
 
+def _site_packages(python) -> Path:
+    res = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return Path(res.stdout.strip())
+
+
+def _share_cuda_runtime() -> None:
+    """Point the new environment's ``nvidia`` package folder at the outer environment's.
+
+    torch 2.11.0 on PyPI requires the CUDA 13.0 runtime as wheels (cuDNN, cuBLAS, NCCL,
+    cuSPARSELt, NVSHMEM, ...: 2.7 GB unpacked, ~1.8 GB to download) and finds them through
+    the RUNPATH ``$ORIGIN/../../nvidia/...`` of its libraries.  The outer environment's
+    torch 2.14.1+cu130 brings the same libraries, a few minor releases newer under the
+    same sonames (cuDNN 9, cuBLAS 13, NCCL 2, ...), which the CUDA 13 ABI keeps
+    compatible.  On this machine they are only loaded, never called (there is no GPU),
+    and the C++ extensions link against CUDA_HOME, not against these wheels; what this
+    tier checks -- that the package builds, imports and runs on torch 2.11 and triton
+    3.6 -- is the same with either copy, and the set-up needs 4.5 GB less disk (a CI
+    run once ran out of it installing the second copy)."""
+    shared = _site_packages(sys.executable) / "nvidia"
+    assert shared.is_dir(), (f"{shared}: the outer environment has no CUDA runtime wheels to share (a CPU build "
+                             f"of torch?); make test runs in .venv, which `make setup` fills with torch 2.14.1+cu130")
+    link = _site_packages(PY) / "nvidia"
+    if link.is_symlink() or not link.exists():
+        link.unlink(missing_ok=True)
+        link.symlink_to(shared, target_is_directory=True)
+
+
 def _ensure_venv() -> None:
-    want = "\n".join(PACKAGES)
+    want = "\n".join([*TORCH, *TORCH_REQUIRES, *PACKAGES, "nvidia -> outer environment"])
     if PY.exists() and STAMP.exists() and STAMP.read_text() == want:
+        _share_cuda_runtime()  # the outer environment may have been made again
         return
+    free = shutil.disk_usage(ROOT).free
+    assert free >= DISK_NEEDED, (f"{ROOT}: {free / 2**30:.1f} GiB free; setting up {VENV.name} "
+                                 f"(torch {OLDEST}) needs {DISK_NEEDED / 2**30:.0f} GiB")
     if not PY.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True, timeout=300)
-    res = subprocess.run([str(PY), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *PACKAGES],
-                         capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, f"pip install {PACKAGES} into {VENV}:\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
+    pip = [str(PY), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir"]
+    for args in ([*pip, "--no-deps", *TORCH], [*pip, *TORCH_REQUIRES, *PACKAGES]):
+        res = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, f"{' '.join(args[3:])} into {VENV}:\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
+    _share_cuda_runtime()
     STAMP.write_text(want)
 
 

@@ -1,0 +1,100 @@
+// The counter-based Gaussian noise of DP aggregation on the CPU (the definition:
+// include/fedopt/gaussian_noise.h, oracle python_ref/gaussian_noise.py): the noise of a
+// block of kN lanes, which the aggregation's epilogue adds in the same pass
+// (client_rows_kernels.h, finish_total), and add_noise_'s pass over a vector.
+//
+// Every element's noise is normal(key, j) of its global index j alone, and every add is
+// elementwise, so the bits depend neither on the chunking, the thread count nor the ISA.
+#pragma once
+
+#ifndef CPU_CAPABILITY
+#error "noise_kernels.h is included by kernels.h (via isa_*.cpp, which define CPU_CAPABILITY)"
+#endif
+
+#include <fedopt/gaussian_noise.h>
+
+#include "vec_block.h"
+
+namespace fedopt::cpu::CPU_CAPABILITY {
+namespace {
+
+// The block's noise term std * n_j for the kN lanes from global index j0 (each product
+// rounded to acc_t on its own: the kernels have no FMA).  normal() of
+// include/fedopt/gaussian_noise.h in two steps: its lanes up to the square root's
+// argument, r2 = -2 ln u_a, and c = cos(2 pi u_b), in a plain loop that GCC vectorises
+// (16 lanes at a time with AVX-512, 8 with AVX2, 4 with SSE2), then n = sqrt(r2) * c
+// with at::vec's sqrt (sqrtps / sqrtpd, or std::sqrt per lane: IEEE's correctly rounded
+// square root in every build, as the header's sqrt_rn).  Why not normal() in the loop:
+// GCC 12 keeps a scalar sqrtf call with its errno branch there (-fno-math-errno would
+// drop it, but `#pragma GCC optimize("no-math-errno")` does not reach builtins), and
+// that branch stops the vectorisation of the whole loop.
+// `flatten` inlines the header's functions here: they are ordinary inline functions,
+// the same in every isa_*.cpp, and an out-of-line copy compiled for AVX2 could be the
+// one the linker keeps for the DEFAULT build (isa_prologue.h, rule 2); inlined, no copy
+// is emitted (tests/test_noise_cpu_isa.py and tests/test_cpu_kernels.py check the
+// library for such copies).
+template <typename acc_t>
+__attribute__((flatten)) void normal_parts(uint64_t key, uint64_t j0, float* __restrict__ r2,
+                                          float* __restrict__ c) {
+  for (int64_t l = 0; l < Block<acc_t>::kN; ++l) {
+    uint32_t x0, x1;
+    noise::philox_x01(key, j0 + static_cast<uint64_t>(l), x0, x1);
+    r2[l] = noise::mul(-2.0f, noise::log_open(noise::uniform_open(x0)));
+    c[l] = noise::cos_2pi(noise::uniform_open(x1));
+  }
+}
+
+template <typename acc_t>
+C10_ALWAYS_INLINE void noise_terms(uint64_t key, uint64_t j0, const Vectorized<acc_t>& std_v,
+                                   Vectorized<acc_t>* nv) {
+  using B = Block<acc_t>;
+  using F = Vectorized<float>;
+  constexpr int64_t kF = F::size();
+  alignas(64) float r2[B::kN], c[B::kN];
+  normal_parts<acc_t>(key, j0, r2, c);
+  alignas(64) float n[B::kN];
+  for (int64_t l = 0; l < B::kN; l += kF) (F::loadu(r2 + l).sqrt() * F::loadu(c + l)).store(n + l);
+  if constexpr (std::is_same_v<acc_t, float>) {
+    for (int64_t k = 0; k < B::kK; ++k) nv[k] = std_v * Vectorized<acc_t>::loadu(n + k * B::kW);
+  } else {
+    alignas(64) acc_t wide[B::kN];
+    for (int64_t l = 0; l < B::kN; ++l) wide[l] = static_cast<acc_t>(n[l]);  // exact
+    for (int64_t k = 0; k < B::kK; ++k) nv[k] = std_v * Vectorized<acc_t>::loadu(wide + k * B::kW);
+  }
+}
+
+// add_noise_ over the chunks [c0, c1) of kNoiseChunk elements: out[j] = round(out[j] as
+// acc_t + std * n_j), block by block, the ragged end through load_tail / store_tail.
+template <typename out_t, typename acc_t>
+void add_noise_chunks(const NoiseArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  using B = Block<acc_t>;
+  using Vec = typename B::Vec;
+  constexpr int64_t kN = B::kN;
+  out_t* out = static_cast<out_t*>(a.out);
+  const Vec std_v(a.std_dev);
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t start = c * a.chunk;
+    const int64_t end = std::min(a.n, start + a.chunk);
+    for (int64_t j = start; j < end; j += kN) {
+      Vec v[B::kK], nv[B::kK];
+      noise_terms(a.key, static_cast<uint64_t>(j), std_v, nv);
+      if (j + kN <= end) {
+        B::load(out + j, v);
+        for (int64_t k = 0; k < B::kK; ++k) v[k] = v[k] + nv[k];
+        B::store(out + j, v);
+      } else {
+        B::load_tail(out + j, end - j, v);
+        for (int64_t k = 0; k < B::kK; ++k) v[k] = v[k] + nv[k];
+        B::store_tail(out + j, end - j, v);
+      }
+    }
+  }
+}
+
+template <typename acc_t>
+void add_noise_pass(const NoiseArgs<acc_t>& a, int64_t c0, int64_t c1) {
+  dispatch_kind<acc_t>(a.kind, [&](auto out) { add_noise_chunks<typename decltype(out)::type, acc_t>(a, c0, c1); });
+}
+
+}  // namespace
+}  // namespace fedopt::cpu::CPU_CAPABILITY

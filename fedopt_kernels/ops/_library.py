@@ -109,7 +109,8 @@ def _aggregate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, out.device)
     rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
-    q, Q = impl.aggregate(rows, weights, gamma, gamma_tensor, out, skip, noise_key, noise_std, noise_std_tensor)
+    noise = () if noise_key is None else (noise_key, noise_std, noise_std_tensor)  # the eager call's arguments
+    q, Q = impl.aggregate(rows, weights, gamma, gamma_tensor, out, skip, *noise)
     return q, Q
 
 

@@ -25,7 +25,8 @@ namespace {
 // them again (two vpmovzxdq and two vpermt2d per product and 16 lanes).  Measured on a
 // Zen 4 core (the noise loop alone, GCC 12): 306M normals/s against 191M/s.  AVX2 and
 // SSE2 have no 64-bit lane multiply, and there the 64-bit form is the slower one
-// (108M/s against 124M/s, 57M/s against 94M/s): they keep the header's.
+// (108M/s against 124M/s, 57M/s against 94M/s): SSE2 keeps the header's, AVX2 has its
+// own (philox_x01_8).
 C10_ALWAYS_INLINE void philox_lanes(uint64_t key, uint64_t j, uint32_t& x0, uint32_t& x1) {
 #if defined(CPU_CAPABILITY_AVX512)
   uint64_t c0 = j & 0xFFFFFFFFu, c1 = j >> 32, c2 = 0, c3 = 0;
@@ -50,6 +51,46 @@ C10_ALWAYS_INLINE void philox_lanes(uint64_t key, uint64_t j, uint32_t& x0, uint
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2: GCC vectorises the 32 x 32 -> 64 products of the header's Philox with ~27
+// shuffles per element (vpshufd, vperm2i128, vpunpcklqdq), and the 64-bit form of
+// philox_lanes is slower still (no 64-bit lane multiply).  Written out, eight lanes take
+// two vpmuludq per product (the even lanes, then the odd ones shifted down) and two
+// blends to gather the high and the low halves: the classic SIMD Philox.  Same integer
+// operations, same bits.  Measured on a Zen 4 core (the noise loop alone): 260M
+// normals/s against 125M/s.
+C10_ALWAYS_INLINE void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(a, m);                         // lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // lanes 1, 3, 5, 7
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// x0, x1 of the eight indices j0 .. j0 + 7; j0 % 8 == 0, so that j0 + 7 has j0's high word.
+C10_ALWAYS_INLINE void philox_x01_8(uint64_t key, uint64_t j0, uint32_t* x0, uint32_t* x1) {
+  __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(j0))),
+                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i c1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(j0 >> 32)));
+  __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  const __m256i m0 = _mm256_set1_epi64x(noise::kM0), m1 = _mm256_set1_epi64x(noise::kM1);
+#pragma GCC unroll 10
+  for (int r = 0; r < 10; ++r) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(c0, m0, hi0, lo0);
+    mulhilo8(c2, m1, hi1, lo1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c1 = lo1;
+    c3 = lo0;
+    k0 += noise::kW0;
+    k1 += noise::kW1;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x0), c0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x1), c1);
+}
+#endif
+
 // The block's noise term std * n_j for the kN lanes from global index j0 (each product
 // rounded to acc_t on its own: the kernels have no FMA).  normal() of
 // include/fedopt/gaussian_noise.h in two steps: its lanes up to the square root's
@@ -68,12 +109,26 @@ C10_ALWAYS_INLINE void philox_lanes(uint64_t key, uint64_t j, uint32_t& x0, uint
 template <typename acc_t>
 __attribute__((flatten)) void normal_parts(uint64_t key, uint64_t j0, float* __restrict__ r2,
                                           float* __restrict__ c) {
-  for (int64_t l = 0; l < Block<acc_t>::kN; ++l) {
+  constexpr int64_t kN = Block<acc_t>::kN;
+#if defined(CPU_CAPABILITY_AVX2)
+  alignas(32) uint32_t xs0[kN], xs1[kN];
+  if (j0 % 8 == 0) {  // always, from the kernels here: blocks start at multiples of kN
+    for (int64_t g = 0; g < kN; g += 8) philox_x01_8(key, j0 + static_cast<uint64_t>(g), xs0 + g, xs1 + g);
+  } else {
+    for (int64_t l = 0; l < kN; ++l) noise::philox_x01(key, j0 + static_cast<uint64_t>(l), xs0[l], xs1[l]);
+  }
+  for (int64_t l = 0; l < kN; ++l) {
+    r2[l] = noise::mul(-2.0f, noise::log_open(noise::uniform_open(xs0[l])));
+    c[l] = noise::cos_2pi(noise::uniform_open(xs1[l]));
+  }
+#else
+  for (int64_t l = 0; l < kN; ++l) {
     uint32_t x0, x1;
     philox_lanes(key, j0 + static_cast<uint64_t>(l), x0, x1);
     r2[l] = noise::mul(-2.0f, noise::log_open(noise::uniform_open(x0)));
     c[l] = noise::cos_2pi(noise::uniform_open(x1));
   }
+#endif
 }
 
 template <typename acc_t>

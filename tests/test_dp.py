@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from fedopt_kernels.ops import aggregate
-from fedopt_kernels.ops.dp_noise import (CLIENT_CLIP_MARGIN, CLIP_EPS, NOISE_CHUNK, clip_updates_, clipped_sum,
+from fedopt_kernels.ops.dp_noise import (CLIENT_CLIP_MARGIN, CLIP_EPS, clip_updates_, clipped_sum,
                                         gaussian_noise_)
 from fedopt_kernels.server import ASNES, FedAdam, FedAvg, FedExP
-from fedopt_kernels.server.dp import DPAggregator, dp_noise_seed, effective_noise_multiplier
+from fedopt_kernels.server.dp import DPAggregator, dp_noise_key, effective_noise_multiplier
+from python_ref import gaussian_noise as noise_ref
+from _asserts import assert_bitwise
 
 REPO = Path(__file__).resolve().parents[1]
 ACC = {torch.float32: torch.float32, torch.float16: torch.float32, torch.bfloat16: torch.float32,
@@ -153,53 +155,77 @@ def test_client_side_clip_of_half_precision_updates():
 
 # ---------------------------------------------------------------- noise
 def test_noise_statistics_within_five_standard_errors():
-    """Mean and std of 3.1M seeded draws over four chunks (deterministic): for a correct
-    N(0, std^2) sampler each lies within 5 standard errors with probability > 1 - 1e-6;
-    so does the correlation of two chunks (independent streams)."""
-    n, std = 3 * NOISE_CHUNK + 5, 0.37
-    out = torch.zeros(n)
-    gaussian_noise_(out, std, torch.Generator().manual_seed(1234))
-    x = out.double()
+    """Mean, std and tails of 3M draws of one key (deterministic), the correlation of
+    neighbouring counters and of two keys: for a correct N(0, std^2) sampler with
+    independent elements each lies within 5 standard errors with probability > 1 - 1e-6."""
+    n, std = 3_000_001, 0.37
+    x = gaussian_noise_(torch.zeros(n), std, 1234).double()
     assert abs(float(x.mean())) <= 5 * std / math.sqrt(n)
     assert abs(float(x.std()) - std) <= 5 * std / math.sqrt(2 * n)
-    a, b = x[:NOISE_CHUNK], x[NOISE_CHUNK:2 * NOISE_CHUNK]
-    assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) <= 5 / math.sqrt(NOISE_CHUNK)
+    assert abs(float(torch.corrcoef(torch.stack([x[:-1], x[1:]]))[0, 1])) <= 5 / math.sqrt(n)
+    y = gaussian_noise_(torch.zeros(n), std, 1235).double()
+    assert abs(float(torch.corrcoef(torch.stack([x, y]))[0, 1])) <= 5 / math.sqrt(n)
     # the tails of a Gaussian: |x| > 3 std has probability 0.0027; 5 standard errors of a binomial
     p = 2 * 0.5 * math.erfc(3 / math.sqrt(2))
     assert abs(float((x.abs() > 3 * std).double().mean()) - p) <= 5 * math.sqrt(p * (1 - p) / n)
 
 
-def test_noise_same_seed_same_bits_and_std_as_a_tensor():
+def test_noise_is_the_reference_definition_bit_for_bit():
+    key = (1 << 63) - 12345
+    got = gaussian_noise_(torch.zeros(4099), 1.0, key)
+    assert_bitwise(got, noise_ref.noise(key, 4099))  # 0 + 1 * n is n exactly
+
+
+def test_noise_same_key_same_bits_and_std_as_a_tensor():
     a, b, c = torch.ones(1001), torch.ones(1001), torch.ones(1001)
-    gaussian_noise_(a, 0.5, torch.Generator().manual_seed(7))
-    gaussian_noise_(b, torch.tensor(0.5), torch.Generator().manual_seed(7))
-    gaussian_noise_(c, 0.5, torch.Generator().manual_seed(8))
+    gaussian_noise_(a, 0.5, 7)
+    gaussian_noise_(b, torch.tensor(0.5), 7)
+    gaussian_noise_(c, 0.5, 8)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    half = torch.ones(1001, dtype=torch.float16)  # fp16 data: fp32 draw, one rounding
-    gaussian_noise_(half, 0.5, torch.Generator().manual_seed(7))
-    assert torch.equal(half, a.to(torch.float16))  # the sum taken in fp32, rounded once
+    half = torch.ones(1001, dtype=torch.float16)  # fp16 data: fp32 arithmetic, one rounding
+    gaussian_noise_(half, 0.5, 7)
+    assert torch.equal(half, a.to(torch.float16))
 
 
 def test_cpu_noise_bits_do_not_depend_on_the_number_of_threads():
     threads = torch.get_num_threads()
-    n = 2 * NOISE_CHUNK + 3
+    n = (1 << 21) + 3
     draws = []
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            out = torch.zeros(n)
-            draws.append(gaussian_noise_(out, 1.0, torch.Generator().manual_seed(5)))
+            draws.append(gaussian_noise_(torch.zeros(n), 1.0, 5))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
-    assert not torch.equal(draws[0][:NOISE_CHUNK], draws[0][NOISE_CHUNK:2 * NOISE_CHUNK])
 
 
-def test_noise_refuses_a_generator_on_another_device_and_a_negative_std():
-    with pytest.raises(TypeError, match="generator"):
-        gaussian_noise_(torch.zeros(3), 1.0, 5)
-    with pytest.raises(ValueError, match="std"):
-        gaussian_noise_(torch.zeros(3), -1.0, torch.Generator())
+@pytest.mark.parametrize("bad, match", [
+    (dict(key=-1), "noise_key"), (dict(key=1 << 63), "noise_key"), (dict(key=True), "noise_key"),
+    (dict(key=1.0), "noise_key"), (dict(std=-1.0), "noise_std"), (dict(std=float("nan")), "noise_std"),
+    (dict(std=torch.ones(2)), "noise_std"), (dict(std=torch.ones((), dtype=torch.int64)), "noise_std"),
+])
+def test_noise_refuses_a_bad_key_or_std_and_changes_nothing(bad, match):
+    out = torch.ones(5)
+    with pytest.raises((ValueError, TypeError), match=match):
+        gaussian_noise_(out, bad.get("std", 1.0), bad.get("key", 3))
+    assert torch.equal(out, torch.ones(5))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_fused_noise_is_the_clipped_sum_then_the_noise(adaptive):
+    """clipped_sum with the noise inside its pass == clipped_sum, then gaussian_noise_ (fp32
+    out: bit for bit), with the statistics of the sum without noise; also when the second
+    pass runs (a clipped client) and when it does not."""
+    X = clients(5, 3001, torch.float32, "cpu")
+    for clip in (100.0, 1.0):  # nothing clipped / some clipped
+        std = torch.tensor(0.3) if adaptive else 0.3
+        fused, st = clipped_sum(X, clip, scale=0.25, noise_key=99, noise_std=std)
+        plain, st0 = clipped_sum(X, clip, scale=0.25)
+        assert_bitwise(fused, gaussian_noise_(plain.clone(), std, 99))
+        for f in st._fields:
+            assert_bitwise(getattr(st, f), getattr(st0, f))
+        assert not torch.equal(fused, plain)
 
 
 # ---------------------------------------------------------------- DP-FedAvg through a server optimizer
@@ -215,7 +241,7 @@ def test_dp_fedavg_is_the_clipped_sum_plus_the_seeded_noise_over_m():
     z, clip, m, seed = 1.3, 2.0, 8.0, 11
     D, stats = dp_step(X, DPAggregator(clip=clip, noise_multiplier=z, expected_clients=m, seed=seed))
     want, *_ = oracle_clipped_sum(X, clip, None, 1 / m)
-    noise = gaussian_noise_(torch.zeros(2003), 1.0, torch.Generator().manual_seed(dp_noise_seed(seed, 1)))
+    noise = gaussian_noise_(torch.zeros(2003), 1.0, dp_noise_key(seed, 1))
     torch.testing.assert_close(D.double(), want + (z * clip / m) * noise.double(), rtol=1e-5, atol=1e-6)
     assert float(stats.update_sq_norm) == pytest.approx(float(D.double().square().sum()), rel=1e-5)
     assert not bool(stats.skipped) and int(stats.num_clients) == 5
@@ -251,7 +277,7 @@ def test_every_client_excluded_skips_without_noise_and_applies_the_noise_with_it
     D, stats = dp_step(X, DPAggregator(clip=1.0, noise_multiplier=0.0, expected_clients=2))
     assert bool(stats.skipped) and torch.equal(D, torch.zeros(9))
     D, stats = dp_step(X, DPAggregator(clip=1.0, noise_multiplier=1.0, expected_clients=2, seed=1))
-    noise = gaussian_noise_(torch.zeros(9), 1.0, torch.Generator().manual_seed(dp_noise_seed(1, 1)))
+    noise = gaussian_noise_(torch.zeros(9), 1.0, dp_noise_key(1, 1))
     assert not bool(stats.skipped)
     torch.testing.assert_close(D, 0.5 * noise, rtol=1e-6, atol=0)
 

@@ -1,6 +1,6 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
-Every backend is a module exposing the same seven functions (and optionally two more,
+Every backend is a module exposing the same eight functions (and optionally two more,
 ``aggregate_pieces`` and ``client_dots_pieces``), with the same contract
 (the ops layer has validated every argument before they are called; ``mode`` is 0 co /
 1 grad / 2 none).  A hyperparameter that may be a number or a tensor (``lr``,
@@ -31,13 +31,27 @@ momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
     Row-wise FedNAR on ``[C, N]`` tensors (``B`` is None without momentum); stats
     ``[C]``; ``lr_tensor``/``weight_decay_tensor`` may also be ``[C]`` tensors.
 
-``aggregate(clients, weights, gamma, gamma_tensor, out, skip) -> (client_sq_norms, sq_norm)``
+``aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
+noise_std_tensor=None) -> (client_sq_norms, sq_norm)``
     ``out = gamma * sum_i weights[i] * clients[i]`` with the norms in the same pass;
     ``clients`` is a list of 1-D tensors or a 2-D tensor; ``gamma_tensor`` None or
     0-d; ``skip`` None or a 0-d bool tensor (true: ``out`` untouched, zero stats).
+    With ``noise_key`` (an int in ``[0, 2^63)``), Gaussian noise in the same pass:
+    ``out[j] = gamma * total[j] + std * n_j`` in the acc dtype, each op rounded once,
+    ``n_j = normal(noise_key, j)`` of python_ref/gaussian_noise.py (the same fp32 bits on
+    every backend), ``std`` = ``noise_std_tensor`` (one element on the data's device,
+    read there) if given, else ``noise_std``; the norms are those of the sum without
+    the noise.
+
+``add_noise_(out, noise_key, noise_std, noise_std_tensor) -> None``
+    ``out[j] = out[j] + std * n_j`` in the acc dtype, rounded once to ``out``'s dtype:
+    for an fp32/fp64 ``out``, ``aggregate`` with noise equals ``aggregate`` without it
+    followed by ``add_noise_``, bit for bit (the distributed DP round adds the noise
+    once, after the sum over the ranks).
 
 ``aggregate_pieces(pieces, pieces_per_client, subtract_from, weights, gamma, gamma_tensor, out,
-skip) -> (client_sq_norms, sq_norm)`` (optional: the ``cpu`` backend)
+skip, noise_key=None, noise_std=0.0, noise_std_tensor=None) -> (client_sq_norms, sq_norm)``
+(optional: the ``cpu`` backend)
     ``aggregate`` over clients read in place from their pieces
     (:class:`~fedopt_kernels.ops.ClientPieces`: client ``i``'s vector is its
     ``pieces_per_client`` pieces of the flat list ``pieces`` concatenated, subtracted

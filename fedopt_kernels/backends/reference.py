@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .hyper import join
-from .oracle import aggregation as _agg, fednar as _nar, server_optimizers as _srv
+from .oracle import aggregation as _agg, fednar as _nar, gaussian_noise as _noise, server_optimizers as _srv
 
 _MODE_NAMES = _nar.MODES  # index = the integer mode of the contract
 
@@ -43,14 +43,31 @@ def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor,
         mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=B, grad_scale=grad_scale, found_inf=found_inf))
 
 
-def aggregate(clients, weights, gamma, gamma_tensor, out, skip):
+def _noised(value, noise_key, noise_std, noise_std_tensor):
+    """``value + std * n`` in ``value``'s (acc) dtype, each op rounded once: the noise
+    step of ``aggregate`` and ``add_noise_`` (python_ref/gaussian_noise.py)."""
+    acc = value.dtype
+    n = _noise.noise(noise_key, value.numel()).to(device=value.device, dtype=acc)
+    std = join(noise_std, noise_std_tensor)
+    std = std.reshape(()).to(acc) if isinstance(std, torch.Tensor) else torch.tensor(std, dtype=acc)
+    return value + std.to(value.device) * n
+
+
+def aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
+              noise_std_tensor=None):
     result, q, Q = _agg.aggregate(clients, weights, join(gamma, gamma_tensor))
+    if noise_key is not None:
+        result = _noised(result, noise_key, noise_std, noise_std_tensor)
     if skip is not None:
         skip = skip.reshape(()) != 0
         out.copy_(torch.where(skip, out, result.to(out.dtype)))
         return torch.where(skip, torch.zeros_like(q), q), torch.where(skip, torch.zeros_like(Q), Q)
     out.copy_(result)
     return q, Q
+
+
+def add_noise_(out, noise_key, noise_std, noise_std_tensor):
+    out.copy_(_noised(out.to(_nar.compute_dtype(out.dtype)), noise_key, noise_std, noise_std_tensor))
 
 
 def client_dots(clients, g):

@@ -20,14 +20,13 @@ clip ``C`` (the same on every rank).  So nothing but the sum crosses ranks:
 3. the norms (``C`` values) travel with that step (an ``all_gather`` of ``C``, or in the
    ``all_reduce`` buffer), so every rank knows every ``||D_i||``, the exclusions and
    adaptive clipping's bits ``b_i = 1[||D_i|| <= C]``;
-4. the noise is drawn ONCE, on the last rank (the one that finishes the sum), from the
-   seeded generator of round ``t`` (:func:`~fedopt_kernels.server.dp.dp_noise_seed`),
-   in the single-process order (adaptive clipping's count noise first, then the
-   update's), added there, and the noised ``D`` is broadcast with the privatised count
-   ``b_bar`` and the next clip: every rank holds the same ``D`` and clip, and no
-   rank's generator could drift from another's (torch's CUDA sampler depends on the
-   device's launch configuration, so two GPU models could draw different bits from
-   one seed; one draw, broadcast, cannot).
+4. the noise is added ONCE, on the last rank (the one that finishes the sum), after
+   the sum (:func:`~fedopt_kernels.ops.dp_noise.gaussian_noise_`: the counter-based
+   noise of round ``t``'s key, :func:`~fedopt_kernels.server.dp.dp_noise_key`, the very
+   values the single-process kernel draws inside its pass), with adaptive clipping's
+   count noise from round ``t``'s generator; the noised ``D`` is broadcast with the
+   privatised count ``b_bar`` and the next clip, so every rank holds the same ``D`` and
+   clip.
 
 With ``mode="ordered"`` the aggregate, ``||D||^2``, the clip trajectory and the
 statistics are bitwise those of :class:`~fedopt_kernels.server.dp.DPAggregator` in one
@@ -132,7 +131,8 @@ class DistributedDPAggregator(DistributedAggregator):
         # 4. the noise, once, on the last rank; D, the count and the next clip broadcast from there
         small = torch.zeros(3, dtype=torch.float64, device=device)  # b_bar, next clip, ||D||^2
         if last:
-            b_bar, next_clip = mech.privatise_(out, unclipped, clip)
+            mech.add_update_noise_(out, clip, backend=opt.backend)
+            b_bar, next_clip = mech.privatise_count(unclipped, clip, device)
             small[0] = b_bar if b_bar is not None else 0.0
             small[1] = next_clip
             small[2] = torch.dot(out, out).to(torch.float64)

@@ -6,8 +6,8 @@ backend op and calls it with the backend contract's arguments
 
 * eager, that callable is the backend's own method -- no dispatcher round trip;
 * under ``torch.compile`` it is the op's ``torch.library`` custom op (:mod:`._library`),
-  one opaque node of the graph, with the backend's NAME as its last argument (a graph
-  cannot hold the backend object).
+  one opaque node of the graph, with the backend's NAME as its ``backend`` argument (a
+  graph cannot hold the backend object).
 
 Clients given as :class:`~fedopt_kernels.ops.ClientPieces` are read in place, eager, by a
 backend's ``<op>_pieces`` where it has one, else stacked once; a custom-op node takes
@@ -35,7 +35,7 @@ def kernel(op: str, backend: Optional[str], device: torch.device) -> Callable:
     ``device``.  Resolving raises if the backend cannot run there."""
     if torch.compiler.is_compiling():
         custom, name = _COMPILED[op], backends.resolve_name(backend, device.type)
-        return lambda *args: custom(*args, name)
+        return lambda *args: custom(*args, backend=name)
     return _EAGER[op](backends.resolve(backend, device))
 
 
@@ -101,6 +101,7 @@ _EAGER = {
     "nar_apply_": _method("nar_apply_"),
     "server_update_": _method("server_update_"),
     "aggregate": _rows_op("aggregate"),
+    "add_noise_": _method("add_noise_"),
     "client_dots": _rows_op("client_dots"),
     "weighted_sum": lambda impl: lambda rows, weights, gamma: _WeightedSum.apply(weights, gamma, impl, rows),
 }
@@ -109,11 +110,11 @@ _EAGER = {
 def _rows_only(op: str, custom):
     """A custom op over clients: rows (a list or one ``[C, N]`` tensor), never pieces."""
 
-    def call(rows, *args):
+    def call(rows, *args, **kwargs):
         if isinstance(rows, ClientPieces):
             raise TypeError(f"{op}: clients given as ClientPieces cannot be traced by torch.compile; pass the [C, N] "
                             "rows instead (ClientPieces.stack())")
-        return custom(rows, *args)
+        return custom(rows, *args, **kwargs)
 
     return call
 
@@ -126,6 +127,7 @@ _COMPILED = {
     "nar_apply_": _library.nar_apply_op,
     "server_update_": _library.server_update_op,
     "aggregate": _rows_only("aggregate", _library.aggregate_op),
+    "add_noise_": _library.add_noise_op,
     "client_dots": _rows_only("client_dots", _library.client_dots_op),
     "weighted_sum": _rows_only("weighted_sum", _library.weighted_sum_op),
 }

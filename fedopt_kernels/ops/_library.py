@@ -104,25 +104,39 @@ def _(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, nar_m
 @torch.library.custom_op("fedopt::aggregate", mutates_args=("out",))
 def _aggregate(
     clients: list[torch.Tensor], weights: torch.Tensor, gamma: float, gamma_tensor: Optional[torch.Tensor],
-    out: torch.Tensor, skip: Optional[torch.Tensor], backend: str,
+    out: torch.Tensor, skip: Optional[torch.Tensor], noise_key: Optional[int], noise_std: float,
+    noise_std_tensor: Optional[torch.Tensor], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = backends.resolve(backend, out.device)
     rows = clients[0] if len(clients) == 1 and clients[0].dim() == 2 else clients
-    q, Q = impl.aggregate(rows, weights, gamma, gamma_tensor, out, skip)
+    noise = () if noise_key is None else (noise_key, noise_std, noise_std_tensor)  # the eager call's arguments
+    q, Q = impl.aggregate(rows, weights, gamma, gamma_tensor, out, skip, *noise)
     return q, Q
 
 
 @_aggregate.register_fake
-def _(clients, weights, gamma, gamma_tensor, out, skip, backend):
+def _(clients, weights, gamma, gamma_tensor, out, skip, noise_key, noise_std, noise_std_tensor, backend):
     C = clients[0].shape[0] if len(clients) == 1 and clients[0].dim() == 2 else len(clients)
     acc = acc_dtype(clients[0].dtype)
     return out.new_empty((C,), dtype=acc), out.new_empty((), dtype=acc)
 
 
-def aggregate_op(clients, weights, gamma, gamma_tensor, out, skip, backend):
+def aggregate_op(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
+                 noise_std_tensor=None, backend="reference"):
     """``fedopt::aggregate`` on the contract's clients (a list, or one ``[C, N]`` tensor)."""
     rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
-    return _aggregate(rows, weights, gamma, gamma_tensor, out, skip, backend)
+    return _aggregate(rows, weights, gamma, gamma_tensor, out, skip, noise_key, noise_std, noise_std_tensor, backend)
+
+
+@torch.library.custom_op("fedopt::add_noise_", mutates_args=("out",))
+def add_noise_op(out: torch.Tensor, noise_key: int, noise_std: float, noise_std_tensor: Optional[torch.Tensor],
+                 backend: str) -> None:
+    backends.resolve(backend, out.device).add_noise_(out, noise_key, noise_std, noise_std_tensor)
+
+
+@add_noise_op.register_fake
+def _(out, noise_key, noise_std, noise_std_tensor, backend):
+    return None
 
 
 @torch.library.custom_op("fedopt::client_dots", mutates_args=())

@@ -315,9 +315,10 @@ def _out_apart(out: torch.Tensor, rows) -> None:
 
 def aggregate_runner(backend: Optional[str], device: torch.device):
     """The aggregation kernel of ``backend`` on ``device`` as one callable
-    ``run(rows, weights, gamma, out, skip) -> (client_sq_norms, sq_norm)`` (inputs
-    already checked; ``gamma`` a number or a 0-d tensor, split here into the
-    contract's pair): the backend itself in eager mode, its custom op under
+    ``run(rows, weights, gamma, out, skip, noise=None) -> (client_sq_norms, sq_norm)``
+    (inputs already checked; ``gamma`` a number or a 0-d tensor, split here into the
+    contract's pair; ``noise`` None or ``(key, std)``, the contract's Gaussian noise
+    added in the same pass: :mod:`.dp_noise`): the backend itself in eager mode, its custom op under
     ``torch.compile`` (:mod:`._dispatch`).  Resolving it raises if the backend cannot
     run there, so a multi-pass caller (the distributed aggregation) learns that before
     any pass.
@@ -327,7 +328,14 @@ def aggregate_runner(backend: Optional[str], device: torch.device):
     stacked once (``O(C N)``; :meth:`ClientPieces.stacked`).  Not under
     ``torch.compile``, which cannot trace the pieces' pointer table."""
     run = _dispatch.kernel("aggregate", backend, device)
-    return lambda rows, w, gamma, out, skip: run(rows, w, *split(gamma), out, skip)
+
+    def call(rows, w, gamma, out, skip, noise=None):
+        if noise is None:
+            return run(rows, w, *split(gamma), out, skip)
+        key, std = noise  # the contract's Gaussian noise in the same pass (ops.dp_noise)
+        return run(rows, w, *split(gamma), out, skip, key, *split(std))
+
+    return call
 
 
 def client_dots(clients: Clients, g: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:

@@ -15,32 +15,40 @@ the same two passes as ``aggregate``'s norm bound: the first yields the norms (a
 unclipped sum), the second the clipped sum with the factors decided on the device; it
 is a no-op launch when no factor changes a weight.
 
-``gaussian_noise_`` adds ``std * N(0, I)`` drawn from a seeded ``torch.Generator`` on
-the data's device.  It is a separate in-place pass: the aggregation kernels of the CPU,
-Triton and CUDA backends have no random number generator, and torch's (Philox on CUDA,
-mt19937 on the CPU) makes the draw a function of the generator's seed alone, so a run
-is reproducible bit for bit on the same device.  On CUDA it is one ``[N]`` draw and one
-add.  On the CPU torch's sampler runs on one thread (about 80M normals/s on a Zen 4
-core: an 11M-parameter model's noise costs as much as two passes of the aggregation
-over 20 clients), so the vector is drawn in fixed chunks of ``2^20`` elements, chunk
-``k`` from its own mt19937 seeded by the ``k``-th of ``ceil(N / 2^20)`` seeds drawn from
-``generator``, the chunks spread over torch's threads and each added while it is in
-cache: the bits depend on the generator's state alone, not on the number of threads.
-Drawing inside the kernel (a counter-based Philox keyed by the seed and the element
-index) would save the pass; it is a later step.
+The Gaussian noise is drawn INSIDE that pass: ``clipped_sum(..., noise_key=k,
+noise_std=s)`` writes ``out[j] = scale * total[j] + s * n_j``, with ``n_j`` element ``j``
+of the counter-based noise of key ``k`` (python_ref/gaussian_noise.py: Philox4x32-10 of
+``(k, j)``, Box-Muller with fixed fp32 polynomials).  Each element's draw depends on
+``(k, j)`` alone, so the kernel needs no generator state, both passes write the same
+noise (the second rewrites ``out`` whole), the bits are the same on every backend and
+CPU instruction set, and a run is reproducible from its seed (the key of a round is a
+function of the run's seed and the round: :func:`fedopt_kernels.server.dp.dp_noise_key`).
+:func:`gaussian_noise_` adds the same noise to a vector already summed (the distributed
+round, whose sum ends on one rank): for an fp32/fp64 ``out`` the two forms give the
+same bits.  The noise costs no pass of its own: it is computed in registers while the
+clients stream (about 35 fp32 operations and ten Philox rounds per element, vectorised
+on the CPU, against a pass that reads ``C`` client values per element).
+
+The sampler is 24-bit Box-Muller: its largest value is ``5.77`` (tails beyond 5.77
+sigma, probability ``8e-9`` per element, are cut), as any fp32 Box-Muller's.  Like
+torch's and Opacus's samplers it is an ordinary floating-point sampler, not one of the
+exact discrete samplers some DP libraries use against floating-point attacks (Mironov
+2012).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from . import validation as V
+from . import _dispatch
 from .aggregate import Clients, aggregate_runner, check_clients, check_out, check_weights, norm_bound_factors
+from ..backends.hyper import split
 
 __all__ = ["ClipStats", "clipped_sum", "gaussian_noise_", "clip_updates_", "CLIP_EPS", "CLIENT_CLIP_MARGIN",
-           "NOISE_CHUNK"]
+           "check_noise"]
 
 CLIP_EPS = 1e-6  # the norm bound's guard (ops.aggregate.norm_bound_factors): a clipped norm is < C
 
@@ -82,15 +90,20 @@ def _check_clip(clip, device: torch.device, acc: torch.dtype):
 
 
 def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out: Optional[torch.Tensor] = None,
+                noise_key: Optional[int] = None, noise_std: Union[float, torch.Tensor] = 0.0,
                 backend: Optional[str] = None):
-    r"""``out = scale * sum_i w_i min(1, C / (||X_i|| + 1e-6)) X_i`` over the finite clients.
+    r"""``out = scale * sum_i w_i min(1, C / (||X_i|| + 1e-6)) X_i + noise_std * n`` over the
+    finite clients.
 
     ``clients``: as :func:`~fedopt_kernels.ops.aggregate` takes them (``[C, N]``, ``C``
     vectors, or :class:`~fedopt_kernels.ops.ClientPieces`); ``clip`` ``C``: a number
     ``> 0`` or a one-element tensor on the clients' device; ``weights``: None (every
     client 1) or ``[C]`` numbers ``>= 0`` (a fixed bound on them is the caller's
     guarantee: :mod:`fedopt_kernels.server.dp` checks it); ``scale``: a number ``> 0``
-    (``1 / m``, the expected number of clients, for DP-FedAvg's mean).
+    (``1 / m``, the expected number of clients, for DP-FedAvg's mean);
+    ``noise_key``: None (no noise) or an int in ``[0, 2^63)``, with ``noise_std`` a number
+    ``>= 0`` or a one-element tensor on the clients' device (not read: no sync): the
+    noise ``n`` of that key (module docstring) added in the same pass.
 
     Each client's contribution has norm ``< w_i C``.  A client holding NaN/Inf is left
     out with weight 0 and, unlike :func:`~fedopt_kernels.ops.aggregate`'s
@@ -99,7 +112,8 @@ def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out
     a no-op when nothing is clipped or excluded), fp32 accumulation, deterministic.
 
     Returns ``(out, ClipStats)``; ``out`` has the clients' dtype unless given (the
-    clients' dtype or the accumulation dtype).
+    clients' dtype or the accumulation dtype).  The statistics are of the sum without
+    the noise.
     """
     rows, C, N, dtype, device = check_clients(clients)
     acc = V.acc_dtype(dtype)
@@ -109,17 +123,19 @@ def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out
         w = check_weights(weights, C, device, acc)
     clip = _check_clip(clip, device, acc)
     scale = V.check_real(scale, "scale", low=0.0, low_open=True)
+    noise = None if noise_key is None else check_noise(noise_key, noise_std, device, acc)
     out = check_out(out, N, dtype, device, who="clipped_sum", apart_from=rows)
     V.check_backend(backend)
     run = aggregate_runner(backend, device)
 
-    q, Q = run(rows, w, scale, out, None)  # pass 1: every ||X_i||^2 (and the unclipped sum)
+    # pass 1: every ||X_i||^2 (and the unclipped sum, noised: the result when nothing is clipped)
+    q, Q = run(rows, w, scale, out, None, noise)
     excluded = ~torch.isfinite(q)
     zero = torch.zeros((), dtype=acc, device=device)
     factors = norm_bound_factors(q.to(acc), excluded, clip)
     eff = torch.where(excluded, zero, w * factors)
     same = (eff == w).all()  # nothing clipped or excluded: the second pass does nothing
-    _, Q2 = run(rows, eff, scale, out, same)
+    _, Q2 = run(rows, eff, scale, out, same, noise)  # the same noise: element j's draw is (key, j)
     norms = torch.where(excluded, zero, q.to(acc)).sqrt()
     unclipped = ~excluded & (norms <= clip)
     return out, ClipStats(q, unclipped, excluded, factors, eff, torch.where(same, Q, Q2))
@@ -163,83 +179,35 @@ def clip_updates_(updates: torch.Tensor, clip) -> torch.Tensor:
     return unclipped if updates.dim() == 2 else unclipped[0]
 
 
-def gaussian_noise_(out: torch.Tensor, std: Union[float, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
-    """``out += std * N(0, I)``, in place; returns ``out``.
+MAX_KEY = (1 << 63) - 1
 
-    The draw is ``torch.randn`` of ``out``'s length in the accumulation dtype (fp32 for
-    fp16/bf16 ``out``) from ``generator``, which must live on ``out``'s device; ``std`` is
-    a number ``>= 0`` or a one-element tensor on that device (not read: no sync).  With
-    the same generator state the same bits come out, whatever the number of threads
-    (on the CPU the draw is chunked: see the module docstring)."""
+
+def check_noise(key, std, device: torch.device, acc: torch.dtype) -> Tuple[int, Union[float, torch.Tensor]]:
+    """``(key, std)`` checked: ``key`` an int in ``[0, 2^63)``; ``std`` a number ``>= 0`` or
+    a one-element floating tensor on ``device`` (returned as a 0-d ``acc`` tensor, not read)."""
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= MAX_KEY:
+        raise ValueError(f"noise_key must be an int in [0, 2^63), got {key!r}")
+    if isinstance(std, torch.Tensor):
+        if std.numel() != 1 or std.device != device or not std.is_floating_point():
+            raise ValueError(f"noise_std as a tensor must be one floating element on {device}, got shape "
+                             f"{tuple(std.shape)}, dtype {std.dtype} on {std.device}")
+        return key, std.reshape(()).to(acc)
+    return key, V.check_real(std, "noise_std", low=0.0)
+
+
+def gaussian_noise_(out: torch.Tensor, std: Union[float, torch.Tensor], key: int, *,
+                    backend: Optional[str] = None) -> torch.Tensor:
+    """``out += std * n``, in place, ``n`` the counter-based noise of ``key`` (module
+    docstring): element ``j`` of ``n`` depends on ``(key, j)`` alone, the same bits on
+    every backend.  ``out``: a 1-D contiguous tensor; ``std`` a number ``>= 0`` or a
+    one-element tensor on ``out``'s device (not read: no sync); ``key`` an int in
+    ``[0, 2^63)``.  Computed in the accumulation dtype (fp32 for fp16/bf16 ``out``) and
+    rounded once.  Returns ``out``."""
     V.check_tensor(out, "out", dims=1)
-    if not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if torch.device(generator.device).type != out.device.type:
-        raise ValueError(f"generator is on {generator.device} but out is on {out.device}: draw the noise where the "
-                         "data are (torch.Generator(device=out.device))")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
     acc = V.acc_dtype(out.dtype)
-    if isinstance(std, torch.Tensor):
-        if std.numel() != 1 or std.device != out.device:
-            raise ValueError(f"std as a tensor must have one element on {out.device}, got shape {tuple(std.shape)} "
-                             f"on {std.device}")
-    else:
-        std = V.check_real(std, "std", low=0.0)
-    if isinstance(std, torch.Tensor):
-        std = std.reshape(()).to(acc)
-    if out.device.type == "cpu":
-        _cpu_noise_(out, std, generator, acc)
-        return out
-    _add_noise_(out, torch.randn(out.shape, generator=generator, device=out.device, dtype=acc), std)
+    key, std = check_noise(key, std, out.device, acc)
+    V.check_backend(backend)
+    _dispatch.kernel("add_noise_", backend, out.device)(out, key, *split(std))
     return out
-
-
-NOISE_CHUNK = 1 << 20  # elements per CPU chunk (part of the reproducibility contract)
-
-
-def _add_noise_(out: torch.Tensor, noise: torch.Tensor, std) -> None:
-    if isinstance(std, torch.Tensor):
-        out.add_(noise.mul_(std))
-    else:
-        out.add_(noise, alpha=std)
-
-
-def _cpu_noise_(out: torch.Tensor, std, generator: torch.Generator, acc: torch.dtype) -> None:
-    """The CPU draw (module docstring): fixed chunks, one seeded mt19937 each, spread
-    over torch's threads."""
-    N = out.numel()
-    chunks = (N + NOISE_CHUNK - 1) // NOISE_CHUNK
-    if chunks == 0:
-        return
-    seeds = torch.randint(0, 1 << 62, (chunks,), generator=generator, dtype=torch.int64).tolist()
-
-    def chunk(k: int) -> None:
-        lo, hi = k * NOISE_CHUNK, min(N, (k + 1) * NOISE_CHUNK)
-        g = torch.Generator().manual_seed(seeds[k])
-        _add_noise_(out[lo:hi], torch.randn(hi - lo, generator=g, dtype=acc), std)
-
-    workers = min(torch.get_num_threads(), chunks)
-    if workers <= 1:
-        for k in range(chunks):
-            chunk(k)
-        return
-    # torch releases the GIL in randn and add; which thread draws a chunk does not change its bits
-    list(_noise_pool(workers).map(chunk, range(chunks)))
-
-
-_POOLS: dict = {}  # (pid, workers) -> ThreadPoolExecutor, kept: starting threads every round cost ~40 ms
-
-
-def _noise_pool(workers: int):
-    """A thread pool of ``workers`` threads, made once per size and kept for the
-    process (its threads idle between rounds; they exit with the interpreter).  Keyed
-    by the process id too: a forked child (a simulator worker) inherits the parent's
-    executor without its threads, and would wait on it for ever."""
-    import os
-
-    key = (os.getpid(), workers)
-    pool = _POOLS.get(key)
-    if pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="fedopt-dp-noise")
-    return pool

@@ -15,12 +15,12 @@ with weights ``w_i in [0, 1]`` (1 by default; a weight capped at 1, as their
 
     D = (1 / m) (sum_i w_i min(1, C / (||D_i|| + 1e-6)) D_i + N(0, (z C)^2 I))
 
-Clipping and summing are the fused aggregation pass (:func:`fedopt_kernels.ops.dp_noise.clipped_sum`:
-two passes of :func:`~fedopt_kernels.ops.aggregate`'s kernel, the norms of the first
-deciding the factors of the second, on the device); the noise is one more in-place pass
-from a ``torch.Generator`` on the data's device seeded by ``(seed, round)``
-(:func:`~fedopt_kernels.ops.dp_noise.gaussian_noise_`, which says why it is not fused
-into the kernel yet).  A client holding NaN/Inf enters with weight 0 and the others
+Clipping, summing and the noise are the fused aggregation pass
+(:func:`fedopt_kernels.ops.dp_noise.clipped_sum`: two passes of
+:func:`~fedopt_kernels.ops.aggregate`'s kernel, the norms of the first deciding the
+factors of the second, on the device; each writes ``out`` with the noise drawn inside
+the kernel from a counter-based generator keyed by ``(seed, round)``:
+:func:`dp_noise_key`).  A client holding NaN/Inf enters with weight 0 and the others
 keep theirs (a rescaled mean would let one client move every weight).
 
 **Adaptive clipping** (Andrew, Thakkar, McMahan & Ramaswamy 2021, "Differentially
@@ -81,19 +81,32 @@ from .aggregation import RoundAggregate, check_weight_tensor, refuse_dtensor, we
 if TYPE_CHECKING:  # pragma: no cover
     from ._base import ServerOptimizer
 
-__all__ = ["DPAggregator", "DPRound", "MODES", "effective_noise_multiplier", "dp_noise_seed",
+__all__ = ["DPAggregator", "DPRound", "MODES", "effective_noise_multiplier", "dp_noise_seed", "dp_noise_key",
            "refuse_client_statistics"]
 
 MODES = ("server", "client")
 DP_NOISE_PURPOSE = 9  # fedopt_kernels.fl.seeds.Purpose.DP_NOISE: part of the reproducibility contract
 
 
+def _round_words(seed: int, round_number: int):
+    return np.random.SeedSequence([int(seed), DP_NOISE_PURPOSE, int(round_number)]).generate_state(2, np.uint64)
+
+
 def dp_noise_seed(seed: int, round_number: int) -> int:
-    """The seed of round ``round_number``'s noise: a stable function of ``(seed,
-    round)`` alone (as :func:`fedopt_kernels.fl.seeds.derive_seed`), so a resumed run
-    draws what an uninterrupted one would."""
-    keys = [int(seed), DP_NOISE_PURPOSE, int(round_number)]
-    return int(np.random.SeedSequence(keys).generate_state(2, np.uint64)[0] >> np.uint64(1))
+    """The seed of the ``torch.Generator`` of round ``round_number``'s clip-count noise
+    (adaptive clipping): a stable function of ``(seed, round)`` alone (as
+    :func:`fedopt_kernels.fl.seeds.derive_seed`), so a resumed run draws what an
+    uninterrupted one would."""
+    return int(_round_words(seed, round_number)[0] >> np.uint64(1))
+
+
+def dp_noise_key(seed: int, round_number: int) -> int:
+    """The key (in ``[0, 2^63)``) of round ``round_number``'s update noise, drawn inside
+    the aggregation kernel (:mod:`fedopt_kernels.ops.dp_noise`): the second word of the
+    round's seed sequence, so it is not :func:`dp_noise_seed` -- torch's CUDA generator
+    is the same Philox, and element 0 of the update noise would then share its counter
+    with the clip count's draw."""
+    return int(_round_words(seed, round_number)[1] >> np.uint64(1))
 
 
 def effective_noise_multiplier(noise_multiplier: float, clip_count_stddev: float) -> float:
@@ -153,7 +166,9 @@ class DPAggregator:
         clip_count_stddev: ``sigma_b >= 0`` (default ``expected_clients / 20``); with
             noise it must exceed ``z / 2``.
         mode: ``"server"`` (the server clips) or ``"client"`` (the clients clip).
-        seed: the seed of the noise (round ``t`` draws from ``dp_noise_seed(seed, t)``).
+        seed: the seed of the noise: round ``t``'s update noise has the key
+            ``dp_noise_key(seed, t)``, adaptive clipping's count noise comes from a
+            generator seeded with ``dp_noise_seed(seed, t)``.
     """
 
     def __init__(self, *, clip: float, noise_multiplier: float, expected_clients: float,
@@ -229,9 +244,12 @@ class DPAggregator:
         device, acc = out.device, out.dtype
         m = self.expected_clients
         clip = self.clip_on(device)
-        # the clip step: (1/m) sum_i w_i clip(D_i) into out, every norm and factor
-        _, st = clipped_sum(rows, clip, weights=w, scale=1.0 / m, out=out, backend=optimizer.backend)
-        b_bar, next_clip = self.privatise_(out, st.unclipped, clip)
+        # the clip step and the update's noise: (1/m) sum_i w_i clip(D_i) + N(0, (z_Delta C / m)^2 I)
+        # into out, every norm and factor
+        key, std = self.update_noise(clip)
+        _, st = clipped_sum(rows, clip, weights=w, scale=1.0 / m, out=out, noise_key=key, noise_std=std,
+                            backend=optimizer.backend)
+        b_bar, next_clip = self.privatise_count(st.unclipped, clip, out.device)
         base = torch.ones(C, dtype=acc, device=device) if w is None else host_to_device(w.to(acc), device, "weights")
         sq_norm = torch.dot(out.to(acc), out.to(acc)) if out.dtype != acc else torch.dot(out, out)
         return self.close_round(clip, base, excluded=st.excluded, factors=st.factors,
@@ -244,25 +262,36 @@ class DPAggregator:
         """The clip of this round as a float64 0-d tensor on ``device``."""
         return host_to_device(self._clip, device, "the DP clip") if self._clip.device != device else self._clip
 
-    def privatise_(self, out: torch.Tensor, unclipped: torch.Tensor, clip: torch.Tensor):
-        """The privatise step, on the clipped sum ``out`` (``(1/m) sum_i w_i clip(D_i)``):
-        adaptive clipping's privatised count ``b_bar`` and the next clip, then the
-        update's noise of std ``z_Delta C / m`` added to ``out`` in place -- from round
-        ``t``'s generator (``dp_noise_seed(seed, t)``), the count's draw first.  Returns
-        ``(b_bar or None, next clip)``; ``unclipped``: ``[C]`` bools ``||D_i|| <= C``."""
+    def update_noise(self, clip: torch.Tensor):
+        """``(key, std)`` of this round's update noise (``key`` None without noise): the
+        noise of std ``z_Delta C / m`` added to the mean update, drawn inside the
+        aggregation kernel from round ``t``'s key (:func:`dp_noise_key`)."""
+        if not self.noise_multiplier > 0:
+            return None, 0.0
+        return dp_noise_key(self.seed, self.rounds + 1), self.noise_std(clip)
+
+    def add_update_noise_(self, out: torch.Tensor, clip: torch.Tensor, backend=None) -> None:
+        """The update noise of :meth:`update_noise` added to a sum already made (the
+        distributed round, whose sum ends on one rank): the same bits as the fused pass
+        for an fp32/fp64 ``out``."""
+        key, std = self.update_noise(clip)
+        if key is not None:
+            gaussian_noise_(out, std, key, backend=backend)
+
+    def privatise_count(self, unclipped: torch.Tensor, clip: torch.Tensor, device):
+        """Adaptive clipping's privatised count ``b_bar`` and the next clip, the count's
+        noise from round ``t``'s generator (``dp_noise_seed(seed, t)``).  Returns ``(b_bar
+        or None, next clip)``; ``unclipped``: ``[C]`` bools ``||D_i|| <= C``."""
+        if not self.adaptive:
+            return None, clip
         m = self.expected_clients
-        gen = torch.Generator(device=out.device).manual_seed(dp_noise_seed(self.seed, self.rounds + 1))
-        b_bar, next_clip = None, clip
-        if self.adaptive:  # the count's noise first, then the update's: a fixed order of draws
-            count = (unclipped.to(torch.float64) - 0.5).sum()
-            if self.clip_count_stddev > 0:
-                count = count + self.clip_count_stddev * torch.randn((), generator=gen, device=out.device,
-                                                                     dtype=torch.float64)
-            b_bar = count / m + 0.5
-            next_clip = clip * torch.exp(-self.clip_lr * (b_bar - self.target_quantile))
-        if self.noise_multiplier > 0:
-            gaussian_noise_(out, self.noise_std(clip), gen)
-        return b_bar, next_clip
+        count = (unclipped.to(torch.float64) - 0.5).sum()
+        if self.clip_count_stddev > 0:
+            gen = torch.Generator(device=device).manual_seed(dp_noise_seed(self.seed, self.rounds + 1))
+            count = count + self.clip_count_stddev * torch.randn((), generator=gen, device=device,
+                                                                 dtype=torch.float64)
+        b_bar = count / m + 0.5
+        return b_bar, clip * torch.exp(-self.clip_lr * (b_bar - self.target_quantile))
 
     def noise_std(self, clip: torch.Tensor) -> torch.Tensor:
         """``z_Delta C / m``: the std of the noise in the mean update."""

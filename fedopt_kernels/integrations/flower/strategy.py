@@ -158,8 +158,9 @@ class FusedStrategy(_FlowerFedAvg):
         dp_clip_lr, dp_clip_count_stddev: adaptive clipping's ``eta_C`` (default 0.2)
             and ``sigma_b`` (default ``m / 20``), the simulator's defaults (it has no
             flags for them).
-        dp_seed: the seed of the noise (round ``t`` draws from ``dp_noise_seed(dp_seed,
-            t)``; the simulator uses its ``--seed``).
+        dp_seed: the seed of the noise (round ``t``'s key is ``dp_noise_key(dp_seed,
+            t)``: :class:`~fedopt_kernels.server.dp.DPAggregator`; the simulator uses its
+            ``--seed``).
         **kwargs: Flower ``FedAvg``'s (``fraction_train``, ``fraction_evaluate``,
             ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``,
             ``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,

@@ -33,7 +33,6 @@ triton = import_triton_module("triton")
 tl = import_triton_module("triton.language")
 TB = import_triton_module("fedopt_kernels.backends.triton")
 NZ = importlib.import_module("fedopt_kernels.backends.triton._noise")
-from fedopt_kernels.backends import triton_interpret_mode  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 KEY = 0x5DEECE66D_1234567  # above 2^32: both key words matter
@@ -46,12 +45,8 @@ def dev(triton_device):
 
 
 def _round_out(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The backend's store of acc values ``x`` into ``dtype``: round to nearest even --
-    except fp32 -> bf16 in Triton's interpreter, which truncates (toward zero; the
-    interpreter's own cast, also noted in tests/test_server_update_triton.py)."""
-    if dtype == torch.bfloat16 and x.dtype == torch.float32 and triton_interpret_mode():
-        b = x.contiguous().view(torch.int32) >> 16
-        return b.to(torch.int16).view(torch.bfloat16)
+    """The store of acc values ``x`` into ``dtype``: round to nearest even (torch's cast;
+    in the interpreter too, whose fp32 -> bf16 truncation _interpreter_compat fixes)."""
     return x.to(dtype)
 
 

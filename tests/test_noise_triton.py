@@ -56,6 +56,19 @@ def _noise(key: int, n: int, acc: torch.dtype, start: int = 0) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- normal
 
+def test_constants_are_python_refs():
+    """Every fp32 constant of _noise.py is python_ref's class C value, exactly (a drift
+    in one low bit of a high-order coefficient changes few draws: the bitwise cases
+    below might miss it)."""
+    names = [n for n in vars(G.C) if n.isupper() and n != "SQRT1_2"]
+    assert len(names) == 17
+    for name in names:
+        assert getattr(NZ, name).value == getattr(G.C, name), name
+    assert NZ.SQRT2.value == 2 * G.C.SQRT1_2
+    assert (NZ.PHILOX_M0.value, NZ.PHILOX_M1.value) == (G._M0, G._M1)
+    assert (NZ.PHILOX_W0.value, NZ.PHILOX_W1.value) == (G._W0, G._W1)
+
+
 @triton.jit
 def _normal_kernel(j_ptr, out_ptr, key: tl.int64, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

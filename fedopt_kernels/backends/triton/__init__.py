@@ -7,8 +7,9 @@ of a call, over a chunk table of the original tensors, or table-free over the ro
 and ``client_dots``: one pass over the clients + a tiny fixed-order finalize),
 ``server_update.py`` (the server optimizers' elementwise step: one launch over a chunk
 table, no reduction), ``add_noise.py`` (DP noise added in place; the same noise is drawn
-in the aggregation's epilogue), math in ``_helpers.py``, the counter-based Gaussian noise
-in ``_noise.py`` (mirrors csrc/include/fedopt/math.h),
+in the aggregation's epilogue), math in ``_helpers.py`` (mirrors
+csrc/include/fedopt/math.h), the counter-based Gaussian noise in ``_noise.py`` (mirrors
+csrc/include/fedopt/gaussian_noise.h),
 host tables in ``_tables.py``, the chunk rule and row layout shared with the CUDA
 backend in ``backends/_chunks.py``.
 

@@ -44,6 +44,7 @@ import fedopt_kernels.backends.triton as TB  # noqa: E402
 A = importlib.import_module("fedopt_kernels.backends.triton.aggregate")
 N = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
 S = importlib.import_module("fedopt_kernels.backends.triton.server_update")
+AN = importlib.import_module("fedopt_kernels.backends.triton.add_noise")
 
 def _find_ptxas() -> str:
     """``PTXAS``, else the CUDA 13.0 toolkit's, else the first ``ptxas`` of a CUDA
@@ -124,17 +125,23 @@ def variants(quick: bool = False):
                           HAS_FI=fi, FINALIZED=fin, ROWS=rows, PBLOCK=TB.PBLOCK)
                 out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
                                 ptrs=[n for n in types if n.endswith("_ptr")]))
-            # ---- aggregate: out in the clients' dtype or in acc; (HAS_SKIP, GAMMA_KIND).
-            # The widest tile (large N); narrower tiles only change BLOCK / num_warps.
+            # ---- aggregate: out in the clients' dtype or in acc; (HAS_SKIP, GAMMA_KIND,
+            # NOISE, STD_KIND): the DP noise epilogue with the std a float, an acc tensor or
+            # an fp64 tensor (an fp32 acc converts it).  The widest tile (large N);
+            # narrower tiles only change BLOCK / num_warps.
             fn = A.aggregate_kernel
-            flags = [(dt, False, 0), (acc, True, 1)]
-            for out_dt, en, gk in flags[:1] if quick else flags:
+            # (out dtype, HAS_SKIP, GAMMA_KIND, NOISE, STD_KIND, std tensor dtype or None)
+            flags = [(dt, False, 0, False, 0, None), (acc, True, 1, False, 0, None), (dt, False, 0, True, 0, None),
+                     (acc, True, 1, True, 1, acc), (dt, True, 0, True, 1, torch.float64)]
+            for out_dt, en, gk, noise, sk, std_dt in flags[:1] + flags[2:3] if quick else flags:
                 types = dict(ctab_ptr=a if rows else "*i64", w_ptr=a,
                              out_ptr="*" + TY[out_dt], part_ptr=a, skip_ptr="*i1" if en else a, gamma_ptr=a,
-                             gamma_value="fp64", x_base="i64", C="i64", N="i64", nblk="i64", mis="i64")
-                cx = dict(base, ESIZE=esize, TWO_D=rows, HAS_SKIP=en, GAMMA_KIND=gk)
+                             std_ptr="*" + TY[std_dt] if std_dt is not None else a, gamma_value="fp64",
+                             std_value="fp64", noise_key="i64", x_base="i64", C="i64", N="i64", nblk="i64", mis="i64")
+                cx = dict(base, ESIZE=esize, TWO_D=rows, HAS_SKIP=en, GAMMA_KIND=gk, NOISE=noise, STD_KIND=sk)
                 out.append(dict(kernel=fn, cx=cx, types=types, warps=warps, dtype=dt, layout=_layout(rows),
-                                ptrs=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "skip_ptr", "gamma_ptr"]))
+                                ptrs=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "skip_ptr", "gamma_ptr",
+                                      "std_ptr"]))
             # ---- client_dots: g in the clients' dtype or in acc
             fn = A.client_dots_kernel
             for g_dt in ((dt,) if quick else tuple(dict.fromkeys((dt, acc)))):
@@ -157,6 +164,18 @@ def variants(quick: bool = False):
             cx = dict(base, BLOCK=sblock, RULE=rule, NESTEROV=nest, LR_KIND=lrk, GAMMA_KIND=gk, HAS_SKIP=sk)
             out.append(dict(kernel=fn, cx=cx, types=types, warps=swarps, dtype=dt, layout="table",
                             ptrs=["tab_ptr", "lr_ptr", "gamma_ptr", "skip_ptr"],
+                            options=dict(enable_fp_fusion=False)))
+    # ---- add_noise_: every out dtype, the std a float (the std pointer is out then) or a
+    # tensor (fp32 or fp64, whatever the acc)
+    for dt in DTYPES:
+        acc = TB.acc_dtype(dt)
+        block, warps = TB.noise_launch_config(dt)
+        for sk, std_t in ((0, "*" + TY[dt]), (1, "*fp32"), (1, "*fp64"))[:1 if quick else 3]:
+            out.append(dict(kernel=AN.add_noise_kernel,
+                            cx=dict(ACC=TB.TL_DTYPES[acc], STD_KIND=sk, BLOCK=block),
+                            types=dict(out_ptr="*" + TY[dt], std_ptr=std_t, std_value="fp64", noise_key="i64",
+                                       N="i64"),
+                            warps=warps, dtype=dt, layout=None, ptrs=["out_ptr", "std_ptr"],
                             options=dict(enable_fp_fusion=False)))
     # ---- finalize kernels (no data dtype, no table pointers)
     # group_sum_kernel runs with the update kernel's num_warps (one reduction tree for
@@ -187,6 +206,10 @@ def _layout(rows: bool) -> str:
 
 _MEM = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global\.[\w.]+)")
 _FMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?fma\.", re.M)
+# Explicitly rounded add/sub/mul (the DP noise's own rounding, _noise.py) and approximate
+# instructions (div/sqrt/ex2... .approx: the noise must use none).
+_RN = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:add|sub|mul)\.rn\.f(?:32|64)\s", re.M)
+_APPROX = re.compile(r"^\s*(?:@!?%p\d+\s+)?\w+\.approx\.", re.M)
 
 
 def mem_ops(ptx: str) -> dict:
@@ -224,7 +247,7 @@ def compile_one(v, cc: int) -> dict:
                        options=dict(v.get("options", {}), num_warps=v["warps"]))
     ptx = k.asm["ptx"]
     rec = dict(ptx_bytes=len(ptx), cubin_bytes=len(k.asm.get("cubin", b"")), mem=mem_ops(ptx),
-               fma=len(_FMA.findall(ptx)),
+               fma=len(_FMA.findall(ptx)), rn=len(_RN.findall(ptx)), approx=len(_APPROX.findall(ptx)),
                target=re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1))
     if os.path.exists(PTXAS):
         rec["ptxas"] = ptxas_info(ptx, "sm_90a" if cc == 90 else "sm_80",

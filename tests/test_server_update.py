@@ -50,11 +50,6 @@ def tolerances(dtype, backend_name):
     # python_ref evaluates lr * m / denom as (lr * m) / denom and (1 - beta) * D with a
     # double (1 - beta): a few fp32 ulps apart from the kernels' order; reduced
     # precision differs by at most one rounding of the stored value.
-    if dtype == torch.bfloat16 and backend_name == "triton" and backends.triton_interpret_mode():
-        # Triton's interpreter stores fp32 -> bf16 by truncation (the GPU rounds to
-        # nearest), and the truncated m and v feed the second round: a few bf16 ulps.
-        # tests/test_contract_server_update.py checks those stores exactly.
-        return dict(rtol=4e-2, atol=1e-2)
     return {torch.float64: dict(rtol=1e-12, atol=1e-14), torch.float32: dict(rtol=1e-5, atol=1e-6),
             torch.float16: dict(rtol=2e-3, atol=1e-4), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-3)}[dtype]
 

@@ -7,7 +7,7 @@ no call synchronises with the host.
 Without a GPU the kernel runs in Triton's interpreter on CPU tensors (tests/conftest.py
 sets TRITON_INTERPRET=1 before any kernel is defined); with one it runs compiled on
 CUDA tensors.  That its results are the contract's formulas to the bit (fp32, fp64,
-fp16; bf16 too on the GPU, the interpreter truncating fp32 -> bf16), for every rule,
+fp16, bf16), for every rule,
 dtype, load path, skip flag and special value, is checked for every backend by
 tests/test_contract_server_update.py.
 """

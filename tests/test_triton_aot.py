@@ -1,8 +1,10 @@
 """Ahead-of-time compilation of every Triton kernel variant for sm_80 and sm_90 (no GPU
 needed): PTX and cubin are produced, every data kernel holds both a 16-byte vector body
 and a scalar body (vector width is chosen per chunk at run time), ptxas reports no
-spills, and kernels launched without FP contraction (the server update) have no FMA in
-their PTX.
+spills, and kernels launched without FP contraction (the server update, add_noise_) have
+no FMA in their PTX.  The DP noise (issue 31) rounds every operation itself: the
+aggregation's noise variants contract nothing more than its plain ones and use no
+approximate instruction.
 
 The compile runs in a subprocess (tests/_aot_compile.py) with TRITON_INTERPRET unset:
 under the interpreter ``triton.jit`` returns interpreted functions that cannot be
@@ -31,7 +33,7 @@ TABLE_KERNELS = {"nar_norm_kernel", "nar_update_kernel", "aggregate_kernel", "cl
 UPDATE_KERNELS = {"nar_update_kernel", "server_update_kernel"}
 # Kernels whose contract rounds every operation separately (launched with
 # enable_fp_fusion=False): no fma.* in their PTX.
-NO_FMA_KERNELS = {"server_update_kernel"}
+NO_FMA_KERNELS = {"server_update_kernel", "add_noise_kernel"}
 MAX_REGISTERS = 96  # streaming kernels: keep occupancy high (64K regs / 256 threads / 2 CTAs = 128)
 
 
@@ -60,7 +62,7 @@ def _name(e, arch):
 
 def test_every_variant_compiles_to_ptx_and_cubin(report):
     kernels = {e["kernel"] for e in report["results"]}
-    assert kernels == TABLE_KERNELS | {"group_sum_kernel", "row_sum_kernel"}
+    assert kernels == TABLE_KERNELS | {"group_sum_kernel", "row_sum_kernel", "add_noise_kernel"}
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for k in TABLE_KERNELS - {"server_update_kernel"}:
             layouts = {e["layout"] for e in report["results"] if e["kernel"] == k and e["dtype"] == dtype}
@@ -109,3 +111,40 @@ def test_ptxas_registers_and_no_spills(report):
         assert info["rc"] == 0, f"{_name(e, arch)}: {info['log']}"
         assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (_name(e, arch), info)
         assert info["registers"] <= MAX_REGISTERS, (_name(e, arch), info["registers"])
+
+
+def _noise_twin_key(e, arch):
+    """What an aggregation variant with noise shares with its noise-free twin."""
+    cx = e["constexprs"]
+    return (e["dtype"], e["layout"], arch, cx["HAS_SKIP"], cx["GAMMA_KIND"], cx["BLOCK"])
+
+
+def test_noise_epilogue_rounds_every_operation_itself(report):
+    """The aggregation runs with FP contraction on (its sum keeps the bits it had), so
+    the noise must not be contracted by LLVM or ptxas: a noise variant has exactly the
+    FMAs of its noise-free twin (those of the clients' sum), explicitly rounded
+    add/sub/mul instructions (_noise.py's ``.rn`` asm), and no approximate division,
+    square root or transcendental."""
+    plain = {}
+    for e, arch, r in _entries(report):
+        if e["kernel"] == "aggregate_kernel" and not e["constexprs"]["NOISE"]:
+            plain[_noise_twin_key(e, arch)] = r
+    twins = set()
+    for e, arch, r in _entries(report):
+        if e["kernel"] != "aggregate_kernel" or not e["constexprs"]["NOISE"]:
+            continue
+        assert r["rn"] > 0, f"{_name(e, arch)}: no explicitly rounded add/sub/mul in its PTX"
+        assert r["approx"] == 0, f"{_name(e, arch)}: {r['approx']} approximate instructions"
+        twin = plain.get(_noise_twin_key(e, arch))
+        if twin is not None:
+            twins.add((e["dtype"], e["layout"]))
+            assert r["fma"] == twin["fma"], f"{_name(e, arch)}: {r['fma']} FMAs, without noise {twin['fma']}"
+    assert {d for d, _ in twins} == {"float16", "bfloat16", "float32", "float64"}, twins
+    for e, arch, r in _entries(report):
+        if e["kernel"] == "add_noise_kernel":
+            assert r["approx"] == 0 and r["rn"] > 0, (_name(e, arch), r["approx"], r["rn"])
+            # one 16-byte access per thread for 4-byte data, two for fp64 (4 per thread)
+            if e["dtype"] in ("float32", "float64"):
+                vec = _vector_load(e["dtype"])
+                assert r["mem"].get(vec, 0) > 0 and r["mem"].get(vec.replace("ld.", "st."), 0) > 0, \
+                    (_name(e, arch), r["mem"])

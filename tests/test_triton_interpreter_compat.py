@@ -85,3 +85,59 @@ def test_install_wraps_the_old_patch_and_leaves_a_fixed_one(monkeypatch):
             index_fn = [v for n, v in calls if n == "__index__"][-1]
             handle = types.SimpleNamespace(data=np.array([7]))
             assert index_fn(types.SimpleNamespace(handle=handle)) == 7
+
+
+# ----------------------------------------------------------------------------- fp32 -> bf16
+
+def _bf16_cases() -> torch.Tensor:
+    """fp32 values around every rounding case: exact bf16 values, ties to even (both
+    parities), just above/below a tie, the largest finite that rounds to inf, inf, NaN,
+    subnormals, zeros of both signs, and a spread of random values."""
+    base = torch.tensor([1.0, 1.5, -3.25, 65504.0, 3.3895314e38], dtype=torch.float32).view(torch.int32)
+    near = [base + d for d in (0, 0x7FFF, 0x8000, 0x8001, 0x18000, 0xFFFF)]  # 0x8000: a tie
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-45, 3.4e38],
+                           dtype=torch.float32)
+    rand = torch.randn(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    return torch.cat([torch.cat(near).view(torch.float32), special, rand, -rand * 1e-38])
+
+
+def test_fp32_to_bf16_bits_is_torchs_rounding():
+    """Bit for bit torch's conversion, NaN aside (torch's own NaN bits depend on its code
+    path: 0x7FC0 scalar, 0xFFFF vectorised): a NaN stays a quiet NaN."""
+    x = _bf16_cases()
+    got = torch.from_numpy(compat.fp32_to_bf16_bits(x.numpy()).view(np.int16))
+    nan = torch.isnan(x)
+    assert int(nan.sum()) == 2  # the NaN case and 3.3895314e38 + 0x18000 bits (past the largest exponent)
+    assert torch.equal(got[~nan], x.to(torch.bfloat16).view(torch.int16)[~nan])
+    assert bool((got[nan] == 0x7FC0).all())
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask).to(tl.bfloat16), mask=mask)
+
+
+def test_a_bf16_store_rounds_to_nearest_even(triton_device):
+    """A kernel's fp32 -> bf16 store gives torch's bits: on the GPU (cvt.rn) as in the
+    interpreter, where install() replaces its truncation."""
+    import fedopt_kernels.backends.triton  # noqa: F401 - installs the fixes where needed
+
+    x = _bf16_cases()
+    out = torch.empty(x.numel(), dtype=torch.bfloat16, device=triton_device)
+    _to_bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(triton_device), out, x.numel(), BLOCK=1024)
+    got, want = out.cpu().view(torch.int16), x.to(torch.bfloat16).view(torch.int16)
+    nan = torch.isnan(x)  # the GPU's NaN is 0x7FFF, torch's 0x7FC0: any NaN will do there
+    assert torch.equal(got[~nan], want[~nan]) and bool(torch.isnan(out.cpu()[nan].float()).all())
+
+
+@pytest.mark.skipif(not triton_interpret_mode(), reason="the interpreter runs on CPU tensors only")
+def test_the_truncating_conversion_is_detected():
+    interpreter = import_triton_module("triton.runtime.interpreter")
+    # the installed (fixed) conversion no longer truncates; the original one did
+    assert compat._bf16_truncates(interpreter) is False
+    original = interpreter.InterpreterBuilder.cast_impl.__wrapped__
+    fake = types.SimpleNamespace(TensorHandle=interpreter.TensorHandle,
+                                 InterpreterBuilder=types.SimpleNamespace(cast_impl=original))
+    assert compat._bf16_truncates(fake) is True

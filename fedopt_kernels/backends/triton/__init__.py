@@ -6,7 +6,10 @@ of a call, over a chunk table of the original tensors, or table-free over the ro
 ``[C, N]`` tensors), ``aggregate.py`` (aggregation
 and ``client_dots``: one pass over the clients + a tiny fixed-order finalize),
 ``server_update.py`` (the server optimizers' elementwise step: one launch over a chunk
-table, no reduction), math in ``_helpers.py`` (mirrors csrc/include/fedopt/math.h),
+table, no reduction), ``add_noise.py`` (DP noise added in place; the same noise is drawn
+in the aggregation's epilogue), math in ``_helpers.py`` (mirrors
+csrc/include/fedopt/math.h), the counter-based Gaussian noise in ``_noise.py`` (mirrors
+csrc/include/fedopt/gaussian_noise.h),
 host tables in ``_tables.py``, the chunk rule and row layout shared with the CUDA
 backend in ``backends/_chunks.py``.
 
@@ -30,6 +33,7 @@ from .. import _chunks, hyper
 from ..dtypes import acc_dtype
 from . import _interpreter_compat, _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
+from .add_noise import add_noise_kernel
 from .aggregate import aggregate_kernel, client_dots_kernel, row_sum_kernel
 from .nar_step import group_sum_kernel, nar_norm_kernel, nar_update_kernel
 from .server_update import server_update_kernel
@@ -37,7 +41,7 @@ from .server_update import server_update_kernel
 _interpreter_compat.install()  # Triton 3.6's interpreter under NumPy >= 2.4 (see there)
 
 __all__ = ["nar_step_", "nar_step_batched_", "nar_sq_norm", "nar_apply_", "aggregate", "client_dots",
-           "server_update_"]
+           "server_update_", "add_noise_"]
 
 TL_DTYPES = {
     torch.float16: tl.float16,
@@ -102,6 +106,16 @@ def server_launch_config(dtype: torch.dtype, rule: int):
             return 1024, 8
         return 1024, 4
     return launch_config(dtype)
+
+
+def noise_launch_config(dtype: torch.dtype):
+    """``(BLOCK, num_warps)`` of ``add_noise_kernel`` for an ``out`` of ``dtype``.
+
+    The kernel is compute-bound (ten Philox rounds and ~35 fp32 operations per element),
+    so 4 elements per thread (BLOCK 1024 at 8 warps) rather than the streaming kernels'
+    8: the same threads in flight with half the registers per thread.
+    """
+    return 1024, 8
 
 
 def _on(device: torch.device):
@@ -295,10 +309,12 @@ def _clients_meta(clients):
     return len(clients), clients[0].numel(), clients[0].dtype, clients[0].device
 
 
-def aggregate(clients, weights, gamma, gamma_tensor, out, skip):
-    """``out = gamma * sum_i weights[i] * clients[i]``; returns ``(q [C], Q [])`` (contract)."""
+def aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
+              noise_std_tensor=None):
+    """``out = gamma * sum_i weights[i] * clients[i]`` (``+ std * normal(noise_key, j)``
+    with a ``noise_key``); returns ``(q [C], Q [])`` of the sum without noise (contract)."""
     with _on(out.device):
-        return _aggregate(clients, weights, gamma, gamma_tensor, out, skip)
+        return _aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key, noise_std, noise_std_tensor)
 
 
 def _clients_work(clients):
@@ -316,7 +332,8 @@ def aggregate_tiling(N: int, dtype: torch.dtype):
     return block, max(1, block // 256), -(-N // block)
 
 
-def _aggregate(clients, weights, gamma, gamma_tensor, out, skip):
+def _aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
+               noise_std_tensor=None):
     C, N, dtype, device = _clients_meta(clients)
     acc = acc_dtype(dtype)
     block, warps, nblk = aggregate_tiling(N, dtype)
@@ -324,15 +341,24 @@ def _aggregate(clients, weights, gamma, gamma_tensor, out, skip):
     total = torch.empty((), dtype=acc, device=device)
     part = torch.empty((C + 1) * nblk, dtype=acc, device=device)
     g_kind, g_f, g_t = _hyper(gamma, gamma_tensor, per_row=False)
+    noise = noise_key is not None
+    # Without noise the std pair is not even passed (its pointer type would select
+    # another compiled variant for nothing): the kernel is the one it always was.
+    s_kind, s_f, s_t = (_hyper(noise_std, noise_std_tensor, per_row=False) if noise
+                        else (HYPER_FLOAT.value, 0.0, None))
     has_skip = skip is not None
     weights = weights.contiguous()
     if nblk > 0:
         tab, x_base, two_d, mis = _clients_work(clients)
+        # FP contraction stays as it was (no enable_fp_fusion=False here): the clients'
+        # sum must keep its bits when noise is added; the noise epilogue rounds every
+        # operation itself (_noise.py says why).
         aggregate_kernel[(nblk,)](
             tab if tab is not None else part, weights, out, part,
-            skip if has_skip else part, g_t if g_t is not None else part, g_f, x_base, C, N, nblk, mis,
+            skip if has_skip else part, g_t if g_t is not None else part, s_t if s_t is not None else part,
+            g_f, s_f, int(noise_key) if noise else 0, x_base, C, N, nblk, mis,
             DTYPE=TL_DTYPES[dtype], ESIZE=_esize(dtype), ACC=TL_DTYPES[acc], TWO_D=two_d, HAS_SKIP=has_skip,
-            GAMMA_KIND=g_kind, BLOCK=block, num_warps=warps)
+            GAMMA_KIND=g_kind, NOISE=noise, STD_KIND=s_kind, BLOCK=block, num_warps=warps)
     row_sum_kernel[(C + 1,)](part, q, total, skip if has_skip else part, nblk, C, ACC=TL_DTYPES[acc],
                              HAS_SKIP=has_skip, PBLOCK=PBLOCK, num_warps=SMALL_NUM_WARPS)
     return q, total
@@ -400,4 +426,22 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, ga
             LR_KIND=lr_kind, GAMMA_KIND=g_kind, HAS_SKIP=has_skip, BLOCK=block, num_warps=warps,
             # The contract rounds every operation separately (math.h, as the CPU
             # kernels do): no FMA contraction by LLVM or ptxas (--fmad=false).
+            enable_fp_fusion=False)
+
+
+def add_noise_(out, noise_key, noise_std, noise_std_tensor):
+    """``out[j] += std * normal(noise_key, j)`` in ``out``'s acc dtype, in place; ``out``
+    1-D contiguous, any length; ``std`` = ``noise_std_tensor`` (one element, read in
+    the kernel) if given, else ``noise_std`` (contract)."""
+    N = out.numel()
+    if N == 0:
+        return
+    acc = acc_dtype(out.dtype)
+    s_kind, s_f, s_t = _hyper(noise_std, noise_std_tensor, per_row=False)
+    block, warps = noise_launch_config(out.dtype)
+    with _on(out.device):
+        add_noise_kernel[(-(-N // block),)](
+            out, s_t if s_t is not None else out, s_f, int(noise_key), N,
+            ACC=TL_DTYPES[acc], STD_KIND=s_kind, BLOCK=block, num_warps=warps,
+            # the noise rounds every operation itself (_noise.py); nothing else here to contract
             enable_fp_fusion=False)

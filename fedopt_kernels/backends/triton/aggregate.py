@@ -12,6 +12,13 @@ float atomics).  The finalize is a separate, tiny launch: nothing later in the p
 could combine the partials (unlike the FedNAR update kernel), and it also writes the
 zero statistics of a disabled call.
 
+Differential privacy (``NOISE``, a compile-time flag): the epilogue adds Gaussian noise
+drawn in the kernel, ``out[j] = gamma * total[j] + std * n_j`` with ``n_j = normal(key,
+j)`` of ``_noise.py`` (the contract of issue 31; the product and the sum each rounded
+once, by ``_noise.add_noise``).  Only the epilogue changes: the clients are summed by
+the same code as without noise, so ``q``, ``Q`` and ``gamma * total`` keep their bits,
+and without ``NOISE`` the kernel is exactly what it was.
+
 Clients: a contiguous ``[C, N]`` tensor (``TWO_D``: client ``i`` at address
 ``x_base + i * N * ESIZE``, no table) or a list of 1-D tensors (a ``[C, 2]`` table of ``(address, flags)``).  Each
 client's loads are vectorised iff that client is 16-byte aligned (decided per client,
@@ -24,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import _helpers as H
+from . import _noise as NZ
 
 
 @triton.jit
@@ -44,9 +52,9 @@ def _load_client(ctab_ptr, x_base, i, offs, N, mis, DTYPE: tl.constexpr, ESIZE: 
 
 
 @triton.jit
-def _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, mis, pid,
-                     DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
-                     BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, std_ptr, std_value, noise_key, C, N, nblk,
+                     mis, pid, DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
+                     NOISE: tl.constexpr, STD_KIND: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     offs = H.block_offsets(pid * BLOCK, BLOCK)
     total = tl.zeros([BLOCK], ACC)
     for c in range(C):
@@ -58,22 +66,29 @@ def _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nb
         # so 0 * nan is not even computed (x * w == w * x bitwise otherwise)
         total = total + tl.where(w != 0.0, x, 0.0) * w
     tl.store(part_ptr + tl.cast(C, tl.int64) * nblk + pid, tl.sum(total * total, axis=0))
-    H.store_block(out_ptr, offs, N, gamma * total, MASKED)
+    value = gamma * total
+    if NOISE:
+        std = H.load_hyper(std_value, std_ptr, 0, STD_KIND, ACC)
+        value = NZ.add_noise(value, std, noise_key, pid * BLOCK, ACC, BLOCK)
+    H.store_block(out_ptr, offs, N, value, MASKED)
 
 
-@triton.jit(do_not_specialize=["gamma_value", "x_base", "C", "N", "nblk", "mis"])
-def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, skip_ptr, gamma_ptr,
-                     gamma_value: tl.float64, x_base: tl.int64, C: tl.int64, N: tl.int64, nblk: tl.int64,
-                     mis: tl.int64,
+@triton.jit(do_not_specialize=["gamma_value", "std_value", "noise_key", "x_base", "C", "N", "nblk", "mis"])
+def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, skip_ptr, gamma_ptr, std_ptr,
+                     gamma_value: tl.float64, std_value: tl.float64, noise_key: tl.int64, x_base: tl.int64,
+                     C: tl.int64, N: tl.int64, nblk: tl.int64, mis: tl.int64,
                      DTYPE: tl.constexpr, ESIZE: tl.constexpr, ACC: tl.constexpr, TWO_D: tl.constexpr,
-                     HAS_SKIP: tl.constexpr, GAMMA_KIND: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_SKIP: tl.constexpr, GAMMA_KIND: tl.constexpr, NOISE: tl.constexpr,
+                     STD_KIND: tl.constexpr, BLOCK: tl.constexpr):
     """For the columns ``J`` of program ``p`` (``nblk`` programs), in acc dtype::
 
         total_J          = sum_i (w_i * X_i[J] if w_i != 0 else 0)   (i = 0, 1, ... in order)
         out[J]           = gamma * total_J          (cast to out's dtype)
+                           gamma * total_J + std * normal(noise_key, J)   with NOISE
         part[i, p]       = sum_J X_i[J]^2           (i < C)
         part[C, p]       = sum_J total_J^2
 
+    ``std``: ``std_value`` or ``std_ptr[0]`` (``STD_KIND``, as ``GAMMA_KIND``), in acc.
     With ``skip`` true (read here) nothing is read or written.  Grid: ``nblk``.
     """
     run = True
@@ -83,11 +98,11 @@ def aggregate_kernel(ctab_ptr, w_ptr, out_ptr, part_ptr, skip_ptr, gamma_ptr,
         pid = tl.program_id(0).to(tl.int64)
         gamma = H.load_hyper(gamma_value, gamma_ptr, 0, GAMMA_KIND, ACC)
         if (pid + 1) * BLOCK <= N:
-            _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, mis, pid,
-                             DTYPE, ESIZE, ACC, TWO_D, BLOCK, False)
+            _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, std_ptr, std_value, noise_key, C, N,
+                             nblk, mis, pid, DTYPE, ESIZE, ACC, TWO_D, NOISE, STD_KIND, BLOCK, False)
         else:
-            _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, C, N, nblk, mis, pid,
-                             DTYPE, ESIZE, ACC, TWO_D, BLOCK, True)
+            _aggregate_block(ctab_ptr, x_base, w_ptr, out_ptr, part_ptr, gamma, std_ptr, std_value, noise_key, C, N,
+                             nblk, mis, pid, DTYPE, ESIZE, ACC, TWO_D, NOISE, STD_KIND, BLOCK, True)
 
 
 @triton.jit

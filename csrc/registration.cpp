@@ -68,19 +68,39 @@ TORCH_LIBRARY(fedopt_C, m) {
   // (never 0 * nan) but still gets its norm.  `out`: [N], clients' dtype or acc dtype.
   // `skip` (one element, the library's one "do nothing" convention, as found_inf and
   // server_update_'s skip): when nonzero, out is not touched and the stats are zeros.
+  // DP noise (python_ref/gaussian_noise.py, include/fedopt/gaussian_noise.h): with
+  // `noise_key` (in [0, 2^63)) out[j] = gamma * sum[j] + std * normal(noise_key, j), j
+  // the index in out, computed in the acc dtype -- the product gamma * sum as without
+  // noise, then std * n_j and the sum each rounded on its own (no FMA) -- and rounded
+  // once to out's dtype; n_j is fp32 (widened exactly for a float64 acc).  std =
+  // `noise_std_tensor` (one float32 / float64 element on out's device, converted to acc,
+  // read by the kernels: no host sync on CUDA) if given, else `noise_std`.  The noise
+  // bits are the same on every backend and CPU instruction set.  The returned norms are
+  // those of the sum without noise; a skip adds no noise either.  noise_key None: no
+  // noise, the same bits as before the noise existed.
   // Returns (client_sq_norms [C], sq_norm []).
   m.def(
       "aggregate(Tensor[] clients, Tensor weights, float gamma, Tensor? gamma_tensor, "
-      "Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
+      "Tensor(a!) out, Tensor? skip, int? noise_key=None, float noise_std=0., "
+      "Tensor? noise_std_tensor=None) -> (Tensor, Tensor)");
   // aggregate over clients read in place from pieces (CPU only: replies to a server
   // held in host memory, each a list of per-layer arrays): `pieces` holds client 0's
   // `pieces_per_client` pieces, then client 1's, ...; client i's vector is the
   // concatenation of its pieces (piece p of every client has the same numel), or, with
   // `subtract_from` ([N]), subtract_from minus that.  Same results, bit for bit, as
-  // aggregate over the [C, N] rows those pieces would be copied into.
+  // aggregate over the [C, N] rows those pieces would be copied into (with the same
+  // noise when `noise_key` is given).
   m.def(
       "aggregate_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, Tensor weights, "
-      "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
+      "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip, int? noise_key=None, "
+      "float noise_std=0., Tensor? noise_std_tensor=None) -> (Tensor, Tensor)");
+  // The DP noise alone, in place: out[j] = out[j] + std * normal(noise_key, j), computed
+  // in the acc dtype (std * n_j rounded, then the sum) and rounded once to out's dtype;
+  // `noise_key` and std as in aggregate.  `out`: a contiguous 1-D float16 / bfloat16 /
+  // float32 / float64 tensor, any length.  For a float32 or float64 out, aggregate with
+  // noise is bit for bit aggregate without noise followed by add_noise_ (same key, same
+  // std); for float16 / bfloat16 the fused form rounds once, this one twice.
+  m.def("add_noise_(Tensor(a!) out, int noise_key, float noise_std, Tensor? noise_std_tensor) -> ()");
   // [<clients[i], g> for each i] in one pass over the data (the backward of the
   // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");

@@ -5,7 +5,9 @@
 // (chunks.h), threads take consecutive chunks, and inside a chunk every client is read
 // once (kernels.h).  Per chunk the kernels leave one partial per client (and one for
 // ||sum||^2), which are added here in chunk order: the results do not depend on the
-// thread count.
+// thread count.  With DP noise (noise_key given) the epilogue adds std * normal(key, j)
+// to each out[j] in the same pass (client_rows_kernels.h, finish_total; oracle:
+// python_ref/gaussian_noise.py).
 #include <tuple>
 #include <vector>
 
@@ -53,9 +55,17 @@ bool check_vector(const Tensor& t, const Clients& cl, const char* what) {
   return t.scalar_type() == acc;
 }
 
+// The DP noise of one call, resolved: off, or on with its key and std (noise_std_value).
+template <typename acc_t>
+struct Noise {
+  bool on = false;
+  uint64_t key = 0;
+  acc_t std_dev = 0;
+};
+
 template <typename acc_t>
 std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weights, acc_t gamma, const Tensor& out,
-                                         bool out_is_acc, const PieceTable* pieces = nullptr) {
+                                         bool out_is_acc, const PieceTable* pieces, const Noise<acc_t>& noise) {
   const int64_t C = cl.C;
   const ChunkTable table = build_chunk_table({cl.N}, {0}, 1, kAggChunk);
   const int64_t nc = static_cast<int64_t>(table.chunks.size());
@@ -74,6 +84,9 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
   args.chunks = table.chunks.data();
   args.client_partials = client_partials.data();
   args.sum_partials = sum_partials.data();
+  args.noise = noise.on;
+  args.noise_key = noise.key;
+  args.noise_std = noise.std_dev;
   const Kernels<acc_t>& k = kernels().get<acc_t>();
   parallel_over_columns(C, cl.N, nc, [&](int64_t c0, int64_t c1) { k.aggregate(args, c0, c1); });
 
@@ -92,15 +105,27 @@ std::tuple<Tensor, Tensor> run_aggregate(const Clients& cl, const Tensor& weight
   return {q, Q};
 }
 
+template <typename acc_t>
+Noise<acc_t> resolve_noise(std::optional<int64_t> key, double std_value, const OptTensor& std_tensor) {
+  Noise<acc_t> n;
+  if (!key.has_value()) return n;
+  n.on = true;
+  n.key = static_cast<uint64_t>(*key);
+  n.std_dev = noise_std_value<acc_t>(std_value, std_tensor);
+  return n;
+}
+
 // The checks and the skip convention both forms of aggregate share, then the pass.
 std::tuple<Tensor, Tensor> aggregate_checked(const char* op, const Clients& cl, const Tensor& weights, double gamma,
                                              const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip,
-                                             const PieceTable* pieces) {
+                                             const PieceTable* pieces, std::optional<int64_t> noise_key,
+                                             double noise_std, const OptTensor& noise_std_tensor) {
   const at::ScalarType acc = acc_type(cl.dtype);
   TORCH_CHECK(weights.device().is_cpu() && weights.numel() == cl.C, op, ": weights must be a CPU tensor of ", cl.C,
               " elements, got ", weights.numel(), " on ", weights.device());
   check_hyper_dtype(weights, "weights");
   const bool out_is_acc = check_vector(out, cl, "out");
+  check_noise(op, noise_key, noise_std_tensor);
   if (skip.has_value()) {
     TORCH_CHECK(skip->numel() == 1 && skip->device().is_cpu(), op, ": skip must be a one-element CPU tensor");
     if (skip->item<bool>()) {
@@ -108,24 +133,33 @@ std::tuple<Tensor, Tensor> aggregate_checked(const char* op, const Clients& cl, 
     }
   }
   const double g = gamma_tensor.has_value() ? read_hyper_scalar(*gamma_tensor, "gamma_tensor") : gamma;
-  if (acc == at::kDouble) return run_aggregate<double>(cl, weights, g, out, out_is_acc, pieces);
+  if (acc == at::kDouble) {
+    return run_aggregate<double>(cl, weights, g, out, out_is_acc, pieces,
+                                 resolve_noise<double>(noise_key, noise_std, noise_std_tensor));
+  }
   // Rounded like python_ref's torch.as_tensor(gamma, dtype=float32).
-  return run_aggregate<float>(cl, weights, static_cast<float>(g), out, out_is_acc, pieces);
+  return run_aggregate<float>(cl, weights, static_cast<float>(g), out, out_is_acc, pieces,
+                              resolve_noise<float>(noise_key, noise_std, noise_std_tensor));
 }
 
 std::tuple<Tensor, Tensor> aggregate_cpu(TensorList clients, const Tensor& weights, double gamma,
-                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip) {
+                                         const OptTensor& gamma_tensor, const Tensor& out, const OptTensor& skip,
+                                         std::optional<int64_t> noise_key, double noise_std,
+                                         const OptTensor& noise_std_tensor) {
   const Clients cl = unpack_clients(clients, "fedopt_C::aggregate");
-  return aggregate_checked("fedopt_C::aggregate", cl, weights, gamma, gamma_tensor, out, skip, nullptr);
+  return aggregate_checked("fedopt_C::aggregate", cl, weights, gamma, gamma_tensor, out, skip, nullptr, noise_key,
+                           noise_std, noise_std_tensor);
 }
 
 std::tuple<Tensor, Tensor> aggregate_pieces_cpu(TensorList pieces, int64_t pieces_per_client,
                                                 const OptTensor& subtract_from, const Tensor& weights, double gamma,
                                                 const OptTensor& gamma_tensor, const Tensor& out,
-                                                const OptTensor& skip) {
+                                                const OptTensor& skip, std::optional<int64_t> noise_key,
+                                                double noise_std, const OptTensor& noise_std_tensor) {
   const char* op = "fedopt_C::aggregate_pieces";
   const Pieces p = unpack_pieces(op, pieces, pieces_per_client, subtract_from);
-  return aggregate_checked(op, p.cl, weights, gamma, gamma_tensor, out, skip, &p.table);
+  return aggregate_checked(op, p.cl, weights, gamma, gamma_tensor, out, skip, &p.table, noise_key, noise_std,
+                           noise_std_tensor);
 }
 
 template <typename acc_t>

@@ -7,6 +7,7 @@
 #error "client_rows_kernels.h is included by kernels.h (via isa_*.cpp, which define CPU_CAPABILITY)"
 #endif
 
+#include "noise_kernels.h"
 #include "vec_block.h"
 
 namespace fedopt::cpu::CPU_CAPABILITY {
@@ -232,7 +233,8 @@ C10_ALWAYS_INLINE void for_stripes(int64_t c0, int64_t c1, const F& fn) {
 // Aggregation: per stripe, `total` is zeroed, the clients stream through it: total +=
 // w_i * x_i (exactly python_ref's `total = total + w_i * x_i`; a client with w_i == 0 is
 // never multiplied, and four clients go together only if none has w_i == 0) while their
-// squares go to their lanes.  Last, per chunk, out = gamma * total and ||total||^2.
+// squares go to their lanes.  Last, per chunk, out = gamma * total (+ std * noise with
+// DP noise) and ||total||^2.
 
 // R clients over one chunk of m columns: the squares of client r are added to its lanes
 // q[r], and (kWeighted) w[r] * x_r to `total`, which is rounded up to whole blocks.  The
@@ -266,19 +268,31 @@ C10_ALWAYS_INLINE void aggregate_rows(const scalar_t* const* x, int64_t m, const
 // The end of one chunk of m columns, once every client has passed: out = gamma * total
 // (out at the chunk's start), and ||total||^2 returned.  total's padding is cleared
 // first: the clients added w * 0 to it, which is NaN for w = inf.
-template <typename out_t, typename acc_t>
-C10_ALWAYS_INLINE acc_t finish_total(acc_t* total, int64_t m, const Vectorized<acc_t>& gamma, out_t* out) {
+// kNoise: out = gamma * total + std * normal(key, start + j) (noise_kernels.h) for the
+// chunk's columns j from global column `start`, the noise of a block drawn into lanes
+// while its total is in registers; ||total||^2 stays that of the sum without noise.
+// Without it (a separate instantiation) the loop is the noise-free one, unchanged.
+template <bool kNoise, typename out_t, typename acc_t>
+C10_ALWAYS_INLINE acc_t finish_total(acc_t* total, int64_t m, const Vectorized<acc_t>& gamma, out_t* out,
+                                     [[maybe_unused]] const AggregateArgs<acc_t>& a,
+                                     [[maybe_unused]] int64_t start) {
   using B = Block<acc_t>;
   using Vec = typename B::Vec;
   constexpr int64_t kN = B::kN, kW = B::kW, kK = B::kK;
   std::fill(total + m, total + padded<acc_t>(m), acc_t(0));
   Vec tv[kK], sq[kK];
   B::zero(sq);
+  [[maybe_unused]] const Vec std_v(a.noise_std);
   for (int64_t j = 0; j < padded<acc_t>(m); j += kN) {
     for (int64_t kk = 0; kk < kK; ++kk) {
       tv[kk] = Vec::loadu(total + j + kk * kW);
       sq[kk] = sq[kk] + tv[kk] * tv[kk];
       tv[kk] = gamma * tv[kk];
+    }
+    if constexpr (kNoise) {
+      Vec nv[kK];
+      noise_terms(a.noise_key, static_cast<uint64_t>(start + j), std_v, nv);
+      for (int64_t kk = 0; kk < kK; ++kk) tv[kk] = tv[kk] + nv[kk];
     }
     if (j + kN <= m) {
       B::store(out + j, tv);
@@ -327,7 +341,9 @@ void aggregate_chunks(const AggregateArgs<acc_t>& a, int64_t c0, int64_t c1) {
 
     for (int64_t k = 0; k < nk; ++k) {
       const Chunk& ch = a.chunks[c + k];
-      a.sum_partials[c + k] = finish_total(buffer.slot(k), ch.len, gamma, out + ch.start);
+      acc_t* total = buffer.slot(k);
+      a.sum_partials[c + k] = a.noise ? finish_total<true>(total, ch.len, gamma, out + ch.start, a, ch.start)
+                                      : finish_total<false>(total, ch.len, gamma, out + ch.start, a, ch.start);
     }
   });
 }

@@ -79,6 +79,24 @@ struct AggregateArgs {
   const Chunk* chunks;              // column ranges of [0, N)
   acc_t* client_partials;           // [num_chunks][C]
   acc_t* sum_partials;              // [num_chunks]
+  // The DP noise, when `noise`: out[j] = gamma * total[j] + std * normal(noise_key, j)
+  // (include/fedopt/gaussian_noise.h), each product and the sum rounded to acc_t, then
+  // once to out's type; the partials stay those of the sum without noise.
+  bool noise = false;
+  uint64_t noise_key = 0;
+  acc_t noise_std = 0;
+};
+
+// add_noise_: out[j] = out[j] + std * normal(key, j) over chunks of `chunk` elements
+// (chunk c covers [c * chunk, min(n, (c + 1) * chunk)); a multiple of the block).
+template <typename acc_t>
+struct NoiseArgs {
+  ScalarKind kind;                  // out's element type
+  void* out;                        // [n]
+  int64_t n;
+  int64_t chunk;
+  uint64_t key;
+  acc_t std_dev;
 };
 
 // <X_i, g> for every client over column chunks.
@@ -153,6 +171,7 @@ struct Kernels {
   void (*server_update)(const ServerUpdateArgs<acc_t>&, int64_t c0, int64_t c1);
   void (*gram)(const GramArgs<acc_t>&, int64_t c0, int64_t c1);
   void (*select)(const SelectArgs<acc_t>&, int64_t b0, int64_t b1);
+  void (*add_noise)(const NoiseArgs<acc_t>&, int64_t c0, int64_t c1);
 };
 
 struct KernelTable {

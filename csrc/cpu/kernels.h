@@ -21,8 +21,9 @@
 // both are NaN (the cross-build test, tests/test_cpu_kernels.py, compares finite data).
 //
 // The kernels are written one family per header (vec_block.h: the shared block and
-// dispatch; nar_kernels.h, client_rows_kernels.h, server_update_kernels.h); this file
-// puts them together into the build's kernel table.
+// dispatch; noise_kernels.h: the DP noise; nar_kernels.h, client_rows_kernels.h,
+// server_update_kernels.h, robust_kernels.h); this file puts them together into the
+// build's kernel table.
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -31,6 +32,7 @@
 
 #include "kernel_api.h"
 #include "vec_block.h"
+#include "noise_kernels.h"
 #include "nar_kernels.h"
 #include "client_rows_kernels.h"
 #include "server_update_kernels.h"
@@ -42,10 +44,10 @@ constexpr KernelTable kTable = {
     C10_STRINGIZE(CPU_CAPABILITY),
     {&nar_norm_pass<float>, &nar_update_pass<float>, &aggregate_pass<float>, &client_dots_pass<float>,
      &server_update_pass<float>, &gram_pass<float>,
-     &select_pass<float>},
+     &select_pass<float>, &add_noise_pass<float>},
     {&nar_norm_pass<double>, &nar_update_pass<double>, &aggregate_pass<double>, &client_dots_pass<double>,
      &server_update_pass<double>, &gram_pass<double>,
-     &select_pass<double>},
+     &select_pass<double>, &add_noise_pass<double>},
 };
 
 }  // namespace fedopt::cpu::CPU_CAPABILITY

@@ -1,6 +1,6 @@
-// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp, server_update.cpp, the
-// ragged ops): tensor checks that guard memory safety, hyperparameter reads, and the
-// split of a chunk table among threads.
+// Helpers shared by the CPU ops (nar_step.cpp, aggregate.cpp, add_noise.cpp,
+// server_update.cpp, the ragged ops): tensor checks that guard memory safety,
+// hyperparameter reads, and the split of a chunk table among threads.
 #pragma once
 
 #include <algorithm>
@@ -122,6 +122,27 @@ inline double read_hyper_scalar(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "fedopt_C: ", what, " must be a CPU tensor, got ", t.device());
   check_hyper_dtype(t, what);
   return read_scalar(t, what);
+}
+
+// The DP noise arguments of aggregate, aggregate_pieces and add_noise_ (schemas:
+// registration.cpp), checked before anything is written: a key in [0, 2^63) (the
+// schema's int is signed; the ops layer never passes a negative one), and the std as a
+// float or a one-element float32 / float64 CPU tensor.
+inline void check_noise(const char* op, std::optional<int64_t> key, const std::optional<at::Tensor>& std_tensor) {
+  if (key.has_value()) TORCH_CHECK(*key >= 0, op, ": noise_key must be in [0, 2^63), got ", *key);
+  if (!std_tensor.has_value()) return;
+  const at::Tensor& t = *std_tensor;
+  TORCH_CHECK(t.device().is_cpu(), op, ": noise_std_tensor must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.numel() == 1, op, ": noise_std_tensor must have one element, got ", t.numel());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, op,
+              ": noise_std_tensor must be float32 or float64, got ", t.scalar_type());
+}
+
+// The noise std in acc_t: the tensor's value when given (converted as `.to(acc dtype)`
+// converts it), else the float rounded to acc_t.  Call after check_noise.
+template <typename acc_t>
+acc_t noise_std_value(double value, const std::optional<at::Tensor>& tensor) {
+  return read_hyper<acc_t>(value, tensor, 1, "noise_std_tensor")[0];
 }
 
 // Runs fn(c0, c1) on consecutive chunk ranges, one per thread, balanced by element

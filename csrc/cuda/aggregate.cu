@@ -16,6 +16,12 @@
 //    partials[C][b].
 //  * finalize_rows_kernel: block r adds partials[r][0..nb) in a fixed order (strided
 //    per thread, then block_sum) into client_sq_norms[r] / sq_norm (or dots[r]).
+//  * DP noise (aggregate with noise_key; rows_kernel's kNoise): as a tile is stored,
+//    out[j] = gamma * sum[j] + std * normal(key, j) (include/fedopt/gaussian_noise.h:
+//    Philox4x32-10 of the column index, Box-Muller by fixed polynomials, every step a
+//    correctly rounded __f*_rn), std read on the device when given as a tensor: the same
+//    bits as the CPU kernels and python_ref/gaussian_noise.py.  ||sum||^2 is that of the
+//    sum without noise.  add_noise_kernel is the same noise as a separate in-place pass.
 //
 // Tiling rule (aggregate_tiling): the tile shape is chosen from N and the dtype ONLY,
 // never from the device (SM count), so the partial sums, hence the results, are
@@ -64,6 +70,7 @@
 #include <vector>
 
 #include "fedopt/cuda_utils.cuh"
+#include "fedopt/gaussian_noise.h"
 #include "fedopt/table_cache.h"
 #include "ops.h"
 
@@ -113,6 +120,10 @@ struct RowsArgs {
   const acc_t* gamma_ptr;  // when set, gamma = *gamma_ptr
   const bool* skip;        // when set and true: nothing is written
   void* out;               // [N] of out_t
+  // DP noise (rows_kernel's kNoise): out[j] = gamma * sum[j] + std * normal(noise_key, j)
+  uint64_t noise_key;
+  acc_t noise_std;
+  const acc_t* noise_std_ptr;  // when set, std = *noise_std_ptr
   // client_dots
   const void* g;  // [N] of other_t
   acc_t* partials;  // [rows][nb], rows = C (+ 1 for ||sum||^2 in aggregate)
@@ -168,6 +179,34 @@ __device__ __forceinline__ void store_tile(T* p, int64_t tile0, int64_t n, bool 
   }
 }
 
+// store_tile with the DP noise: p[tile_column(j)] = scale * v[j] + std * normal(key,
+// tile_column(j)) for the columns < n, each product and the sum rounded on its own
+// (the __f*_rn / __d*_rn intrinsics of Unfused, which nvcc never contracts into an FMA),
+// as the CPU kernels and python_ref compute it.  The noise is drawn for the stored
+// columns only.
+template <int VEC, int EPT, typename T, typename acc_t>
+__device__ __forceinline__ void store_tile_noise(T* p, int64_t tile0, int64_t n, bool aligned, const acc_t (&v)[EPT],
+                                                 acc_t scale, uint64_t key, acc_t sd) {
+  using U = Unfused<acc_t>;
+#pragma unroll
+  for (int u = 0; u < EPT / VEC; ++u) {
+    const int64_t e = tile0 + (static_cast<int64_t>(u) * blockDim.x + threadIdx.x) * VEC;
+    acc_t s[VEC];
+#pragma unroll
+    for (int r = 0; r < VEC; ++r) {
+      const acc_t z = e + r < n ? static_cast<acc_t>(noise::normal(key, static_cast<uint64_t>(e + r))) : acc_t(0);
+      s[r] = (U(scale) * U(v[u * VEC + r]) + U(sd) * U(z)).v;
+    }
+    if (aligned && e + VEC <= n) {
+      store_vec<VEC>(p + e, s);
+    } else {
+#pragma unroll
+      for (int r = 0; r < VEC; ++r)
+        if (e + r < n) store_one(p + e + r, s[r]);
+    }
+  }
+}
+
 // Sum over a block of blockDim.x threads (a multiple of 32, at most kThreads): as
 // block_sum, with the warp count of this launch (fixed by the tiling rule).
 template <typename T>
@@ -176,9 +215,11 @@ __device__ __forceinline__ T block_sum_dyn(T v, T* smem) {
 }
 
 // kDots = false: aggregate (other_t = out's dtype).  kDots = true: client_dots
-// (other_t = g's dtype).  kU: 16-byte vectors per thread per client per tile.  Launched
-// with blockDim.x = the tiling rule's threads.  See the header comment for the order.
-template <typename scalar_t, typename other_t, int kU, bool kDots>
+// (other_t = g's dtype).  kU: 16-byte vectors per thread per client per tile.  kNoise
+// (aggregate only): the DP noise added as out is stored (store_tile_noise); a separate
+// instantiation, so the noise-free kernel is unchanged.  Launched with blockDim.x = the
+// tiling rule's threads.  See the header comment for the order.
+template <typename scalar_t, typename other_t, int kU, bool kDots, bool kNoise = false>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmath_type<scalar_t>> a) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int VEC = vec16<scalar_t>();
@@ -198,6 +239,8 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
   const int64_t tile_cols = static_cast<int64_t>(blockDim.x) * EPT;
   [[maybe_unused]] acc_t gamma = acc_t(1);
   if constexpr (!kDots) gamma = a.gamma_ptr != nullptr ? *a.gamma_ptr : a.gamma;
+  [[maybe_unused]] acc_t noise_std = acc_t(0);
+  if constexpr (kNoise) noise_std = a.noise_std_ptr != nullptr ? *a.noise_std_ptr : a.noise_std;
   acc_t sq_sum = acc_t(0);  // this thread's share of ||sum_i w_i X_i||^2 (aggregate)
 
   for (int64_t tile = blockIdx.x; tile < a.num_tiles; tile += nb) {
@@ -271,7 +314,12 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
 #pragma unroll
       for (int j = 0; j < EPT; ++j)
         if (tile_column<VEC>(tile0, j) < a.N) sq_sum += other[j] * other[j];
-      store_tile<VEC>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma);
+      if constexpr (kNoise) {
+        store_tile_noise<VEC>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma, a.noise_key,
+                              noise_std);
+      } else {
+        store_tile<VEC>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma);
+      }
     }
   }
   if constexpr (!kDots) {
@@ -381,32 +429,68 @@ RowsArgs<acc_t> make_rows_args(const Clients& c, const AggTiling& tiling, const 
   return a;
 }
 
-template <typename scalar_t, typename other_t, bool kDots>
+template <typename scalar_t, typename other_t, bool kDots, bool kNoise>
 void launch_rows(const RowsArgs<at::opmath_type<scalar_t>>& a, const AggTiling& t, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned int>(t.blocks));
   const dim3 block(static_cast<unsigned int>(t.threads));
   if (t.vectors == 2)
-    rows_kernel<scalar_t, other_t, 2, kDots><<<grid, block, 0, stream>>>(a);
+    rows_kernel<scalar_t, other_t, 2, kDots, kNoise><<<grid, block, 0, stream>>>(a);
   else
-    rows_kernel<scalar_t, other_t, 1, kDots><<<grid, block, 0, stream>>>(a);
+    rows_kernel<scalar_t, other_t, 1, kDots, kNoise><<<grid, block, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // launch_rows with other_t = the dtype of the companion (out or g): the clients' dtype or acc.
-template <typename scalar_t, bool kDots>
+template <typename scalar_t, bool kDots, bool kNoise = false>
 void launch_rows_for(const RowsArgs<at::opmath_type<scalar_t>>& a, at::ScalarType other, at::ScalarType clients,
                      const AggTiling& t, cudaStream_t stream) {
   if (other == clients)
-    launch_rows<scalar_t, scalar_t, kDots>(a, t, stream);
+    launch_rows<scalar_t, scalar_t, kDots, kNoise>(a, t, stream);
   else
-    launch_rows<scalar_t, at::opmath_type<scalar_t>, kDots>(a, t, stream);
+    launch_rows<scalar_t, at::opmath_type<scalar_t>, kDots, kNoise>(a, t, stream);
+}
+
+// The DP noise arguments of aggregate and add_noise_, checked before anything is
+// launched: a key in [0, 2^63), the std tensor (when given) one float32 / float64
+// element on the data's device, converted there to acc (a device op: no host sync).
+struct NoiseStd {
+  HyperTensor tensor;
+};
+
+NoiseStd noise_std_on_device(const char* op, std::optional<int64_t> key,
+                             const std::optional<at::Tensor>& std_tensor, at::ScalarType acc,
+                             const at::Device& device) {
+  if (key.has_value()) TORCH_CHECK(*key >= 0, op, ": noise_key must be in [0, 2^63), got ", *key);
+  if (std_tensor.has_value() && std_tensor->defined()) {
+    const at::ScalarType t = std_tensor->scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kDouble, op, ": noise_std_tensor must be float32 or float64, got ", t);
+  }
+  return {hyper_tensor(std_tensor, op, "noise_std_tensor", acc, device)};
+}
+
+// add_noise_: out[j] = out[j] + std * normal(key, j) (acc_t; the product and the sum
+// each rounded, no FMA), grid-stride over int64 indices.  Elementwise: the launch shape
+// changes no bit.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    add_noise_kernel(scalar_t* out, int64_t n, uint64_t key, at::opmath_type<scalar_t> std_value,
+                     const at::opmath_type<scalar_t>* std_ptr) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using U = Unfused<acc_t>;
+  const acc_t sd = std_ptr != nullptr ? *std_ptr : std_value;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
+    const acc_t z = static_cast<acc_t>(noise::normal(key, static_cast<uint64_t>(j)));
+    store_one(out + j, (U(load_one<acc_t>(out + j)) + U(sd) * U(z)).v);
+  }
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::Tensor& weights, double gamma,
                                              const std::optional<at::Tensor>& gamma_tensor, const at::Tensor& out,
-                                             const std::optional<at::Tensor>& skip) {
+                                             const std::optional<at::Tensor>& skip, std::optional<int64_t> noise_key,
+                                             double noise_std, const std::optional<at::Tensor>& noise_std_tensor) {
   const char* op = "fedopt_C::aggregate (CUDA)";
   check_first_client(op, clients);
   const c10::cuda::CUDAGuard guard(clients[0].device());
@@ -419,6 +503,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
   TORCH_CHECK(weights.is_floating_point(), op, ": weights must be floating point, got ", weights.scalar_type());
   const at::Tensor w = weights.to(acc).contiguous();
   const HyperTensor gamma_h = hyper_tensor(gamma_tensor, op, "gamma_tensor", acc, c.device);
+  const NoiseStd noise_h = noise_std_on_device(op, noise_key, noise_std_tensor, acc, c.device);
   at::Tensor skip_t;
   if (skip.has_value() && skip->defined()) {
     TORCH_CHECK(skip->device() == c.device && skip->numel() == 1, op,
@@ -444,7 +529,14 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
       a.gamma_ptr = static_cast<const acc_t*>(gamma_h.ptr);
       a.skip = skip_ptr;
       a.out = out.data_ptr();
-      launch_rows_for<scalar_t, false>(a, out.scalar_type(), c.dtype, tiling, stream);
+      if (noise_key.has_value()) {
+        a.noise_key = static_cast<uint64_t>(*noise_key);
+        a.noise_std = static_cast<acc_t>(noise_std);
+        a.noise_std_ptr = static_cast<const acc_t*>(noise_h.tensor.ptr);
+        launch_rows_for<scalar_t, false, true>(a, out.scalar_type(), c.dtype, tiling, stream);
+      } else {
+        launch_rows_for<scalar_t, false>(a, out.scalar_type(), c.dtype, tiling, stream);
+      }
     }
     // C + 1 rows: the clients' ||X_i||^2, then ||sum_i w_i X_i||^2 (all 0 when N == 0).
     finalize_rows_kernel<acc_t><<<dim3(static_cast<unsigned int>(c.C + 1)), kThreads, 0, stream>>>(
@@ -452,6 +544,30 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {sq_norms, sq_norm};
+}
+
+void add_noise_(const at::Tensor& out, int64_t noise_key, double noise_std,
+                const std::optional<at::Tensor>& noise_std_tensor) {
+  const char* op = "fedopt_C::add_noise_ (CUDA)";
+  TORCH_CHECK(out.defined() && out.is_cuda(), op, ": out must be a CUDA tensor");
+  check_supported_float(op, "out", out.scalar_type());
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), op, ": out must be a contiguous 1-D tensor, got sizes ",
+              out.sizes(), " strides ", out.strides());
+  const c10::cuda::CUDAGuard guard(out.device());
+  const at::ScalarType acc = acc_type_of(out.scalar_type());
+  const NoiseStd noise_h = noise_std_on_device(op, noise_key, noise_std_tensor, acc, out.device());
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
+  // A fixed grid (not from the SM count): about 8 elements per thread on large vectors.
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(1) << 16);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "fedopt_add_noise_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    add_noise_kernel<scalar_t><<<dim3(static_cast<unsigned int>(blocks)), kThreads, 0, stream>>>(
+        out.data_ptr<scalar_t>(), n, static_cast<uint64_t>(noise_key), static_cast<acc_t>(noise_std),
+        static_cast<const acc_t*>(noise_h.tensor.ptr));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 at::Tensor client_dots(at::TensorList clients, const at::Tensor& g) {

@@ -66,6 +66,7 @@ TORCH_LIBRARY_IMPL(fedopt_C, CUDA, m) {
   m.impl("nar_sq_norm", TORCH_FN(fedopt::cuda::nar_sq_norm));
   m.impl("nar_apply_", TORCH_FN(fedopt::cuda::nar_apply_));
   m.impl("aggregate", TORCH_FN(fedopt::cuda::aggregate));
+  m.impl("add_noise_", TORCH_FN(fedopt::cuda::add_noise_));
   m.impl("client_dots", TORCH_FN(fedopt::cuda::client_dots));
   m.impl("server_update_", TORCH_FN(fedopt::cuda::server_update_));
 }

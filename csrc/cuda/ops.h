@@ -37,7 +37,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nar_apply_(
 
 std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::Tensor& weights, double gamma,
                                              const std::optional<at::Tensor>& gamma_tensor, const at::Tensor& out,
-                                             const std::optional<at::Tensor>& skip);
+                                             const std::optional<at::Tensor>& skip, std::optional<int64_t> noise_key,
+                                             double noise_std, const std::optional<at::Tensor>& noise_std_tensor);
+
+void add_noise_(const at::Tensor& out, int64_t noise_key, double noise_std,
+                const std::optional<at::Tensor>& noise_std_tensor);
 
 at::Tensor client_dots(at::TensorList clients, const at::Tensor& g);
 

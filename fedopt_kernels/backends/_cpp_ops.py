@@ -36,15 +36,27 @@ def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor,
         float(momentum), grad_scale, found_inf)
 
 
-def aggregate(clients, weights, gamma, gamma_tensor, out, skip):
+def _key(noise_key):
+    return None if noise_key is None else int(noise_key)
+
+
+def aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
+              noise_std_tensor=None):
     if isinstance(clients, torch.Tensor):
         clients = [clients]
-    return torch.ops.fedopt_C.aggregate(clients, weights, float(gamma), gamma_tensor, out, skip)
+    return torch.ops.fedopt_C.aggregate(clients, weights, float(gamma), gamma_tensor, out, skip, _key(noise_key),
+                                        float(noise_std), noise_std_tensor)
 
 
-def aggregate_pieces(pieces, pieces_per_client, subtract_from, weights, gamma, gamma_tensor, out, skip):
+def aggregate_pieces(pieces, pieces_per_client, subtract_from, weights, gamma, gamma_tensor, out, skip,
+                     noise_key=None, noise_std=0.0, noise_std_tensor=None):
     return torch.ops.fedopt_C.aggregate_pieces(pieces, int(pieces_per_client), subtract_from, weights, float(gamma),
-                                               gamma_tensor, out, skip)
+                                               gamma_tensor, out, skip, _key(noise_key), float(noise_std),
+                                               noise_std_tensor)
+
+
+def add_noise_(out, noise_key, noise_std, noise_std_tensor):
+    torch.ops.fedopt_C.add_noise_(out, int(noise_key), float(noise_std), noise_std_tensor)
 
 
 def client_dots(clients, g):

@@ -7,4 +7,4 @@ if _reason is not None:
     raise ImportError(_reason)
 
 from ._cpp_ops import (  # noqa: E402,F401
-    aggregate, aggregate_pieces, client_dots, client_dots_pieces, nar_apply_, nar_sq_norm, nar_step_, nar_step_batched_, server_update_)
+    add_noise_, aggregate, aggregate_pieces, client_dots, client_dots_pieces, nar_apply_, nar_sq_norm, nar_step_, nar_step_batched_, server_update_)

@@ -62,7 +62,7 @@ constexpr float kS3 = -0x1.555556p-3f, kS5 = 0x1.111112p-7f, kS7 = -0x1.a01a02p-
 FEDOPT_HD void philox_x01(uint64_t key, uint64_t j, uint32_t& x0, uint32_t& x1) {
   uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32), c2 = 0, c3 = 0;
   uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDACC__)  // nvcc, both passes: its host front end warns on GCC's pragma
 #pragma unroll
 #else
 #pragma GCC unroll 10  // straight-line code: a loop of normal() over lanes then vectorises

@@ -99,8 +99,11 @@ TORCH_LIBRARY(fedopt_C, m) {
   // `noise_key` and std as in aggregate.  `out`: a contiguous 1-D float16 / bfloat16 /
   // float32 / float64 tensor, any length.  For a float32 or float64 out, aggregate with
   // noise is bit for bit aggregate without noise followed by add_noise_ (same key, same
-  // std); for float16 / bfloat16 the fused form rounds once, this one twice.
-  m.def("add_noise_(Tensor(a!) out, int noise_key, float noise_std, Tensor? noise_std_tensor) -> ()");
+  // std); for float16 / bfloat16 the fused form rounds once, this one twice.  `skip` as
+  // aggregate's: when nonzero, out is not touched (so a caller can pick, on the device,
+  // between the noise of a second aggregate pass and this one: ops/dp_noise.py).
+  m.def("add_noise_(Tensor(a!) out, int noise_key, float noise_std, Tensor? noise_std_tensor, "
+        "Tensor? skip=None) -> ()");
   // [<clients[i], g> for each i] in one pass over the data (the backward of the
   // weighted sum).  `g`: [N], clients' dtype or acc dtype.  Returns [C] in acc dtype.
   m.def("client_dots(Tensor[] clients, Tensor g) -> Tensor");

@@ -166,17 +166,19 @@ def variants(quick: bool = False):
                             ptrs=["tab_ptr", "lr_ptr", "gamma_ptr", "skip_ptr"],
                             options=dict(enable_fp_fusion=False)))
     # ---- add_noise_: every out dtype, the std a float (the std pointer is out then) or a
-    # tensor (fp32 or fp64, whatever the acc)
+    # tensor (fp32 or fp64, whatever the acc), with and without the skip flag
     for dt in DTYPES:
         acc = TB.acc_dtype(dt)
         block, warps = TB.noise_launch_config(dt)
         for sk, std_t in ((0, "*" + TY[dt]), (1, "*fp32"), (1, "*fp64"))[:1 if quick else 3]:
-            out.append(dict(kernel=AN.add_noise_kernel,
-                            cx=dict(ACC=TB.TL_DTYPES[acc], STD_KIND=sk, BLOCK=block),
-                            types=dict(out_ptr="*" + TY[dt], std_ptr=std_t, std_value="fp64", noise_key="i64",
-                                       N="i64"),
-                            warps=warps, dtype=dt, layout=None, ptrs=["out_ptr", "std_ptr"],
-                            options=dict(enable_fp_fusion=False)))
+            for skip in (False, True)[:1 if quick else 2]:
+                out.append(dict(kernel=AN.add_noise_kernel,
+                                cx=dict(ACC=TB.TL_DTYPES[acc], STD_KIND=sk, HAS_SKIP=skip, BLOCK=block),
+                                types=dict(out_ptr="*" + TY[dt], std_ptr=std_t,
+                                           skip_ptr="*i1" if skip else "*" + TY[dt], std_value="fp64",
+                                           noise_key="i64", N="i64"),
+                                warps=warps, dtype=dt, layout=None, ptrs=["out_ptr", "std_ptr", "skip_ptr"],
+                                options=dict(enable_fp_fusion=False)))
     # ---- finalize kernels (no data dtype, no table pointers)
     # group_sum_kernel runs with the update kernel's num_warps (one reduction tree for
     # both ways of summing a group): one variant per (acc dtype, warps) the launches use.

@@ -119,6 +119,16 @@ def test_skip_leaves_out_untouched_noise_included(be):
     assert_bitwise(out.cpu(), expected(plain, KEYS[1], 1.0, torch.float32))
 
 
+def test_add_noise_skip_flag(be):
+    N = be.size(5000, 1025)
+    out = randn((N,), torch.float32, be.device, torch.Generator().manual_seed(7))
+    before = out.clone()
+    be.module.add_noise_(out, KEYS[1], 1.0, None, torch.ones((), dtype=torch.bool, device=be.device))
+    assert_bitwise(out, before, "skipped")
+    be.module.add_noise_(out, KEYS[1], 1.0, None, torch.zeros((), dtype=torch.bool, device=be.device))
+    assert_bitwise(out.cpu(), expected(before.cpu(), KEYS[1], 1.0, torch.float32), "not skipped")
+
+
 def test_keys_give_different_noise_and_std_zero_adds_nothing(be):
     N = be.size(4099, 257)
     draws = []

@@ -37,7 +37,7 @@ void run_add_noise(const Tensor& out, uint64_t key, acc_t std_dev) {
 }
 
 void add_noise_cpu(const Tensor& out, int64_t noise_key, double noise_std,
-                   const std::optional<Tensor>& noise_std_tensor) {
+                   const std::optional<Tensor>& noise_std_tensor, const std::optional<Tensor>& skip) {
   const char* op = "fedopt_C::add_noise_";
   TORCH_CHECK(out.defined(), op, ": out must be a tensor");
   check_supported_float(op, "out", out.scalar_type());
@@ -45,6 +45,10 @@ void add_noise_cpu(const Tensor& out, int64_t noise_key, double noise_std,
   TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), op, ": out must be a contiguous 1-D tensor, got sizes ",
               out.sizes(), " strides ", out.strides());
   check_noise(op, noise_key, noise_std_tensor);
+  if (skip.has_value() && skip->defined()) {
+    TORCH_CHECK(skip->numel() == 1 && skip->device().is_cpu(), op, ": skip must be a one-element CPU tensor");
+    if (skip->item<bool>()) return;
+  }
   if (out.scalar_type() == at::kDouble) {
     run_add_noise<double>(out, static_cast<uint64_t>(noise_key), noise_std_value<double>(noise_std, noise_std_tensor));
   } else {

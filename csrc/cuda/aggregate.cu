@@ -470,13 +470,14 @@ NoiseStd noise_std_on_device(const char* op, std::optional<int64_t> key,
 
 // add_noise_: out[j] = out[j] + std * normal(key, j) (acc_t; the product and the sum
 // each rounded, no FMA), grid-stride over int64 indices.  Elementwise: the launch shape
-// changes no bit.
+// changes no bit.  `skip` (when given and true, read here) leaves out untouched.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     add_noise_kernel(scalar_t* out, int64_t n, uint64_t key, at::opmath_type<scalar_t> std_value,
-                     const at::opmath_type<scalar_t>* std_ptr) {
+                     const at::opmath_type<scalar_t>* std_ptr, const bool* skip) {
   using acc_t = at::opmath_type<scalar_t>;
   using U = Unfused<acc_t>;
+  if (skip != nullptr && *skip) return;  // grid-uniform
   const acc_t sd = std_ptr != nullptr ? *std_ptr : std_value;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
@@ -547,7 +548,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
 }
 
 void add_noise_(const at::Tensor& out, int64_t noise_key, double noise_std,
-                const std::optional<at::Tensor>& noise_std_tensor) {
+                const std::optional<at::Tensor>& noise_std_tensor, const std::optional<at::Tensor>& skip) {
   const char* op = "fedopt_C::add_noise_ (CUDA)";
   TORCH_CHECK(out.defined() && out.is_cuda(), op, ": out must be a CUDA tensor");
   check_supported_float(op, "out", out.scalar_type());
@@ -556,6 +557,12 @@ void add_noise_(const at::Tensor& out, int64_t noise_key, double noise_std,
   const c10::cuda::CUDAGuard guard(out.device());
   const at::ScalarType acc = acc_type_of(out.scalar_type());
   const NoiseStd noise_h = noise_std_on_device(op, noise_key, noise_std_tensor, acc, out.device());
+  at::Tensor skip_t;
+  if (skip.has_value() && skip->defined()) {
+    TORCH_CHECK(skip->device() == out.device() && skip->numel() == 1, op, ": skip must be a one-element tensor on ",
+                out.device());
+    skip_t = skip->scalar_type() == at::kBool ? *skip : skip->to(at::kBool);
+  }
   const int64_t n = out.numel();
   if (n == 0) return;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
@@ -565,7 +572,7 @@ void add_noise_(const at::Tensor& out, int64_t noise_key, double noise_std,
     using acc_t = at::opmath_type<scalar_t>;
     add_noise_kernel<scalar_t><<<dim3(static_cast<unsigned int>(blocks)), kThreads, 0, stream>>>(
         out.data_ptr<scalar_t>(), n, static_cast<uint64_t>(noise_key), static_cast<acc_t>(noise_std),
-        static_cast<const acc_t*>(noise_h.tensor.ptr));
+        static_cast<const acc_t*>(noise_h.tensor.ptr), skip_t.defined() ? skip_t.data_ptr<bool>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate(at::TensorList clients, const at::T
                                              double noise_std, const std::optional<at::Tensor>& noise_std_tensor);
 
 void add_noise_(const at::Tensor& out, int64_t noise_key, double noise_std,
-                const std::optional<at::Tensor>& noise_std_tensor);
+                const std::optional<at::Tensor>& noise_std_tensor, const std::optional<at::Tensor>& skip);
 
 at::Tensor client_dots(at::TensorList clients, const at::Tensor& g);
 

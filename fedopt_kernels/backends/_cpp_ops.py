@@ -55,8 +55,8 @@ def aggregate_pieces(pieces, pieces_per_client, subtract_from, weights, gamma, g
                                                noise_std_tensor)
 
 
-def add_noise_(out, noise_key, noise_std, noise_std_tensor):
-    torch.ops.fedopt_C.add_noise_(out, int(noise_key), float(noise_std), noise_std_tensor)
+def add_noise_(out, noise_key, noise_std, noise_std_tensor, skip=None):
+    torch.ops.fedopt_C.add_noise_(out, int(noise_key), float(noise_std), noise_std_tensor, skip)
 
 
 def client_dots(clients, g):

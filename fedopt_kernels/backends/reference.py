@@ -66,8 +66,9 @@ def aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, 
     return q, Q
 
 
-def add_noise_(out, noise_key, noise_std, noise_std_tensor):
-    out.copy_(_noised(out.to(_nar.compute_dtype(out.dtype)), noise_key, noise_std, noise_std_tensor))
+def add_noise_(out, noise_key, noise_std, noise_std_tensor, skip=None):
+    noised = _noised(out.to(_nar.compute_dtype(out.dtype)), noise_key, noise_std, noise_std_tensor).to(out.dtype)
+    out.copy_(noised if skip is None else torch.where(skip.reshape(()) != 0, out, noised))
 
 
 def client_dots(clients, g):

@@ -130,12 +130,12 @@ def aggregate_op(clients, weights, gamma, gamma_tensor, out, skip, noise_key=Non
 
 @torch.library.custom_op("fedopt::add_noise_", mutates_args=("out",))
 def add_noise_op(out: torch.Tensor, noise_key: int, noise_std: float, noise_std_tensor: Optional[torch.Tensor],
-                 backend: str) -> None:
-    backends.resolve(backend, out.device).add_noise_(out, noise_key, noise_std, noise_std_tensor)
+                 skip: Optional[torch.Tensor] = None, backend: str = "reference") -> None:
+    backends.resolve(backend, out.device).add_noise_(out, noise_key, noise_std, noise_std_tensor, skip)
 
 
 @add_noise_op.register_fake
-def _(out, noise_key, noise_std, noise_std_tensor, backend):
+def _(out, noise_key, noise_std, noise_std_tensor, skip=None, backend="reference"):
     return None
 
 

@@ -15,19 +15,22 @@ the same two passes as ``aggregate``'s norm bound: the first yields the norms (a
 unclipped sum), the second the clipped sum with the factors decided on the device; it
 is a no-op launch when no factor changes a weight.
 
-The Gaussian noise is drawn INSIDE that pass: ``clipped_sum(..., noise_key=k,
+The Gaussian noise is drawn INSIDE the kernel: ``clipped_sum(..., noise_key=k,
 noise_std=s)`` writes ``out[j] = scale * total[j] + s * n_j``, with ``n_j`` element ``j``
 of the counter-based noise of key ``k`` (python_ref/gaussian_noise.py: Philox4x32-10 of
 ``(k, j)``, Box-Muller with fixed fp32 polynomials).  Each element's draw depends on
-``(k, j)`` alone, so the kernel needs no generator state, both passes write the same
-noise (the second rewrites ``out`` whole), the bits are the same on every backend and
-CPU instruction set, and a run is reproducible from its seed (the key of a round is a
-function of the run's seed and the round: :func:`fedopt_kernels.server.dp.dp_noise_key`).
-:func:`gaussian_noise_` adds the same noise to a vector already summed (the distributed
-round, whose sum ends on one rank): for an fp32/fp64 ``out`` the two forms give the
-same bits.  The noise costs no pass of its own: it is computed in registers while the
-clients stream (about 35 fp32 operations and ten Philox rounds per element, vectorised
-on the CPU, against a pass that reads ``C`` client values per element).
+``(k, j)`` alone, so the kernel needs no generator state, the bits are the same on every
+backend and CPU instruction set, and a run is reproducible from its seed (the key of a
+round is a function of the run's seed and the round:
+:func:`fedopt_kernels.server.dp.dp_noise_key`).  :func:`gaussian_noise_` adds the same
+noise to a vector already summed: for an fp32/fp64 ``out`` the two forms give the same
+bits.  The noise goes into the pass that writes ``out`` last: the second pass when a
+client is clipped (the usual DP round), fused there; else, the second pass being a
+no-op, one ``add_noise_`` pass -- chosen on the device by the same flag that skips the
+second pass, no host sync.  (Noise in both passes would draw it twice in a clipped
+round; in the first alone it would be lost when the second rewrites ``out``.)  An
+fp16/bf16 ``out`` takes the noise in both passes, so that sum and noise are rounded
+once whichever pass writes last.
 
 The sampler is 24-bit Box-Muller: its largest value is ``5.77`` (tails beyond 5.77
 sigma, probability ``8e-9`` per element, are cut), as any fp32 Box-Muller's.  Like
@@ -128,14 +131,20 @@ def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out
     V.check_backend(backend)
     run = aggregate_runner(backend, device)
 
-    # pass 1: every ||X_i||^2 (and the unclipped sum, noised: the result when nothing is clipped)
-    q, Q = run(rows, w, scale, out, None, noise)
+    # Where the noise goes (module docstring): into the pass that writes out last.  With an
+    # out in the acc dtype, pass 1 sums without it; pass 2 (run when a factor changed)
+    # adds it, else add_noise_ does -- both decided by `same` on the device.  With an
+    # fp16/bf16 out both passes add it (one rounding of sum + noise whichever writes last).
+    both = noise is not None and out.dtype != acc
+    q, Q = run(rows, w, scale, out, None, noise if both else None)  # pass 1: every ||X_i||^2, the unclipped sum
     excluded = ~torch.isfinite(q)
     zero = torch.zeros((), dtype=acc, device=device)
     factors = norm_bound_factors(q.to(acc), excluded, clip)
     eff = torch.where(excluded, zero, w * factors)
     same = (eff == w).all()  # nothing clipped or excluded: the second pass does nothing
     _, Q2 = run(rows, eff, scale, out, same, noise)  # the same noise: element j's draw is (key, j)
+    if noise is not None and not both:
+        _dispatch.kernel("add_noise_", backend, device)(out, noise[0], *split(noise[1]), ~same)
     norms = torch.where(excluded, zero, q.to(acc)).sqrt()
     unclipped = ~excluded & (norms <= clip)
     return out, ClipStats(q, unclipped, excluded, factors, eff, torch.where(same, Q, Q2))

@@ -429,10 +429,11 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, ga
             enable_fp_fusion=False)
 
 
-def add_noise_(out, noise_key, noise_std, noise_std_tensor):
+def add_noise_(out, noise_key, noise_std, noise_std_tensor, skip=None):
     """``out[j] += std * normal(noise_key, j)`` in ``out``'s acc dtype, in place; ``out``
     1-D contiguous, any length; ``std`` = ``noise_std_tensor`` (one element, read in
-    the kernel) if given, else ``noise_std`` (contract)."""
+    the kernel) if given, else ``noise_std``; ``skip`` None or a one-element tensor read
+    in the kernel (true: nothing written) (contract)."""
     N = out.numel()
     if N == 0:
         return
@@ -441,7 +442,7 @@ def add_noise_(out, noise_key, noise_std, noise_std_tensor):
     block, warps = noise_launch_config(out.dtype)
     with _on(out.device):
         add_noise_kernel[(-(-N // block),)](
-            out, s_t if s_t is not None else out, s_f, int(noise_key), N,
-            ACC=TL_DTYPES[acc], STD_KIND=s_kind, BLOCK=block, num_warps=warps,
+            out, s_t if s_t is not None else out, skip if skip is not None else out, s_f, int(noise_key), N,
+            ACC=TL_DTYPES[acc], STD_KIND=s_kind, HAS_SKIP=skip is not None, BLOCK=block, num_warps=warps,
             # the noise rounds every operation itself (_noise.py); nothing else here to contract
             enable_fp_fusion=False)

@@ -33,14 +33,19 @@ def _add_noise_block(out_ptr, start, N, std, noise_key, ACC: tl.constexpr, BLOCK
 
 
 @triton.jit(do_not_specialize=["std_value", "noise_key", "N"])
-def add_noise_kernel(out_ptr, std_ptr, std_value: tl.float64, noise_key: tl.int64, N: tl.int64,
-                     ACC: tl.constexpr, STD_KIND: tl.constexpr, BLOCK: tl.constexpr):
+def add_noise_kernel(out_ptr, std_ptr, skip_ptr, std_value: tl.float64, noise_key: tl.int64, N: tl.int64,
+                     ACC: tl.constexpr, STD_KIND: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     """``out[J] += std * normal(noise_key, J)`` for the elements ``J`` of program ``p``
     (acc dtype ``ACC``; ``std`` = ``std_value`` or ``std_ptr[0]`` by ``STD_KIND``, the
-    ``HYPER_*`` kinds).  Grid: ``cdiv(N, BLOCK)``."""
-    pid = tl.program_id(0).to(tl.int64)
-    std = H.load_hyper(std_value, std_ptr, 0, STD_KIND, ACC)
-    if (pid + 1) * BLOCK <= N:
-        _add_noise_block(out_ptr, pid * BLOCK, N, std, noise_key, ACC, BLOCK, False)
-    else:
-        _add_noise_block(out_ptr, pid * BLOCK, N, std, noise_key, ACC, BLOCK, True)
+    ``HYPER_*`` kinds).  With ``skip`` true (read here) nothing is written.  Grid:
+    ``cdiv(N, BLOCK)``."""
+    run = True
+    if HAS_SKIP:
+        run = tl.load(skip_ptr) == 0
+    if run:
+        pid = tl.program_id(0).to(tl.int64)
+        std = H.load_hyper(std_value, std_ptr, 0, STD_KIND, ACC)
+        if (pid + 1) * BLOCK <= N:
+            _add_noise_block(out_ptr, pid * BLOCK, N, std, noise_key, ACC, BLOCK, False)
+        else:
+            _add_noise_block(out_ptr, pid * BLOCK, N, std, noise_key, ACC, BLOCK, True)

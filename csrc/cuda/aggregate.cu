@@ -159,34 +159,15 @@ __device__ __forceinline__ void load_tile(const T* p, int64_t tile0, int64_t n, 
   }
 }
 
-// p[tile_column(j)] = scale * v[j] for the columns < n.
-template <int VEC, int EPT, typename T, typename acc_t>
+// p[tile_column(j)] = scale * v[j] for the columns < n.  kNoise (the DP noise):
+// p[tile_column(j)] = scale * v[j] + sd * normal(key, tile_column(j)), each product and
+// the sum rounded on its own (the __f*_rn / __d*_rn intrinsics of Unfused, which nvcc
+// never contracts into an FMA), as the CPU kernels and python_ref compute it; the noise
+// is drawn for the stored columns only.
+template <int VEC, bool kNoise = false, int EPT, typename T, typename acc_t>
 __device__ __forceinline__ void store_tile(T* p, int64_t tile0, int64_t n, bool aligned, const acc_t (&v)[EPT],
-                                           acc_t scale) {
-#pragma unroll
-  for (int u = 0; u < EPT / VEC; ++u) {
-    const int64_t e = tile0 + (static_cast<int64_t>(u) * blockDim.x + threadIdx.x) * VEC;
-    acc_t s[VEC];
-#pragma unroll
-    for (int r = 0; r < VEC; ++r) s[r] = scale * v[u * VEC + r];
-    if (aligned && e + VEC <= n) {
-      store_vec<VEC>(p + e, s);
-    } else {
-#pragma unroll
-      for (int r = 0; r < VEC; ++r)
-        if (e + r < n) store_one(p + e + r, s[r]);
-    }
-  }
-}
-
-// store_tile with the DP noise: p[tile_column(j)] = scale * v[j] + std * normal(key,
-// tile_column(j)) for the columns < n, each product and the sum rounded on its own
-// (the __f*_rn / __d*_rn intrinsics of Unfused, which nvcc never contracts into an FMA),
-// as the CPU kernels and python_ref compute it.  The noise is drawn for the stored
-// columns only.
-template <int VEC, int EPT, typename T, typename acc_t>
-__device__ __forceinline__ void store_tile_noise(T* p, int64_t tile0, int64_t n, bool aligned, const acc_t (&v)[EPT],
-                                                 acc_t scale, uint64_t key, acc_t sd) {
+                                           acc_t scale, [[maybe_unused]] uint64_t key = 0,
+                                           [[maybe_unused]] acc_t sd = acc_t(0)) {
   using U = Unfused<acc_t>;
 #pragma unroll
   for (int u = 0; u < EPT / VEC; ++u) {
@@ -194,8 +175,12 @@ __device__ __forceinline__ void store_tile_noise(T* p, int64_t tile0, int64_t n,
     acc_t s[VEC];
 #pragma unroll
     for (int r = 0; r < VEC; ++r) {
-      const acc_t z = e + r < n ? static_cast<acc_t>(noise::normal(key, static_cast<uint64_t>(e + r))) : acc_t(0);
-      s[r] = (U(scale) * U(v[u * VEC + r]) + U(sd) * U(z)).v;
+      if constexpr (kNoise) {
+        const acc_t z = e + r < n ? static_cast<acc_t>(noise::normal(key, static_cast<uint64_t>(e + r))) : acc_t(0);
+        s[r] = (U(scale) * U(v[u * VEC + r]) + U(sd) * U(z)).v;
+      } else {
+        s[r] = scale * v[u * VEC + r];
+      }
     }
     if (aligned && e + VEC <= n) {
       store_vec<VEC>(p + e, s);
@@ -216,7 +201,7 @@ __device__ __forceinline__ T block_sum_dyn(T v, T* smem) {
 
 // kDots = false: aggregate (other_t = out's dtype).  kDots = true: client_dots
 // (other_t = g's dtype).  kU: 16-byte vectors per thread per client per tile.  kNoise
-// (aggregate only): the DP noise added as out is stored (store_tile_noise); a separate
+// (aggregate only): the DP noise added as out is stored (store_tile<VEC, true>); a separate
 // instantiation, so the noise-free kernel is unchanged.  Launched with blockDim.x = the
 // tiling rule's threads.  See the header comment for the order.
 template <typename scalar_t, typename other_t, int kU, bool kDots, bool kNoise = false>
@@ -314,12 +299,8 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const RowsArgs<at::opmat
 #pragma unroll
       for (int j = 0; j < EPT; ++j)
         if (tile_column<VEC>(tile0, j) < a.N) sq_sum += other[j] * other[j];
-      if constexpr (kNoise) {
-        store_tile_noise<VEC>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma, a.noise_key,
+      store_tile<VEC, kNoise>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma, a.noise_key,
                               noise_std);
-      } else {
-        store_tile<VEC>(static_cast<other_t*>(a.out), tile0, a.N, a.aligned, other, gamma);
-      }
     }
   }
   if constexpr (!kDots) {

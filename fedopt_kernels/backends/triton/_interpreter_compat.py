@@ -84,27 +84,45 @@ def _bf16_truncates(interpreter) -> bool:
     return int(np.asarray(out.data).view(np.uint16)[0]) == 0x3F80
 
 
-def _install_bf16_rounding(interpreter) -> None:
-    import triton.language as tl
-
-    builder = getattr(interpreter, "InterpreterBuilder", None)
-    original = getattr(builder, "cast_impl", None)
+def _replace_if_needed(owner, name: str, needed, make) -> None:
+    """``owner.name = make(original)`` when ``owner`` has ``name`` and ``needed()`` says the
+    installed interpreter shows the problem; left as it is when either check fails (an
+    interpreter of another shape)."""
+    original = getattr(owner, name, None)
     if original is None:
         return
     try:
-        if not _bf16_truncates(interpreter):
+        if not needed():
             return
-    except Exception:  # an interpreter of another shape: leave it as it is
+    except Exception:
         return
+    setattr(owner, name, functools.wraps(original)(make(original)))
 
-    @functools.wraps(original)
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = fp32_to_bf16_bits(src.data).view(interpreter._get_np_dtype(dst_type))
-            return interpreter.TensorHandle(data, dst_type.scalar)
-        return original(self, src, dst_type)
 
-    builder.cast_impl = cast_impl
+def _bf16_rounding_cast(interpreter):
+    """``InterpreterBuilder.cast_impl`` with fp32 -> bf16 rounded to nearest even."""
+    import triton.language as tl
+
+    def make(original):
+        def cast_impl(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                data = fp32_to_bf16_bits(src.data).view(interpreter._get_np_dtype(dst_type))
+                return interpreter.TensorHandle(data, dst_type.scalar)
+            return original(self, src, dst_type)
+
+        return cast_impl
+
+    return make
+
+
+def _index_safe_patch(original):
+    """``_patch_lang_tensor`` that also gives tensors Triton 3.8's ``__index__``."""
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    return patch_lang_tensor
 
 
 def install() -> None:
@@ -119,19 +137,6 @@ def install() -> None:
         from triton.runtime import interpreter
     except ImportError:  # a Triton without the interpreter: nothing to fix
         return
-    _install_bf16_rounding(interpreter)
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-    try:
-        if not _needs_fix(interpreter):
-            return
-    except Exception:  # an interpreter of another shape: leave it as it is
-        return
-
-    @functools.wraps(original)
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
+    _replace_if_needed(getattr(interpreter, "InterpreterBuilder", None), "cast_impl",
+                       lambda: _bf16_truncates(interpreter), _bf16_rounding_cast(interpreter))
+    _replace_if_needed(interpreter, "_patch_lang_tensor", lambda: _needs_fix(interpreter), _index_safe_patch)

@@ -137,12 +137,18 @@ def bench_flower(C: int = 20, model: str = "resnet18", *, repeats: int = 5, warm
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def comparison_parser(doc: str, *, repeats: int) -> argparse.ArgumentParser:
+    """The command line of every Flower comparison (this one, flower_dp, flower_robust):
+    ``--clients``, ``--model`` and ``--repeats``; each adds its own arguments."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = comparison_parser(__doc__, repeats=5).parse_args(argv)
     rows = bench_flower(args.clients, args.model, repeats=args.repeats)
     for r in rows:
         print(format_row(r, f" (copying {r['copying ms']:.1f} ms, {r['in place vs copying']:.2f}x)",

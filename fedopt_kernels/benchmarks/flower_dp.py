@@ -29,13 +29,12 @@ Run ``python -m fedopt_kernels.benchmarks.flower_dp [--clients 20] [--model resn
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .flower import MODELS, ShapesModel, flat_arrays, format_row, make_replies, speedup_row
+from .flower import MODELS, ShapesModel, comparison_parser, flat_arrays, format_row, make_replies, speedup_row
 from .timing import interleaved
 
 NUM_EXAMPLES = 100  # every reply's weight: Flower's FedAvg is then the uniform mean
@@ -200,13 +199,10 @@ def bench(C: int = 20, model: str = "resnet18", *, z: float = 1.0, clip: float =
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
+    parser = comparison_parser(__doc__, repeats=3)
     parser.add_argument("--noise", type=float, default=1.0, help="noise multiplier z (timed, and its std checked)")
     parser.add_argument("--clip", type=float, default=10.0,
                         help="clip C (the initial clip for adaptive clipping); the replies' update norms are ~34")
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     for r in bench(args.clients, args.model, z=args.noise, clip=args.clip, repeats=args.repeats):
         print(format_row(r))

@@ -18,11 +18,10 @@ Run ``python -m fedopt_kernels.benchmarks.flower_robust [--clients 20] [--model 
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Dict, List
 
-from .flower import MODELS, ShapesModel, flat_arrays, format_row, make_replies, speedup_row
+from .flower import MODELS, ShapesModel, comparison_parser, flat_arrays, format_row, make_replies, speedup_row
 from .timing import interleaved
 
 
@@ -89,12 +88,9 @@ def bench(C: int = 20, model: str = "resnet18", *, f: int = 4, beta: float = 0.2
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
+    parser = comparison_parser(__doc__, repeats=3)
     parser.add_argument("--f", type=int, default=4, help="Byzantine clients for Krum and Multi-Krum")
     parser.add_argument("--beta", type=float, default=0.2, help="trimmed mean's beta (Flower's default 0.2)")
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     for r in bench(args.clients, args.model, f=args.f, beta=args.beta, repeats=args.repeats):
         print(format_row(r))

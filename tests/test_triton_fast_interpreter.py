@@ -69,3 +69,91 @@ def test_the_shortcut_skips_the_re_patching(monkeypatch):
     launches = [n for n in own if n.endswith("_kernel")]
     assert launches and sorted(calls) == sorted(launches), (calls, launches)
     assert len(own) > 5 * len(launches), own  # the device calls' re-patching, skipped
+
+
+# ---------------------------------------------------------------- xor_sum through numpy
+
+triton = import_triton_module("triton")
+tl = import_triton_module("triton.language")
+
+
+@triton.jit
+def _sort_rows_kernel(x_ptr, out_ptr, R: tl.constexpr, CP: tl.constexpr):
+    offs = tl.arange(0, R)[:, None] * CP + tl.arange(0, CP)[None, :]
+    tl.store(out_ptr + offs, tl.sort(tl.load(x_ptr + offs), dim=1))
+
+
+@triton.jit
+def _xor_sums_kernel(x_ptr, rows_ptr, cols_ptr, all_ptr, R: tl.constexpr, CP: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, R)[:, None] * CP + tl.arange(0, CP)[None, :])
+    tl.store(rows_ptr + tl.arange(0, R)[:, None], tl.xor_sum(x, axis=1, keep_dims=True))
+    tl.store(cols_ptr + tl.arange(0, CP), tl.xor_sum(x, axis=0))
+    tl.store(all_ptr, tl.xor_sum(x))
+
+
+def _awkward_rows(dtype, R=8, CP=16):
+    """Rows of NaN, signed zeros, infinities, ties and subnormal-free randoms: the values
+    a bitonic network orders by position rather than by value (NaN, -0.0 vs 0.0)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(R, CP, generator=g, dtype=torch.float64).to(dtype)
+    x[0, ::3] = float("nan")
+    x[1, :8] = 0.0
+    x[1, 1::2] = -0.0
+    x[2, ::2] = float("inf")
+    x[2, 1::4] = float("-inf")
+    x[3] = x[3, :4].repeat(4)  # ties
+    x[4] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_sort_through_the_numpy_xor_gives_the_bits_of_tritons_own_path(dtype):
+    x = _awkward_rows(dtype)
+    fast, own = torch.empty_like(x), torch.empty_like(x)
+    _sort_rows_kernel[(1,)](x, fast, R=x.shape[0], CP=x.shape[1])
+    with _fast_interpreter.disabled():
+        _sort_rows_kernel[(1,)](x, own, R=x.shape[0], CP=x.shape[1])
+    # bit patterns, so that the places of -0.0 / 0.0 and NaN payloads count too
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    assert torch.equal(fast.view(bits), own.view(bits))
+    if dtype == torch.bfloat16:
+        return  # the interpreter keeps bf16 as uint16 and compares those, so its bf16 "sort" is
+        # no sort on either path (coordinate_select sorts in the acc dtype, fp32 / fp64)
+    clean = ~torch.isnan(x).any(dim=1)  # rows without NaN: the values are torch's sort
+    assert torch.equal(fast[clean], torch.sort(x[clean], dim=1).values)
+
+
+def test_xor_sum_through_numpy_is_the_xor_of_the_bits():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-2**31, 2**31 - 1, (4, 8), generator=g, dtype=torch.int32)
+    runs = []
+    for ctx in (_fast_interpreter.disabled, lambda: __import__("contextlib").nullcontext()):
+        rows, cols, whole = torch.empty(4, 1, dtype=torch.int32), torch.empty(8, dtype=torch.int32), \
+            torch.empty(1, dtype=torch.int32)
+        with ctx():
+            _xor_sums_kernel[(1,)](x, rows, cols, whole, R=4, CP=8)
+        runs.append((rows, cols, whole))
+    want_rows = x[:, 0].clone()
+    for j in range(1, 8):
+        want_rows ^= x[:, j]
+    want_cols = x[0].clone()
+    for i in range(1, 4):
+        want_cols ^= x[i]
+    want_all = want_rows[0].clone()
+    for i in range(1, 4):
+        want_all ^= want_rows[i]
+    for rows, cols, whole in runs:
+        assert torch.equal(rows[:, 0], want_rows) and torch.equal(cols, want_cols) and int(whole) == int(want_all)
+
+
+def test_the_shortcut_reduces_xor_without_the_per_element_combine(monkeypatch):
+    calls = []
+    real = interpreter.ReduceOps.generic_reduce
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce",
+                        lambda self, input: calls.append(1) or real(self, input))
+    x = _awkward_rows(torch.float32)
+    _sort_rows_kernel[(1,)](x, torch.empty_like(x), R=x.shape[0], CP=x.shape[1])
+    assert calls == []
+    with _fast_interpreter.disabled():
+        _sort_rows_kernel[(1,)](x, torch.empty_like(x), R=x.shape[0], CP=x.shape[1])
+    assert len(calls) == 10  # log2(16) = 4 stages: 1 + 2 + 3 + 4 compare-and-swaps

@@ -14,8 +14,11 @@ change what the suite tests:
   strict mode (backends/mkl.py): the suite tests the library's own setting; the tests
   of the variables set them in their subprocesses.
 * In the interpreter, a device-function call skips Triton's redundant re-patching of
-  ``triton.language`` (tests/_fast_interpreter.py: the same bits, 3-4x faster; checked
-  by tests/test_triton_fast_interpreter.py).
+  ``triton.language``, ``xor_sum`` (so ``tl.sort``) runs through numpy and the type
+  table is built once (tests/_fast_interpreter.py: the same bits; checked by
+  tests/test_triton_fast_interpreter.py).
+* Under pytest-xdist each worker runs torch, and the processes it starts, on its share
+  of the cores (below).
 """
 
 import importlib
@@ -31,6 +34,18 @@ os.environ.pop("FEDOPT_BACKEND", None)
 os.environ.pop("MKL_CBWR", None)
 os.environ.pop("FEDOPT_MKL_STRICT", None)
 
+# pytest-xdist workers share the cores: each runs torch (and, through the environment,
+# the processes it starts) on its share.  With torch's default -- every core in every
+# worker -- two workers ran 4 spinning OpenMP threads on 2 cores: a contract suite took
+# 61 s beside a busy neighbour instead of 25 s.  No result depends on it (the thread-count
+# tests set their counts themselves; the CPU kernels' bits do not depend on it).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+                 // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_SHARE)
+    torch.set_num_threads(_SHARE)
+
 from fedopt_kernels import backends  # noqa: E402
 
 if os.environ["TRITON_INTERPRET"] == "1":
@@ -43,14 +58,16 @@ if os.environ["TRITON_INTERPRET"] == "1":
 # files that take longest go first -- longest-processing-time-first -- and the many short
 # ones fill in at the end.  xdist's own order (most tests first) ran the slow tier's
 # few, long tests last, one worker alone with them while the other idled.
-LONGEST_FIRST = (
+LONGEST_FIRST = (  # measured 2026-11-27 (tests/ per-file sums of `make test`), longest first
     "test_oldest_torch.py",  # builds against torch 2.11, runs the contract suites there
+    "test_wheel.py", "test_flower_deployment.py", "test_selftest.py", "test_flower.py", "test_flower_run_bench.py",
     "test_contract_nar_step.py", "test_contract_server_update.py", "test_contract_aggregate.py",
-    "test_nar_step.py", "test_flower_deployment.py", "test_robust_aggregate.py", "test_flower.py",
-    "test_distributed.py", "test_distributed_robust_dp.py", "test_robust_gram.py",
-    "test_nar_step_batched.py", "test_aggregate.py", "test_wheel.py", "test_docs_site.py",
-    "test_server_optimizers.py", "test_selftest.py", "test_fedlaw.py", "test_code_paths.py", "test_sharded_fednar.py",
-    "test_flower_run_bench.py", "test_batched_engine.py", "test_ragged_bmm.py", "test_paper_defaults.py",
+    "test_batched_engine.py", "test_contract_noise.py", "test_aggregate.py", "test_distributed.py",
+    "test_triton_aot.py", "test_robust_aggregate.py", "test_device_check_script.py", "test_code_paths.py",
+    "test_cli_signals.py", "test_sanitizer_driver.py", "test_chunked_rounds.py", "test_lean_install.py",
+    "test_compile_every_op.py", "test_scale_bench.py", "test_robust_triton_aot.py", "test_gaussian_noise.py",
+    "test_distributed_robust_dp.py", "test_robust_gram.py", "test_cli.py", "test_nar_step.py",
+    "test_engine_agreement.py", "test_startup.py", "test_server_optimizers.py",
 )
 
 

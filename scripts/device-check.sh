@@ -72,7 +72,10 @@ if ! command -v "$PY" >/dev/null 2>&1; then
     echo "device-check: PYTHON=$PY not found" >&2
     exit 2
 fi
-JOBS="${DEVICE_CHECK_JOBS:-$(nproc 2>/dev/null || echo 4)}"
+# nproc without the OpenMP variables: GNU nproc reports OMP_NUM_THREADS when it is set, and a
+# shell that exports OMP_NUM_THREADS=1 would build on one core of a 16-core lease.  The
+# CPU affinity (taskset, a container's cpuset) still counts.
+JOBS="${DEVICE_CHECK_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 4)}"
 SKIP=" ${DEVICE_CHECK_SKIP:-} "
 # Compiled Triton kernels, not the interpreter (triton.jit reads it when a kernel is
 # defined), and no backend forced on every op.
@@ -214,9 +217,9 @@ last_line() {  # last_line STEP PATTERN: the last line of a step's log matching 
 step env cpu 60 bash -c '
     echo "## python"; "$0" -c "import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda)"
     "$0" -c "import triton; print(\"triton\", triton.__version__)" || true
-    echo "## nproc: $(nproc)"; echo "## nvcc"; nvcc --version 2>&1 | tail -n 2 || true
+    echo "## nproc: $(nproc), jobs: $1"; echo "## nvcc"; nvcc --version 2>&1 | tail -n 2 || true
     echo "## ninja: $(ninja --version 2>/dev/null || echo none)"
-    echo "## nvidia-smi"; nvidia-smi 2>&1 || true' "$PY"
+    echo "## nvidia-smi"; nvidia-smi 2>&1 || true' "$PY" "$JOBS"
 
 if [ "${DEVICE_CHECK_BUILD:-1}" = 1 ]; then
     if [ -n "$ARCH" ]; then

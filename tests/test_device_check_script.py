@@ -87,6 +87,18 @@ def test_without_a_gpu_the_gpu_steps_skip_and_the_cpu_parts_pass(tmp_path):
 
 
 @no_gpu
+def test_the_build_jobs_are_the_cores_whatever_omp_num_threads_says(tmp_path):
+    """GNU nproc reports OMP_NUM_THREADS when it is set: a shell exporting
+    OMP_NUM_THREADS=1 must not make the build run on one core of the lease."""
+    out = tmp_path / "check"
+    p = _run(out, tmp_path, OMP_NUM_THREADS="1", OMP_THREAD_LIMIT="1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        env_log = tar.extractfile("logs/env.txt").read().decode()
+    assert f"jobs: {len(os.sched_getaffinity(0))}" in env_log, env_log
+
+
+@no_gpu
 def test_the_full_profile_lists_gpu_checks_extra_steps(tmp_path):
     out = tmp_path / "check"
     p = _run(out, tmp_path, DEVICE_CHECK_PROFILE="full", DEVICE_CHECK_SKIP="info")

@@ -4,6 +4,8 @@ own path, and really skips the re-patching (else the interpreted cases cost 3-4x
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -92,8 +94,8 @@ def _xor_sums_kernel(x_ptr, rows_ptr, cols_ptr, all_ptr, R: tl.constexpr, CP: tl
 
 
 def _awkward_rows(dtype, R=8, CP=16):
-    """Rows of NaN, signed zeros, infinities, ties and subnormal-free randoms: the values
-    a bitonic network orders by position rather than by value (NaN, -0.0 vs 0.0)."""
+    """Rows of NaN, signed zeros, infinities, ties and plain normals; NaN and -0.0 vs 0.0
+    are ordered by the network's positions, not by value."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(R, CP, generator=g, dtype=torch.float64).to(dtype)
     x[0, ::3] = float("nan")
@@ -127,7 +129,7 @@ def test_xor_sum_through_numpy_is_the_xor_of_the_bits():
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-2**31, 2**31 - 1, (4, 8), generator=g, dtype=torch.int32)
     runs = []
-    for ctx in (_fast_interpreter.disabled, lambda: __import__("contextlib").nullcontext()):
+    for ctx in (_fast_interpreter.disabled, contextlib.nullcontext):
         rows, cols, whole = torch.empty(4, 1, dtype=torch.int32), torch.empty(8, dtype=torch.int32), \
             torch.empty(1, dtype=torch.int32)
         with ctx():

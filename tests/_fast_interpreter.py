@@ -85,6 +85,8 @@ def install() -> bool:
     try:
         import triton.language as tl
         from triton.runtime import interpreter
+
+        from fedopt_kernels.backends.triton._interpreter_compat import _replace_if_needed
     except ImportError:
         return False
     if not _shaped_as_expected(interpreter):
@@ -117,55 +119,53 @@ def install() -> bool:
 
     interpreter.GridExecutor.__call__ = launch
     interpreter.InterpretedFunction.__call__ = device
-    _install_xor_reduce(interpreter, tl)
-    _install_np_dtype_table(interpreter, tl)
+    # the library's own rule for patching the interpreter (its fixes in _interpreter_compat)
+    _install_xor_reduce(interpreter, tl, _replace_if_needed)
+    _install_np_dtype_table(interpreter, tl, _replace_if_needed)
     _INSTALLED = True
     return True
 
 
-def _install_xor_reduce(interpreter, tl) -> bool:
+def _install_xor_reduce(interpreter, tl, replace) -> None:
     """``xor_sum`` through numpy instead of one Python combine call per element (see the
     module).  Left out, not failed, where this Triton is shaped otherwise."""
     xor_combine = getattr(getattr(tl, "standard", None), "_xor_combine", None)
     reduce_ops = getattr(interpreter, "ReduceOps", None)
-    if xor_combine is None or not all(hasattr(reduce_ops, a) for a in ("apply_impl", "to_tensor")):
-        return False
-    reduce_impl = reduce_ops.apply_impl
 
-    @functools.wraps(reduce_impl)
-    def apply_impl(self, input):
-        if self.combine_fn is xor_combine and len(input) == 1 and getattr(_state, "enabled", True):
-            x = input[0]
-            data = np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims)
-            return self.to_tensor(data, x.dtype)
-        return reduce_impl(self, input)
+    def make(reduce_impl):
+        def apply_impl(self, input):
+            if self.combine_fn is xor_combine and len(input) == 1 and getattr(_state, "enabled", True):
+                x = input[0]
+                data = np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims)
+                return self.to_tensor(data, x.dtype)
+            return reduce_impl(self, input)
 
-    reduce_ops.apply_impl = apply_impl
-    return True
+        return apply_impl
+
+    replace(reduce_ops, "apply_impl", lambda: xor_combine is not None and hasattr(reduce_ops, "to_tensor"), make)
 
 
-def _install_np_dtype_table(interpreter, tl) -> bool:
+def _install_np_dtype_table(interpreter, tl, replace) -> None:
     """``_get_np_dtype`` -- called for nearly every interpreted operation -- builds its
     18-entry dict of Triton to numpy types afresh at each call (10% of an interpreted
     contract case's time); the same mapping, looked up once per Triton type."""
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None:
-        return False
-    table: dict = {}
 
-    @functools.wraps(original)
-    def get_np_dtype(tt_dtype):
-        if isinstance(tt_dtype, tl.block_type):
-            tt_dtype = tt_dtype.element_ty
-        if isinstance(tt_dtype, tl.pointer_type):
-            return original(tt_dtype)
-        np_dtype = table.get(tt_dtype.name)
-        if np_dtype is None:
-            np_dtype = table[tt_dtype.name] = original(tt_dtype)
-        return np_dtype
+    def make(original):
+        table: dict = {}
 
-    interpreter._get_np_dtype = get_np_dtype
-    return True
+        def get_np_dtype(tt_dtype):
+            if isinstance(tt_dtype, tl.block_type):
+                tt_dtype = tt_dtype.element_ty
+            if isinstance(tt_dtype, tl.pointer_type):
+                return original(tt_dtype)
+            np_dtype = table.get(tt_dtype.name)
+            if np_dtype is None:
+                np_dtype = table[tt_dtype.name] = original(tt_dtype)
+            return np_dtype
+
+        return get_np_dtype
+
+    replace(interpreter, "_get_np_dtype", lambda: True, make)
 
 
 class disabled:

@@ -111,7 +111,11 @@ def _ensure_venv() -> None:
                                  f"(torch {OLDEST}) needs {DISK_NEEDED / 2**30:.0f} GiB")
     if not PY.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True, timeout=300)
-    pip = [str(PY), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir"]
+    # --no-compile: pip would byte-compile every module of torch, triton, sympy, ... (26 of
+    # the set-up's 42 s here, measured); Python compiles, and caches, the few hundred that
+    # the runs below import, on first import.
+    pip = [str(PY), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir",
+           "--no-compile"]
     for args in ([*pip, "--no-deps", *TORCH], [*pip, *TORCH_REQUIRES, *PACKAGES]):
         res = subprocess.run(args, capture_output=True, text=True, timeout=1800)
         assert res.returncode == 0, f"{' '.join(args[3:])} into {VENV}:\n{res.stdout[-3000:]}{res.stderr[-3000:]}"

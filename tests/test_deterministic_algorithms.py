@@ -32,6 +32,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_tree
+
+from fedopt_kernels.fl import Simulation, SimulationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(dataset="digits", hidden=(32,), clients=10, per_round=4, rounds=2, local_steps=4, batch_size=32,
@@ -68,13 +71,13 @@ def run_both(name: str, device: str) -> dict:
     """Run ``RUNS[name]`` with the switch on, then off; their state dicts (the model, the
     server's and the rule's state, every record but the wall times), and the model each
     started from."""
-    from fedopt_kernels.fl import Simulation, SimulationConfig
-
     states = {}
     before = torch.are_deterministic_algorithms_enabled()
     try:
         for on in (True, False):
             torch.use_deterministic_algorithms(on)
+            if on:  # what gives the comparison its teeth on the CPU: new memory is NaN under the switch
+                assert torch.isnan(torch.empty(5)).all()
             config = {**SMALL, **RUNS[name], "device": device}
             model = _batchnorm_mlp if config.pop("batchnorm", False) else None
             sim = Simulation(SimulationConfig(**config), model=model)
@@ -93,32 +96,28 @@ def run_both(name: str, device: str) -> dict:
     return states
 
 
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name", list(RUNS))
-def test_a_run_under_the_switch_runs_and_gives_the_same_bits(name):
-    from conftest import assert_same_tree
-
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:  # what gives the comparison its teeth on the CPU: new memory is NaN under the switch
-        assert torch.isnan(torch.empty(5)).all()
-    finally:
-        torch.use_deterministic_algorithms(before)
-    states = run_both(name, "cpu")
+def check(name: str, device: str) -> None:
+    """``RUNS[name]`` on ``device`` with the switch on equals it with the switch off, and
+    both ran every round: the global model moved from its start."""
+    states = run_both(name, device)
     assert_same_tree(states[True], states[False], name, nan_equal=True)
-    # and both ran every round: the global model moved from its start
     state = states[True]
     assert state["round"] == SMALL["rounds"] and len(state["results"]["records"]) == SMALL["rounds"] + 1
     assert not torch.equal(state["x_global"], state["start"])
 
 
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_run_under_the_switch_runs_and_gives_the_same_bits(name):
+    check(name, "cpu")
+
+
 def test_the_same_on_a_cuda_device():
-    """Every run of RUNS on the GPU, in one subprocess (one CUDA start-up, not seven:
-    the device check's GPU step has a budget)."""
+    """Every run of RUNS on the GPU, in one subprocess (one CUDA start-up for all of
+    them: the device check's GPU step has a budget)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
-    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -126,11 +125,6 @@ def test_the_same_on_a_cuda_device():
 
 
 if __name__ == "__main__":  # the CUDA test's subprocess
-    from conftest import assert_same_tree
-
-    _done = {}
     for _name in RUNS:
-        _states = run_both(_name, "cuda")
-        assert_same_tree(_states[True], _states[False], _name, nan_equal=True)
-        _done[_name] = "same bits"
-    print(json.dumps(_done))
+        check(_name, "cuda")
+    print(json.dumps({name: "same bits" for name in RUNS}))

@@ -41,8 +41,9 @@ LOW = [torch.float32, torch.float16, torch.bfloat16]
 
 # No FMA contraction and python_ref's operation order in the elementwise parts: an
 # unclipped FedNAR step (and a scaled one given the same scale) and the aggregation's
-# output equal python_ref's to the bit.  (The CUDA kernels contract a * b + c into
-# FMAs; Triton's FedNAR and aggregation kernels may on a GPU.)
+# output equal python_ref's to the bit.  (The CUDA aggregation contracts its weighted
+# sums into FMAs -- the FedNAR and server-update math no longer does since issue 47, but
+# that is unverified on a GPU so far; Triton's FedNAR and aggregation kernels may on a GPU.)
 ROUNDS_LIKE_PYTHON_REF = ("reference", "cpu")
 # Kernels whose sums do not depend on the layout of the same values (a list of 1-D
 # clients or one [C, N] tensor, aligned or not): fixed per-column order.  python_ref's

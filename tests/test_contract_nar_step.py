@@ -280,11 +280,14 @@ def test_nar_step_deterministic_bitwise(be):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
-def test_nar_step_views_at_odd_offsets(be, dtype, momentum):
+def test_nar_step_views_at_odd_offsets(be, dtype, mode, momentum):
     """Views at odd element offsets of flat buffers (not 16-byte aligned: the scalar
     bodies): python_ref's step, and the kernels give the bits of the same values in
-    aligned tensors (the scalar body adds a chunk's terms in the vector body's order)."""
+    aligned tensors (the scalar body adds a chunk's terms in the vector body's order,
+    and both bodies round the update's every operation alike: issue 47, where CUDA's
+    grad and none modes fused s * g + wd * x differently in the two)."""
     sizes = [1025, 7, 4099]
     gen = torch.Generator().manual_seed(3)
     flat = {k: randn((1 + sum(sizes),), dtype, be.device, gen) for k in ("p", "g", "b")}
@@ -301,21 +304,22 @@ def test_nar_step_views_at_odd_offsets(be, dtype, momentum):
     p_v, g_v, b_v = views(run["p"]), views(run["g"]), views(run["b"])
     assert all(t.data_ptr() % 16 != 0 for t in (p_v[0], g_v[0], b_v[0]))
     bufs_v = b_v if momentum else []
-    st_v = stats(be.nar_step_(p_v, g_v, bufs_v, 0.05, 0.01, 1.0, 0, momentum, None, None))
+    st_v = stats(be.nar_step_(p_v, g_v, bufs_v, 0.05, 0.01, 1.0, MODES[mode], momentum, None, None))
     p_r, b_r = clone(params), clone(bufs)
-    st_r = ref_nar.nar_step_(p_r, grads, lr=0.05, weight_decay=0.01, max_norm=1.0, mode="co", momentum=momentum,
+    st_r = ref_nar.nar_step_(p_r, grads, lr=0.05, weight_decay=0.01, max_norm=1.0, mode=mode, momentum=momentum,
                              momentum_buffers=b_r if momentum else None)
     check_nar(be, (p_v, bufs_v, st_v), (p_r, b_r if momentum else [], st_r), dtype)
     assert same_bits(run["p"][:1], flat["p"][:1]) and same_bits(run["b"][:1], flat["b"][:1])  # nothing before
-    p_a, b_a, st_a = step(be, clone(params), clone(grads), clone(bufs), 0.05, 0.01, 1.0, "co", momentum)
+    p_a, b_a, st_a = step(be, clone(params), clone(grads), clone(bufs), 0.05, 0.01, 1.0, mode, momentum)
     if be.layout_free_sums:
         assert_bitwise([st_a.norm, st_a.scale] + p_a + (b_a if momentum else []),
                        [st_v.norm, st_v.scale] + p_v + bufs_v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_nar_step_one_misaligned_view_among_aligned_tensors(be, dtype, momentum):
+def test_nar_step_one_misaligned_view_among_aligned_tensors(be, dtype, mode, momentum):
     """Params, grads and buffers of one tensor are views at an offset of one element of
     guarded buffers, the other tensors aligned: python_ref's step, the bits of the same
     step on aligned copies, nothing written around the view, the view updated in place."""
@@ -332,12 +336,12 @@ def test_nar_step_one_misaligned_view_among_aligned_tensors(be, dtype, momentum)
     p_v, g_v, b_v = (with_view(ts) for ts in start)
     assert all(t.data_ptr() % 16 == 0 for ts in (p_v, g_v, b_v) for i, t in enumerate(ts) if i != 1)
     bufs_v = b_v if momentum else []
-    st_v = stats(be.nar_step_(p_v, g_v, bufs_v, 0.05, 0.01, 1.0, 0, momentum, None, None))
+    st_v = stats(be.nar_step_(p_v, g_v, bufs_v, 0.05, 0.01, 1.0, MODES[mode], momentum, None, None))
     p_r, b_r = clone(start[0]), clone(start[2])
-    st_r = ref_nar.nar_step_(p_r, start[1], lr=0.05, weight_decay=0.01, max_norm=1.0, mode="co", momentum=momentum,
+    st_r = ref_nar.nar_step_(p_r, start[1], lr=0.05, weight_decay=0.01, max_norm=1.0, mode=mode, momentum=momentum,
                              momentum_buffers=b_r if momentum else None)
     check_nar(be, (p_v, bufs_v, st_v), (p_r, b_r if momentum else [], st_r), dtype)
-    p_a, b_a, st_a = step(be, start[0], start[1], start[2], 0.05, 0.01, 1.0, "co", momentum)  # all aligned
+    p_a, b_a, st_a = step(be, start[0], start[1], start[2], 0.05, 0.01, 1.0, mode, momentum)  # all aligned
     if be.layout_free_sums:
         assert_bitwise([st_a.norm, st_a.scale] + p_a + (b_a if momentum else []),
                        [st_v.norm, st_v.scale] + p_v + bufs_v)
@@ -345,16 +349,20 @@ def test_nar_step_one_misaligned_view_among_aligned_tensors(be, dtype, momentum)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nar_sq_norm_misaligned_view_among_aligned_tensors(be, dtype):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_nar_sq_norm_misaligned_view_among_aligned_tensors(be, dtype, mode):
+    """The norm of a group with one misaligned grad view: python_ref's, and the bits of
+    the same values aligned (in mode co the view's x is read as well)."""
     gen = torch.Generator().manual_seed(22)
     params = [randn((n,), dtype, be.device, gen) for n in (9000, 3000)]
     grads = [randn((n,), dtype, be.device, gen) for n in (9000, 3000)]
+    view_params = [params[0], views_at_offset([params[1]])[0]]
     view_grads = [grads[0], views_at_offset([grads[1]])[0]]
-    sq = be.nar_sq_norm(params, view_grads, 0.01, 0, None)
+    sq = be.nar_sq_norm(view_params, view_grads, 0.01, MODES[mode], None)
     assert sq.dtype == acc_of(dtype) and sq.shape == ()
     if be.layout_free_sums:
-        assert same_bits(sq, be.nar_sq_norm(params, grads, 0.01, 0, None))
-    assert_norms_close(be, sq, ref_nar.nar_sq_norm(params, grads, weight_decay=0.01, mode="co"), dtype)
+        assert same_bits(sq, be.nar_sq_norm(params, grads, 0.01, MODES[mode], None))
+    assert_norms_close(be, sq, ref_nar.nar_sq_norm(params, grads, weight_decay=0.01, mode=mode), dtype)
 
 
 def _many_small_tensors(count, dtype, device, seed):
@@ -513,21 +521,32 @@ def test_nar_step_batched_is_nar_step_per_row(be):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nar_step_batched_rows_of_alternating_alignment(be, dtype):
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nar_step_batched_rows_of_alternating_alignment(be, dtype, mode, momentum):
     """N * sizeof not a multiple of 16: rows start at alternating 16-byte offsets, so some
     chunks are aligned and some not.  Each row equals, bitwise, the same row stepped
-    alone in an aligned [1, N] tensor, and python_ref."""
+    alone in an aligned [1, N] tensor, and python_ref (issue 47: a client's bits must
+    not depend on its row's parity, in any mode)."""
     C, N = 4, 5003
     gen = torch.Generator().manual_seed(27)
     X, G, B = (randn((C, N), dtype, be.device, gen) for _ in range(3))
+    B = B if momentum else None
     lr = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=acc_of(dtype), device=be.device)
-    res, ref = run_batched(be, X, G, B, lr=lr, wd=0.01, max_norm=1.0, mode="co", momentum=0.9)
+    res, ref = run_batched(be, X, G, B, lr=lr, wd=0.01, max_norm=1.0, mode=mode, momentum=momentum)
     check_batched(be, res, ref, dtype)
     Xf, Bf, st = res
+    assert (Bf is not None) == bool(momentum)
+    assert {X[r].data_ptr() % 16 == 0 for r in range(C)} == {True, False}  # both bodies run
     for r in range(C):
-        x1, b1 = X[r:r + 1].clone(), B[r:r + 1].clone()
-        st1 = stats(be.nar_step_batched_(x1, G[r:r + 1].clone(), b1, lr[r:r + 1], 0.01, 1.0, 0, 0.9, None, None))
-        assert_bitwise([st1.norm[0], st1.scale[0], x1[0], b1[0]], [st.norm[r], st.scale[r], Xf[r], Bf[r]])
+        x1 = X[r:r + 1].clone()
+        b1 = B[r:r + 1].clone() if momentum else None
+        st1 = stats(be.nar_step_batched_(x1, G[r:r + 1].clone(), b1, lr[r:r + 1], 0.01, 1.0, MODES[mode], momentum,
+                                         None, None))
+        got, want = [st.norm[r], st.scale[r], Xf[r]], [st1.norm[0], st1.scale[0], x1[0]]
+        if momentum:
+            got, want = got + [Bf[r]], want + [b1[0]]
+        assert_bitwise(want, got)
 
 
 def test_nar_step_batched_misaligned_rows_and_float_hyperparameters(be):

@@ -55,7 +55,12 @@
 // chunks.  The result does not depend on the body: the norm kernel's scalar body
 // visits the elements in the vector body's order (thread t takes the V-element groups
 // t, t + 256, ... and adds their V terms in order, then the same < V tail), so a
-// chunk's partial is bitwise the same on both; the update is elementwise.
+// chunk's partial is bitwise the same on both; the update is elementwise.  Both need
+// the same arithmetic in both bodies as well: nvcc contracts a * b + c into an FMA per
+// inlined copy, and once fused FedNAR's grad/none direction one way in the vector
+// body and the other way in the scalar one (issue 47).  So every operation is spelled
+// (math.h's rn::add/sub/mul/div, rn::fma for the sum of squares), and
+// tests/test_cuda_fp_contraction.py checks the PTX of both bodies.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/zeros.h>
@@ -217,13 +222,13 @@ __device__ __forceinline__ acc_t chunk_sq(const scalar_t* __restrict__ x, const 
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const acc_t t = nar_norm_term(xv[j], nar_unscale(gv[j], p), p);
-      sq += t * t;
+      sq = rn::fma(t, t, sq);
     }
   }
   for (int64_t e = nvec * V + threadIdx.x; e < len; e += kThreads) {
     const acc_t xe = need_x ? load_one<acc_t>(x + e) : acc_t(0);
     const acc_t t = nar_norm_term(xe, nar_unscale(load_one<acc_t>(g + e), p), p);
-    sq += t * t;
+    sq = rn::fma(t, t, sq);
   }
   return sq;
 }
@@ -252,7 +257,8 @@ __device__ __forceinline__ acc_t combine_partials(const acc_t* partials, int64_t
   return block_sum(part, smem);
 }
 
-// The in-place update of one chunk (elementwise: the result does not depend on the body).
+// The in-place update of one chunk (elementwise, math.h's explicitly rounded operations:
+// the result does not depend on the body).
 template <bool kVec, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void update_chunk(scalar_t* __restrict__ x, const scalar_t* __restrict__ g,
                                              scalar_t* __restrict__ b, int64_t len, acc_t scale,

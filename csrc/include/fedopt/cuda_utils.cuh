@@ -8,8 +8,9 @@
 // (fedopt/table_cache.h).
 //
 // Value decisions (clip scale, direction, skip) are NOT here: they live in math.h,
-// shared with the CPU kernels.  What is here for math.h is Unfused<T>, the acc type
-// under which its formulas are evaluated without FMA contraction.
+// shared with the CPU kernels, which spells every operation (rn::add, rn::mul, ...: no
+// FMA contraction).  What is here is Unfused<T>, an acc type whose own operators do the
+// same, for formulas written in a .cu file (aggregate.cu's noise epilogue).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -105,7 +106,7 @@ __device__ __forceinline__ void store_vec(T* p, const acc_t* in) {
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = rn::add(v, __shfl_down_sync(0xffffffffu, v, offset));
   return v;
 }
 
@@ -123,7 +124,7 @@ __device__ __forceinline__ T block_sum_warps(T v, T* smem, int nwarps) {
   if (lane == 0) smem[warp] = v;
   __syncthreads();
   T total = smem[0];
-  for (int w = 1; w < nwarps; ++w) total += smem[w];
+  for (int w = 1; w < nwarps; ++w) total = rn::add(total, smem[w]);
   __syncthreads();
   return total;
 }
@@ -154,9 +155,11 @@ __device__ __forceinline__ double device_sqrt<double>(double v) {
 
 // Unfused<T>: a float or double whose arithmetic is never contracted.  nvcc contracts
 // a * b + c into one FMA (one rounding instead of two) by default, which is usually a
-// free win but breaks a contract that says "each operation separately rounded": math.h's
+// free win but breaks a contract that says "each operation separately rounded": the
 // server update must give the bits of the CPU kernel (and of the same operations done
-// one correctly rounded op at a time, the tests' oracle).  Instantiating a formula with
+// one correctly rounded op at a time, the tests' oracle).  (math.h's formulas do this
+// themselves now, through rn::; server_update.cu still instantiates them with Unfused,
+// which changes nothing: both are the same intrinsics.)  Instantiating a formula with
 // acc_t = Unfused<float> (or <double>) maps every +, -, *, / to the __f*_rn / __d*_rn
 // intrinsics, which the compiler never merges into an FMA (CUDA C Programming Guide,
 // "Intrinsic Functions"); they compile to the same FADD/FMUL/DADD/DMUL instructions, so

@@ -17,6 +17,78 @@
 
 namespace fedopt {
 
+// ---------------------------------------------------------------------------------
+// Explicit rounding: the arithmetic of every formula below
+// ---------------------------------------------------------------------------------
+// python_ref rounds each +, -, *, / on its own, and so do the CPU kernels (compiled
+// with fp-contract=off, csrc/cpu/isa_prologue.h).  nvcc does not: by default (-fmad=true)
+// it contracts a * b + c into one FMA, and where it does so is its choice, made per
+// inlined copy.  In the FedNAR update kernel it fused `scale * g + wd * x` as
+// fma(scale, g, rn(wd * x)) in the 16-byte body and as fma(wd, x, rn(scale * g)) in the
+// scalar body, so a row's bits depended on its alignment (issue 47).  So every formula
+// here goes through rn::add / sub / mul / div:
+//
+//  * device, float / double: the __f*_rn / __d*_rn intrinsics, which nvcc and ptxas never
+//    merge into an FMA (CUDA C Programming Guide, "Intrinsic Functions"; in PTX they are
+//    add.rn / mul.rn ..., which ptxas must keep).  They compile to the same FADD / FMUL /
+//    DADD / DMUL instructions, so the only cost is the fusion.
+//  * anything else (host scalars, the CPU kernels' SIMD vectors, cuda::Unfused): the
+//    plain operator.  The CPU kernels are compiled without contraction, so their bits
+//    are what they were; a host pass of nvcc targets baseline x86-64 (no FMA).
+//
+// rn::fma is the one place where a fused multiply-add IS meant (one rounding of
+// a * b + c): __fmaf_rn / __fma_rn on the device, std::fma on the host.  No formula of
+// this file uses it (python_ref fuses nothing); the CUDA norm kernels accumulate their
+// sums of squares with it.  tests/test_cuda_fp_contraction.py compiles the CUDA kernels
+// to PTX and checks that no implicit contraction is left.
+namespace rn {
+
+template <typename T>
+FEDOPT_HD T add(T a, T b) { return a + b; }
+template <typename T>
+FEDOPT_HD T sub(T a, T b) { return a - b; }
+template <typename T>
+FEDOPT_HD T mul(T a, T b) { return a * b; }
+template <typename T>
+FEDOPT_HD T div(T a, T b) { return a / b; }
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+// Exact-match overloads (preferred over the templates for float / double).  The host
+// branches only exist for nvcc's host pass.
+#if defined(__CUDA_ARCH__)
+#define FEDOPT_RN2(dev, a, b, op) dev(a, b)
+#else
+#define FEDOPT_RN2(dev, a, b, op) ((a)op(b))
+#endif
+FEDOPT_HD float add(float a, float b) { return FEDOPT_RN2(__fadd_rn, a, b, +); }
+FEDOPT_HD double add(double a, double b) { return FEDOPT_RN2(__dadd_rn, a, b, +); }
+FEDOPT_HD float sub(float a, float b) { return FEDOPT_RN2(__fsub_rn, a, b, -); }
+FEDOPT_HD double sub(double a, double b) { return FEDOPT_RN2(__dsub_rn, a, b, -); }
+FEDOPT_HD float mul(float a, float b) { return FEDOPT_RN2(__fmul_rn, a, b, *); }
+FEDOPT_HD double mul(double a, double b) { return FEDOPT_RN2(__dmul_rn, a, b, *); }
+FEDOPT_HD float div(float a, float b) { return FEDOPT_RN2(__fdiv_rn, a, b, /); }
+FEDOPT_HD double div(double a, double b) { return FEDOPT_RN2(__ddiv_rn, a, b, /); }
+#undef FEDOPT_RN2
+#endif
+
+// a * b + c with ONE rounding (float / double only).
+FEDOPT_HD float fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+FEDOPT_HD double fma(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+}  // namespace rn
+
 // Same epsilon as torch.nn.utils.clip_grad_norm_, so the authors' recipe
 // (clip_grad_norm_ + SGD) is an exact oracle for mode "co".
 constexpr double kClipEps = 1e-6;
@@ -48,7 +120,7 @@ FEDOPT_HD bool is_finite(acc_t v) {
 // (g is already unscaled.)
 template <typename acc_t>
 FEDOPT_HD acc_t nar_norm_term(acc_t x, acc_t g, const NarParams<acc_t>& p) {
-  return p.mode == NarMode::kCo ? g + p.weight_decay * x : g;
+  return p.mode == NarMode::kCo ? rn::add(g, rn::mul(p.weight_decay, x)) : g;
 }
 
 // s = min(1, A / (n + eps)) for co/grad, 1 for none.  A NaN norm gives a NaN scale, as
@@ -56,7 +128,7 @@ FEDOPT_HD acc_t nar_norm_term(acc_t x, acc_t g, const NarParams<acc_t>& p) {
 template <typename acc_t>
 FEDOPT_HD acc_t nar_clip_scale(acc_t norm, acc_t max_norm, NarMode mode) {
   if (mode == NarMode::kNone) return acc_t(1);
-  acc_t s = max_norm / (norm + acc_t(kClipEps));
+  acc_t s = rn::div(max_norm, rn::add(norm, acc_t(kClipEps)));
   return s > acc_t(1) ? acc_t(1) : s;
 }
 
@@ -69,15 +141,15 @@ FEDOPT_HD bool nar_skip(acc_t norm, bool found_inf) {
 // The step direction d: s * (g + wd x) in mode co, s * g + wd * x otherwise.
 template <typename acc_t>
 FEDOPT_HD acc_t nar_direction(acc_t x, acc_t g, acc_t scale, const NarParams<acc_t>& p) {
-  return p.mode == NarMode::kCo ? scale * (g + p.weight_decay * x)
-                                : scale * g + p.weight_decay * x;
+  return p.mode == NarMode::kCo ? rn::mul(scale, rn::add(g, rn::mul(p.weight_decay, x)))
+                                : rn::add(rn::mul(scale, g), rn::mul(p.weight_decay, x));
 }
 
 // g as the step sees it: the raw gradient times 1 / grad_scale (exact when the scale is
 // a power of two, as GradScaler's is).
 template <typename acc_t>
 FEDOPT_HD acc_t nar_unscale(acc_t g, const NarParams<acc_t>& p) {
-  return g * p.inv_grad_scale;
+  return rn::mul(g, p.inv_grad_scale);
 }
 
 // The two branches of nar_update, for callers that decide `momentum != 0` once outside
@@ -86,14 +158,14 @@ FEDOPT_HD acc_t nar_unscale(acc_t g, const NarParams<acc_t>& p) {
 //   momentum:  b <- beta * b + d ;  x <- x - lr * b
 template <typename acc_t>
 FEDOPT_HD void nar_update_plain(acc_t& x, acc_t g, acc_t scale, const NarParams<acc_t>& p) {
-  x = x - p.lr * nar_direction(x, g, scale, p);
+  x = rn::sub(x, rn::mul(p.lr, nar_direction(x, g, scale, p)));
 }
 
 template <typename acc_t>
 FEDOPT_HD void nar_update_momentum(acc_t& x, acc_t g, acc_t& b, acc_t scale,
                                    const NarParams<acc_t>& p) {
-  b = p.momentum * b + nar_direction(x, g, scale, p);
-  x = x - p.lr * b;
+  b = rn::add(rn::mul(p.momentum, b), nar_direction(x, g, scale, p));
+  x = rn::sub(x, rn::mul(p.lr, b));
 }
 
 // One element of the update pass.  `b` is read and written only when momentum != 0.
@@ -137,14 +209,14 @@ struct ServerParams {
 
 template <typename acc_t>
 FEDOPT_HD void server_update_sgd(acc_t& x, acc_t d, const ServerParams<acc_t>& p) {
-  x = p.gamma * (x - p.lr * d);
+  x = rn::mul(p.gamma, rn::sub(x, rn::mul(p.lr, d)));
 }
 
 template <typename acc_t>
 FEDOPT_HD void server_update_momentum(acc_t& x, acc_t d, acc_t& b, const ServerParams<acc_t>& p) {
-  b = p.beta1 * b + d;
-  const acc_t s = p.nesterov ? p.beta1 * b + d : b;
-  x = x - p.lr * s;
+  b = rn::add(rn::mul(p.beta1, b), d);
+  const acc_t s = p.nesterov ? rn::add(rn::mul(p.beta1, b), d) : b;
+  x = rn::sub(x, rn::mul(p.lr, s));
 }
 
 // sign(a): -1 or 1 for a negative or positive a, a itself for +-0 and NaN (torch.sign
@@ -169,16 +241,16 @@ FEDOPT_HD acc_t sqrt_of(acc_t a) {
 
 template <typename acc_t>
 FEDOPT_HD void server_update_adaptive(acc_t& x, acc_t d, acc_t& m, acc_t& v, const ServerParams<acc_t>& p) {
-  m = p.beta1 * m + (acc_t(1) - p.beta1) * d;
-  const acc_t d2 = d * d;
+  m = rn::add(rn::mul(p.beta1, m), rn::mul(rn::sub(acc_t(1), p.beta1), d));
+  const acc_t d2 = rn::mul(d, d);
   if (p.rule == ServerRule::kAdagrad) {
-    v = v + d2;
+    v = rn::add(v, d2);
   } else if (p.rule == ServerRule::kAdam) {
-    v = p.beta2 * v + (acc_t(1) - p.beta2) * d2;
+    v = rn::add(rn::mul(p.beta2, v), rn::mul(rn::sub(acc_t(1), p.beta2), d2));
   } else {
-    v = v - (acc_t(1) - p.beta2) * d2 * sign_of(v - d2);
+    v = rn::sub(v, rn::mul(rn::mul(rn::sub(acc_t(1), p.beta2), d2), sign_of(rn::sub(v, d2))));
   }
-  x = x - p.lr * (m / (sqrt_of(v) + p.tau));
+  x = rn::sub(x, rn::mul(p.lr, rn::div(m, rn::add(sqrt_of(v), p.tau))));
 }
 
 }  // namespace fedopt

@@ -24,13 +24,18 @@ kernels whose chunks run a 16-byte or a scalar body, with their math in
    the value comes from (a load, a loop-invariant value, an immediate, or the opcodes
    that define it in the loop).  Both kinds of loop must give the same set of
    summaries.  With the issue's bug the vector loop has ``fma(U, mul, mul)`` and the
-   scalar loop ``fma(L, U, mul)``: this check and check 2 fail on the old math.h
-   (verified by restoring it), and pass on the explicit one.
+   scalar loop ``fma(L, U, mul)``.
 
-The checks read PTX, not SASS: with 1 and 2 holding, ptxas has no contraction to
-choose, so the machine code performs the PTX's operations one for one.  (No
-cuobjdump / nvdisasm is needed, and the built extension is not: the source is
-compiled again, ~10 s.)  Skips when no CUDA toolkit (nvcc) is found.
+All three checks fail on the code before the fix, and on today's math.h with only the
+grad/none direction written as ``scale * g + p.weight_decay * x`` again (both tried);
+they pass on the explicit one.
+
+The checks read PTX, not SASS: with 1 and 2 holding, ptxas has no contraction left to
+choose (PTX ISA: ``.rn`` arithmetic and ``fma.rn`` are kept as written), so what the
+two bodies compute is settled in the PTX.  SASS would need cuobjdump or nvdisasm, which
+the CUDA 13.0 toolkit of this project's machines does not include; the built extension
+is not needed either (the source is compiled again).  Skips when no CUDA toolkit
+(nvcc) is found.
 """
 
 from __future__ import annotations
@@ -103,7 +108,10 @@ def _split_operands(text):
     """Top-level comma split: braces ({a, b}) and brackets ([addr]) stay whole."""
     parts, depth, cur = [], 0, ""
     for ch in text:
-        depth += ch in "{[" and 1 or (ch in "}]" and -1 or 0)
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
         if ch == "," and depth == 0:
             parts.append(cur.strip())
             cur = ""

@@ -230,7 +230,7 @@ def _print_one(rows: list, columns, title: str) -> None:
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__)
+    parser = parser or argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--only", choices=SUITES + EXTRA_SUITES, action="append",
                         help="run only this suite (repeatable); scale runs only when named")
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")

@@ -37,7 +37,7 @@ import traceback
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda if available, else cpu")
     p.add_argument("--backends", default=None,

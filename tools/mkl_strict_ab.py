@@ -35,7 +35,7 @@ for line in sys.stdin:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--clients", type=int, default=100)

@@ -166,7 +166,7 @@ BASELINE = Mutant("baseline", "none", "python_ref/fednar.py", "", "", "the unmut
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--only", default="", help="comma-separated mutant ids")
     ap.add_argument("--tests", nargs="*", default=None, help="test paths to run first instead of each mutant's own")

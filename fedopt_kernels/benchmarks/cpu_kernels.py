@@ -109,7 +109,7 @@ def bench_agg(reps: int, C: int = 20, dtype=torch.float32) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--only", choices=("nar", "agg"))
     parser.add_argument("--dtype", default="float32")

@@ -78,7 +78,7 @@ def table(results: Dict[str, List[Tuple[float, Optional[float], Optional[float]]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rounds", type=int, default=BASE["rounds"])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))

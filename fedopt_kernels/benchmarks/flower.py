@@ -140,7 +140,7 @@ def bench_flower(C: int = 20, model: str = "resnet18", *, repeats: int = 5, warm
 def comparison_parser(doc: str, *, repeats: int) -> argparse.ArgumentParser:
     """The command line of every Flower comparison (this one, flower_dp, flower_robust):
     ``--clients``, ``--model`` and ``--repeats``; each adds its own arguments."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet18")
     parser.add_argument("--repeats", type=int, default=repeats)

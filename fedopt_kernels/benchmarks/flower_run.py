@@ -390,7 +390,7 @@ def _jsonable(result: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for key, value in WORKLOAD.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value,
                             help=f"(default {value}; hidden: the width of both MLP layers)" if key == "hidden"

@@ -26,7 +26,7 @@ def highlights(rows: list) -> List[str]:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("json_file", help="a file written by fedopt bench --json")
     parser.add_argument("--label", default=None, help="prefix of every line")
     args = parser.parse_args(argv)

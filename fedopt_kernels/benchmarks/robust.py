@@ -68,7 +68,7 @@ def bench(C: int = 20, N: int = 11_200_000, beta: float = 0.1, dtype=torch.float
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--numel", type=int, default=11_200_000)
     p.add_argument("--beta", type=float, default=0.1)

@@ -141,7 +141,7 @@ def run(*, only=CASES, quick: bool = False, rounds: int = 2, threads: int = 1, e
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(CASES))
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, not minutes)")
     p.add_argument("--rounds", type=int, default=2)

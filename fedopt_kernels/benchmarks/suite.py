@@ -16,8 +16,10 @@ CUDA), ``launches`` (GPU operations -- kernels, memsets, memcpys -- of one call,
 with the profiler once every suite of the run is timed; NaN off CUDA; the JSON also has
 ``launch API calls``, the host calls that enqueued them, as a cross-check).
 
-Suites: ``nar_step``, ``aggregate``, ``server``, ``simulation`` and ``device_vs_cpu`` (the
-same real run with the batched engine on ``--device`` and on the CPU).  All run by
+Suites: ``nar_step``, ``aggregate``, ``server``, ``simulation``, ``device_vs_cpu`` (the
+same real run with the batched engine on ``--device`` and on the CPU) and ``startup`` (a
+one-round ``fedopt simulate`` as whole processes, paired against ``import torch``:
+:mod:`.startup`).  All run by
 default: ``device_vs_cpu`` costs nothing on a CPU device (one row says it was skipped)
 and on a GPU only a few CPU rounds.  ``scale`` (:mod:`.scale`: round time and peak
 memory against the population and the clients per round, each case in a fresh process,
@@ -38,9 +40,10 @@ from .aggregate import bench_aggregate
 from .nar_step import bench_nar_step
 from .server_update import bench_server_update
 from .shapes import numel, resnet18_shapes, small_cnn_shapes
+from .startup import STARTUP_COLUMNS
 from .timing import measured_copy_bandwidth, peak_bandwidth
 
-SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu")
+SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu", "startup")
 EXTRA_SUITES = ("scale",)  # run only when named with --only
 SCALE_COLUMNS = (("case", "case"), ("clients", "clients"), ("per_round", "per round"), ("chunk", "chunk"),
                  ("setup_s", "setup s"), ("first_round_s", "first round s"), ("round_s", "round s"),
@@ -92,6 +95,10 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
         from . import simulation
 
         rows += simulation.run_device_vs_cpu(device=device, backend=backend, quick=quick)
+    if "startup" in only:  # whole processes, before the launch counting
+        from . import startup
+
+        rows += startup.run(quick=quick)
     if "scale" in only:  # fresh processes, CPU, one thread each unless --threads
         from . import scale
 
@@ -131,7 +138,13 @@ def summary_lines(rows: list) -> list:
     fused is 3.1x torch SGD(fused) + clip_grad_norm_(foreach) (0.42 ms vs 1.3 ms)"; and
     one per device-vs-CPU comparison (or the reason it was skipped)."""
     lines = []
+    from .startup import summary_line as startup_line
+
+    if any(r.get("benchmark") == "startup" for r in rows):
+        lines.append(startup_line(rows))
     for r in rows:
+        if r.get("benchmark") == "startup":
+            continue
         if r.get("benchmark") == "scale":
             lines += _scale_lines(r)
             continue
@@ -200,14 +213,16 @@ def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
     """One table for the kernel rows, one for the simulated rounds, one for the device
     against the CPU (each with its own columns)."""
     scale = [r for r in rows if r.get("benchmark") == "scale" and r.get("case") != "sampling" and "error" not in r]
-    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale")]
+    started = [r for r in rows if r.get("benchmark") == "startup"]
+    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale", "startup")]
     rounds = [r for r in rows if "vs hand loop" in r]
     versus = [r for r in rows if "vs cpu" in r]
     kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r]
     for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
                                 (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU"),
-                                (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)")):
-        if part or (not rows and not scale and columns is KERNEL_COLUMNS):
+                                (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)"),
+                                (started, STARTUP_COLUMNS, "start-up of a one-round simulate (whole processes)")):
+        if part or (not rows and not scale and not started and columns is KERNEL_COLUMNS):
             _print_one(part, columns, name)
 
 
@@ -230,7 +245,7 @@ def _print_one(rows: list, columns, title: str) -> None:
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(description=__doc__)
+    parser = parser or argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--only", choices=SUITES + EXTRA_SUITES, action="append",
                         help="run only this suite (repeatable); scale runs only when named")
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")

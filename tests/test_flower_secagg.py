@@ -75,7 +75,7 @@ def _grid(app, tamper=None):
     return CopyingGrid()
 
 
-def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, **wf):
+def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, dp=None, **wf):
     from flwr.app import Context, RecordDict
     from flwr.server import LegacyContext, ServerConfig
 
@@ -83,7 +83,7 @@ def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, **wf)
 
     client = S.SecAggFedNARClient(_model, _data)
     model = _model()
-    strategy = S.SecAggPlusFusedStrategy(model, optimizer_factory(model), weighting=weighting)
+    strategy = S.SecAggPlusFusedStrategy(model, optimizer_factory(model), weighting=weighting, dp=dp)
     if weighting == "data":
         wf.setdefault("max_weight", MAX_WEIGHT)
     grid = _grid(client.app(), tamper)
@@ -107,7 +107,7 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
 
 
-def _plain_updates(x_global, server_round, nodes=range(N_NODES)):
+def _plain_updates(x_global, server_round, nodes=range(N_NODES), clip=None):
     """Each client's update and sample count from the plain FedNARClient (no secure
     aggregation), on global model ``x_global`` in round ``server_round``: float64."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -121,8 +121,9 @@ def _plain_updates(x_global, server_round, nodes=range(N_NODES)):
         torch.nn.utils.vector_to_parameters(x_global.float(), model.parameters())
         ctx = Context(run_id=1, node_id=9001 + 13 * i, node_config={"partition-id": i, "num-partitions": N_NODES},
                       state=RecordDict(), run_config=RUN_CONFIG)
+        config = {"server-round": server_round, **({"dp-clip": clip} if clip is not None else {})}
         msg = Message(content=RecordDict({"arrays": ArrayRecord(dict(model.state_dict())),
-                                          "config": ConfigRecord({"server-round": server_round})}),
+                                          "config": ConfigRecord(config)}),
                       dst_node_id=ctx.node_id, message_type="train")
         reply = client.train(msg, ctx)
         trained = torch.cat([torch.from_numpy(reply.content["arrays"][n].numpy()).reshape(-1).double()
@@ -250,3 +251,29 @@ def test_a_replayed_reply_is_never_summed():
     assert len(wf.rejected) == 1 and "replayed" in wf.rejected[0][1]
     D, _ = _plain_updates(globals_[1], 2, nodes=[0, 2])
     assert (means[1] - D.mean(0)).abs().max() <= N_NODES * STEP
+
+
+def test_central_dp_noise_is_added_to_the_unmasked_sum_of_clipped_updates():
+    """DP-FedAvg under SecAgg+: the clients clip (to a hair under C), the server adds its
+    keyed noise to the unmasked sum and divides by the expected clients.  Oracle: the
+    plain clipped updates, summed in float64, plus the same keyed noise (the project's
+    counter-based generator), over m."""
+    from fedopt_kernels import server as srv
+    from fedopt_kernels.integrations.flower import secagg as S
+    from fedopt_kernels.ops.dp_noise import gaussian_noise_
+    from fedopt_kernels.server.dp import dp_noise_key
+
+    dp = S.SecureDP(clip=0.05, noise_multiplier=0.5, expected_clients=4.0, seed=11)
+    strategy, means, globals_, _ = _run(lambda m: srv.FedAvg(m.parameters(), lr=1.0), rounds=1, dp=dp)
+    D, _ = _plain_updates(globals_[0], 1, clip=0.05 * (1 - 1e-5))
+    assert float(D.norm(dim=1).max()) <= 0.05  # the clients clipped
+    noise = gaussian_noise_(torch.zeros(D.shape[1]), 0.5 * 0.05, dp_noise_key(11, 1)).double()
+    oracle = (D.sum(0) + noise) / 4.0
+    # the noise goes into an fp32 sum: its rounding, plus the quantization of each client's values
+    err = (means[0] - oracle).abs().max().item()
+    assert err <= N_NODES * STEP / 4.0 * N_NODES + 1e-7, err
+    assert strategy.history[0]["dp_noise_std"] == 0.5 * 0.05
+    with pytest.raises(ValueError, match="FedExP"):
+        S.SecAggPlusFusedStrategy(_model(), srv.FedExP(_model().parameters()), dp=dp)
+    with pytest.raises(ValueError, match="uniform"):
+        S.SecAggPlusFusedStrategy(_model(), srv.FedAvg(_model().parameters()), weighting="data", dp=dp)

@@ -37,14 +37,19 @@ receives differs from the plain float mean by that quantization, not by masking
 (the masks cancel exactly, modulo 2^32).  Client weights (``num_examples``) travel in
 clear in Flower's ``FitRes``; with ``weighting="uniform"`` every client says 1.
 
-Central DP under secure aggregation (clip on the client, noise on the unmasked sum) is
-the composition Flower's ``DifferentialPrivacyClientSideFixedClipping`` implements for
-its legacy strategies; it is not wired into this strategy yet (see docs/flower.md).
+Central DP under secure aggregation (:class:`SecureDP`): each client clips its update to
+``clip`` before masking it, and the server adds ``N(0, (z clip)^2)`` to the unmasked sum
+and divides by the expected number of clients (DP-FedAvg's fixed denominator, as
+:class:`~fedopt_kernels.server.DPAggregator`), with the project's counter-based noise.  The
+server cannot check that a client clipped -- it never sees one update -- so the guarantee
+rests on the clients clipping, as in Flower's ``DifferentialPrivacyClientSideFixedClipping``
+with SecAgg+; SecAgg+ itself bounds each value only by its clipping range.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -60,15 +65,40 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.server.strategy import Strategy
 from torch import nn
 
+from ...ops.dp_noise import gaussian_noise_
+from ...ops.validation import check_real
 from ...server import LocalAggregator, SecureSumAggregator, ServerOptimizer
+from ...server.dp import dp_noise_key, refuse_client_statistics
 from .client import FedNARClient
+from .strategy import DP_CLIP_KEY
 
-__all__ = ["SecAggPlusFusedStrategy", "SecAggFedNARClient", "secaggplus_workflow", "NORM_SLOTS_KEY",
+__all__ = ["SecAggPlusFusedStrategy", "SecAggFedNARClient", "secaggplus_workflow", "SecureDP", "NORM_SLOTS_KEY",
            "WEIGHT_KEY", "refuse_under_secure_aggregation"]
 
 NORM_SLOTS_KEY = "fedopt-norm-slots"  # FitIns config: spread ||D_i||^2 over this many extra masked values
 WEIGHT_KEY = "fedopt-weighting"  # FitIns config: "data" (num_examples = samples) or "uniform" (1)
 ROUND_KEY = "server-round"
+
+
+@dataclass(frozen=True)
+class SecureDP:
+    """Central DP of the secure sum (DP-FedAvg, McMahan et al. 2018, fixed denominator):
+    clients clip ``D_i`` to ``clip``; the server computes ``(sum_i D_i + N(0, (z clip)^2
+    I)) / expected_clients`` from the unmasked sum, the noise keyed by ``(seed, round)``
+    (:func:`fedopt_kernels.server.dp.dp_noise_key`).  Uniform weights only (each client's
+    weight 1 keeps the sensitivity at ``clip``); FedExP and ASNES are refused (their step
+    reads the clients' norms, which the mechanism does not privatise).  Account the rounds
+    with :class:`~fedopt_kernels.server.privacy_accountant.PrivacyAccountant`."""
+
+    clip: float
+    noise_multiplier: float
+    expected_clients: float
+    seed: int = 0
+
+    def __post_init__(self):
+        check_real(self.clip, "clip", low=0.0, low_open=True)
+        check_real(self.noise_multiplier, "noise_multiplier", low=0.0, low_open=True)
+        check_real(self.expected_clients, "expected_clients", low=0.0, low_open=True)
 
 
 def refuse_under_secure_aggregation(optimizer) -> None:
@@ -103,9 +133,16 @@ class SecAggPlusFusedStrategy(Strategy):
     """
 
     def __init__(self, model: nn.Module, optimizer, *, fraction_train: float = 1.0, min_train_nodes: int = 2,
-                 weighting: str = "uniform", norm_slots: int = 16,
+                 weighting: str = "uniform", norm_slots: int = 16, dp: Optional[SecureDP] = None,
                  evaluate_fn: Optional[Callable[[nn.Module, int], Tuple[float, Dict]]] = None):
         refuse_under_secure_aggregation(optimizer)
+        if dp is not None:
+            if not isinstance(dp, SecureDP):
+                raise TypeError(f"dp must be a SecureDP, got {type(dp).__name__}")
+            refuse_client_statistics(optimizer)
+            if weighting != "uniform":
+                raise ValueError("dp: DP-FedAvg under secure aggregation needs weighting='uniform' (a client's weight "
+                                 "above 1 would raise the sum's sensitivity above the clip)")
         if not 0.0 < fraction_train <= 1.0:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train!r}")
         if not isinstance(min_train_nodes, int) or min_train_nodes < 2:
@@ -117,10 +154,10 @@ class SecAggPlusFusedStrategy(Strategy):
         self.model, self.optimizer = model, optimizer
         self.names = [n for n, _ in model.named_parameters()]
         self.fraction_train, self.min_train_nodes = fraction_train, min_train_nodes
-        self.weighting, self.evaluate_fn = weighting, evaluate_fn
+        self.weighting, self.evaluate_fn, self.dp = weighting, evaluate_fn, dp
         self.norm_slots = norm_slots if optimizer.needs_client_sq_norms else 0
         self.history: List[dict] = []
-        self.last_mean: Optional[torch.Tensor] = None  # the unmasked mean of the last round (float64), as received
+        self.last_mean: Optional[torch.Tensor] = None  # what the last step took (float64): the unmasked mean, noised under dp
 
     # -------------------------------------------------------------- legacy Strategy
     def _arrays(self) -> List[np.ndarray]:
@@ -134,6 +171,8 @@ class SecAggPlusFusedStrategy(Strategy):
         n = max(self.min_train_nodes, int(available * self.fraction_train))
         clients = client_manager.sample(num_clients=n, min_num_clients=self.min_train_nodes)
         config = {ROUND_KEY: server_round, WEIGHT_KEY: self.weighting, NORM_SLOTS_KEY: self.norm_slots}
+        if self.dp is not None:  # the clients clip to a hair under the clip, as DPAggregator's client mode
+            config[DP_CLIP_KEY] = float(self.dp.clip) * (1 - 1e-5)
         return [(c, FitIns(parameters, dict(config))) for c in clients]
 
     def aggregate_fit(self, server_round, results, failures):  # noqa: D102
@@ -151,10 +190,16 @@ class SecAggPlusFusedStrategy(Strategy):
                              f"{[tuple(a.shape) for a in mean]}, the model {shapes}")
         flat = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.float64) for a in mean[:len(shapes)]]))
         msq = torch.tensor(float(mean[-1].astype(np.float64).sum())) if self.norm_slots else None
-        self.last_mean = flat
         if msq is not None:
             record["mean_client_sq_norm"] = float(msq)
         weights = [float(res.num_examples) for _, res in results]
+        if self.dp is not None:  # sum + N(0, (z C)^2), over the fixed denominator
+            total = flat.to(torch.float32) * len(results)
+            std = self.dp.noise_multiplier * self.dp.clip
+            gaussian_noise_(total, std, dp_noise_key(self.dp.seed, server_round))
+            flat = total.to(torch.float64) / self.dp.expected_clients
+            record.update(dp_clip=float(self.dp.clip), dp_noise_std=std)
+        self.last_mean = flat
         st = self.optimizer.step(None, weights, aggregator=SecureSumAggregator(flat, mean_client_sq_norm=msq))
         metrics = {k: float(v) for k, v in self.optimizer.round_stats(st).metrics.items()
                    if v is not None and v.dim() == 0}
@@ -298,9 +343,12 @@ class SecAggFedNARClient:
             raise ValueError(f"the global model has {len(arrays)} arrays, this client's model {len(names)}")
         config = fitins.config
         server_round = int(config.get(ROUND_KEY, 1))
+        inner_config = {"server-round": server_round}
+        if DP_CLIP_KEY in config:  # FedNARClient clips its update to it before replying
+            inner_config[DP_CLIP_KEY] = float(config[DP_CLIP_KEY])
         inner = Message(content=RecordDict({"arrays": ArrayRecord(dict(zip(names, (torch.from_numpy(a)
                                                                                     for a in arrays)))),
-                                            "config": ConfigRecord({"server-round": server_round})}),
+                                            "config": ConfigRecord(inner_config)}),
                         dst_node_id=msg.metadata.dst_node_id, message_type=MessageType.TRAIN)
         reply = self.inner.train(inner, context)
         trained = reply.content["arrays"]

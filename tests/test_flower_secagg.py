@@ -2,7 +2,8 @@
 
 Flower's own ``SecAggPlusWorkflow`` and ``secaggplus_mod`` run the real protocol (key
 agreement, Shamir shares, pairwise and private masks, quantization) in this process on
-a Grid that delivers a serialized copy of each message, as the SuperLink does.  The
+a Grid that serializes each message to Flower's protobuf and back, as the SuperLink
+does (:class:`fedopt_kernels.integrations.flower.inprocess.InProcessGrid`).  The
 oracle of each round is the same round without secure aggregation: each client's update
 ``D_i`` from the plain :class:`FedNARClient` on the same global model, data and seed,
 and the float64 weighted mean ``sum_i p_i D_i``.  SecAgg+ changes the mean only by its
@@ -14,10 +15,6 @@ clients' sum, recorded, never a wrong model or a hang.
 """
 
 from __future__ import annotations
-
-import copy
-import types
-import uuid
 
 import pytest
 import torch
@@ -47,32 +44,9 @@ def _data(ctx):
 
 
 def _grid(app, tamper=None):
-    """Flower's in-process test grid (tests/test_flower.py) delivering a deep copy of each
-    message, as serialization through the SuperLink would; ``tamper(stage, node, reply,
-    state) -> reply`` may replace a node's reply."""
-    from test_flower import LocalGrid
+    from fedopt_kernels.integrations.flower.inprocess import InProcessGrid
 
-    class CopyingGrid(LocalGrid):
-        def __init__(self):
-            super().__init__(app, N_NODES, run_config=RUN_CONFIG)
-            self.set_run(types.SimpleNamespace(run_id=1))
-            self.state = {}
-
-        def send_and_receive(self, messages, *, timeout=None):
-            from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-
-            replies = []
-            for m in messages:
-                m.metadata.__dict__.update(_message_id=uuid.uuid4().hex, _src_node_id=0, _run_id=1)
-                reply = self.app(copy.deepcopy(m), self.contexts[m.metadata.dst_node_id])
-                stage = m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]
-                if tamper is not None:
-                    reply = tamper(stage, self.nodes.index(m.metadata.dst_node_id), reply, self.state)
-                if reply is not None:
-                    replies.append(reply)
-            return replies[::-1]
-
-    return CopyingGrid()
+    return InProcessGrid(app, N_NODES, run_config=RUN_CONFIG, tamper=tamper)
 
 
 def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, dp=None, **wf):
@@ -277,3 +251,15 @@ def test_central_dp_noise_is_added_to_the_unmasked_sum_of_clipped_updates():
         S.SecAggPlusFusedStrategy(_model(), srv.FedExP(_model().parameters()), dp=dp)
     with pytest.raises(ValueError, match="uniform"):
         S.SecAggPlusFusedStrategy(_model(), srv.FedAvg(_model().parameters()), weighting="data", dp=dp)
+
+
+def test_the_secure_round_benchmark_counts_bytes_and_agrees_with_the_plain_round():
+    """benchmarks.secure_round on a tiny case: the plain round (Message-API fused
+    strategy) and the SecAgg+ round end at the same model up to the quantization, and the
+    masked replies are int64 (8 bytes a value against float32's 4)."""
+    from fedopt_kernels.benchmarks import secure_round
+
+    (row,) = secure_round.run(params=5000, nodes=(3,))
+    assert row["max |x_secagg - x_plain|"] <= STEP
+    assert 1.9 < row["bytes up x"] < 2.1
+    assert row["plain MB up"] > 3 * 5000 * 4 / 1e6  # three float32 replies went up

@@ -8,7 +8,7 @@ round, sequential engine): the strategy aggregates in partition-id order, so the
 in which the replies arrive cannot matter.
 
 Secured as a site would deploy it (issue 45): TLS (the SuperLink's certificate signed by
-a CA the test makes, ``tests/_pki.py``; every SuperNode and ``flwr`` verify it) and
+a CA the test makes, ``fedopt_kernels/benchmarks/pki.py``; every SuperNode and ``flwr`` verify it) and
 SuperNode authentication (``--enable-supernode-auth``: only nodes whose public keys
 were registered with ``flwr supernode register`` may join).  The secure run gives the
 same bits as the same run ``--insecure``, and both those of ``fedopt simulate``.  A
@@ -39,12 +39,12 @@ from pathlib import Path
 
 import subprocess
 
-import _pki
 import pytest
 import torch
 from _flwr import needs_flwr
 
 from fedopt_kernels.benchmarks import flower_run as FR
+from fedopt_kernels.benchmarks import pki
 from fedopt_kernels.fl import Simulation, SimulationConfig
 
 NODES = 3
@@ -78,8 +78,8 @@ class Deployment:
 
 def _security(path: Path, *, expired: bool = False) -> FR.Security:
     """TLS with a certificate from a fresh test CA, and SuperNode authentication."""
-    ca = _pki.make_ca(path / "pki")
-    cert, key = _pki.make_server_cert(ca, path / "pki", expired=expired)
+    ca = pki.make_ca(path / "pki")
+    cert, key = pki.make_server_cert(ca, path / "pki", expired=expired)
     return FR.Security(ca.cert, cert, key, node_auth=True)
 
 
@@ -92,7 +92,7 @@ def _start(path: Path, node_config=None, secure: bool = False):
     try:
         keys = None
         if secure:
-            pairs = _pki.make_node_keys(path / "pki", NODES)
+            pairs = pki.make_node_keys(path / "pki", NODES)
             for _, public in pairs:
                 FR.register_supernode(link, public)
             keys = [private for private, _ in pairs]
@@ -117,7 +117,7 @@ def _refusals(path: Path) -> dict:
         expired = FR.start_superlink(path / "expired", simulation=False,
                                      security=_security(path / "expired", expired=True))
         links.append(expired)
-        (key0, pub0), (key1, _) = _pki.make_node_keys(path, 2)
+        (key0, pub0), (key1, _) = pki.make_node_keys(path, 2)
         FR.register_supernode(good, pub0)
         cases = {"unregistered": (good, dict(private_key=key1)),
                  "no CA": (good, dict(private_key=key0, root_certificates=None)),

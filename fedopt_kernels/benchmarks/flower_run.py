@@ -148,7 +148,7 @@ class Security:
       :func:`register_supernode`); each SuperNode signs in with its private key.
 
     Flower's own flags, as its "Enable TLS connections" and "Authenticate SuperNodes"
-    guides use them; the tests make the certificates and keys (``tests/_pki.py``)."""
+    guides use them; :mod:`.pki` makes throwaway certificates and keys for loopback."""
 
     ca_cert: Path
     cert: Path

@@ -1,6 +1,7 @@
-"""A throwaway public-key infrastructure for the secure deployment tests, made with
-``cryptography`` (a dependency of flwr): a CA, a SuperLink certificate for 127.0.0.1 and
-localhost signed by it (valid now, or expired), and SuperNode authentication keys.
+"""A throwaway public-key infrastructure for secure deployments on loopback (the tests'
+and the benchmarks'), made with ``cryptography`` (a dependency of flwr): a CA, a SuperLink
+certificate for 127.0.0.1 and localhost signed by it (valid now, or expired), and
+SuperNode authentication keys.
 
 Flower's requirements, from its TLS and SuperNode-authentication guides: PEM
 certificates and key for the SuperLink; SuperNode keys on a NIST elliptic curve, the
@@ -20,6 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+__all__ = ["CA", "make_ca", "make_server_cert", "make_node_keys", "make_security"]
 
 CURVE = ec.SECP384R1  # P-384, the curve Flower's guides use
 
@@ -91,3 +94,14 @@ def make_node_keys(folder: Path, count: int, stem: str = "node"):
                                                          serialization.PublicFormat.OpenSSH))
         pairs.append((private, public))
     return pairs
+
+
+def make_security(folder: Path, nodes: int, *, expired: bool = False):
+    """``(Security, [(private, public)])``: a fresh CA, a SuperLink certificate (expired
+    if asked) and ``nodes`` SuperNode key pairs in ``folder``, as :mod:`.flower_run`'s
+    :class:`~.flower_run.Security` (TLS and SuperNode authentication) takes them."""
+    from .flower_run import Security
+
+    ca = make_ca(folder)
+    cert, key = make_server_cert(ca, folder, expired=expired)
+    return Security(ca.cert, cert, key, node_auth=True), make_node_keys(folder, nodes)

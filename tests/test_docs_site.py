@@ -31,6 +31,7 @@ API_PAGES = {
     "fedopt_kernels.fl": "fl",
     "fedopt_kernels.fl.interrupts": "fl-interrupts",
     "fedopt_kernels.integrations.flower": "flower",
+    "fedopt_kernels.integrations.flower.secagg": "flower-secagg",
     "fedopt_kernels.distributed": "distributed",
     "fedopt_kernels.defaults": "defaults",
 }

@@ -1,20 +1,29 @@
 """Flower's deployment mode, for real: a SuperLink and 3 SuperNodes as separate processes
-on loopback (``flower-superlink --insecure``, ``flower-supernode --insecure
---superlink 127.0.0.1:PORT --node-config "partition-id=i num-partitions=3"``), then
-``flwr run examples/flower_app`` on them: the fused FedAvg server and FedNAR clients
-for 3 rounds.  The global model after every round (its test accuracy) and at the end
-must equal ``fedopt simulate`` on the same clients, data and seeds bit for bit (every
-client every round, sequential engine): the strategy aggregates in partition-id
-order, so the order in which the replies arrive cannot matter.
+on loopback (``flower-superlink``, ``flower-supernode --superlink 127.0.0.1:PORT
+--node-config "partition-id=i num-partitions=3"``), then ``flwr run
+examples/flower_app`` on them: the fused FedAvg server and FedNAR clients for 3 rounds.
+The global model after every round (its test accuracy) and at the end must equal
+``fedopt simulate`` on the same clients, data and seeds bit for bit (every client every
+round, sequential engine): the strategy aggregates in partition-id order, so the order
+in which the replies arrive cannot matter.
+
+Secured as a site would deploy it (issue 45): TLS (the SuperLink's certificate signed by
+a CA the test makes, ``fedopt_kernels/benchmarks/pki.py``; every SuperNode and ``flwr`` verify it) and
+SuperNode authentication (``--enable-supernode-auth``: only nodes whose public keys
+were registered with ``flwr supernode register`` may join).  The secure run gives the
+same bits as the same run ``--insecure``, and both those of ``fedopt simulate``.  A
+SuperNode whose key was not registered, one without the CA, and one facing a SuperLink
+whose certificate has expired are each refused: they exit, with Flower's reason in
+their log, and never train.
 
 With faults (issue 16): one SuperNode is killed mid-round and one sends a malformed
 reply; the run finishes its rounds with the rest, and its global model is bit for bit
 that of ``fedopt``'s simulation without those clients in those rounds.
 
-The two deployments run at the same time (one module fixture, each on its own SuperLink
-and SuperNodes): the faulty one spends about a minute waiting for the dead node's
-heartbeats to stop (Flower's fixed 30 s interval, 2 missed), which the other run's work
-fills; each test then checks its own run.  Every process is started in its own session
+The deployments (secure, insecure, faulty) and the refusals run at the same time (one
+module fixture, each on its own SuperLink and SuperNodes): the faulty one spends about a
+minute waiting for the dead node's heartbeats to stop (Flower's fixed 30 s interval, 2
+missed), which the other runs' work fills; each test then checks its own run.  Every process is started in its own session
 and stopped (SIGTERM, then SIGKILL) when its run ends, pass or fail; only 127.0.0.1 is
 used.  Skipped only on Python 3.10, where flwr 1.41 cannot be installed.
 """
@@ -28,11 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import subprocess
+
 import pytest
 import torch
 from _flwr import needs_flwr
 
 from fedopt_kernels.benchmarks import flower_run as FR
+from fedopt_kernels.benchmarks import pki
 from fedopt_kernels.fl import Simulation, SimulationConfig
 
 NODES = 3
@@ -64,16 +76,72 @@ class Deployment:
         return self.flower
 
 
-def _start(path: Path, node_config=None):
+def _security(path: Path, *, expired: bool = False) -> FR.Security:
+    """TLS with a certificate from a fresh test CA, and SuperNode authentication."""
+    ca = pki.make_ca(path / "pki")
+    cert, key = pki.make_server_cert(ca, path / "pki", expired=expired)
+    return FR.Security(ca.cert, cert, key, node_auth=True)
+
+
+def _start(path: Path, node_config=None, secure: bool = False):
     """A deployment SuperLink and its NODES SuperNodes (they take the environment the
-    SuperLink was started in)."""
+    SuperLink was started in); ``secure``: TLS and SuperNode authentication, each node's
+    public key registered before it starts."""
     path.mkdir(parents=True, exist_ok=True)
-    link = FR.start_superlink(path, simulation=False)
+    link = FR.start_superlink(path, simulation=False, security=_security(path) if secure else None)
     try:
-        return link, FR.start_supernodes(link, NODES, path, node_config=node_config)
+        keys = None
+        if secure:
+            pairs = pki.make_node_keys(path / "pki", NODES)
+            for _, public in pairs:
+                FR.register_supernode(link, public)
+            keys = [private for private, _ in pairs]
+        return link, FR.start_supernodes(link, NODES, path, node_config=node_config, private_keys=keys)
     except BaseException:
         link.stop()
         raise
+
+
+def _refusals(path: Path) -> dict:
+    """SuperNodes a secure deployment must refuse, each against a live TLS SuperLink with
+    SuperNode authentication: ``unregistered`` (a valid CA, a key never registered),
+    ``no CA`` (a registered key, no root certificate: the system's CAs cannot verify the
+    test CA), ``expired`` (a registered key and the right CA, a SuperLink whose
+    certificate expired an hour ago).  Returns ``{name: (exit code or None if still
+    running after 120 s, its log)}``; every process is stopped."""
+    path.mkdir(parents=True, exist_ok=True)
+    links, procs, out = [], {}, {}
+    try:
+        good = FR.start_superlink(path / "valid", simulation=False, security=_security(path / "valid"))
+        links.append(good)
+        expired = FR.start_superlink(path / "expired", simulation=False,
+                                     security=_security(path / "expired", expired=True))
+        links.append(expired)
+        (key0, pub0), (key1, _) = pki.make_node_keys(path, 2)
+        FR.register_supernode(good, pub0)
+        cases = {"unregistered": (good, dict(private_key=key1)),
+                 "no CA": (good, dict(private_key=key0, root_certificates=None)),
+                 "expired": (expired, dict(private_key=key0))}
+        for name, (link, kw) in cases.items():
+            log = path / f"{name.replace(' ', '_')}.log"
+            with open(log, "w") as fh:
+                procs[name] = (subprocess.Popen(FR.supernode_command(link, "partition-id=0 num-partitions=3", **kw),
+                                                stdout=fh, stderr=subprocess.STDOUT, env=link.env,
+                                                start_new_session=True), log)
+        deadline = time.monotonic() + 120
+        for name, (proc, log) in procs.items():
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+            out[name] = (rc, log.read_text())
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                FR.stop_process(proc)
+        for link in links:
+            link.stop()
+    return out
 
 
 def _run(deployment: Deployment, link, nodes) -> Deployment:
@@ -97,18 +165,20 @@ def _run(deployment: Deployment, link, nodes) -> Deployment:
 
 @pytest.fixture(scope="module")
 def deployments(tmp_path_factory):
-    """Both deployments, run at once: ``{"plain": ..., "faults": ...}``."""
+    """Every deployment, run at once: ``{"plain": (secure), "insecure": ..., "faults":
+    ..., "refusals": {name: (exit code, log)}}``."""
     root = tmp_path_factory.mktemp("deployments")
-    # One torch thread in every process of the plain run, as simulate's sequential engine
+    # One torch thread in every process of the plain runs, as simulate's sequential engine
     # runs: MKL's strict mode (backends/mkl.py) gives a product's bits for a fixed thread
     # count, and Flower's processes would otherwise run torch's default
     # (docs/determinism.md).  The faulty run keeps the environment as it is.
-    plain, faults = Deployment(root / "plain"), Deployment(root / "faults")
+    plain, insecure, faults = Deployment(root / "plain"), Deployment(root / "insecure"), Deployment(root / "faults")
     started = []
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("OMP_NUM_THREADS", "1")
-            started.append((plain, *_start(plain.path)))
+            started.append((plain, *_start(plain.path, secure=True)))
+            started.append((insecure, *_start(insecure.path)))
         started.append((faults, *_start(faults.path, node_config=FAULTS)))
     except BaseException:
         for _, link, nodes in started:
@@ -116,29 +186,56 @@ def deployments(tmp_path_factory):
                 FR.stop_process(proc)
             link.stop()
         raise
-    with ThreadPoolExecutor(len(started)) as pool:
-        for f in [pool.submit(_run, *args) for args in started]:
+    with ThreadPoolExecutor(len(started) + 1) as pool:
+        futures = [pool.submit(_run, *args) for args in started]
+        refusals = pool.submit(_refusals, root / "refusals")
+        for f in futures:
             f.result()
-    return {"plain": plain, "faults": faults}
+    return {"plain": plain, "insecure": insecure, "faults": faults, "refusals": refusals.result()}
+
+
+def _final_model(run: Deployment) -> torch.Tensor:
+    state = torch.load(run.path / "flower" / "final_model.pt", weights_only=True)
+    return torch.cat([v.flatten() for v in state.values()])
 
 
 @needs_flwr
 @pytest.mark.slow
 def test_superlink_and_supernodes_as_processes_equal_fedopt_simulate(deployments, tmp_path, monkeypatch):
-    run = deployments["plain"]
-    flower = run.result()
-    assert all(run.alive_after_run), "a SuperNode exited during the run"
-    assert run.all_stopped  # nothing left running
+    """The secure deployment (TLS, authenticated SuperNodes) equals the insecure one and
+    ``fedopt simulate``, bit for bit."""
+    run, plain = deployments["plain"], deployments["insecure"]
+    flower, flower_insecure = run.result(), plain.result()
+    assert run.flower.extra.get("security") == "tls+node-auth" and plain.flower.extra.get("security") == "insecure"
+    assert all(run.alive_after_run) and all(plain.alive_after_run), "a SuperNode exited during the run"
+    assert run.all_stopped and plain.all_stopped  # nothing left running
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # simulate at one thread, as the Flower processes ran
     fedopt = FR.run_fedopt(tmp_path / "fedopt", engine="sequential", **WORKLOAD)
     assert flower.sampled == [NODES] * WORKLOAD["rounds"] and fedopt.sampled == [NODES] * WORKLOAD["rounds"]
     assert len(flower.accuracy) == WORKLOAD["rounds"] + 1
-    assert flower.accuracy == fedopt.accuracy
-    state = torch.load(run.path / "flower" / "final_model.pt", weights_only=True)
-    x_flower = torch.cat([v.flatten() for v in state.values()])
+    assert flower.accuracy == fedopt.accuracy == flower_insecure.accuracy
+    x_flower = _final_model(run)
     x_fedopt = torch.load(tmp_path / "fedopt" / "checkpoint.pt", weights_only=True)["x_global"]
     assert torch.equal(x_flower, x_fedopt), (x_flower - x_fedopt).abs().max()
+    assert torch.equal(x_flower, _final_model(plain))
     assert len(set(flower.accuracy)) > 1  # the model moved: a run that trained nothing would also be "equal"
+
+
+@needs_flwr
+@pytest.mark.slow
+@pytest.mark.parametrize("case, reason", [
+    ("unregistered", "Failed to activate SuperNode"),
+    ("no CA", "CERTIFICATE_VERIFY_FAILED"),
+    ("expired", "certificate has expired"),
+])
+def test_a_secure_superlink_refuses_unknown_nodes_and_nodes_refuse_an_untrusted_superlink(deployments, case, reason):
+    """A SuperNode whose key was never registered is refused by the SuperLink; one without
+    the CA, or facing a SuperLink whose certificate has expired, refuses the connection.
+    Each exits with an error (never a hang) and Flower's reason is in its log."""
+    rc, log = deployments["refusals"][case]
+    assert rc is not None, f"{case}: the SuperNode was still running after 120 s"
+    assert rc != 0, f"{case}: exit code {rc}\n{log[-2000:]}"
+    assert reason in log, log[-2000:]
 
 
 def _simulation_without(workload, absent):

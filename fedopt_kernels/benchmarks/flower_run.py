@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -90,24 +91,35 @@ def loopback_env(env: dict) -> dict:
 
 # urllib without proxies, whatever the environment says (the health check is loopback only).
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# A TLS SuperLink answers /health over HTTPS.  The check asks only whether our own
+# loopback process is up, not whether to trust it (the SuperNodes and ``flwr`` verify
+# its certificate with the CA they are given): no verification here, so a SuperLink
+# with a certificate the tests made expired still reports that it is up.
+_UNVERIFIED = ssl.create_default_context()
+_UNVERIFIED.check_hostname = False
+_UNVERIFIED.verify_mode = ssl.CERT_NONE
+_DIRECT_TLS = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                          urllib.request.HTTPSHandler(context=_UNVERIFIED))
 
 
-def healthy(port: int) -> bool:
-    """True if a server on 127.0.0.1:``port`` answers ``/health`` with 200."""
+def healthy(port: int, tls: bool = False) -> bool:
+    """True if a server on 127.0.0.1:``port`` answers ``/health`` with 200 (over HTTPS
+    when ``tls``)."""
+    opener, scheme = (_DIRECT_TLS, "https") if tls else (_DIRECT, "http")
     try:
-        with _DIRECT.open(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
+        with opener.open(f"{scheme}://127.0.0.1:{port}/health", timeout=0.5) as r:
             return r.status == 200
     except OSError:
         return False
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, tls: bool = False) -> bool:
     """True once the SuperLink answers on ``port``; False if it exited first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if healthy(port):
+        if healthy(port, tls):
             return True
         time.sleep(0.3)
     raise TimeoutError(f"flower-superlink did not become healthy in {timeout:.0f} s")
@@ -123,6 +135,32 @@ def stop_process(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+@dataclass(frozen=True)
+class Security:
+    """How a deployment is secured (``None`` for a deployment: ``--insecure``, for a local
+    try only).
+
+    * TLS: the SuperLink serves its certificate ``cert`` (key ``key``); SuperNodes and
+      ``flwr`` verify it against ``ca_cert``, the root certificate they are given, and
+      refuse a SuperLink they cannot verify (another CA, an expired certificate);
+    * ``node_auth``: the SuperLink runs with ``--enable-supernode-auth`` and admits only
+      SuperNodes whose public key was registered (``flwr supernode register``,
+      :func:`register_supernode`); each SuperNode signs in with its private key.
+
+    Flower's own flags, as its "Enable TLS connections" and "Authenticate SuperNodes"
+    guides use them; :mod:`.pki` makes throwaway certificates and keys for loopback."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+    node_auth: bool = True
+
+    def superlink_args(self) -> List[str]:
+        args = ["--ssl-ca-certfile", str(self.ca_cert), "--ssl-certfile", str(self.cert),
+                "--ssl-keyfile", str(self.key)]
+        return args + (["--enable-supernode-auth"] if self.node_auth else [])
+
+
 @dataclass
 class SuperLink:
     """A running local SuperLink: ``flwr run <app> <connection>`` with :attr:`env` runs on it."""
@@ -135,6 +173,7 @@ class SuperLink:
     log: Path  # the SuperLink's stdout and stderr
     connection: str = "test"  # the connection name in FLWR_HOME/config.toml
     start_s: float = 0.0  # seconds from launch to healthy
+    security: Optional[Security] = None  # None: --insecure
 
     def stop(self) -> None:
         """Stop the SuperLink (and the SuperExec it spawned)."""
@@ -147,14 +186,16 @@ def _console_script(name: str) -> Optional[str]:
 
 
 def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeout: float = 60.0,
-                    simulation: bool = True) -> SuperLink:
+                    simulation: bool = True, security: Optional[Security] = None) -> SuperLink:
     """Start our own local SuperLink in simulation mode (Ray runtime; ``simulation=False``:
     deployment mode, for SuperNodes started apart, :func:`start_supernodes`), offline, in
     ``workdir``: a fresh FLWR_HOME there with one connection, ``connection``, no
     telemetry, no runtime dependency installation, no update check, loopback exempt from
     proxies, this checkout on ``PYTHONPATH`` (the app's processes import
     fedopt_kernels from it).  If its port was taken between choosing and binding it, it
-    starts again on another (``tries`` times).  Raises :class:`SuperLinkError`."""
+    starts again on another (``tries`` times).  ``security``: TLS and SuperNode
+    authentication (:class:`Security`; ``flwr`` then verifies the SuperLink with its CA);
+    None runs it ``--insecure``.  Raises :class:`SuperLinkError`."""
     if simulation and importlib.util.find_spec("ray") is None:
         raise SuperLinkError("Flower's simulation runtime needs Ray: pip install 'flwr[simulation]'")
     flwr_exe, superlink_exe = _console_script("flwr"), _console_script("flower-superlink")
@@ -171,47 +212,78 @@ def start_superlink(workdir, *, connection: str = "test", tries: int = 3, timeou
     log = workdir / "superlink.log"
     for attempt in range(tries):
         port = free_port()
+        trust = (f'root-certificates = "{security.ca_cert}"' if security else "insecure = true")
         (home / "config.toml").write_text(f'[superlink]\ndefault = "{connection}"\n\n[superlink.{connection}]\n'
-                                          f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+                                          f'address = "127.0.0.1:{port}"\n{trust}\n')
         t0 = time.perf_counter()
         with open(log, "w") as fh:
-            cmd = [superlink_exe, "--insecure", *(["--simulation"] if simulation else []),
+            cmd = [superlink_exe, *(security.superlink_args() if security else ["--insecure"]),
+                   *(["--simulation"] if simulation else []),
                    "--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port)]
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                     start_new_session=True)
         try:
-            up = wait_healthy(port, proc, timeout)
+            up = wait_healthy(port, proc, timeout, tls=security is not None)
         except TimeoutError as e:
             stop_process(proc)
             raise SuperLinkError(f"{e}:\n{log.read_text()[-3000:]}") from None
         if up:
-            return SuperLink(proc, port, env, flwr_exe, home, log, connection, time.perf_counter() - t0)
+            return SuperLink(proc, port, env, flwr_exe, home, log, connection, time.perf_counter() - t0, security)
         text = log.read_text()
         if "in use" not in text.lower() or attempt == tries - 1:
             raise SuperLinkError(f"flower-superlink exited with {proc.returncode}:\n{text[-3000:]}")
     raise AssertionError("unreachable")
 
 
-def start_supernodes(link: SuperLink, count: int, workdir,
-                     node_config: Optional[Dict[int, str]] = None) -> List[subprocess.Popen]:
-    """Start ``count`` SuperNodes (Flower's deployment mode: one process each, on
-    loopback) connected to ``link``, node ``i`` with ``partition-id=i
-    num-partitions=count`` (and ``node_config[i]``, more ``key=value`` entries, e.g. the
-    example app's ``fault="die@2"``); each logs to ``workdir/supernode<i>.log``.  Stop
-    them with :func:`stop_process`."""
+def register_supernode(link: SuperLink, public_key) -> int:
+    """``flwr supernode register PUBLIC_KEY`` on ``link`` (a SuperLink with SuperNode
+    authentication): the federation admits the SuperNode that holds the private key.
+    Returns the node id the SuperLink assigned."""
+    proc = subprocess.run([link.flwr, "supernode", "register", str(public_key), link.connection, "--format", "json"],
+                          capture_output=True, text=True, env=link.env, timeout=120)
+    found = re.search(r'"node-id":\s*"?(\d+)', proc.stdout)
+    if proc.returncode != 0 or found is None:
+        raise SuperLinkError(f"flwr supernode register {public_key} failed (rc={proc.returncode}): "
+                             f"{(proc.stdout + proc.stderr)[-2000:]}")
+    return int(found.group(1))
+
+
+def supernode_command(link: SuperLink, node_config: str, *, root_certificates="link", private_key=None) -> List[str]:
+    """The ``flower-supernode`` command line of one SuperNode on ``link``: ``--insecure``
+    on an insecure SuperLink; on a TLS one ``--root-certificates`` (``"link"``: the CA of
+    the link's :class:`Security`; None: no CA, so the system's, which cannot verify a
+    private CA) and, with ``private_key``, ``--auth-supernode-private-key``."""
     exe = _console_script("flower-supernode")
     if exe is None:
         raise SuperLinkError("flwr's console script flower-supernode is not on PATH")
+    if link.security is None:
+        trust = ["--insecure"]
+    else:
+        ca = link.security.ca_cert if root_certificates == "link" else root_certificates
+        trust = ["--root-certificates", str(ca)] if ca else []
+    auth = ["--auth-supernode-private-key", str(private_key)] if private_key else []
+    return [exe, *trust, *auth, "--superlink", f"127.0.0.1:{link.port}", "--host", "127.0.0.1",
+            "--port", str(free_port()), "--node-config", node_config]
+
+
+def start_supernodes(link: SuperLink, count: int, workdir, node_config: Optional[Dict[int, str]] = None,
+                     private_keys: Optional[List[Path]] = None) -> List[subprocess.Popen]:
+    """Start ``count`` SuperNodes (Flower's deployment mode: one process each, on
+    loopback) connected to ``link``, node ``i`` with ``partition-id=i
+    num-partitions=count`` (and ``node_config[i]``, more ``key=value`` entries, e.g. the
+    example app's ``fault="die@2"``); each logs to ``workdir/supernode<i>.log``.  On a
+    secure link each verifies it with the link's CA and, with ``private_keys``, signs
+    in with ``private_keys[i]`` (registered with :func:`register_supernode`).  Stop
+    them with :func:`stop_process`."""
     workdir = Path(workdir)
     nodes = []
     try:
         for i in range(count):
+            config = " ".join([f"partition-id={i} num-partitions={count}", (node_config or {}).get(i, "")]).strip()
+            cmd = supernode_command(link, config, private_key=private_keys[i] if private_keys else None)
             with open(workdir / f"supernode{i}.log", "w") as fh:
-                nodes.append(subprocess.Popen(
-                    [exe, "--insecure", "--superlink", f"127.0.0.1:{link.port}", "--host", "127.0.0.1",
-                     "--port", str(free_port()), "--node-config",
-                     " ".join([f"partition-id={i} num-partitions={count}", (node_config or {}).get(i, "")]).strip()],
-                    stdout=fh, stderr=subprocess.STDOUT, env=link.env, cwd=workdir, start_new_session=True))
+                nodes.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=link.env, cwd=workdir,
+                                              start_new_session=True))
     except BaseException:
         for proc in nodes:
             stop_process(proc)
@@ -296,8 +368,11 @@ def run_flower(link: SuperLink, out, *, clients: int, per_round: int, rounds: in
     history = json.loads(history_path.read_text())
     sampled = [int(n) for n, total in SAMPLED.findall(log) if int(total) == clients]
     name = "Flower (deployment)" if deployment else "Flower (Ray simulation)"
+    security = link.security
     return RunResult(name, wall, _round_times([h["wall_time"] for h in history]),
-                     [h["test_accuracy"] for h in history], sampled)
+                     [h["test_accuracy"] for h in history], sampled,
+                     {"security": "insecure" if security is None else
+                      "tls+node-auth" if security.node_auth else "tls"})
 
 
 def run_fedopt(out, *, clients: int, per_round: int, rounds: int, local_steps: int, hidden: int, batch_size: int,

@@ -43,9 +43,11 @@ from .registry import ALGORITHM_WEIGHTING, ALGORITHMS, WEIGHTINGS, Algorithm, al
 from .robust_aggregator import RobustAggregator
 from .round import ServerRound, ServerRoundStats, read_metrics, round_weights
 from .scaffold import scaffold_control_update_
+from .secure_sum import SecureSumAggregator
 from .weighting import average_buffers, client_weights
 
 __all__ = [
+    "SecureSumAggregator",
     "ServerOptimizer", "ServerStats", "RoundInfo", "FedAvg", "FedAvgM", "FedAdagrad", "FedAdam", "FedYogi",
     "FedExP", "ASNES", "FedLAW", "FedLAWRound", "scaffold_control_update_", "WEIGHTINGS", "ALGORITHM_WEIGHTING",
     "resolve_weighting", "client_weights", "average_buffers", "Aggregator", "LocalAggregator", "RoundAggregate",

@@ -165,6 +165,8 @@ class ServerOptimizer(EagerOptimizer):
 
     takes = "updates"  # a round hands it D_i = x_global - x_i (fedopt_kernels.server.round)
     keeps_buffers = False  # the caller averages the clients' floating buffers with the round's weights
+    # whether the step reads sum_i p_i ||D_i||^2 (FedExP, ASNES): a secure sum must carry it
+    needs_client_sq_norms = False
 
     def __init__(self, params, defaults: dict, *, nonfinite: str = "exclude",
                  max_client_norm: Optional[float] = None, backend: Optional[str] = None,
@@ -453,7 +455,8 @@ class ServerOptimizer(EagerOptimizer):
         q = torch.where(p > 0, st.client_sq_norms.to(p.dtype), zero)  # excluded NaNs never multiply
         if round_.bound is not None:  # the bounded update is s_i D_i: its squared norm s_i^2 q_i
             q = q * round_.bound * round_.bound
-        return RoundInfo(p=p, skip=round_.skip, sq_norm=st.sq_norm, mean_sq=(p * q).sum(), sum_p_sq=(p * p).sum(),
+        mean_sq = (p * q).sum() if round_.mean_sq is None else round_.mean_sq.to(p.dtype)
+        return RoundInfo(p=p, skip=round_.skip, sq_norm=st.sq_norm, mean_sq=mean_sq, sum_p_sq=(p * p).sum(),
                          num_clients=(p > 0).sum())
 
     def _update(self, params: List[torch.Tensor], views: List[torch.Tensor], rule: str, skip: torch.Tensor, *,

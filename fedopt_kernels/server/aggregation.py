@@ -87,13 +87,17 @@ class RoundAggregate:
     * ``bound`` ``[C]`` or None: each client's norm-bound factor ``min(1, M / (||D_i||
       + 1e-6))`` (None without ``max_client_norm``); the mean is ``sum_i p_i s_i D_i``;
     * ``skip``: 0-d bool, apply nothing (every client excluded, or device-resident
-      weights whose total is not a positive finite number).
+      weights whose total is not a positive finite number);
+    * ``mean_sq``: ``sum_i p_i ||D_i||^2`` when it was computed elsewhere and the
+      clients' own norms are not known here (secure aggregation,
+      :class:`~fedopt_kernels.server.SecureSumAggregator`); None: from ``stats``.
     """
 
     stats: AggregateStats
     p: torch.Tensor
     bound: Optional[torch.Tensor]
     skip: torch.Tensor
+    mean_sq: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, weights: torch.Tensor, stats: AggregateStats, valid: Optional[torch.Tensor],

@@ -55,6 +55,8 @@ class ASNES(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
+    needs_client_sq_norms = True  # eta_g / the gain ratio read sum_i p_i ||D_i||^2
+
     def __init__(self, params, lr: float = D.SERVER["asnes"]["lr"], momentum: float = D.SERVER["asnes"]["momentum"], *,
                  smoothing: float = D.ASNES_SMOOTHING,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,

@@ -40,6 +40,8 @@ class FedExP(ServerOptimizer):
         nonfinite, max_client_norm, backend, aggregator: see :class:`ServerOptimizer`.
     """
 
+    needs_client_sq_norms = True  # eta_g / the gain ratio read sum_i p_i ||D_i||^2
+
     def __init__(self, params, lr: float = D.SERVER["fedexp"]["lr"], eps: float = D.FEDEXP_EPS, *,
                  scale_eps_by_clients: bool = False,
                  nonfinite: str = "exclude", max_client_norm: Optional[float] = None,

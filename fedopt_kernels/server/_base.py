@@ -422,10 +422,10 @@ class ServerOptimizer(EagerOptimizer):
             weights=st.weights, skipped=info.skip, num_clients=info.num_clients,
             mean_client_sq_norm=info.mean_sq, **extra)
 
-    def round(self, updates: Updates, weights=None) -> ServerRoundStats:
+    def round(self, updates: Updates, weights=None, *, aggregator: Optional[Aggregator] = None) -> ServerRoundStats:
         """One round of :mod:`fedopt_kernels.server.round`: :meth:`step`, and its
         statistics by their record names (:meth:`round_stats`)."""
-        return self.round_stats(self.step(updates, weights))
+        return self.round_stats(self.step(updates, weights, aggregator=aggregator))
 
     def round_stats(self, st: ServerStats) -> ServerRoundStats:
         """A :class:`ServerStats` as the :class:`~fedopt_kernels.server.round.ServerRoundStats` of

@@ -57,7 +57,7 @@ from ..ops import ClientPieces, server_update_
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..optim.eager_base import EagerOptimizer
 from .aggregation import Aggregator, LocalAggregator, RoundAggregate, refuse_dtensor
-from .round import ServerRoundStats
+from .round_stats import ServerRoundStats
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
 NONFINITE = ("exclude", "propagate")

@@ -47,66 +47,20 @@ re-implements a part of it.  In order, a round:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from ..utils.flat import buffers_to_vector, vector_to_buffers
 from .aggregation import CheckedWeights, RunningAggregate, check_round_weights
+from .robust_aggregator import refuse_robust_statistics
+from .round_stats import ServerRoundStats, read_metrics
 from .weighting import BufferAverage, average_buffers, cap_weight_shares, client_weights
 
 __all__ = ["ServerRoundStats", "ServerRound", "RoundReplies", "RoundOutcome", "ClientStateRule", "round_weights",
            "read_metrics", "ROUND_INPUTS"]
 
 ROUND_INPUTS = ("updates", "models")
-
-
-@dataclass(frozen=True)
-class ServerRoundStats:
-    """What one server round did (device tensors; nothing read on the host yet).
-
-    * ``excluded`` ``[C]`` bool: the clients the round left out (NaN/Inf results);
-    * ``skipped`` 0-d bool: nothing was applied;
-    * ``metrics``: the round's statistics by their record names, 0-d or ``[C]`` tensors
-      (None where the round has no value): a server optimizer's ``server_lr``,
-      ``lr_scale``, ``update_norm``, ``excluded_clients``, ``server_skipped`` (ASNES
-      adds ``gain_ratio``, ``sigma2``, ``nu2``); FedLAW's ``gamma``, ``lambda``,
-      ``proxy_loss``, ``excluded_clients``, ``server_skipped``;
-    * ``stats``: the algorithm's own record of the round (a
-      :class:`~fedopt_kernels.server.ServerStats` or a
-      :class:`~fedopt_kernels.server.FedLAWRound`).
-    """
-
-    excluded: torch.Tensor
-    skipped: torch.Tensor
-    metrics: Dict[str, Optional[torch.Tensor]]
-    stats: object
-
-    def read(self) -> dict:
-        """:attr:`metrics` as Python values, with one host synchronisation for the scalars
-        (bool, int or float by the tensor's dtype; a ``[C]`` tensor as a list; None
-        values left out)."""
-        return read_metrics(self.metrics)
-
-
-def read_metrics(metrics: dict) -> dict:
-    """Device tensors -> Python numbers, with one host sync for the scalars (a value that
-    is not a tensor is kept, None left out)."""
-    out, scalars = {}, []
-    for key, value in metrics.items():
-        if value is None:
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            scalars.append((key, value))
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().cpu().tolist()
-        else:
-            out[key] = value
-    if scalars:
-        values = torch.stack([v.detach().to(torch.float64).cpu() for _, v in scalars]).tolist()
-        for (key, t), v in zip(scalars, values):
-            out[key] = bool(v) if t.dtype == torch.bool else (int(v) if not t.is_floating_point() else v)
-    return out
 
 
 def round_weights(weighting: str, sizes, max_weight_share: Optional[float] = None, *,
@@ -273,8 +227,6 @@ class ServerRound:
         rule = privacy.aggregator if privacy is not None else aggregator
         if rule is not None:
             if aggregator is not None:
-                from .robust_aggregator import refuse_robust_statistics
-
                 refuse_robust_statistics(server, aggregator.rule)
             server.aggregator = rule
 

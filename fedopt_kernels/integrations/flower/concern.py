@@ -58,11 +58,16 @@ class Concern:
         model); None: nothing."""
         return None
 
+    stateful = None  # what holds its state across rounds (a state_dict / load_state_dict pair), if anything
+
     def state(self):
-        return None
+        """Its entry of the checkpoint: :attr:`stateful`'s ``state_dict()``."""
+        return None if self.stateful is None else self.stateful.state_dict()
 
     def load_state(self, state) -> None:
         """Continue from :meth:`state`."""
+        if self.stateful is not None:
+            self.stateful.load_state_dict(state)
 
     def describe(self) -> Tuple[str, str]:
         """``(what, setting)`` for the strategy's summary."""

@@ -89,8 +89,8 @@ class PrivacyConcern(Concern):
         check_dp_settings(**self.settings, algo=strategy.algorithm, weighting=strategy.weighting_rule,
                           resolved_weighting=strategy.weighting, clients=self.num_clients, per_round=self.per_round,
                           names=PYTHON_NAMES)
-        self.privacy = RoundPrivacy(**self.settings, seed=self.seed, clients=self.num_clients,
-                                    per_round=self.per_round)
+        self.privacy = self.stateful = RoundPrivacy(**self.settings, seed=self.seed, clients=self.num_clients,
+                                                    per_round=self.per_round)
 
     def round_parts(self) -> dict:
         return {"privacy": self.privacy}
@@ -110,12 +110,6 @@ class PrivacyConcern(Concern):
             clip = self.privacy.current_clip()
             for msg in messages:
                 msg.content[strategy.configrecord_key][DP_CLIP_KEY] = clip
-
-    def state(self):
-        return self.privacy.state_dict()
-
-    def load_state(self, state) -> None:
-        self.privacy.load_state_dict(state)
 
     def describe(self):
         return "differential privacy", str(self.privacy.meta())

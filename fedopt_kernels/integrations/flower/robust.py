@@ -26,7 +26,7 @@ class RobustConcern(Concern):
     state_key = "robust"
 
     def __init__(self, aggregator: RobustAggregator):
-        self.aggregator = aggregator
+        self.aggregator = self.stateful = aggregator  # centered clipping's reference, the rounds
 
     def bind(self, strategy) -> None:
         rule = self.aggregator.rule
@@ -39,12 +39,6 @@ class RobustConcern(Concern):
 
     def round_parts(self) -> dict:
         return {"aggregator": self.aggregator}
-
-    def state(self):
-        return self.aggregator.state_dict()
-
-    def load_state(self, state) -> None:
-        self.aggregator.load_state_dict(state)
 
     def describe(self):
         return "robust aggregation", str(self.aggregator.to_dict())

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-__all__ = ["LOCAL", "FEDPROX_MU", "SERVER", "FEDLAW", "ADAPTIVE", "FEDEXP_EPS", "ASNES_SMOOTHING"]
+__all__ = ["LOCAL", "FEDPROX_MU", "SERVER", "FEDLAW", "ADAPTIVE", "FEDEXP_EPS", "ASNES_SMOOTHING", "TRIM_BETA"]
 
 # Local training (the FedNAR step every client runs).
 #   steps 20, max_norm 10, lr_decay 0.998: [FedNAR] section 3 / Figure 2 ("tau local
@@ -86,3 +86,7 @@ ASNES_SMOOTHING = 0.0
 # proxy set of 100 (10 per class) from the test set (D.2).
 FEDLAW = MappingProxyType(dict(learn="both", server_epochs=20, lr=0.01, betas=(0.5, 0.999), proxy_size=100,
                                proxy_source="test"))
+
+# The trimmed mean's beta: 0.1, 10% dropped at each end ([Yin18] need beta >= the
+# Byzantine share; the simulator's --trim-beta and the Flower robust concern's default).
+TRIM_BETA = 0.1

@@ -19,7 +19,7 @@ from torch import nn
 from fedopt_kernels import server as S
 from torch.nn.utils import parameters_to_vector
 
-from fedopt_kernels.utils.flat import buffers_layout, buffers_to_vector
+from fedopt_kernels.utils.flat import buffers_to_vector
 
 if HAVE_FLWR:
     from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -66,8 +66,9 @@ def _oracle(states, shares):
 
 
 def _simulator_buffers(states, cap):
-    """The simulator's server side on the clients' updates and buffer rows."""
+    """The simulator's server round on the clients' updates and buffer rows."""
     from fedopt_kernels.fl import SimulationConfig
+    from fedopt_kernels.server import RoundReplies
     from fedopt_kernels.fl.server_side import ServerSide
 
     model = _bn_net()
@@ -82,10 +83,8 @@ def _simulator_buffers(states, cap):
     D = torch.stack([x - parameters_to_vector(m.parameters()) for m in clients])
     rows = torch.stack([buffers_to_vector(m) for m in clients])
     sizes = torch.tensor(SIZES, dtype=torch.float64)
-    side.step(D, sizes)
-    new = side.buffers(rows, sizes, buffers_to_vector(model), side.last_excluded)
-    L = buffers_layout(model)
-    return {s.name: new[s.offset:s.offset + s.numel].view(s.shape) for s in L.slots}
+    side.round(RoundReplies(D, sizes=sizes, buffers=rows))  # the round writes the model's buffers
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "running" in k and v.is_floating_point()}
 
 
 def _flower_buffers(states, cap):
@@ -157,34 +156,42 @@ def test_the_buffers_leave_out_the_excluded_and_nonfinite_clients():
         round_.buffers(rows, torch.tensor([1.0, 1.0, 2.0, 8.0]), torch.zeros(3), None)
 
 
-class _UnionCappingServer:
-    """A server that, like the distributed one, takes one rank's share of the weights
-    and caps the union itself (``max_weight_share`` is its own, not the round's)."""
+class _RankShareServer:
+    """A server that, like the distributed one, steps on one rank's rows of the round
+    (``weights_are_a_share``) and reports the whole round's statistics."""
 
     takes = "updates"
     keeps_buffers = False
     weights_are_a_share = True
-    max_weight_share = CAP
 
-    def round(self, results, weights):  # pragma: no cover - the buffers are asked without a step
-        raise AssertionError("no step in this test")
+    def __init__(self, C):
+        self.C, self.seen = C, []
+
+    def round(self, results, weights):
+        self.seen.append((results.shape[0], weights))
+        no = torch.zeros(self.C, dtype=torch.bool)
+        return S.ServerRoundStats(excluded=no, skipped=torch.tensor(False), metrics={}, stats=None)
 
 
-def test_buffers_of_a_server_that_caps_the_union_use_its_cap():
-    """The distributed simulator's server side: its round has no cap of its own (the
-    server applies it over every rank's weights), and its step saw this rank's share of
-    the sizes; the buffers of all the round's clients get the union's capped shares."""
-    from fedopt_kernels.fl import SimulationConfig
-    from fedopt_kernels.fl.server_side import ServerSide
-
+def test_a_rank_steps_on_its_share_of_the_round_weights_and_the_buffers_get_them_all():
+    """The distributed simulator's round: the weights are formed (checked, capped) once
+    over the whole round, this rank's step takes its rows of them, and the buffers of
+    all the round's clients get the capped shares."""
     model = _bn_net()
-    side = ServerSide(SimulationConfig(algo="fedavg", weighting="size", max_weight_share=CAP), model,
-                      parameters_to_vector(model.parameters()))
-    side.server = _UnionCappingServer()
-    side.max_weight_share = None  # as the distributed simulator leaves it
+    server = _RankShareServer(len(SIZES))
+    round_ = S.ServerRound(server, "size", CAP, model=model)
     states = _client_states()
     rows = torch.stack([torch.cat([sd["1.running_mean"], sd["1.running_var"]]) for sd in states])
-    got = side.buffers(rows, torch.tensor(SIZES, dtype=torch.float64), torch.zeros(10), None)
+    round_(S.RoundReplies(torch.zeros(2, 3), sizes=torch.tensor(SIZES, dtype=torch.float64), buffers=rows,
+                          share=slice(1, 3)))
+    (n, w), = server.seen
+    assert n == 2 and isinstance(w, S.aggregation.CheckedWeights)
+    torch.testing.assert_close(w.values, torch.tensor(SHARES[1:3], dtype=torch.float64), rtol=1e-15, atol=0)
     want = _oracle(states, SHARES)
-    torch.testing.assert_close(got.double(), torch.cat([want["1.running_mean"], want["1.running_var"]]),
-                               rtol=1e-6, atol=1e-6)
+    bn = model[1]
+    torch.testing.assert_close(bn.running_mean.double(), want["1.running_mean"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bn.running_var.double(), want["1.running_var"], rtol=1e-6, atol=1e-6)
+    # a share is refused for a server whose step does not spread over ranks
+    plain = S.ServerRound(S.FedAvg(_bn_net().parameters()), "size", CAP)
+    with pytest.raises(ValueError, match="share"):
+        plain(S.RoundReplies(torch.zeros(2, 63), sizes=torch.tensor(SIZES, dtype=torch.float64), share=slice(1, 3)))

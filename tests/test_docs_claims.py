@@ -79,7 +79,7 @@ def test_flower_aggregate_train_reads_replies_in_place_by_default(monkeypatch):
     reads the replies' arrays in place by default, and copies them into one [C, N]
     tensor with read_in_place=False (it said it always copies)."""
     import test_flower_bad_replies as fb  # tests/ is on sys.path (pytest's rootdir conftest)
-    from fedopt_kernels.integrations.flower import strategy as strategy_module
+    from fedopt_kernels.integrations.flower import replies as strategy_module  # where the replies are read
 
     calls = []
     real = strategy_module.stack_arrayrecords

@@ -54,10 +54,10 @@ def _proxy():
 
 def _strategy(algo: str, **kw):
     extra = dict(proxy_loader=_proxy(), loss_fn=nn.CrossEntropyLoss(), server_epochs=2) if algo == "fedlaw" else {}
+    if algo == "scaffold":
+        kw.setdefault("scaffold_num_clients", 4)  # M without a configure_train
     s = fk.make_strategy(algo, _net(), fraction_evaluate=0.0, **extra, **kw)
     s.load_global_arrays(fk.model_to_arrayrecord(_net()))
-    if algo == "scaffold":
-        s._scaffold_m = 4
     return s
 
 

@@ -115,3 +115,37 @@ def test_the_fused_rules_give_flowers_own_global_model(name):
     want, _ = flwr_s.aggregate_train(1, copy.deepcopy(replies))  # Flower pops the arrays it reads
     flat = lambda a: torch.cat([torch.from_numpy(x.numpy()).flatten() for x in a.values()])  # noqa: E731
     torch.testing.assert_close(flat(got), flat(want), rtol=1e-5, atol=1e-6)
+
+
+def test_the_wrapper_is_the_keyword_form_and_steps_by_the_median():
+    """``RobustAggregation(strategy, rule, ...)`` composes the concern that ``aggregator=``
+    names: the median oracle's step, the keyword form's bits."""
+    from fedopt_kernels.integrations import flower as fk
+
+    def wrapped(net, **kw):
+        return fk.RobustAggregation(fk.FedAvg(net, **kw), "median")
+
+    x0, rows, x1, metrics, _ = _round(wrapped, 5)
+    assert torch.equal(x1, (x0.double() - O.coordinate_median(rows)).float())
+    _, _, x1_kw, metrics_kw, _ = _round(fk.FedAvg, 5, aggregator="median")
+    assert torch.equal(x1, x1_kw) and dict(metrics) == dict(metrics_kw)
+    with pytest.raises(ValueError, match="needs a robust rule"):
+        fk.RobustAggregation(fk.FedAvg(torch.nn.Linear(2, 2)), "mean")
+
+
+def test_no_class_of_the_integration_is_a_god_object():
+    """Issue 46: no class in integrations/ longer than 250 lines or with a constructor of
+    more than 10 arguments (``**kwargs`` handed to Flower's ``FedAvg`` not counted)."""
+    import ast
+    import pathlib
+
+    import fedopt_kernels.integrations as I
+
+    for path in pathlib.Path(I.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno + 1 <= 250, (path.name, node.name)
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+                        n = len(f.args.args) - 1 + len(f.args.kwonlyargs)
+                        assert n <= 10, (path.name, node.name, n)

@@ -61,15 +61,15 @@ def test_the_command_line_flags_reach_the_config():
 
 
 def _capture_rounds(sim):
-    """Wrap the server step to keep each round's updates and the model before it."""
+    """Wrap the round's server step to keep each round's updates and the model before it."""
     seen = []
-    step = sim.server.step
+    step = sim.server.round.step
 
-    def spy(updates, sizes):
+    def spy(updates, weights):
         seen.append((updates.detach().clone(), sim.x_global.detach().clone()))
-        return step(updates, sizes)
+        return step(updates, weights)
 
-    sim.server.step = spy
+    sim.server.round.step = spy
     return seen
 
 

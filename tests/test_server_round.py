@@ -37,7 +37,7 @@ def test_the_round_is_the_optimizers_step_and_reports_its_statistics(case, weigh
     N = opt_a.numel
     for r in range(3):
         U = _updates(N, seed=r)
-        got = round_(U.clone(), SIZES)
+        got = round_(S.RoundReplies(U.clone(), sizes=SIZES)).stats
         want = opt_b.step(U.clone(), SIZES if weighting == "size" else None)
         assert_bitwise(list(a.parameters()), list(b.parameters()), f"round {r} params")
         assert_bitwise(got.stats.weights, want.weights, f"round {r} weights")
@@ -57,7 +57,7 @@ def test_a_nan_client_is_reported_excluded_by_the_round():
     opt = S.FedAvg(model.parameters())
     U = _updates(opt.numel)
     U[2, 0] = float("nan")
-    st = S.ServerRound(opt, "size")(U, SIZES)
+    st = S.ServerRound(opt, "size")(S.RoundReplies(U, sizes=SIZES)).stats
     assert st.excluded.tolist() == [False, False, True, False]
     assert st.read()["excluded_clients"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -73,7 +73,7 @@ def test_fedlaw_takes_the_models_through_the_same_round():
     assert round_.takes == "models" and law.keeps_buffers
     x = torch.cat([p.detach().flatten() for p in model.parameters()])
     models = x + _updates(x.numel())  # client models near the global one
-    st = round_(models, SIZES)
+    st = round_(S.RoundReplies(models, sizes=SIZES)).stats
     m = st.read()
     assert set(m) == {"gamma", "lambda", "proxy_loss", "excluded_clients", "server_skipped"}
     assert len(m["lambda"]) == 4 and math.isclose(sum(m["lambda"]), 1.0, rel_tol=1e-12)
@@ -180,7 +180,7 @@ def test_the_kernel_gets_the_boundarys_normalised_weights_and_the_bound_factors_
     M = 0.15
     round_ = S.ServerRound(S.FedAvg(model.parameters(), max_client_norm=M), "size", 0.4)
     U = _updates(sum(p.numel() for p in model.parameters()))
-    st = round_(U.clone(), SIZES)
+    st = round_(S.RoundReplies(U.clone(), sizes=SIZES)).stats
 
     count = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]: len(v) for k, v in calls.items()}
     assert count == {"round.cap_weight_shares": 1, "aggregation.check_weight_values": 1,  # the boundary
@@ -197,3 +197,80 @@ def test_the_kernel_gets_the_boundarys_normalised_weights_and_the_bound_factors_
     assert (bound < 1).sum() >= 2  # the bound acts
     torch.testing.assert_close(passes[1], shares * bound, rtol=1e-14, atol=0)
     torch.testing.assert_close(st.stats.weights, shares * bound, rtol=1e-14, atol=0)
+
+
+# --------------------------------------------------------------------------- the whole round (issue 46 item 1)
+def test_the_record_counts_exclusions_by_reason_in_the_rounds_order():
+    """Screened replies (no row) and the step's NaN/Inf rows, counted per reason (zeros
+    included) and listed in the round's order; one host read of the metrics."""
+    model = _net()
+    U = _updates(S.FedAvg(model.parameters()).numel)
+    U[1, 2] = float("inf")
+    round_ = S.ServerRound(S.FedAvg(model.parameters()), "size")
+    out = round_(S.RoundReplies(U, sizes=SIZES, clients=[10, 11, 13, 14], left_out=[(12, "error", "boom")],
+                                reasons=("no_data", "error", "nonfinite"), order=[10, 11, 12, 13, 14]))
+    rec = out.record()
+    assert rec["excluded_clients"] == 2 and rec["excluded_error"] == 1 and rec["excluded_nonfinite"] == 1
+    assert rec["excluded_no_data"] == 0 and rec["server_skipped"] is False
+    assert [(c, r) for c, r, _ in out.left_out] == [(11, "nonfinite"), (12, "error")]
+    # no client left: nothing applied, the per-client state forgets the round
+    x = torch.cat([p.detach().flatten() for p in model.parameters()])
+    calls = []
+
+    class State:
+        def commit(self, replies, excluded):  # pragma: no cover - not reached
+            calls.append("commit")
+
+        def discard(self):
+            calls.append("discard")
+
+    empty = S.ServerRound(S.FedAvg(model.parameters()), "size", client_state=State())
+    rec = empty(S.RoundReplies(None, left_out=[(3, "error", "x")], reasons=("error", "nonfinite"))).record()
+    assert rec == {"server_skipped": True, "excluded_clients": 1, "excluded_error": 1, "excluded_nonfinite": 0}
+    assert calls == ["discard"]
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), x)
+
+
+def test_scaffold_control_through_the_round_is_option_ii_by_hand():
+    """The client-state rule after the step, without the client the step excluded:
+    ``c + (1/M) sum_{i kept} (D_i / lr_sum_i - c)`` in float64."""
+    model = _net()
+    opt = S.FedAvg(model.parameters())
+    U = _updates(opt.numel)
+    U[2, 0] = float("nan")
+    control = S.ScaffoldControl(torch.zeros(opt.numel, dtype=torch.float64))
+    control.c.copy_(torch.linspace(-0.1, 0.1, opt.numel, dtype=torch.float64))
+    c0 = control.c.clone()
+    lr_sums, M = [0.5, 1.0, 2.0, 0.25], 10
+    round_ = S.ServerRound(opt, "uniform", client_state=control)
+    round_(S.RoundReplies(U, client_state=S.ScaffoldReplies(U, lr_sums, M)))
+    want = c0 + sum(U[i] / lr_sums[i] - c0 for i in (0, 1, 3)) / M
+    torch.testing.assert_close(control.c, want, rtol=1e-13, atol=1e-15)
+
+
+def test_the_decoding_slot_runs_before_the_aggregation():
+    """A decoder (``results -> results``: where compressed replies become updates) is
+    applied before the step: halved rows doubled give the plain round's bits."""
+    a, b = _net(), _net()
+    U = _updates(S.FedAvg(a.parameters()).numel)
+    plain = S.ServerRound(S.FedAvg(a.parameters(), lr=0.7), "size")
+    coded = S.ServerRound(S.FedAvg(b.parameters(), lr=0.7), "size", decoder=lambda r: r * 2)
+    plain(S.RoundReplies(U.clone(), sizes=SIZES))
+    coded(S.RoundReplies(U / 2, sizes=SIZES))
+    assert_bitwise(list(a.parameters()), list(b.parameters()), "decoded round")
+    with pytest.raises(TypeError, match="decoder must be callable"):
+        S.ServerRound(S.FedAvg(a.parameters()), "size", decoder="zstd")
+
+
+def test_components_are_refused_where_they_cannot_serve():
+    model = _net()
+    priv = S.RoundPrivacy(clip=1.0, clients=4, per_round=4)
+    with pytest.raises(ValueError, match="do not compose"):
+        S.ServerRound(S.FedAvg(model.parameters()), "uniform", aggregator=S.RobustAggregator("median"), privacy=priv)
+    with pytest.raises(ValueError, match="step size"):
+        S.ServerRound(S.FedExP(model.parameters()), "uniform", aggregator=S.RobustAggregator("median"))
+    law = S.FedLAW(nn.Linear(4, 3).double(), [], nn.functional.cross_entropy)
+    with pytest.raises(ValueError, match="privacy needs a server optimizer"):
+        S.ServerRound(law, "size", privacy=priv)
+    with pytest.raises(TypeError, match="a round takes RoundReplies"):
+        S.ServerRound(S.FedAvg(model.parameters()), "size")(_updates(3))

@@ -14,7 +14,7 @@ Pieces: :mod:`~fedopt_kernels.fl.data` (digits, FedProx's Synthetic, your own da
 vector with FedNAR, FedProx, SCAFFOLD, FedDecay), :mod:`~fedopt_kernels.fl.batched` (all
 of a round's clients as one vmapped computation, the default engine) and
 :mod:`~fedopt_kernels.fl.round_plan` (which clients it trains together, at which shapes),
-:mod:`~fedopt_kernels.fl.server_side` (server optimizers and FedLAW),
+:mod:`~fedopt_kernels.fl.server_side` (the run's server algorithm and its round),
 :mod:`~fedopt_kernels.fl.simulation` (the round loop: rounds, evaluation, checkpoints),
 :mod:`~fedopt_kernels.fl.round_training` (a round's client training: engines, chunks,
 progress), :mod:`~fedopt_kernels.fl.population` (a config's dataset, partition, sampled

@@ -44,24 +44,23 @@ FedLAW (and any aggregator that ranks or re-weights clients from all updates at 
 cannot fold: its clients still train in chunks, their updates kept in the round's
 ``[C, N]`` table, which ``client_state_dir`` puts in a memory-mapped file.
 
-The server step on a fold goes through the server optimizer's aggregation seam
-(``ServerOptimizer.step(..., aggregator=)``, :mod:`fedopt_kernels.server.aggregation`)
-via :func:`folded_server_step`, which mirrors ``ServerSide.step`` for a fold (the seam
-this module needs from :mod:`~fedopt_kernels.fl.server_side`: an ``aggregator`` argument
-there would make it a one-line call).
+The fold is a :class:`~fedopt_kernels.server.aggregation.RunningAggregate`: the round
+(:class:`~fedopt_kernels.server.ServerRound`) hands it to the server optimizer's step as
+its aggregation (``ServerOptimizer.step(..., aggregator=)``), with the weights it was
+built with (the round's, formed once before the clients trained).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from ..ops.aggregate import AggregateStats, aggregate_runner, robust_weights
 from ..ops.validation import acc_dtype
-from ..server.aggregation import RoundAggregate, normalize_weights
+from ..server.aggregation import RoundAggregate, RunningAggregate, normalize_weights
 
-__all__ = ["FOLDABLE", "RoundFold", "round_weights", "folded_server_step", "chunk_clients", "parse_bytes"]
+__all__ = ["FOLDABLE", "RoundFold", "chunk_clients", "parse_bytes"]
 
 # algorithms whose server step starts from the round's weighted sum of updates
 FOLDABLE = ("fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp", "asnes")
@@ -99,21 +98,16 @@ def chunk_clients(budget: int, per_client: int, fixed: int = 0) -> int:
     return max(2, (int(budget) - int(fixed)) // max(int(per_client), 1))
 
 
-def round_weights(server, data_sizes: torch.Tensor):
-    """The clients' raw weights as ``ServerSide.step`` computes them (the one round's
-    :meth:`~fedopt_kernels.server.ServerRound.weights`: the algorithm's rule, checked,
-    then ``max_weight_share``), as a tensor; None for uniform."""
-    weights = server.round.weights(data_sizes)
-    return None if weights is None else weights.values
-
-
-class RoundFold:
+class RoundFold(RunningAggregate):
     """The round's running weighted sum of updates, chunk by chunk (module docstring).
 
     Args:
         optimizer: the round's :class:`~fedopt_kernels.server.ServerOptimizer` (its
             backend and ``nonfinite`` rule; ``max_client_norm`` must be None).
-        weights: the clients' raw weights in round order (:func:`round_weights`).
+        weights: the clients' weights in round order: the round's
+            :class:`~fedopt_kernels.server.aggregation.CheckedWeights`
+            (:meth:`~fedopt_kernels.server.ServerRound.weights`, only normalised here),
+            None for uniform.
         num_clients: ``C``, the clients that will be folded.
         numel, device, dtype: the updates' length, device and dtype (fp32 / fp64: the
             running sum enters the kernel as a client, so it must share their dtype).
@@ -210,12 +204,3 @@ class RoundFold:
 
         return folded
 
-
-@torch.no_grad()
-def folded_server_step(server, fold: RoundFold) -> Dict[str, Optional[torch.Tensor]]:
-    """``ServerSide.step`` for a folded round: the server optimizer's step on the fold
-    (its aggregation seam), its statistics as every server round records them
-    (:meth:`~fedopt_kernels.server.ServerOptimizer.round_stats`)."""
-    stats = server.optimizer.round_stats(server.optimizer.step(None, None, aggregator=fold.aggregator()))
-    server.last_excluded = stats.excluded
-    return stats.metrics

@@ -169,6 +169,16 @@ class ScaffoldState:
         self._pending.clear()
         self._staged, self._total = None, None
 
+    # the client-state rule of the round (fedopt_kernels.server.ServerRound)
+    def commit(self, replies, excluded: Optional[torch.Tensor]) -> None:
+        """The round's update after its step: :meth:`server_update` for the clients of
+        ``replies`` (its rows' order) without those the step ``excluded``."""
+        self.server_update(excluded, clients=replies.clients)
+
+    def discard(self) -> None:
+        """A round that applied nothing: :meth:`discard_round`."""
+        self.discard_round()
+
     def discard_pending(self) -> None:
         """Forget the updates recorded since the last :meth:`fold_chunk` (a chunk being
         retrained), keeping the chunks already folded."""

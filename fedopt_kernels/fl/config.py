@@ -17,9 +17,10 @@ from ..lr_scheduler import KINDS as DECAY_KINDS
 from ..lr_scheduler import PER as DECAY_PER
 from ..ops import MODES as NAR_MODES
 from ..server.registry import WEIGHTINGS, resolve_weighting
+from ..server.robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS
 from .attacks import ATTACKS
 from .corruption import CORRUPT_KINDS
-from .dp_settings import DP_MODES, DP_REFUSED_ALGOS, check_dp_settings, robust_with_dp_error  # noqa: F401
+from ..server.dp_settings import DP_MODES, DP_REFUSED_ALGOS, check_dp_settings, robust_with_dp_error  # noqa: F401
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
            "CORRUPT_KINDS", "BAD_CLIENT_POLICIES", "ATTACK_CHOICES", "DP_MODES", "AGGREGATORS"]
@@ -32,20 +33,9 @@ PROXY_SOURCES = ("test", "train")
 FEDLAW_LEARN = ("both", "gamma", "lambda")
 BAD_CLIENT_POLICIES = ("exclude", "raise")  # as the Flower strategies' on_bad_reply
 ATTACK_CHOICES = ("none",) + ATTACKS  # fl/attacks.py
-# robust aggregation rules (server/robust_aggregator.py); each parameter field and the rules it applies to
-AGGREGATORS = ("mean", "median", "trimmed-mean", "krum", "multi-krum", "bulyan", "geomed", "centered-clip",
-               "norm-bound")
-AGGREGATOR_PARAMS = {  # field: (rules, the RobustAggregator parameter)
-    "trim_beta": (("trimmed-mean",), "beta"),
-    "byzantine_f": (("krum", "multi-krum", "bulyan"), "f"),
-    "krum_m": (("multi-krum",), "m"),
-    "geomed_iters": (("geomed",), "max_iter"),
-    "geomed_tol": (("geomed",), "tol"),
-    "cclip_tau": (("centered-clip",), "tau"),
-    "cclip_iters": (("centered-clip",), "iterations"),
-    "norm_bound_radius": (("norm-bound",), "radius"),
-}
-TRIM_BETA = 0.1  # trim-beta's default: 10% dropped at each end (Yin et al. 2018 need beta >= the Byzantine share)
+# the robust aggregation rules and their parameter fields (AGGREGATORS, AGGREGATOR_PARAMS) are the
+# server's (server/robust_aggregator.py); the trimmed mean's default beta is in defaults.py
+TRIM_BETA = D.TRIM_BETA
 # server algorithms a robust rule cannot serve, with the reason
 ROBUST_REFUSED_ALGOS = {
     "fedexp": "its step size is a function of sum_i p_i ||D_i||^2 and ||D||^2 that holds only for the weighted mean",
@@ -445,7 +435,7 @@ class SimulationConfig:
             raise ConfigError(f"attack {self.attack} with attack-fraction {self.attack_fraction:g} of {self.clients} "
                               f"clients attacks no client (the count is rounded); use at least "
                               f"{0.5 / self.clients:.3g}")
-        # the Flower strategies' dp_* arguments go through the same checks (fl/dp_settings.py)
+        # the Flower strategies' dp_* arguments go through the same checks (server/dp_settings.py)
         try:
             check_dp_settings(clip=self.dp_clip, noise_multiplier=self.dp_noise_multiplier,
                               target_quantile=self.dp_target_quantile, delta=self.dp_delta, mode=self.dp_mode,

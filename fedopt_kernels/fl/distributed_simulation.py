@@ -37,9 +37,10 @@ as one process, with each round's clients trained on W ranks at once:
   some rank left one out are the ``(client, reason, detail)`` lists exchanged, so every
   rank records the same ``excluded_<reason>`` counts and ``left_out`` list and the
   good clients keep the single-process order (the round equals one process's round
-  without those clients).  ``max_weight_share`` is applied by the
-  :class:`~fedopt_kernels.distributed.DistributedServerOptimizer`, which sees every
-  rank's weights.  With ``on_bad_client="raise"`` a client that raises fails the round
+  without those clients).  The round's weights (``max_weight_share`` included)
+  are formed once, over all of its clients, by the round
+  (:class:`~fedopt_kernels.server.ServerRound`, the same on every rank); each rank's
+  step takes its share of them.  With ``on_bad_client="raise"`` a client that raises fails the round
   on EVERY rank (the others raise :class:`~fedopt_kernels.distributed.RankInputError`)
   instead of leaving them waiting in the next collective.
 
@@ -65,7 +66,9 @@ import torch.distributed as dist
 from ..distributed import DistributedServerOptimizer, RankInputError, comm
 from ..distributed.comm import Plan
 from .client import RoundStats
+from ..server import RoundReplies
 from .config import ConfigError, SimulationConfig
+from .server_side import BAD_CLIENT_REASONS
 from .simulation import Simulation
 
 __all__ = ["DistributedSimulation", "rank_block", "init_from_env", "shutdown"]
@@ -102,11 +105,9 @@ class DistributedSimulation(Simulation):
                               "robust rules and DP are)")
         self._check_same_config(config)
         super().__init__(config, **kwargs)
-        if self.server.round.takes == "updates":  # the cap needs every rank's weights: the wrapper applies it
+        if self.server.server.takes == "updates":  # the round's weights (capped once, over the round) stay its own
             self.server.server = DistributedServerOptimizer(self.server.server, group, mode=mode,
-                                                            max_weight_share=self.server.max_weight_share,
                                                             on_bad_client=config.on_bad_client)
-            self.server.max_weight_share = None
         self._log_exclusions = self.rank == 0
         self.results.meta["distributed"] = {
             "world_size": self.world_size, "backend": str(dist.get_backend(group)), "mode": mode,
@@ -198,28 +199,33 @@ class DistributedSimulation(Simulation):
         lr_sums = comm.gather_rows(local_lr, plan, self.group)[:, 0].tolist()
         sc._pending = {cid: (rows[i], lr_sums[i]) for i, cid in enumerate(clients)}
 
-    def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
+    def _round_replies(self, clients: List[int]) -> tuple:
+        """As one process's replies (:meth:`Simulation._round_replies`), but this rank's
+        rows: the round's weights are formed over all of its clients (the same on every
+        rank), and the step takes this rank's ``share`` of them; the buffer rows and
+        SCAFFOLD's updates were gathered in :meth:`_train_clients`."""
         plan = self._kept_plan  # this round's clients that took part, per rank
-        if self.server.round.takes == "models":  # FedLAW needs every client model on every rank
-            rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
-            self.updates[:len(clients)].copy_(rows)
-            return super()._server_step(clients, sizes)
+        kept = self._round_kept
+        if not kept or self.server.server.takes == "models":  # FedLAW needs every client model on every rank
+            if kept:
+                rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
+                self.updates[:len(kept)].copy_(rows)
+            return super()._round_replies(clients)
+        self._buffer_fold = None
         rows = self.updates[:plan.stop - plan.start]
-        # as one process's round (Simulation._server_step): honest clients clip (dp_mode
-        # "client"), then the attackers replace their updates -- each client on its own rank
+        # as one process's round: honest clients clip (dp_mode "client"), then the attackers replace their
+        # updates -- each client on its own rank
         extra = {}
         if self.privacy is not None:
             self.privacy.clip_client_updates_(rows)
         if self.attack is not None:
-            self.attack.apply_(rows, clients[plan.start:plan.stop], self.round + 1)
+            self.attack.apply_(rows, kept[plan.start:plan.stop], self.round + 1)
             # the attackers are a function of the seed alone: every rank names all of the round's
-            extra["attacked_clients"] = self.attack.round_attackers(clients)[1]
-        stats = self.server.step(rows, sizes[plan.start:plan.stop])
-        if self.privacy is not None:  # the mechanism's state is the same on every rank
-            extra.update(self.privacy.record())
-        if self.robust is not None:  # the selection, broadcast by the robust aggregator
-            extra.update(self.robust.record(clients))
-        return {**stats, **extra}
+            extra["attacked_clients"] = self.attack.round_attackers(kept)[1]
+        buffers = self.buffer_rows[:len(kept)] if self._has_buffers else None
+        return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, share=slice(plan.start, plan.stop),
+                            clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS,
+                            order=clients), extra
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:

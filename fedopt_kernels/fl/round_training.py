@@ -34,7 +34,7 @@ import torch
 from ..server.weighting import BufferAverage
 from ..utils import buffers_to_vector
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
-from .chunked import FOLDABLE, RoundFold, chunk_clients, round_weights
+from .chunked import FOLDABLE, RoundFold, chunk_clients
 from .client import RoundStats
 from .config import ConfigError
 from .seeds import batch_seed
@@ -219,8 +219,9 @@ class RoundTraining:
         position = {cid: i for i, cid in enumerate(todo)}
         self._fold = self._buffer_fold = None
         if self._foldable and todo:
-            weights = round_weights(self.server, self.client_sizes[todo])
-            self._fold = RoundFold(self.server.optimizer, weights, len(todo), self.numel, self.device,
+            checked = self.server.round.weights(self.client_sizes[todo])  # the round's weights, formed once
+            weights = None if checked is None else checked.values
+            self._fold = RoundFold(self.server.optimizer, checked, len(todo), self.numel, self.device,
                                    self.x_global.dtype)
             if self._has_buffers and self.server.averages_buffers:
                 # the buffers with the same weights and the same exclusions as the updates

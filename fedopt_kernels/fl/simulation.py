@@ -10,12 +10,13 @@ side (:class:`~fedopt_kernels.fl.server_side.ServerSide`) and the :class:`Result
    :mod:`fedopt_kernels.fl.batched`; ``"sequential"``: one after another on the local
    model), each writing ``D_i = x_global - x_end_i`` into its row of a preallocated
    ``[C, N]`` tensor;
-3. one server step on that tensor, the clients weighted by the algorithm's own rule
+3. the server round (:class:`fedopt_kernels.server.ServerRound`, the Flower strategies'
+   too) on that tensor: the clients weighted by the algorithm's own rule
    (``weighting="auto"``: uniform for scaffold, fedexp and asnes, data size for the
-   others; :mod:`fedopt_kernels.server.weighting`), then SCAFFOLD's control variates
-   (:func:`fedopt_kernels.server.scaffold_control_update_`, without the clients the
-   step excluded) and the floating buffers (BatchNorm statistics: averaged with the
-   parameters' weights; FedLAW keeps those of its proxy training);
+   others; :mod:`fedopt_kernels.server.weighting`), the aggregation (the robust rule or
+   DP-FedAvg of the config), the step, SCAFFOLD's control variates (without the clients
+   the step excluded), the floating buffers (BatchNorm statistics: averaged with the
+   parameters' weights; FedLAW keeps those of its proxy training) and the record;
 4. evaluate the global model on the test set (FedLAW with ``proxy_source="test"``: on
    the test examples outside its proxy set); append a record.
 
@@ -69,11 +70,10 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..server import RobustAggregator, read_metrics
+from ..server import RobustAggregator, RoundReplies
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .attacks import Attack
 from .batched import BatchedTrainer
-from .chunked import folded_server_step
 from .client import LocalConfig, LocalTrainer, ScaffoldState
 from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
@@ -84,7 +84,6 @@ from .models import build_model
 from .partition import CSRIndices, Partition
 # re-exported: fedopt_kernels.fl.simulation has always offered these
 from .population import DeviceIndices, load_config_dataset, make_partition, proxy_split, sample_clients
-from .privacy import RoundPrivacy
 from .results import Results
 from .round_training import RoundTraining
 from .seeds import init_seed, proxy_order_seed, sampling_seed
@@ -187,7 +186,9 @@ class Simulation(RoundTraining):
             self.proxy_indices, _ = proxy_split(self.dataset.y_train, config.proxy_size, config.seed,
                                                 name="the training set", need_rest=False)
         proxy_loader = self._proxy_loader() if config.needs_proxy else None
-        self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn)
+        # the server and its round, with the run's components: the robust rule, DP-FedAvg, SCAFFOLD's state
+        self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn,
+                                 client_state=self.scaffold)
         self.updates: Optional[torch.Tensor] = None  # the rows clients train into (_allocate_rounds)
         self.round = 0
         self._elapsed = 0.0
@@ -198,23 +199,19 @@ class Simulation(RoundTraining):
             self.results.meta["recipe"] = get_recipe(config.recipe).resolved(config)
         if self.corruption is not None:
             self.results.meta["corruption"] = self.corruption.to_dict()
-        # DP-FedAvg on the server optimizer (fl/privacy.py), and what is recorded of it and the attack
-        self.privacy = RoundPrivacy(config, self.server) if config.dp_clip is not None else None
+        # what is recorded of DP-FedAvg (fl/privacy.py), the attack and the robust rule
+        self.privacy = self.server.privacy
         if self.privacy is not None:
             self.results.meta["dp"] = self.privacy.meta()
         if self.attack is not None:
             self.results.meta["attack"] = self.attack.to_dict()
-        # a Byzantine-robust rule as the server optimizer's aggregation (server/robust_aggregator.py);
-        # the config refuses it with DP and with the algorithms it cannot serve
-        self.robust: Optional[RobustAggregator] = None
-        if config.aggregator != "mean":
-            self.robust = RobustAggregator(config.aggregator, **config.aggregator_params)
-            self.server.optimizer.aggregator = self.robust
+        self.robust: Optional[RobustAggregator] = self.server.robust
+        if self.robust is not None:
             self.results.meta["aggregator"] = self.robust.to_dict()
         self.batched: Optional[BatchedTrainer] = None
         self._setup_engine()
         # a subclass that spreads the server step over ranks (DistributedSimulation) refuses a budget
-        self._allocate_rounds(distributed=type(self)._server_step is not Simulation._server_step)
+        self._allocate_rounds(distributed=type(self)._round_replies is not Simulation._round_replies)
 
     # ------------------------------------------------------------------ setup
     def _make_model(self, model) -> nn.Module:
@@ -397,36 +394,19 @@ class Simulation(RoundTraining):
                 self.scaffold.discard_round()
             raise
         with deferred_interrupts():
-            buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
-            kept = self._round_kept
-            sizes = self.client_sizes[kept]
-            C = len(kept)
             self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
             x_before = self.x_global.detach().clone() if cfg.eval_avg_last_two else None
-            if C:
+            if self._round_kept:
                 self._schedule_server(r)
-                server_stats = self._server_step(kept, sizes)
-                excluded = self.server.last_excluded
-                if self.scaffold is not None:  # after the step: without the clients it excluded
-                    self.scaffold.server_update(excluded, clients=kept)
-                if self._has_buffers and self.server.averages_buffers:
-                    # floating buffers (BatchNorm statistics): weighted like the parameters.  FedLAW's
-                    # model keeps the statistics of its proxy training ([FedLAW], released code).
-                    current = buffers_to_vector(self.global_model)
-                    new = (buffer_fold.finish(current) if buffer_fold is not None
-                           else self.server.buffers(self.buffer_rows[:C], sizes, current, excluded))
-                    vector_to_buffers(new, self.global_model)
-            else:  # no client left: the round is skipped, as when every update is NaN/Inf
-                server_stats, excluded = {"server_skipped": True}, None
-                self.server.last_excluded = None
-                if self.scaffold is not None:
-                    self.scaffold.discard_round()
+            # the round (fedopt_kernels.server.ServerRound): weights, aggregation, step, SCAFFOLD, buffers, record
+            replies, extra = self._round_replies(clients)
+            outcome = self.server.round(replies)
             record = {"round": r, "clients": clients}
             record.update(stats.summary())
             record["local_lr"] = self.local.lr_at(r - 1, 0)
             record["weight_decay"] = self.local.weight_decay_at(r - 1)
-            record.update(_read_server_stats(server_stats))
-            self._record_exclusions(record, kept, excluded)
+            record.update(outcome.record(extra))
+            self._record_left_out(record, outcome.left_out)
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
                 if x_before is not None:
@@ -466,53 +446,45 @@ class Simulation(RoundTraining):
         finally:
             self.x_global.copy_(current)
 
-    def _record_exclusions(self, record: dict, kept: List[int], excluded: Optional[torch.Tensor]) -> None:
-        """``excluded_clients`` (all reasons), ``excluded_<reason>`` and, when any,
-        ``left_out`` (``[client, reason]``, round order) into ``record``; one warning."""
-        bad = list(self._round_bad)
-        if record.get("excluded_clients"):  # the server step's NaN/Inf exclusions (one read, only then)
-            mask = excluded.detach().cpu().tolist()
-            bad += [(cid, "nonfinite", "NaN/Inf update") for cid, e in zip(kept, mask) if e]
-        counts = {reason: 0 for reason in BAD_CLIENT_REASONS}
-        for _, reason, _ in bad:
-            counts[reason] += 1
-        record["excluded_clients"] = sum(counts.values())
-        for reason in BAD_CLIENT_REASONS:
-            record[f"excluded_{reason}"] = counts[reason]
-        if bad:
-            order = {cid: i for i, cid in enumerate(record["clients"])}
-            bad.sort(key=lambda b: order[b[0]])
-            record["left_out"] = [[cid, reason] for cid, reason, _ in bad]
-            if self._log_exclusions:
-                _log.warning("round %d left out %d of %d client(s)%s: %s", record["round"], len(bad),
-                             len(record["clients"]), "; round skipped" if not kept else "",
-                             "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in bad))
+    def _record_left_out(self, record: dict, left_out: list) -> None:
+        """``left_out`` (``[client, reason]``, round order) into ``record`` when any
+        client was, and one warning naming them."""
+        if not left_out:
+            return
+        record["left_out"] = [[cid, reason] for cid, reason, _ in left_out]
+        if self._log_exclusions:
+            _log.warning("round %d left out %d of %d client(s)%s: %s", record["round"], len(left_out),
+                         len(record["clients"]), "; round skipped" if not self._round_kept else "",
+                         "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in left_out))
 
     _log_exclusions = True  # the distributed simulator logs on rank 0 only
 
-    def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
-        """The round's server step on the updates in rows ``[:len(clients)]`` (``clients``:
-        the ones that took part; ``sizes``: their data sizes, used as weights under
-        ``weighting="size"``).
-        :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` spreads it over
-        ranks."""
-        if self._fold is not None:  # a folded chunked round: the running sum is the aggregation
+    def _round_replies(self, clients: List[int]) -> tuple:
+        """The round's replies for the server round, and the record's extras: the rows of
+        the clients that took part (``self._round_kept``; ``clients``: the round's, in
+        order), the ones left out before the step, their data sizes and buffer rows --
+        or the folded round's running sums.  Before the round the simulated clients act:
+        honest ones clip (``dp_mode="client"``), then the attackers replace their updates.
+        :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` hands
+        over this rank's rows."""
+        kept = self._round_kept
+        buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
+        common = dict(clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS, order=clients)
+        if not kept:  # no client left: the round is skipped, as when every update is NaN/Inf
+            return RoundReplies(None, **common), {}
+        if self._fold is not None:  # a folded chunked round: the running sums are the aggregation
             fold, self._fold = self._fold, None
-            return folded_server_step(self.server, fold)
-        rows = self.updates[:len(clients)]
-        # honest clients clip (dp_mode "client"), then the attackers replace their updates;
-        # the round's record gets the attackers among its clients and the DP numbers (epsilon so far)
+            return RoundReplies(fold, buffers=buffer_fold, **common), {}
+        rows = self.updates[:len(kept)]
         extra = {}
         if self.privacy is not None:
             self.privacy.clip_client_updates_(rows)
         if self.attack is not None:
-            extra["attacked_clients"] = self.attack.apply_(rows, clients, self.round + 1)
-        stats = self.server.step(rows, sizes)
-        if self.privacy is not None:
-            extra.update(self.privacy.record())
-        if self.robust is not None:  # Krum, Multi-Krum, Bulyan: which clients' updates entered
-            extra.update(self.robust.record(clients))
-        return {**stats, **extra}
+            extra["attacked_clients"] = self.attack.apply_(rows, kept, self.round + 1)
+        if self.server.server.takes == "models":  # client models w_i = x - D_i, in place
+            rows.neg_().add_(self.x_global)
+        buffers = self.buffer_rows[:len(kept)] if self._has_buffers else None
+        return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, **common), extra
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:
@@ -610,8 +582,3 @@ def _detached_copy(value):
         return type(value)(_detached_copy(v) for v in value)
     return value
 
-
-def _read_server_stats(stats: dict) -> dict:
-    """Device tensors -> Python numbers, with one host sync for the scalars
-    (:func:`fedopt_kernels.server.read_metrics`, the reader of every server round)."""
-    return read_metrics(stats)

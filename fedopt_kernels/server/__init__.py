@@ -22,15 +22,17 @@ weights and the shrinking factor on a proxy dataset.
 
 Every algorithm, FedLAW included, runs a round through one interface
 (:mod:`.round`: ``takes``, ``keeps_buffers``, ``round(results, weights) ->
-ServerRoundStats``); :class:`ServerRound` adds the client weighting, and the simulator, the
-Flower strategies and ``torch.distributed`` all call it.  :mod:`.registry` names the
+ServerRoundStats``); :class:`ServerRound` is the whole round around it -- the weights,
+the aggregation pipeline (a robust rule, :class:`RoundPrivacy`), the step, the
+per-client state, the buffers, the record -- and the simulator, the Flower strategies
+and ``torch.distributed`` all hand it their replies (:class:`RoundReplies`).  :mod:`.registry` names the
 algorithms: class, ``weighting="auto"`` rule with its source, defaults read from the
 class.  Shared too: :mod:`.weighting` (client weights, the averaging of floating
 buffers) and :func:`scaffold_control_update_` (SCAFFOLD's control variates).
 """
 
 from ._base import RoundInfo, ServerOptimizer, ServerStats
-from .aggregation import Aggregator, LocalAggregator, RoundAggregate, normalize_weights
+from .aggregation import Aggregator, LocalAggregator, RoundAggregate, RunningAggregate, normalize_weights
 from .asnes import ASNES
 from .fedadagrad import FedAdagrad
 from .fedadam import FedAdam
@@ -40,9 +42,10 @@ from .fedexp import FedExP
 from .fedlaw import FedLAW, FedLAWRound
 from .fedyogi import FedYogi
 from .registry import ALGORITHM_WEIGHTING, ALGORITHMS, WEIGHTINGS, Algorithm, algorithm, resolve_weighting
-from .robust_aggregator import RobustAggregator
-from .round import ServerRound, ServerRoundStats, read_metrics, round_weights
-from .scaffold import scaffold_control_update_
+from .privacy import RoundPrivacy
+from .robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS, RobustAggregator, robust_aggregator
+from .round import ClientStateRule, RoundOutcome, RoundReplies, ServerRound, ServerRoundStats, read_metrics, round_weights
+from .scaffold import ScaffoldControl, ScaffoldReplies, scaffold_control_update_
 from .secure_sum import SecureSumAggregator
 from .weighting import average_buffers, client_weights
 
@@ -52,5 +55,6 @@ __all__ = [
     "FedExP", "ASNES", "FedLAW", "FedLAWRound", "scaffold_control_update_", "WEIGHTINGS", "ALGORITHM_WEIGHTING",
     "resolve_weighting", "client_weights", "average_buffers", "Aggregator", "LocalAggregator", "RoundAggregate",
     "normalize_weights", "ALGORITHMS", "Algorithm", "algorithm", "ServerRound", "ServerRoundStats", "round_weights",
-    "read_metrics", "RobustAggregator",
+    "read_metrics", "RobustAggregator", "robust_aggregator", "AGGREGATORS", "AGGREGATOR_PARAMS", "RoundPrivacy",
+    "RoundReplies", "RoundOutcome", "ClientStateRule", "RunningAggregate", "ScaffoldControl", "ScaffoldReplies",
 ]

@@ -57,7 +57,7 @@ from ..ops import ClientPieces, server_update_
 from ..ops.validation import acc_dtype, check_backend, check_real
 from ..optim.eager_base import EagerOptimizer
 from .aggregation import Aggregator, LocalAggregator, RoundAggregate, refuse_dtensor
-from .round import ServerRoundStats
+from .round_stats import ServerRoundStats
 
 Updates = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
 NONFINITE = ("exclude", "propagate")
@@ -424,10 +424,10 @@ class ServerOptimizer(EagerOptimizer):
             weights=st.weights, skipped=info.skip, num_clients=info.num_clients,
             mean_client_sq_norm=info.mean_sq, **extra)
 
-    def round(self, updates: Updates, weights=None) -> ServerRoundStats:
+    def round(self, updates: Updates, weights=None, *, aggregator: Optional[Aggregator] = None) -> ServerRoundStats:
         """One round of :mod:`fedopt_kernels.server.round`: :meth:`step`, and its
         statistics by their record names (:meth:`round_stats`)."""
-        return self.round_stats(self.step(updates, weights))
+        return self.round_stats(self.step(updates, weights, aggregator=aggregator))
 
     def round_stats(self, st: ServerStats) -> ServerRoundStats:
         """A :class:`ServerStats` as the :class:`~fedopt_kernels.server.round.ServerRoundStats` of

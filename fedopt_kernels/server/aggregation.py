@@ -31,7 +31,7 @@ import torch
 from ..ops.aggregate import AggregateStats, aggregate_bounded, check_weight_values, host_to_device, norm_bound_factors
 from ..ops import validation as V
 
-__all__ = ["Aggregator", "AggregatingOptimizer", "LocalAggregator", "RoundAggregate", "CheckedWeights",
+__all__ = ["Aggregator", "AggregatingOptimizer", "LocalAggregator", "RoundAggregate", "CheckedWeights", "RunningAggregate",
            "check_round_weights", "normalize_weights", "check_weight_tensor", "weight_numbers", "refuse_dtensor"]
 
 
@@ -147,6 +147,19 @@ class LocalAggregator:
 
     def __repr__(self) -> str:
         return "LocalAggregator()"
+
+
+class RunningAggregate:
+    """A round's replies aggregated as they arrived, instead of rows held until the
+    step: a folded round's running weighted sum (:class:`fedopt_kernels.fl.chunked.RoundFold`);
+    the form an asynchronous buffer (FedBuff) or a secure-aggregation sum (where the
+    server only ever sees the sum) takes too.  :class:`~fedopt_kernels.server.ServerRound`
+    hands it to the step as it is, through :meth:`aggregator`."""
+
+    def aggregator(self) -> Aggregator:
+        """The :class:`Aggregator` that hands the server step this sum (the updates it is
+        called with are None)."""
+        raise NotImplementedError
 
 
 def refuse_dtensor(t, name: str, what: str = "pass {name}.full_tensor() instead") -> None:

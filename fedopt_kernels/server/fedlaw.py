@@ -15,7 +15,7 @@ from ..ops.validation import acc_dtype, check_backend, check_real
 from ..ops.aggregate import check_weight_values
 from ..utils.flat import FlatLayout, parameters_layout
 from .aggregation import CheckedWeights
-from .round import ServerRoundStats
+from .round_stats import ServerRoundStats
 
 LEARN = ("both", "gamma", "lambda")
 ClientModels = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[nn.Module], ClientPieces]

@@ -57,6 +57,7 @@ from typing import Optional
 
 import torch
 
+from ..defaults import TRIM_BETA
 from ..ops import validation as V
 from .aggregation import LocalAggregator, RoundAggregate, normalize_weights
 from ..ops.aggregate import AggregateStats, aggregate_runner
@@ -64,7 +65,22 @@ from ..ops.client_pieces import ClientPieces
 from ..ops.robust_aggregate import reads_pieces
 from .robust import _PARAMS, RULES, RobustResult, robust_aggregate
 
-__all__ = ["RobustAggregator", "WEIGHTED_RULES", "SELECTING_RULES", "refuse_robust_statistics"]
+__all__ = ["RobustAggregator", "WEIGHTED_RULES", "SELECTING_RULES", "refuse_robust_statistics", "AGGREGATORS",
+           "AGGREGATOR_PARAMS", "robust_aggregator"]
+
+# the rules by the names of fedopt simulate's --aggregator and the Flower robust concern
+AGGREGATORS = ("mean",) + tuple(r for r in RULES if r != "mean")
+# each rule parameter by its user-facing name (--trim-beta, trim_beta=): (the rules it applies to, its name here)
+AGGREGATOR_PARAMS = {
+    "trim_beta": (("trimmed-mean",), "beta"),
+    "byzantine_f": (("krum", "multi-krum", "bulyan"), "f"),
+    "krum_m": (("multi-krum",), "m"),
+    "geomed_iters": (("geomed",), "max_iter"),
+    "geomed_tol": (("geomed",), "tol"),
+    "cclip_tau": (("centered-clip",), "tau"),
+    "cclip_iters": (("centered-clip",), "iterations"),
+    "norm_bound_radius": (("norm-bound",), "radius"),
+}
 
 WEIGHTED_RULES = ("mean", "multi-krum", "geomed", "norm-bound")  # defined with client weights
 SELECTING_RULES = ("krum", "multi-krum", "bulyan")  # keep some clients and drop the rest
@@ -127,6 +143,31 @@ def _check_params(rule: str, params: dict) -> dict:
         raise ValueError("rule 'norm-bound' needs exactly one of radius (a fixed bound) and median_factor (a "
                          "multiple of the clients' median norm)")
     return dict(params)
+
+
+def robust_aggregator(rule: str, **named) -> Optional["RobustAggregator"]:
+    """The aggregation of ``rule`` (:data:`AGGREGATORS`) with its parameters by their
+    user-facing names (:data:`AGGREGATOR_PARAMS`: ``trim_beta``, ``byzantine_f``, ...;
+    None values are not given), as a :class:`RobustAggregator`; None for ``"mean"``
+    (the optimizer's own weighted mean).  A parameter of another rule is refused by
+    name; the trimmed mean's beta defaults to :data:`fedopt_kernels.defaults.TRIM_BETA`."""
+    if rule not in AGGREGATORS:
+        raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {rule!r}")
+    params = {}
+    for name, value in named.items():
+        if name not in AGGREGATOR_PARAMS:
+            raise TypeError(f"unknown robust aggregation parameter {name!r} (one of {', '.join(AGGREGATOR_PARAMS)})")
+        if value is None:
+            continue
+        rules, param = AGGREGATOR_PARAMS[name]
+        if rule not in rules:
+            raise ValueError(f"{name} applies to aggregator {' / '.join(rules)}, got aggregator {rule!r}")
+        params[param] = value
+    if rule == "mean":
+        return None
+    if rule == "trimmed-mean":
+        params.setdefault("beta", TRIM_BETA)
+    return RobustAggregator(rule, **params)
 
 
 class RobustAggregator:

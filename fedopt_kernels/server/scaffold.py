@@ -1,12 +1,13 @@
-"""SCAFFOLD's server-side control-variate update, shared by the simulator and Flower."""
+"""SCAFFOLD's server-side control-variate update, shared by the simulator and Flower, and
+the client-state rule of a round whose clients keep their ``c_i`` (:class:`ScaffoldControl`)."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["scaffold_control_update_"]
+__all__ = ["scaffold_control_update_", "ScaffoldControl", "ScaffoldReplies"]
 
 
 @torch.no_grad()
@@ -65,3 +66,32 @@ def scaffold_control_update_(c: torch.Tensor, updates, lr_sums: Sequence[float],
         counted.append(ok)
     c.add_(total, alpha=1.0 / num_clients)
     return torch.stack(counted) if counted else torch.zeros(0, dtype=torch.bool, device=c.device)
+
+
+class ScaffoldReplies(NamedTuple):
+    """What SCAFFOLD reads from a round's replies when the clients keep their ``c_i``
+    (Flower): each reply's update ``D_i = x - y_i`` (as the aggregation read it, before
+    the step moved ``x``), its ``lr_sum`` and ``M``, the clients of the federation."""
+
+    updates: object
+    lr_sums: Sequence[float]
+    num_clients: int
+
+
+class ScaffoldControl:
+    """SCAFFOLD's server control variate ``c`` (flat, zeros at first) as the client-state
+    rule of a :class:`~fedopt_kernels.server.ServerRound` whose clients keep their own
+    ``c_i`` (Flower): after the step, :func:`scaffold_control_update_` from the
+    :class:`ScaffoldReplies` the round's replies carry as their ``client_state``,
+    without the clients the step excluded."""
+
+    def __init__(self, like: torch.Tensor):
+        self.c = torch.zeros_like(like)
+
+    def commit(self, replies, excluded: Optional[torch.Tensor]) -> None:
+        state: ScaffoldReplies = replies.client_state
+        scaffold_control_update_(self.c, state.updates, state.lr_sums, num_clients=state.num_clients,
+                                 excluded=excluded)
+
+    def discard(self) -> None:
+        """A round that applied nothing: ``c`` stays."""

@@ -7,9 +7,11 @@ Flower's Message API (``flwr.serverapp.strategy``, ``ServerApp`` / ``ClientApp``
 * server: :class:`FusedStrategy` and the named strategies :class:`FedAvg` (server lr,
   global weight shrinking ``gamma``), :class:`FedAvgM`, :class:`FedAdam`,
   :class:`FedYogi`, :class:`FedAdagrad`, :class:`FedExP`, :class:`ASNES`,
-  :class:`FedLAW` (server-side proxy set), or :func:`make_strategy` by name.  Their
-  ``aggregate_train`` runs one fused aggregation and the server optimizer of
-  :mod:`fedopt_kernels.server` on the clients' ArrayRecords: on a CPU server it reads
+  :class:`FedLAW` (server-side proxy set), or :func:`make_strategy` by name; the
+  concerns that compose around one, as Flower's DP wrappers do: :class:`Scaffold`,
+  :class:`RobustAggregation`, :class:`DifferentialPrivacy`.  Their ``aggregate_train``
+  hands the clients' ArrayRecords to the server round of :mod:`fedopt_kernels.server`
+  (:class:`~fedopt_kernels.server.ServerRound`): on a CPU server it reads
   the replies' arrays in place (``read_in_place=True``, the default:
   :class:`~fedopt_kernels.ops.ClientPieces`, no ``[C, N]`` copy); with
   ``read_in_place=False``, arrays of another dtype or an accelerator it copies them
@@ -51,14 +53,20 @@ require("sim", "fedopt_kernels.integrations.flower", install=_SPEC["install"])
 from .client import FedNARClient, batch_seed, init_seed, local_config_from_run_config  # noqa: E402
 from .records import (arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord,  # noqa: E402
                       stack_arrayrecords, tensor_to_array, tensors_to_arrayrecord)
-from .strategy import (ASNES, STRATEGIES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedLAW,  # noqa: E402
-                       FedYogi, FusedStrategy, make_strategy)
+from .concern import Concern, ConcernWrapper  # noqa: E402
+from .named import (ASNES, STRATEGIES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedLAW,  # noqa: E402
+                    FedYogi, make_strategy)
+from .privacy import DifferentialPrivacy  # noqa: E402
+from .robust import RobustAggregation  # noqa: E402
+from .scaffold import Scaffold  # noqa: E402
+from .strategy import FusedStrategy  # noqa: E402
 
 __version_flwr__ = _version
 
 __all__ = [
     "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
-    "make_strategy", "STRATEGIES", "FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed",
+    "make_strategy", "STRATEGIES", "Scaffold", "RobustAggregation", "DifferentialPrivacy", "Concern",
+    "ConcernWrapper", "FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed",
     "stack_arrayrecords", "arrayrecord_to_vector", "model_to_arrayrecord", "load_arrayrecord_",
     "tensor_to_array", "tensors_to_arrayrecord",
 ]

@@ -60,7 +60,9 @@ from ...ops.dp_noise import clip_updates_
 from ...utils.flat import parameters_layout
 from .records import arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord, tensors_to_arrayrecord
 from .screening import ROUND_KEY
-from .strategy import DP_CLIP_KEY, LR_SUM_KEY, ORDER_KEY, SCAFFOLD_KEY
+from .privacy import DP_CLIP_KEY
+from .scaffold import LR_SUM_KEY, SCAFFOLD_KEY
+from .strategy import ORDER_KEY
 
 __all__ = ["FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed", "RUN_CONFIG_KEYS",
            "SCAFFOLD_STATE_KEY", "REPLY_CONFIG_KEY"]

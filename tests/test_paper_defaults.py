@@ -141,11 +141,18 @@ def test_one_value_per_hyperparameter_across_class_simulator_and_flower(algo):
 
 @needs_flwr
 def test_fedlaw_strategy_defaults_match_the_class():
+    """The strategy hands FedLAW's options through by name (no default of its own to
+    drift): a strategy built without them has the class's defaults."""
     from fedopt_kernels.integrations import flower as fk
 
-    params = inspect.signature(fk.FedLAW.__init__).parameters
+    own = inspect.signature(fk.FedLAW.__init__).parameters
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    proxy = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    server = fk.FedLAW(model, proxy, torch.nn.functional.cross_entropy).server
     for name in ("learn", "server_epochs", "lr", "betas", "swa", "lr_step", "train_mode"):
-        assert params[name].default == _default(S.FedLAW.__init__, name), name
+        assert name not in own, name
+        assert getattr(server, name) == _default(S.FedLAW.__init__, name), name
 
 
 # --------------------------------------------------------------------------- one source, every entry point

@@ -215,3 +215,25 @@ def test_ctrl_c_during_client_training_leaves_the_state_untouched(monkeypatch):
     assert torch.equal(sim.scaffold.c, c_before) and torch.equal(sim.scaffold.c_clients, ci_before)
     monkeypatch.setattr(sim.trainer, "train", real)
     assert _strip(sim.run().records) == _strip(full.records)
+
+
+def test_the_clients_local_config_is_every_local_setting_of_the_run():
+    """``SimulationConfig.local_config`` (issue 46 item 4): every LocalConfig field comes
+    from the setting LOCAL_FIELDS names (none forgotten), FedProx's mu and SCAFFOLD's
+    correction from the algorithm -- the values the simulator used to copy by hand."""
+    import dataclasses
+
+    from fedopt_kernels.fl.client import LocalConfig
+    from fedopt_kernels.fl.config import LOCAL_FIELDS
+
+    assert set(LOCAL_FIELDS) | {"prox_mu", "scaffold"} == {f.name for f in dataclasses.fields(LocalConfig)}
+    cfg = SimulationConfig(algo="fedprox", local_steps=7, batch_size=9, lr=0.3, lr_decay=0.9, weight_decay=0.02,
+                           wd_decay=0.5, max_norm=3.0, nar="grad", momentum=0.4, prox_mu=0.25, decay_beta=0.8,
+                           decay_kind="exponential", decay_per="epoch", backend="reference", carry_momentum=True,
+                           decay_scales_change=True)
+    assert cfg.local_config() == LocalConfig(
+        steps=7, batch_size=9, lr=0.3, lr_decay=0.9, weight_decay=0.02, wd_decay=0.5, max_norm=3.0, nar="grad",
+        momentum=0.4, prox_mu=0.25, scaffold=False, decay_beta=0.8, decay_kind="exponential", decay_per="epoch",
+        backend="reference", carry_momentum=True, decay_scales_change=True)
+    other = dataclasses.replace(cfg, algo="scaffold").local_config()
+    assert other.prox_mu == 0.0 and other.scaffold is True

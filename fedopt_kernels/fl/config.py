@@ -463,4 +463,21 @@ class SimulationConfig:
         :attr:`algo` (:func:`fedopt_kernels.server.resolve_weighting`)."""
         return resolve_weighting(self.weighting, self.algo)
 
+    def local_config(self):
+        """The clients' :class:`~fedopt_kernels.fl.client.LocalConfig`: each field from
+        the setting :data:`LOCAL_FIELDS` names, FedProx's ``mu`` and SCAFFOLD's
+        correction from :attr:`algo`."""
+        from .client import LocalConfig
 
+        return LocalConfig(**{field: getattr(self, name) for field, name in LOCAL_FIELDS.items()},
+                           prox_mu=self.prox_mu if self.algo == "fedprox" else 0.0, scaffold=self.algo == "scaffold")
+
+
+# LocalConfig field -> the SimulationConfig setting that sets it, written once (the settings name
+# whose step they are: --local-steps); prox_mu and scaffold follow from algo (local_config)
+LOCAL_FIELDS = {
+    "steps": "local_steps", "batch_size": "batch_size", "lr": "lr", "lr_decay": "lr_decay",
+    "weight_decay": "weight_decay", "wd_decay": "wd_decay", "max_norm": "max_norm", "nar": "nar",
+    "momentum": "momentum", "decay_beta": "decay_beta", "decay_kind": "decay_kind", "decay_per": "decay_per",
+    "backend": "backend", "carry_momentum": "carry_momentum", "decay_scales_change": "decay_scales_change",
+}

@@ -74,7 +74,7 @@ from ..server import RobustAggregator, RoundReplies
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .attacks import Attack
 from .batched import BatchedTrainer
-from .client import LocalConfig, LocalTrainer, ScaffoldState
+from .client import LocalTrainer, ScaffoldState
 from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
@@ -155,13 +155,7 @@ class Simulation(RoundTraining):
         self.global_model = global_model
         self.x_global = flatten_parameters_(global_model)
         self.numel = self.x_global.numel()
-        self.local = LocalConfig(
-            steps=config.local_steps, batch_size=config.batch_size, lr=config.lr, lr_decay=config.lr_decay,
-            weight_decay=config.weight_decay, wd_decay=config.wd_decay, max_norm=config.max_norm, nar=config.nar,
-            momentum=config.momentum, prox_mu=config.prox_mu if config.algo == "fedprox" else 0.0,
-            scaffold=config.algo == "scaffold", decay_beta=config.decay_beta, decay_kind=config.decay_kind,
-            decay_per=config.decay_per, backend=config.backend, carry_momentum=config.carry_momentum,
-            decay_scales_change=config.decay_scales_change)
+        self.local = config.local_config()
         self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
         # per-client state (fl/client_state.py): rows only for clients that took part, one store for
         # every kind of it (SCAFFOLD's c_i registers "c_i"; other per-client state registers its own name)

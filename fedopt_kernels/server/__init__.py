@@ -43,7 +43,7 @@ from .fedlaw import FedLAW, FedLAWRound
 from .fedyogi import FedYogi
 from .registry import ALGORITHM_WEIGHTING, ALGORITHMS, WEIGHTINGS, Algorithm, algorithm, resolve_weighting
 from .privacy import RoundPrivacy
-from .robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS, RobustAggregator, robust_aggregator
+from .robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS, RobustAggregator, robust_rule
 from .round import ClientStateRule, RoundOutcome, RoundReplies, ServerRound, ServerRoundStats, read_metrics, round_weights
 from .scaffold import ScaffoldControl, ScaffoldReplies, scaffold_control_update_
 from .secure_sum import SecureSumAggregator
@@ -55,6 +55,6 @@ __all__ = [
     "FedExP", "ASNES", "FedLAW", "FedLAWRound", "scaffold_control_update_", "WEIGHTINGS", "ALGORITHM_WEIGHTING",
     "resolve_weighting", "client_weights", "average_buffers", "Aggregator", "LocalAggregator", "RoundAggregate",
     "normalize_weights", "ALGORITHMS", "Algorithm", "algorithm", "ServerRound", "ServerRoundStats", "round_weights",
-    "read_metrics", "RobustAggregator", "robust_aggregator", "AGGREGATORS", "AGGREGATOR_PARAMS", "RoundPrivacy",
+    "read_metrics", "RobustAggregator", "robust_rule", "AGGREGATORS", "AGGREGATOR_PARAMS", "RoundPrivacy",
     "RoundReplies", "RoundOutcome", "ClientStateRule", "RunningAggregate", "ScaffoldControl", "ScaffoldReplies",
 ]

@@ -66,7 +66,7 @@ from ..ops.robust_aggregate import reads_pieces
 from .robust import _PARAMS, RULES, RobustResult, robust_aggregate
 
 __all__ = ["RobustAggregator", "WEIGHTED_RULES", "SELECTING_RULES", "refuse_robust_statistics", "AGGREGATORS",
-           "AGGREGATOR_PARAMS", "robust_aggregator"]
+           "AGGREGATOR_PARAMS", "robust_rule"]
 
 # the rules by the names of fedopt simulate's --aggregator and the Flower robust concern
 AGGREGATORS = ("mean",) + tuple(r for r in RULES if r != "mean")
@@ -145,7 +145,7 @@ def _check_params(rule: str, params: dict) -> dict:
     return dict(params)
 
 
-def robust_aggregator(rule: str, **named) -> Optional["RobustAggregator"]:
+def robust_rule(rule: str, **named) -> Optional["RobustAggregator"]:
     """The aggregation of ``rule`` (:data:`AGGREGATORS`) with its parameters by their
     user-facing names (:data:`AGGREGATOR_PARAMS`: ``trim_beta``, ``byzantine_f``, ...;
     None values are not given), as a :class:`RobustAggregator`; None for ``"mean"``

@@ -12,7 +12,7 @@ is ``FedAvg`` on the server -- its proximal term is client-side; ``scaffold`` is
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Tuple
+from typing import Callable, Tuple
 
 from torch import nn
 

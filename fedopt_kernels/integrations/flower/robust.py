@@ -13,7 +13,7 @@ ASNES and ``max_client_norm`` (their steps need the weighted mean).
 
 from __future__ import annotations
 
-from ...server import RobustAggregator, robust_aggregator
+from ...server import RobustAggregator, robust_rule
 from .concern import Concern, ConcernWrapper
 
 __all__ = ["RobustAggregation", "RobustConcern"]
@@ -49,7 +49,7 @@ class RobustAggregation(ConcernWrapper):
     (module docstring)."""
 
     def __init__(self, strategy, rule: str, **params):
-        aggregator = robust_aggregator(rule, **params)
+        aggregator = robust_rule(rule, **params)
         if aggregator is None:
             raise ValueError("RobustAggregation needs a robust rule; 'mean' is the fused strategy's own")
         super().__init__(strategy, RobustConcern(aggregator))

@@ -364,7 +364,7 @@ def concerns_from_keywords(kwargs: dict) -> List[Concern]:
     checked as far as it can be without the server (a DP setting without ``dp_clip``,
     a robust rule with DP, a parameter of another rule: refused by name)."""
     rule = kwargs.pop("aggregator", "mean")
-    robust = S.robust_aggregator(rule, **{k: kwargs.pop(k) for k in list(kwargs) if k in S.AGGREGATOR_PARAMS})
+    robust = S.robust_rule(rule, **{k: kwargs.pop(k) for k in list(kwargs) if k in S.AGGREGATOR_PARAMS})
     dp = {k[3:]: kwargs.pop(k) for k in list(kwargs) if k.startswith("dp_")}
     scaffold, m = kwargs.pop("scaffold", False), kwargs.pop("scaffold_num_clients", None)
     concerns: List[Concern] = []

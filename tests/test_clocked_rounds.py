@@ -114,3 +114,24 @@ def test_settings_fedbuff_cannot_run_are_refused_before_anything_runs(kw, acfg, 
 def test_bad_async_settings_name_the_setting(kw, match):
     with pytest.raises(ValueError, match=match):
         AsyncConfig(**kw)
+
+
+def test_the_command_line_runs_fedbuff_and_resumes_it_bit_for_bit(tmp_path, capsys):
+    from fedopt_kernels.cli import main
+
+    flags = ["--mode", "fedbuff", "--concurrency", "5", "--buffer", "3", "--heterogeneity", "heavy",
+             "--clients", "10", "--per-round", "4", "--local-steps", "2", "--batch-size", "8", "--hidden", "16,16",
+             "--weighting", "uniform", "--seed", "2", "--no-plots", "--quiet"]
+    assert main(["simulate", *flags, "--rounds", "3", "--out", str(tmp_path / "whole")]) == 0
+    assert main(["simulate", *flags, "--rounds", "2", "--out", str(tmp_path / "part")]) == 0
+    # the checkpoint carries the clock settings: --resume needs no clock flag again
+    assert main(["simulate", "--resume", "--rounds", "3", "--quiet", "--no-plots", "--out", str(tmp_path / "part")]) == 0
+    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
+    b = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    assert a["async"]["mode"] == "fedbuff" and torch.equal(a["sim"]["x_global"], b["sim"]["x_global"])
+    import json
+
+    rec = json.loads((tmp_path / "whole" / "results.json").read_text())["records"]
+    assert [r["round"] for r in rec] == [0, 1, 2, 3] and all("staleness_mean" in r for r in rec[1:])
+    assert main(["simulate", "--mode", "fedbuff", "--concurrency", "50", "--out", str(tmp_path / "bad")]) == 2
+    assert "concurrency (50) exceeds" in capsys.readouterr().err

@@ -236,9 +236,61 @@ def _load_checkpoint(path: Path) -> dict:
 
 
 def _save_checkpoint(sim, out: Path) -> None:
+    """``sim``: a Simulation, or a ClockedRun (its state holds the simulation's under
+    ``"sim"`` and the clock settings under ``"async"``)."""
     tmp = out / f".{CHECKPOINT}.tmp"
     torch.save(sim.state_dict(), tmp)
     os.replace(tmp, out / CHECKPOINT)
+
+
+# the flags of rounds on a virtual clock (fedopt_kernels.fl.clocked): not settings of the
+# simulation itself, so they are taken off the arguments before build_settings
+ASYNC_FLAGS = {"mode": "mode", "concurrency": "concurrency", "buffer": "buffer", "staleness": "staleness",
+               "staleness_exponent": "staleness_a", "deadline": "deadline", "over_select": "over_select"}
+CLOCK_FLAGS = {"device_trace": "device_trace", "heterogeneity": "heterogeneity", "availability": "availability"}
+
+
+def add_async_options(p) -> None:
+    g = p.add_argument_group("asynchronous rounds and slow devices (a virtual clock; docs/async.md)")
+    s = argparse.SUPPRESS
+    g.add_argument("--mode", choices=("sync", "fedbuff"), default=s,
+                   help="sync: rounds (on the virtual clock when a clock flag is given); fedbuff: FedBuff's "
+                        "buffered asynchronous aggregation, --rounds counting server steps (default sync)")
+    g.add_argument("--concurrency", type=int, default=s, metavar="M", help="fedbuff: clients in flight (default 10)")
+    g.add_argument("--buffer", type=int, default=s, metavar="K", help="fedbuff: updates per server step (default 5)")
+    g.add_argument("--staleness", choices=("constant", "polynomial", "hinge"), default=s,
+                   help="fedbuff: the staleness weight s(tau) (default polynomial, (1 + tau)^-a)")
+    g.add_argument("--staleness-exponent", type=float, default=s, metavar="A",
+                   help="fedbuff: a of (1 + tau)^-a, or the hinge's slope (default 0.5, FedBuff's)")
+    g.add_argument("--deadline", type=float, default=s, metavar="SECONDS",
+                   help="sync: clients finishing later than this many virtual seconds are dropped")
+    g.add_argument("--over-select", type=float, default=s, metavar="F",
+                   help="sync: sample F x per-round clients, keep the first per-round to finish")
+    g.add_argument("--device-trace", default=s, metavar="PATH",
+                   help="per-client device speeds and availability, a CSV (docs/async.md)")
+    g.add_argument("--heterogeneity", choices=("none", "mild", "heavy"), default=s,
+                   help="device speeds drawn around the medians with this spread (default none)")
+    g.add_argument("--availability", type=float, default=s, metavar="FRACTION",
+                   help="fraction of each hour a device is online (default 1: always)")
+
+
+def _async_config(args, saved: Optional[dict] = None):
+    """The AsyncConfig the flags ask for (taken off ``args``), or the checkpoint's
+    (``saved``) with the flags over it; None when neither asks for one."""
+    from ..fl.clocked import AsyncConfig, ClockConfig
+
+    given = {ASYNC_FLAGS[k]: vars(args).pop(k) for k in list(ASYNC_FLAGS) if k in vars(args)}
+    clock = {CLOCK_FLAGS[k]: vars(args).pop(k) for k in list(CLOCK_FLAGS) if k in vars(args)}
+    if saved is None and not given and not clock:
+        return None
+    base = dict(saved or {})
+    base_clock = dict(base.pop("clock", {}) or {})
+    base.update(given)
+    base_clock.update(clock)
+    try:
+        return AsyncConfig(**base, clock=ClockConfig(**base_clock))
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -248,6 +300,7 @@ def add_simulate_parser(sub) -> None:
     p = sub.add_parser("simulate", help="run one federated simulation",
                        description="Run one simulated federated training run and write results.json/.csv and plots.")
     add_simulation_options(p)
+    add_async_options(p)
     p.add_argument("--resume", action="store_true",
                    help=f"continue the run saved in <out>/{CHECKPOINT} (its settings, flags may change --rounds)")
     p.add_argument("--checkpoint-every", type=int, default=argparse.SUPPRESS, metavar="K",
@@ -291,6 +344,7 @@ def _init_distributed(config: SimulationConfig) -> int:
 def _run_simulate(args, distributed: bool = False) -> int:
     base = None
     state = None
+    saved_async = clocked_state = None
     if args.resume:
         out_guess = getattr(args, "out", None)
         if out_guess is None and args.config:
@@ -299,9 +353,14 @@ def _run_simulate(args, distributed: bool = False) -> int:
             out_guess = load_toml(args.config).get("out")
         ckpt = Path(out_guess or "results") / CHECKPOINT
         state = _load_checkpoint(ckpt)
+        if "async" in state:  # a run on the virtual clock: the simulation's state is under "sim"
+            saved_async, clocked_state, state = state["async"], state, state["sim"]
         base = dict(state.get("config", {}))
         # a checkpoint from before proxy_source existed drew FedLAW's proxy from the training data
         base.setdefault("proxy_source", "train")
+    acfg = _async_config(args, saved_async)
+    if acfg is not None and distributed:
+        raise CLIError("--distributed does not run rounds on a virtual clock (--mode and the clock flags)")
     config, opts = build_settings(args, base=base)
     checkpoint_every = getattr(args, "checkpoint_every", None) or opts.get("checkpoint_every") or 0
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
@@ -311,9 +370,20 @@ def _run_simulate(args, distributed: bool = False) -> int:
     quiet = args.quiet or not main
     out = prepare_out_dir(opts["out"])
     sim = _build_simulation(config, distributed=distributed)
+    runner = sim  # what runs the rounds and what a checkpoint saves
+    if acfg is not None:
+        from ..fl.clocked import ClockedRun
+
+        try:
+            runner = ClockedRun(sim, acfg)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     if state is not None:
         try:
-            sim.load_state_dict(state)
+            if clocked_state is not None and acfg is not None:
+                runner.load_state_dict(clocked_state)
+            else:
+                sim.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CLIError(f"--resume: {exc}") from None
     _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
@@ -334,7 +404,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
             return
         results.write(out)
         if checkpoint_every and record["round"] and record["round"] % checkpoint_every == 0:
-            _save_checkpoint(s, out)
+            _save_checkpoint(runner, out)
 
     interrupted = None  # the KeyboardInterrupt / Interrupted that stopped the run
     with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
@@ -347,7 +417,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
                 progress.update(task, record)
 
             try:
-                sim.run(callback=callback)
+                runner.run(callback=callback)
             except KeyboardInterrupt as exc:
                 interrupted = exc
         results.meta["interrupted"] = interrupted is not None
@@ -359,7 +429,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
             return exit_status(interrupted) if interrupted is not None else 0
         with deferred_interrupts():  # a second signal waits until the results and the checkpoint are written
             files = results.write(out)
-            _save_checkpoint(sim, out)
+            _save_checkpoint(runner, out)
     files.append(out / CHECKPOINT)
     if opts["plots"] and results.records:
         files += results.plot(out)

@@ -361,8 +361,10 @@ class Simulation(RoundTraining):
         acc, total = torch.stack([correct.to(torch.float64), loss]).tolist()
         return acc / n, total / n
 
-    def run_round(self) -> dict:
-        """Run the next round; returns (and records) its record.
+    def run_round(self, clients: Optional[List[int]] = None) -> dict:
+        """Run the next round; returns (and records) its record.  ``clients``: the round's
+        clients instead of :meth:`sample_clients`'s (the virtual clock's synchronous rounds,
+        :mod:`~fedopt_kernels.fl.clocked`, keep only those that finished in time).
 
         Client training only writes scratch buffers; the round then commits (control
         variates, server step, evaluation, record) with Ctrl-C (and SIGTERM / SIGHUP
@@ -375,7 +377,7 @@ class Simulation(RoundTraining):
         r = self.round + 1
         # the threads the rounds run on (set after construction by fedopt simulate --threads)
         self.results.meta["threads"] = torch.get_num_threads()
-        clients = self.sample_clients(r)
+        clients = self.sample_clients(r) if clients is None else list(clients)
         try:
             stats = self._train_clients(r, clients)
             if clients and not self._round_kept:  # every client failed to train: nothing to aggregate

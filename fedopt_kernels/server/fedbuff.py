@@ -38,7 +38,7 @@ optimizer's state: a run checkpointed in the middle of a buffer resumes bit for 
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -69,14 +69,16 @@ class FedBuffBuffer:
     ``optimizer``: a :class:`~fedopt_kernels.server.ServerOptimizer` over the global
     model's parameters; ``buffer_size``: ``K``; ``staleness``, ``a``, ``b``: ``s(tau)``.
 
-    ``add(update, version)`` takes one client's flat update (``[N]``, the optimizer's
-    parameter order) computed from global version ``version``; it returns the
-    :class:`~fedopt_kernels.server.ServerStats` of the server step when this arrival
-    filled the buffer, else None.  :attr:`version` counts the server steps taken.
+    ``add(update, version, client=None)`` takes one client's flat update (``[N]``, the
+    optimizer's parameter order) computed from global version ``version``; it returns
+    what the server step returned when this arrival filled the buffer, else None.
+    :attr:`version` counts the server steps taken.  ``step(rows, clients)``: the server
+    step on the buffered rows (default ``optimizer.step(rows)``; the simulator hands its
+    whole server round, so robust rules, DP and the record apply to the buffer).
     """
 
     def __init__(self, optimizer, buffer_size: int, *, staleness: str = "polynomial", a: float = 0.5, b: int = 4,
-                 max_staleness: Optional[int] = None):
+                 max_staleness: Optional[int] = None, step: Optional[Callable] = None):
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
             raise ValueError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
         if staleness not in STALENESS:
@@ -96,13 +98,17 @@ class FedBuffBuffer:
         self.filled = 0
         self.version = 0
         self.staleness: List[int] = []  # tau of each filled row
+        self.clients: List = []  # who sent each filled row (ids for the round's record)
         self.dropped_stale = 0  # arrivals older than max_staleness, left out
+        # the server step on the filled rows: the optimizer's own, or the caller's round
+        # (the simulator's ServerRound: robust rule, DP and the record), step(rows, clients)
+        self._step = step
 
     def weight(self, tau: int) -> float:
         return staleness_weight(tau, self.kind, a=self.a, b=self.b)
 
     @torch.no_grad()
-    def add(self, update: torch.Tensor, version: int):
+    def add(self, update: torch.Tensor, version: int, client=None):
         """Buffer ``s(v - version) * update``; step when the buffer is full (see class)."""
         if not isinstance(update, torch.Tensor) or update.dim() != 1 or update.numel() != self.N:
             shape = tuple(update.shape) if isinstance(update, torch.Tensor) else type(update).__name__
@@ -119,6 +125,7 @@ class FedBuffBuffer:
             return None
         torch.mul(update, self.weight(tau), out=self.rows[self.filled])
         self.staleness.append(tau)
+        self.clients.append(client)
         self.filled += 1
         if self.filled < self.K:
             return None
@@ -129,15 +136,17 @@ class FedBuffBuffer:
         buffer and the next version.  None if the buffer is empty."""
         if self.filled == 0:
             return None
-        stats = self.optimizer.step(self.rows[:self.filled])
+        rows = self.rows[:self.filled]
+        stats = self.optimizer.step(rows) if self._step is None else self._step(rows, list(self.clients))
         self.version += 1
         self.filled = 0
-        self.staleness = []
+        self.staleness, self.clients = [], []
         return stats
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         return {"version": self.version, "filled": self.filled, "staleness": list(self.staleness),
+                "clients": list(self.clients),
                 "rows": self.rows[:self.filled].clone(), "dropped_stale": self.dropped_stale,
                 "optimizer": self.optimizer.state_dict(),
                 "settings": {"K": self.K, "kind": self.kind, "a": self.a, "b": self.b,
@@ -157,6 +166,7 @@ class FedBuffBuffer:
         self.rows[:rows.shape[0]].copy_(rows)
         self.filled, self.version = int(state["filled"]), int(state["version"])
         self.staleness = [int(t) for t in state["staleness"]]
+        self.clients = list(state.get("clients", [None] * self.filled))
         self.dropped_stale = int(state["dropped_stale"])
 
     def __repr__(self) -> str:

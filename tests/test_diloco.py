@@ -414,3 +414,60 @@ def test_streaming_bad_settings(one_rank, kw, match):
     model = make_model()
     with pytest.raises(ValueError, match=match):
         StreamingDiLoCo(model, torch.optim.AdamW(model.parameters()), fragments=2, sync_every=4, **kw)
+
+
+# ---------------------------------------------------------------------- torchft's Manager (duck-typed)
+class FakeManager:
+    """A torchft ``Manager`` stand-in: its all-reduce adds one peer's packed buffer
+    ``[w Delta_peer, w]`` (or nothing, as a healing peer adds zeros), and
+    ``should_commit`` answers as told."""
+
+    def __init__(self, peer_buf, commit=True):
+        self.peer_buf, self.commit, self.calls = peer_buf, commit, []
+
+    def start_quorum(self):
+        self.calls.append("quorum")
+
+    def allreduce(self, tensor, reduce_op=None):
+        assert reduce_op == dist.ReduceOp.SUM
+        tensor.add_(self.peer_buf)
+        self.calls.append("allreduce")
+        return type("Done", (), {"wait": lambda self: None})()
+
+    def should_commit(self):
+        self.calls.append("commit")
+        return self.commit
+
+    def num_participants(self):
+        return 2
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_torchft_manager_seam(commit):
+    from fedopt_kernels.distributed import DiLoCo
+
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.randn(5))
+    model = nn.Module()
+    model.w = w
+    opt = torch.optim.SGD([w], lr=1.0)
+    peer_delta = torch.randn(5)
+    mgr = FakeManager(torch.cat([3.0 * peer_delta, torch.tensor([3.0])]), commit=commit)
+    d = DiLoCo(model, opt, sync_every=1, manager=mgr)  # no torch.distributed group needed
+    theta0 = w.detach().clone()
+    w.grad = torch.randn(5)
+    mine = w.grad.clone()  # SGD lr 1: Delta_mine = theta0 - (theta0 - g)
+    rec = d.step(tokens=5)
+    assert mgr.calls == ["quorum", "allreduce", "commit"]
+    assert rec.committed is commit and rec.participants == 2
+    if commit:
+        Dm = (5 * (theta0 - (theta0 - mine)) + 3 * peer_delta) / 8
+        theta, m = R.outer_nesterov(theta0, Dm, torch.zeros(5), lr=0.7, momentum=0.9)
+        torch.testing.assert_close(w.detach(), theta, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(d.outer_optimizer.state[w]["momentum_buffer"], m, rtol=1e-6, atol=1e-6)
+        assert d.outer_round == 1
+    else:  # a peer failed: the round is discarded, the worker restarts from the snapshot
+        assert_bitwise(w.detach(), theta0, "parameters reset to the snapshot")
+        assert_bitwise(d.snapshot, theta0, "snapshot unchanged")
+        assert rec.stats is None and d.outer_round == 0 and "did not commit" in rec.left_out[0][1]
+        assert "momentum_buffer" not in d.outer_optimizer.state[w]

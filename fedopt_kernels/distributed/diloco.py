@@ -77,15 +77,22 @@ class SyncRecord:
       ``excluded`` / ``skipped`` tell whether a worker's non-finite outer gradient was
       left out, or the whole step skipped);
     * ``left_out``: workers left out of this sync, ``(rank, reason)`` (empty when all
-      took part).
+      took part);
+    * ``committed``: False when a torchft ``Manager`` refused the step (a peer failed
+      during the exchange): the worker was reset to the snapshot, no outer step was
+      taken (``stats`` is None), and the round is trained again;
+    * ``participants``: how many workers' outer gradients entered (torchft: the
+      quorum's; else the group's size).
     """
 
     step: int
     outer_round: int
     payload_bytes: int
     tokens: Optional[float]
-    stats: ServerStats
+    stats: Optional[ServerStats]
     left_out: Tuple[Tuple[int, str], ...] = ()
+    committed: bool = True
+    participants: Optional[int] = None
 
 
 def check_sync_every(H, name: str = "sync_every") -> int:
@@ -199,6 +206,15 @@ class DiLoCo:
         mode: ``"ordered"`` (bitwise the one-process mean, any number of workers) or
             ``"all_reduce"`` (one packed all-reduce).
         codec: None (fp32) or an encode/decode object (module docstring).
+        manager: None, or a ``torchft.Manager`` (fault tolerance, duck-typed: its
+            ``start_quorum``, ``allreduce``, ``should_commit``, ``num_participants``):
+            the exchange is then its fault-tolerant all-reduce of the packed
+            ``[w Delta_k, w]`` (a worker that leaves or joins does not stop the others;
+            a healing worker adds zeros), and a step the manager does not commit is
+            discarded (:attr:`SyncRecord.committed`).  ``group``, ``mode`` and
+            ``codec`` do not apply; no ``torch.distributed`` group is needed.  Give the
+            manager this object's :meth:`state_dict` / :meth:`load_state_dict` for
+            healing.
 
     Every argument is checked before anything changes (no collective runs before).
     Use: ``loss.backward(); diloco.step(tokens=n); inner_optimizer.zero_grad()``.
@@ -206,7 +222,7 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: Optional[ServerOptimizer] = None, *, sync_every: int = D.DILOCO["sync_every"],
-                 group=None, mode: str = "ordered", codec=None, broadcast_initial: bool = True):
+                 group=None, mode: str = "ordered", codec=None, broadcast_initial: bool = True, manager=None):
         sync_every = check_sync_every(sync_every)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
@@ -223,7 +239,15 @@ class DiLoCo:
                              f"vector), got {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
         if outer_optimizer is not None:
             order = check_outer(outer_optimizer, params)
-        comm.check_initialized("DiLoCo")
+        if manager is not None:
+            needs = [m for m in ("start_quorum", "allreduce", "should_commit", "num_participants")
+                     if not callable(getattr(manager, m, None))]
+            if needs:
+                raise TypeError(f"manager must be a torchft.Manager (it lacks {needs}), got {type(manager).__name__}")
+            if codec is not None:
+                raise ValueError("codec with a torchft manager: not supported (its allreduce has should_quantize)")
+        else:
+            comm.check_initialized("DiLoCo")
         if outer_optimizer is None:
             outer_optimizer = FedAvgM(params, lr=D.DILOCO["outer_lr"], momentum=D.DILOCO["outer_momentum"],
                                       nesterov=True)
@@ -235,12 +259,13 @@ class DiLoCo:
         self.group = group
         self.mode = mode
         self.codec = codec
+        self.manager = manager
         self.params: List[torch.Tensor] = list(order)  # the outer optimizer's order
         self.local_step = 0  # inner steps taken
         self.outer_round = 0  # outer steps taken
         self._tokens: Optional[float] = None  # since the last sync; None: no step gave tokens
         self._aggregator = distributed_form(outer_optimizer.aggregator, group, mode=mode)
-        if broadcast_initial:
+        if broadcast_initial and manager is None:  # under torchft, the manager heals new workers
             with torch.no_grad():
                 for p in self.params:
                     comm.broadcast(p.data, 0, group)
@@ -294,6 +319,8 @@ class DiLoCo:
         """The outer step now (collective; :meth:`step` calls it every ``H`` steps)."""
         tokens = self._tokens
         weights = None if tokens is None else [tokens]
+        if self.manager is not None:
+            return self._managed_sync(tokens)
         if self.codec is None:
             pieces = ClientPieces([self.params], subtract_from=self.snapshot, name="outer gradient")
             agg = _ResetAfterAggregation(self._aggregator, self._reset_to_snapshot)
@@ -306,12 +333,41 @@ class DiLoCo:
             stats = self.outer_optimizer.step(rows, all_weights, aggregator=LocalAggregator())
             left_out = ()
         torch._foreach_copy_(self._snap_views, self.params)
+        return self._record(payload, tokens, stats, left_out=left_out, participants=comm.group_size(self.group))
+
+    def _record(self, payload, tokens, stats, **kw) -> SyncRecord:
         record = SyncRecord(step=self.local_step, outer_round=self.outer_round, payload_bytes=int(payload),
-                            tokens=tokens, stats=stats, left_out=left_out)
-        self.outer_round += 1
+                            tokens=tokens, stats=stats, **kw)
+        if record.committed:
+            self.outer_round += 1
         self._tokens = None
         self.last_sync = record
         return record
+
+    def _managed_sync(self, tokens) -> SyncRecord:
+        """The sync under a torchft ``Manager``: its quorum, its fault-tolerant all-reduce
+        of ``[w Delta_k, w]`` (SUM), then the outer step only if it commits."""
+        m = self.manager
+        m.start_quorum()
+        acc = torch.float64 if self.snapshot.dtype == torch.float64 else torch.float32
+        n = self.numel
+        buf = torch.empty(n + 1, dtype=acc, device=self.snapshot.device)
+        buf[:n].copy_(ClientPieces([self.params], subtract_from=self.snapshot).row(0))  # Delta_k
+        if tokens is not None:
+            buf[:n].mul_(tokens)
+        buf[n].fill_(1.0 if tokens is None else tokens)
+        m.allreduce(buf, reduce_op=dist.ReduceOp.SUM).wait()
+        committed = bool(m.should_commit())
+        participants = int(m.num_participants())
+        self._reset_to_snapshot()
+        if not committed:
+            return self._record(buf.numel() * buf.element_size(), tokens, None, committed=False,
+                                participants=participants,
+                                left_out=((-1, "torchft did not commit this step (a peer failed): discarded"),))
+        D = (buf[:n] / buf[n]).to(self.snapshot.dtype)
+        stats = self.outer_optimizer.step(D[None], aggregator=LocalAggregator())
+        torch._foreach_copy_(self._snap_views, self.params)
+        return self._record(buf.numel() * buf.element_size(), tokens, stats, participants=participants)
 
     def _exchange_encoded(self, weights):
         """Every worker's encoded outer gradient, gathered and decoded (the same rows on

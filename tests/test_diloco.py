@@ -471,3 +471,17 @@ def test_torchft_manager_seam(commit):
         assert_bitwise(d.snapshot, theta0, "snapshot unchanged")
         assert rec.stats is None and d.outer_round == 0 and "did not commit" in rec.left_out[0][1]
         assert "momentum_buffer" not in d.outer_optimizer.state[w]
+
+
+def test_fragments_by_count_cover_the_model_in_order():
+    from fedopt_kernels.distributed.streaming import split_fragments
+
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 2), nn.Linear(2, 40))
+    sizes = [p.numel() for p in model.parameters()]  # 35 7 49 7 14 2 80 40
+    for P in range(1, len(sizes) + 1):
+        frags = split_fragments(model, P)
+        assert len(frags) == P and all(frags)
+        assert [i for f in frags for i in f] == list(range(len(sizes)))  # consecutive runs, every one once
+    # two fragments: a parameter goes where its middle falls (half of 234 is 117): the 6th
+    # (2 elements, middle at 113) in the first, the 7th (80, middle at 154) in the second: 114 | 120
+    assert split_fragments(model, 2) == [[0, 1, 2, 3, 4, 5], [6, 7]]

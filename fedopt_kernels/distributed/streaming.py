@@ -200,6 +200,7 @@ class StreamingDiLoCo:
             self.outer_optimizers.append(opt)
         self.local_step = 0
         self._tokens: List[Optional[float]] = [None] * P
+        self._tokens_given: Optional[bool] = None
         self._in_flight: List[_InFlight] = []
 
     def step(self, closure=None, *, tokens=None) -> StreamRecord:
@@ -208,6 +209,9 @@ class StreamingDiLoCo:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, (int, float))
                                    or not math.isfinite(tokens) or tokens < 0):
             raise ValueError(f"tokens must be a finite number >= 0, got {tokens!r}")
+        if self.local_step and (tokens is None) != (self._tokens_given is False):
+            raise ValueError("tokens must be given on every step or on none")
+        self._tokens_given = tokens is not None
         self.inner_optimizer.step(closure)
         self.local_step += 1
         t = self.local_step
@@ -236,7 +240,7 @@ class StreamingDiLoCo:
             buf[:n].mul_(w)
         buf[n].fill_(1.0 if w is None else w)
         self._tokens[f] = None
-        work = dist.all_reduce(buf, group=comm._group(self.group), async_op=True)
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
         self._in_flight.append(_InFlight(f, t, t + self.overlap, buf, work))
         return FragmentSend(fragment=f, step=t, payload_bytes=buf.numel() * buf.element_size())
 

@@ -164,6 +164,31 @@ def streaming_reference(*, tau, alpha, weighted, steps=11, H_s=4, world=2):
     return thetas, [[p.detach().clone() for p in m.parameters()] for m in models]
 
 
+def island_case(rank, *, fsdp):
+    """One island of both ranks (DDP, or FSDP2 sharding every parameter over them), DiLoCo
+    across islands (a 1-rank group each: K = 1): the full parameters after the run."""
+    from fedopt_kernels.distributed import DiLoCo
+
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    model = make_model()
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        net = model
+    else:
+        net = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    d = DiLoCo(net, opt, sync_every=H, group=singles[rank])
+    step = inner_step_fn({rank: net}, {rank: opt})
+    for t in range(1, STEPS + 1):
+        step(rank, t)
+        d.step()
+    full = [p.full_tensor() if fsdp else p.detach().clone() for p in model.parameters()]
+    return {"full": full, "local_numel": d.numel, "momentum": momentum_of(d)}
+
+
 def body(rank, world):
     torch.manual_seed(0)
     out = {}
@@ -176,6 +201,8 @@ def body(rank, world):
     d, _ = run_diloco(rank, STEPS, weighted=True, ddp=True)
     out["ddp"] = {"params": params_of(d), "snapshot": d.snapshot.clone()}
     out["hand"] = hand_case(rank)
+    out["island_ddp"] = island_case(rank, fsdp=False)
+    out["island_fsdp"] = island_case(rank, fsdp=True)
 
     # resume in the middle of the second round: save after 4 steps, continue in a fresh object
     d, _ = run_diloco(rank, 4, weighted=True)
@@ -239,6 +266,18 @@ def test_ddp_wrapped_model_gives_the_same_bits(ranks):
     for r in range(2):
         assert_bitwise(ranks[r]["ddp"]["snapshot"], ranks[r]["ordered_True"]["snapshot"], f"rank {r} snapshot")
         assert_bitwise(ranks[r]["ddp"]["params"], ranks[r]["ordered_True"]["params"], f"rank {r} params")
+
+
+def test_fsdp2_local_shards_step_as_the_ddp_island(ranks):
+    """FSDP2 (fully_shard over both ranks): DiLoCo moves each rank's local shards; the
+    full parameters equal those of the same island under DDP (the reduce-scatter's mean
+    of 2 gradients and DDP's all-reduce mean round alike), on both ranks."""
+    full_numel = sum(p.numel() for p in ranks[0]["island_ddp"]["full"])
+    assert ranks[0]["island_fsdp"]["local_numel"] + ranks[1]["island_fsdp"]["local_numel"] == full_numel
+    assert ranks[0]["island_fsdp"]["local_numel"] != ranks[1]["island_fsdp"]["local_numel"]  # uneven shards
+    for r in range(2):
+        assert_bitwise(ranks[r]["island_fsdp"]["full"], ranks[r]["island_ddp"]["full"], f"rank {r}")
+    assert_bitwise(ranks[0]["island_ddp"]["full"], ranks[1]["island_ddp"]["full"], "one island: the ranks agree")
 
 
 def test_outer_nesterov_two_syncs_hand_computed(ranks):
@@ -485,3 +524,36 @@ def test_fragments_by_count_cover_the_model_in_order():
     # two fragments: a parameter goes where its middle falls (half of 234 is 117): the 6th
     # (2 elements, middle at 113) in the first, the 7th (80, middle at 154) in the second: 114 | 120
     assert split_fragments(model, 2) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_one_worker_matches_the_reference_in_every_dtype(one_rank, dtype):
+    """One worker (a 1-rank group): fp64 bit for bit; fp16 / bf16 within their rounding
+    (the outer gradient is rounded once to the parameters' dtype as it is read, the step
+    accumulates in fp32 and the parameters are stored rounded)."""
+    from fedopt_kernels.distributed import DiLoCo
+
+    model = make_model(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, opt, sync_every=2)
+    step = inner_step_fn({0: model}, {0: opt})
+    ref_model = make_model(dtype)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_step = inner_step_fn({0: ref_model}, {0: ref_opt})
+
+    def inner(k, t):
+        n = ref_step(k, t)
+        ref_opt.step()
+        return n
+
+    for t in range(1, 7):
+        step(0, t)
+        d.step()
+    theta, m = R.diloco_loop([list(ref_model.parameters())], inner, H=2, steps=6)
+    if dtype == torch.float64:
+        assert_bitwise(d.snapshot, theta, "snapshot")
+        assert_bitwise(momentum_of(d), m, "outer momentum")
+    else:
+        tol = dict(rtol=0, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=3e-3)
+        torch.testing.assert_close(d.snapshot.float(), theta, **tol)
+        assert d.snapshot.dtype == dtype

@@ -39,8 +39,10 @@ Trade-offs, candidly: the snapshot costs one copy of the parameters (on their
 device; torchft keeps it on the host); steps 2 and 3 are plain copies around the
 fused step, 4 words per parameter that a kernel writing model and snapshot in one
 pass would save.  Floating buffers (BatchNorm statistics) are not synced, as in the
-paper's transformers and torchft.  FSDP2-sharded (DTensor) parameters are refused:
-the server optimizers hold unsharded parameters.
+paper's transformers and torchft.  FSDP2-sharded (DTensor) parameters: a sync moves
+each rank's LOCAL shards (the snapshot and the outer state are shards too); ``group``
+must then hold the ranks that own the same shard in every island (the replicate
+dimension of a 2-D mesh), as HSDP's replicate group.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from torch import nn
 
 from .. import defaults as D
 from ..ops import ClientPieces
+from ..ops.validation import is_dtensor
 from ..server import FedAvgM, LocalAggregator, ServerOptimizer, ServerStats
 from . import comm
 from .aggregate import MODES
@@ -105,22 +108,25 @@ def check_sync_every(H, name: str = "sync_every") -> int:
 
 
 def model_parameters(model: nn.Module) -> List[torch.Tensor]:
-    """The parameters a DiLoCo sync moves: ``model.parameters()`` (each once; a DDP
-    wrapper gives its module's), checked to be dense, unsharded, contiguous floating
+    """The tensors a DiLoCo sync moves: ``model.parameters()`` (each once; a DDP wrapper
+    gives its module's), or for FSDP2-sharded (DTensor) parameters their LOCAL shards
+    (``p.to_local().detach()``: plain tensors sharing the shard's storage, so the outer
+    step written into them is the parameter's), checked to be dense contiguous floating
     tensors."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     params = list(model.parameters())
     if not params:
         raise ValueError("model has no parameters")
+    sharded = [is_dtensor(p) for p in params]
+    if any(sharded) and not all(sharded):
+        raise ValueError("the model mixes DTensor (FSDP2) and plain parameters: shard all of them or none")
+    if all(sharded):
+        params = [p.to_local().detach() for p in params]
     for i, p in enumerate(params):
-        if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
-            raise ValueError(f"parameter {i} is a DTensor (FSDP2 / tensor parallel): DiLoCo's outer optimizer "
-                             "holds unsharded parameters; wrap each island's model with DDP, or take the outer "
-                             "step on full tensors")
         if not p.is_floating_point() or p.layout != torch.strided or not p.is_contiguous():
-            raise ValueError(f"parameter {i} must be a dense contiguous floating tensor, got {p.dtype} "
-                             f"{p.layout} contiguous={p.is_contiguous()}")
+            raise ValueError(f"parameter {i}{' (local shard)' if sharded[i] else ''} must be a dense contiguous "
+                             f"floating tensor, got {p.dtype} {p.layout} contiguous={p.is_contiguous()}")
     return params
 
 
@@ -199,8 +205,10 @@ class DiLoCo:
             (AdamW in the paper; :class:`fedopt_kernels.optim.FedNAR` for a co-clipped
             inner step).
         outer_optimizer: a :class:`~fedopt_kernels.server.ServerOptimizer` over the
-            model's parameters; None: ``FedAvgM(lr=0.7, momentum=0.9, nesterov=True)``
-            ([DiLoCo] section 3, :data:`fedopt_kernels.defaults.DILOCO`).
+            model's parameters, or a factory ``params -> ServerOptimizer`` (called with
+            the tensors a sync moves: for an FSDP2 model, the local shards); None:
+            ``FedAvgM(lr=0.7, momentum=0.9, nesterov=True)`` ([DiLoCo] section 3,
+            :data:`fedopt_kernels.defaults.DILOCO`).
         sync_every: ``H``, inner steps per outer round (default 500, [DiLoCo]).
         group: the process group of the workers (None: the default group).
         mode: ``"ordered"`` (bitwise the one-process mean, any number of workers) or
@@ -237,6 +245,9 @@ class DiLoCo:
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(f"the model's parameters must share one dtype and device (the outer gradient is one "
                              f"vector), got {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+        if outer_optimizer is not None and not isinstance(outer_optimizer, ServerOptimizer) \
+                and callable(outer_optimizer):
+            outer_optimizer = outer_optimizer(params)  # a factory, given the tensors a sync moves
         if outer_optimizer is not None:
             order = check_outer(outer_optimizer, params)
         if manager is not None:

@@ -60,14 +60,23 @@ def inner_step_fn(models, opts):
     return inner_step
 
 
+_SINGLES = []
+
+
+def singles():
+    """One 1-rank group per rank, made once per process (a gloo group costs a rendezvous)."""
+    if not _SINGLES:
+        _SINGLES.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
+    return _SINGLES
+
+
 def run_diloco(rank, steps, *, weighted, mode="ordered", ddp=False, codec=None, before_sync=None):
     from fedopt_kernels.distributed import DiLoCo
 
     model = make_model()
     net = model
     if ddp:  # each island a DDP group of its own (one rank here); DiLoCo across the islands
-        islands = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        net = nn.parallel.DistributedDataParallel(model, process_group=islands[rank])
+        net = nn.parallel.DistributedDataParallel(model, process_group=singles()[rank])
     opt = torch.optim.AdamW(net.parameters(), lr=0.05)
     diloco = DiLoCo(net, opt, sync_every=H, mode=mode, codec=codec)
     step = inner_step_fn({rank: net}, {rank: opt})
@@ -169,7 +178,6 @@ def island_case(rank, *, fsdp):
     across islands (a 1-rank group each: K = 1): the full parameters after the run."""
     from fedopt_kernels.distributed import DiLoCo
 
-    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
     model = make_model()
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -180,7 +188,7 @@ def island_case(rank, *, fsdp):
     else:
         net = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(net.parameters(), lr=0.05)
-    d = DiLoCo(net, opt, sync_every=H, group=singles[rank])
+    d = DiLoCo(net, opt, sync_every=H, group=singles()[rank])
     step = inner_step_fn({rank: net}, {rank: opt})
     for t in range(1, STEPS + 1):
         step(rank, t)

@@ -158,6 +158,32 @@ def streaming_case(rank, *, tau, alpha, weighted, steps=11, H_s=4):
     return {"params": params_of(s), "globals": [g.clone() for g in s.global_fragments], "sent": sent}
 
 
+def streaming_resume(rank, *, tau=2, alpha=0.3, steps=11, H_s=4, stop=7):
+    """The (tau 2, alpha 0.3, tokens) streaming run saved after step 7 -- fragment 1's
+    exchange of step 6 still in flight -- and continued in fresh objects."""
+    from fedopt_kernels.distributed import StreamingDiLoCo
+
+    def make(seed):
+        model = make_model(seed=seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        s = StreamingDiLoCo(model, opt, fragments=[["0.weight", "0.bias"], ["2.weight", "2.bias"]], sync_every=H_s,
+                            overlap=tau, alpha=alpha, broadcast_initial=False)
+        return model, opt, s
+
+    model, opt, s = make(0)
+    step = inner_step_fn({rank: model}, {rank: opt})
+    for t in range(1, stop + 1):
+        s.step(tokens=step(rank, t))
+    saved = s.state_dict()
+    in_flight = [x[:3] for x in saved["in_flight"]]
+    model, opt, s = make(99)
+    s.load_state_dict(saved)
+    step = inner_step_fn({rank: model}, {rank: opt})
+    for t in range(stop + 1, steps + 1):
+        s.step(tokens=step(rank, t))
+    return {"params": params_of(s), "globals": [g.clone() for g in s.global_fragments], "in_flight": in_flight}
+
+
 def streaming_reference(*, tau, alpha, weighted, steps=11, H_s=4, world=2):
     models = [make_model() for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
@@ -235,6 +261,8 @@ def body(rank, world):
 
     for tau, alpha, weighted in ((1, 0.5, False), (2, 0.3, True), (0, 0.0, False)):
         out[f"stream_{tau}_{alpha}_{weighted}"] = streaming_case(rank, tau=tau, alpha=alpha, weighted=weighted)
+
+    out["stream_resumed"] = streaming_resume(rank)
 
     if rank == 0:  # the oracle, in this process (same threads and code paths as the workers)
         out["ref"] = {w: reference(STEPS, w) for w in (False, True)}
@@ -340,6 +368,14 @@ def test_streaming_is_bitwise_the_reference_loop(ranks, case):
         assert got["sent"] == [[], [1], [], [0], [], [1], [], [0], [], [1], []]
         assert_bitwise(got["globals"], thetas, f"rank {r} global fragments")
         assert_bitwise(got["params"], workers[r], f"rank {r} parameters")
+
+
+def test_streaming_resume_with_an_exchange_in_flight(ranks):
+    for r in range(2):
+        got, ref = ranks[r]["stream_resumed"], ranks[r]["stream_2_0.3_True"]
+        assert got["in_flight"] == [(1, 6, 8)]  # saved while fragment 1's exchange of step 6 was pending
+        assert_bitwise(got["globals"], ref["globals"], f"rank {r} global fragments")
+        assert_bitwise(got["params"], ref["params"], f"rank {r} parameters")
 
 
 # ---------------------------------------------------------------------- bad settings
@@ -565,3 +601,24 @@ def test_one_worker_matches_the_reference_in_every_dtype(one_rank, dtype):
         tol = dict(rtol=0, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=3e-3)
         torch.testing.assert_close(d.snapshot.float(), theta, **tol)
         assert d.snapshot.dtype == dtype
+
+
+def test_streaming_bad_state_dict_changes_nothing(one_rank):
+    from fedopt_kernels.distributed import StreamingDiLoCo
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    s = StreamingDiLoCo(model, opt, fragments=2, sync_every=4, overlap=1)
+    step = inner_step_fn({0: model}, {0: opt})
+    for t in range(1, 4):
+        s.step(tokens=step(0, t))
+    good = s.state_dict()
+    params, globs = params_of(s), [g.clone() for g in s.global_fragments]
+    for bad, match in (({**good, "alpha": 0.9}, "alpha=0.9"),
+                       ({**good, "global_fragments": good["global_fragments"][:1]}, "global fragments"),
+                       ({**good, "outer": [{**good["outer"][0], "state": {0: {"momentum_buffer": torch.zeros(1)}}},
+                                           good["outer"][1]]}, "does not belong")):
+        with pytest.raises(ValueError, match=match):
+            s.load_state_dict(bad)
+        assert_bitwise(params_of(s), params, "parameters unchanged")
+        assert_bitwise(s.global_fragments, globs, "global fragments unchanged")

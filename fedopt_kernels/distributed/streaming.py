@@ -30,6 +30,7 @@ not here yet.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -41,7 +42,7 @@ from torch import nn
 from .. import defaults as D
 from ..server import FedAvgM, ServerOptimizer, ServerStats
 from . import comm
-from .diloco import check_outer, check_sync_every, model_parameters
+from .diloco import check_outer, check_state_entry, check_sync_every, model_parameters
 
 __all__ = ["StreamingDiLoCo", "StreamRecord", "fragment_schedule", "split_fragments"]
 
@@ -125,6 +126,14 @@ class StreamRecord:
     step: int
     sent: Tuple[FragmentSend, ...]
     applied: Tuple[FragmentApplied, ...]
+
+
+class _Done:
+    """The handle of an exchange restored from a checkpoint (its sum is already there)."""
+
+    @staticmethod
+    def wait():
+        return True
 
 
 class _InFlight:
@@ -255,6 +264,62 @@ class StreamingDiLoCo:
         torch._foreach_mul_(local, self.alpha)
         torch._foreach_add_(local, theirs)
         return FragmentApplied(fragment=x.fragment, sent_at=x.sent_at, stats=stats)
+
+    def state_dict(self) -> dict:
+        """Everything to continue bit for bit, in the middle of a round too: the
+        parameters, the global fragments, the outer and inner states, the counters, and
+        the exchanges in flight (waited for here: their sums are saved, to be merged at
+        their step after a restore)."""
+        for x in self._in_flight:
+            x.work.wait()
+        return {
+            "sync_every": self.sync_every, "offsets": self.offsets, "overlap": self.overlap, "alpha": self.alpha,
+            "local_step": self.local_step, "tokens": list(self._tokens), "tokens_given": self._tokens_given,
+            "params": [p.detach().clone() for p in self.params],
+            "global_fragments": [g.clone() for g in self.global_fragments],
+            "in_flight": [(x.fragment, x.sent_at, x.apply_at, x.buf.clone()) for x in self._in_flight],
+            "inner": copy.deepcopy(self.inner_optimizer.state_dict()),
+            "outer": [copy.deepcopy(o.state_dict()) for o in self.outer_optimizers],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; checked before anything changes."""
+        for key in ("sync_every", "offsets", "overlap", "alpha"):
+            if key not in state:
+                raise ValueError(f"StreamingDiLoCo state_dict lacks {key!r}")
+            if state[key] != getattr(self, key):
+                raise ValueError(f"the state was saved with {key}={state[key]!r} but this StreamingDiLoCo has "
+                                 f"{getattr(self, key)!r}")
+        saved, globs = state["params"], state["global_fragments"]
+        if len(saved) != len(self.params) or any(a.shape != b.shape or a.dtype != b.dtype
+                                                  for a, b in zip(saved, self.params)):
+            raise ValueError("the state's parameters do not have this model's shapes and dtypes")
+        if len(globs) != len(self.global_fragments) or any(a.shape != b.shape or a.dtype != b.dtype
+                                                            for a, b in zip(globs, self.global_fragments)):
+            raise ValueError("the state's global fragments do not match this model's fragments")
+        if len(state["outer"]) != len(self.outer_optimizers):
+            raise ValueError(f"the state has {len(state['outer'])} outer optimizers, this one "
+                             f"{len(self.outer_optimizers)} fragments")
+        for f, (views, outer) in enumerate(zip(self._global_views, state["outer"])):
+            for j, p in enumerate(views):
+                check_state_entry(outer.get("state", {}).get(j, {}), p, f"the state's outer optimizer {f} entry {j}")
+        inner_before = copy.deepcopy(self.inner_optimizer.state_dict())
+        outer_before = [copy.deepcopy(o.state_dict()) for o in self.outer_optimizers]
+        try:
+            self.inner_optimizer.load_state_dict(state["inner"])
+            for o, st in zip(self.outer_optimizers, state["outer"]):
+                o.load_state_dict(st)
+        except Exception:
+            self.inner_optimizer.load_state_dict(inner_before)
+            for o, st in zip(self.outer_optimizers, outer_before):
+                o.load_state_dict(st)
+            raise
+        torch._foreach_copy_(self.params, list(saved))
+        torch._foreach_copy_(self.global_fragments, list(globs))
+        self.local_step, self._tokens_given = state["local_step"], state["tokens_given"]
+        self._tokens = list(state["tokens"])
+        self._in_flight = [_InFlight(f, sent, at, buf.clone(), _Done()) for f, sent, at, buf in state["in_flight"]]
 
     def finish(self) -> Tuple[FragmentApplied, ...]:
         """Wait for every exchange still in flight and apply it now (end of training)."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-__all__ = ["LOCAL", "FEDPROX_MU", "SERVER", "FEDLAW", "ADAPTIVE", "FEDEXP_EPS", "ASNES_SMOOTHING", "TRIM_BETA"]
+__all__ = ["LOCAL", "FEDPROX_MU", "SERVER", "FEDLAW", "ADAPTIVE", "FEDEXP_EPS", "ASNES_SMOOTHING", "TRIM_BETA",
+           "DILOCO", "STREAMING_DILOCO"]
 
 # Local training (the FedNAR step every client runs).
 #   steps 20, max_norm 10, lr_decay 0.998: [FedNAR] section 3 / Figure 2 ("tau local
@@ -90,3 +91,16 @@ FEDLAW = MappingProxyType(dict(learn="both", server_epochs=20, lr=0.01, betas=(0
 # The trimmed mean's beta: 0.1, 10% dropped at each end ([Yin18] need beta >= the
 # Byzantine share; the simulator's --trim-beta and the Flower robust concern's default).
 TRIM_BETA = 0.1
+
+# DiLoCo's outer loop ([DiLoCo] Douillard et al. 2023, arXiv 2311.08105, section 3
+# "Experiments" / Table 1's setting, as issue 43 quotes it): H = 500 inner steps per
+# outer round, outer Nesterov SGD with lr 0.7 and momentum 0.9; the inner optimizer
+# (AdamW in the paper) is the user's.
+DILOCO = MappingProxyType(dict(sync_every=500, outer_lr=0.7, outer_momentum=0.9))
+
+# Streaming DiLoCo ([Streaming DiLoCo] Douillard et al. 2025, arXiv 2501.18512, section
+# 2 and its experiments): alpha 0.5 mixes the exchanged global fragment with the local
+# one (the value its ablation retains); overlap tau 1 inner step (the smallest of the
+# overlaps it studies, tau in {1, 5, 10}); fragments staggered evenly over H.  The paper
+# is not in papers/: these values are quoted from the paper as recalled, to be checked.
+STREAMING_DILOCO = MappingProxyType(dict(alpha=0.5, overlap=1))

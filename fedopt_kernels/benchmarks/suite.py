@@ -24,7 +24,9 @@ default: ``device_vs_cpu`` costs nothing on a CPU device (one row says it was sk
 and on a GPU only a few CPU rounds.  ``scale`` (:mod:`.scale`: round time and peak
 memory against the population and the clients per round, each case in a fresh process,
 on the CPU; the sampling and partitions of 10^5 clients) runs only when named
-(``--only scale``): it takes minutes (``--quick``: seconds).
+(``--only scale``): it takes minutes (``--quick``: seconds).  ``diloco`` (:mod:`.diloco`:
+DiLoCo, Streaming DiLoCo and DDP at equal tokens on a character-level GPT, 2 gloo worker
+processes) also runs only when named: minutes (``--quick``: 30 steps).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .startup import STARTUP_COLUMNS
 from .timing import measured_copy_bandwidth, peak_bandwidth
 
 SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu", "startup")
-EXTRA_SUITES = ("scale",)  # run only when named with --only
+EXTRA_SUITES = ("scale", "diloco")  # run only when named with --only
 SCALE_COLUMNS = (("case", "case"), ("clients", "clients"), ("per_round", "per round"), ("chunk", "chunk"),
                  ("setup_s", "setup s"), ("first_round_s", "first round s"), ("round_s", "round s"),
                  ("peak_rss_mb", "peak RSS MB"))
@@ -53,6 +55,9 @@ SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms /
 KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
                   ("vs torch", "speed vs torch"), ("time / fused", "time / fused"),
                   ("of copy bw", "of copy bandwidth"), ("of HBM peak", "of HBM peak"), ("launches", "launches"))
+DILOCO_COLUMNS = (("case", "method"), ("params", "params"), ("tokens_per_worker", "tokens / worker"),
+                  ("final_val_loss", "final val loss"), ("MB_sent_per_worker", "MB sent / worker"),
+                  ("inner_step_ms", "inner step ms"), ("sync_s", "sync s"), ("wall_s", "wall s"))
 DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                   ("vs cpu", "x faster than the CPU"))
 
@@ -103,6 +108,10 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
         from . import scale
 
         rows += scale.run(quick=quick, threads=threads or 1)
+    if "diloco" in only:  # DiLoCo vs DDP on a char GPT, 2 gloo worker processes on this CPU (minutes)
+        from . import diloco
+
+        rows += diloco.run(steps=30 if quick else 300, eval_every=10 if quick else 50)
     for count in deferred:
         count()
     return rows
@@ -214,15 +223,17 @@ def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
     against the CPU (each with its own columns)."""
     scale = [r for r in rows if r.get("benchmark") == "scale" and r.get("case") != "sampling" and "error" not in r]
     started = [r for r in rows if r.get("benchmark") == "startup"]
-    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale", "startup")]
+    diloco = [r for r in rows if r.get("benchmark") == "diloco"]
+    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale", "startup", "diloco")]
     rounds = [r for r in rows if "vs hand loop" in r]
     versus = [r for r in rows if "vs cpu" in r]
     kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r]
     for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
                                 (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU"),
                                 (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)"),
-                                (started, STARTUP_COLUMNS, "start-up of a one-round simulate (whole processes)")):
-        if part or (not rows and not scale and not started and columns is KERNEL_COLUMNS):
+                                (started, STARTUP_COLUMNS, "start-up of a one-round simulate (whole processes)"),
+                                (diloco, DILOCO_COLUMNS, "DiLoCo vs DDP, char GPT, equal tokens (gloo, CPU)")):
+        if part or (not rows and not scale and not started and not diloco and columns is KERNEL_COLUMNS):
             _print_one(part, columns, name)
 
 
@@ -247,7 +258,7 @@ def _print_one(rows: list, columns, title: str) -> None:
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--only", choices=SUITES + EXTRA_SUITES, action="append",
-                        help="run only this suite (repeatable); scale runs only when named")
+                        help="run only this suite (repeatable); scale and diloco run only when named")
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no torch.compile")

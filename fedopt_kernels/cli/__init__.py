@@ -6,7 +6,8 @@ Subcommands:
                      a summary table, results.json/.csv and PNG plots in ``--out``.
 ``fedopt compare``   several algorithms on the same partition and client sequence;
                      one comparison plot and one table.
-``fedopt bench``     the kernel benchmark suite's table (``--only scale``: cross-device scale).
+``fedopt bench``     the kernel benchmark suite's table (``--only scale``: cross-device scale;
+                     ``--only diloco``: DiLoCo vs DDP on a char GPT).
 ``fedopt info``      versions, devices, which backends are built/available and why not.
 ``fedopt selftest``  every op on every backend of this device against python_ref and fp64
                      formulas, torch.compile and CUDA graphs; exit 1 on any mismatch.

@@ -18,6 +18,11 @@ clients, then rank 1's, ...):
   clipping, one distributed sum, noise drawn once) -- each the single-process result,
   bitwise.
 
+* :class:`DiLoCo` -- DiLoCo's training loop (Douillard et al. 2023): ``H`` inner
+  steps alone, then the workers' outer gradients averaged and a server optimizer's
+  outer step (Nesterov SGD 0.7 / 0.9 by default); :class:`StreamingDiLoCo` syncs it by
+  fragments at staggered steps, each exchange overlapped with the next inner steps.
+
 gloo carries CPU tensors, NCCL CUDA tensors; the small host-side metadata exchange
 uses gloo (a gloo group over the same ranks is made for an NCCL-only group).  The
 simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distributed``
@@ -30,6 +35,9 @@ from .aggregator import DistributedAggregator
 from .dp import DistributedDPAggregator
 from .robust import DistributedRobustAggregator
 from .server_optimizer import DistributedServerOptimizer, distributed_form
+from .diloco import DiLoCo, SyncRecord
+from .streaming import StreamingDiLoCo, StreamRecord
 
 __all__ = ["all_aggregate", "DistributedAggregator", "DistributedServerOptimizer", "DistributedRobustAggregator",
-           "DistributedDPAggregator", "distributed_form", "RankInputError", "MODES"]
+           "DistributedDPAggregator", "distributed_form", "RankInputError", "MODES", "DiLoCo", "SyncRecord",
+           "StreamingDiLoCo", "StreamRecord"]

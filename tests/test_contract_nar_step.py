@@ -324,7 +324,9 @@ def test_nar_step_one_misaligned_view_among_aligned_tensors(be, dtype, mode, mom
     guarded buffers, the other tensors aligned: python_ref's step, the bits of the same
     step on aligned copies, nothing written around the view, the view updated in place."""
     gen = torch.Generator().manual_seed(21)
-    sizes = [be.size(70_001, 10_007), 5000, 33, 4099]
+    # Two CPU chunks (64Ki) in mode co; the CPU kernels have one body whatever the
+    # alignment, so the other modes take the small size there (time: issue 47's modes).
+    sizes = [be.size(70_001, 10_007, host=70_001 if mode == "co" else 10_007), 5000, 33, 4099]
     start = [[randn((n,), dtype, be.device, gen) for n in sizes] for _ in range(3)]  # params, grads, bufs
 
     def with_view(ts):

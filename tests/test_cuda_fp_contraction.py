@@ -268,25 +268,30 @@ def _demangled(name):
         "c++filt") else name
 
 
+@pytest.fixture(scope="module")
+def kernels(ptx):
+    """{source name: parse_kernels(its PTX)}, parsed once."""
+    return {name: parse_kernels(text) for name, text in ptx.items()}
+
+
 # ----------------------------------------------------------------------------- checks
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_no_contraction_is_left_to_ptxas(ptx, source):
+def test_no_contraction_is_left_to_ptxas(kernels, source):
     """No f32/f64 multiply without a rounding modifier: ptxas may fuse only those."""
-    kernels = parse_kernels(ptx[source])
-    assert kernels, f"no kernel in the PTX of {source}.cu"
-    bad = [(_demangled(k), ins.op, ins.loc) for k, blocks in kernels.items() for _, instrs in blocks
+    assert kernels[source], f"no kernel in the PTX of {source}.cu"
+    bad = [(_demangled(k), ins.op, ins.loc) for k, blocks in kernels[source].items() for _, instrs in blocks
            for ins in instrs if re.fullmatch(r"mul\.f(32|64)", ins.op)]
     assert not bad, f"{len(bad)} contractible multiplies (use rn::mul, math.h), e.g. {bad[:5]}"
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_every_fma_is_asked_for_by_the_source(ptx, source):
+def test_every_fma_is_asked_for_by_the_source(kernels, source):
     """An fma in the PTX comes from a source line that calls fma (rn::fma): nvcc fused
     nothing on its own."""
     lines = {}
     bad, count = [], 0
-    for k, blocks in parse_kernels(ptx[source]).items():
+    for k, blocks in kernels[source].items():
         for _, instrs in blocks:
             for ins in instrs:
                 if not re.fullmatch(r"fma\.rn\.f(32|64)", ins.op):
@@ -306,13 +311,12 @@ KERNELS = {"nar_step": ("nar_norm_kernel", "nar_update_kernel"), "server_update"
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_vector_and_scalar_bodies_do_the_same_fp_operations(ptx, source):
+def test_vector_and_scalar_bodies_do_the_same_fp_operations(kernels, source):
     """In each kernel with a 16-byte and a scalar body, the two kinds of loop perform
     the same floating-point operations on operands of the same origins."""
-    kernels = parse_kernels(ptx[source])
     checked = collections.Counter()
     failures = []
-    for name, blocks in kernels.items():
+    for name, blocks in kernels[source].items():
         family = next((f for f in KERNELS[source] if f in name), None)
         if family is None:
             continue

@@ -202,7 +202,7 @@ def format_table(rows: List[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + TORCHFT_METHODS)
     p.add_argument("--preset", default="tiny", choices=("tiny", "10m"))
     p.add_argument("--steps", type=int, default=300)

@@ -1,8 +1,12 @@
-"""Where an op's call goes: the ONE place that chooses between eager mode and ``torch.compile``.
+"""Where an op's call goes: the ONE route from the ops layer to a kernel, and the one place
+that chooses between eager mode and ``torch.compile``.
 
 Every public op validates its input, then asks :func:`kernel` for the callable of one
 backend op and calls it with the backend contract's arguments
-(:mod:`fedopt_kernels.backends`):
+(:mod:`fedopt_kernels.backends`) -- the FedNAR steps, the aggregation and its noise,
+the server step, the robust aggregators' ``coordinate_select`` and ``client_gram``, and
+the batched engine's ragged products alike; nothing above the backends calls a kernel
+or a ``torch.ops`` op any other way:
 
 * eager, that callable is the backend's own method -- no dispatcher round trip;
 * under ``torch.compile`` it is the op's ``torch.library`` custom op (:mod:`._library`),
@@ -33,7 +37,7 @@ def kernel(op: str, backend: Optional[str], device: torch.device) -> Callable:
     """The callable that runs backend op ``op`` (a name of :data:`_EAGER`) of
     ``backend`` (a name or None: resolved as :func:`backends.resolve` does) on
     ``device``.  Resolving raises if the backend cannot run there."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and op in _COMPILED:
         custom, name = _COMPILED[op], backends.resolve_name(backend, device.type)
         return lambda *args: custom(*args, backend=name)
     return _EAGER[op](backends.resolve(backend, device))
@@ -104,6 +108,14 @@ _EAGER = {
     "add_noise_": _method("add_noise_"),
     "client_dots": _rows_op("client_dots"),
     "weighted_sum": lambda impl: lambda rows, weights, gamma: _WeightedSum.apply(weights, gamma, impl, rows),
+    "coordinate_select": _rows_op("coordinate_select"),
+    "client_gram": _rows_op("client_gram"),
+    # the batched engine's ragged products (the cpu and reference backends)
+    "ragged_bmm": _method("ragged_bmm"),
+    "ragged_bmm_out": _method("ragged_bmm_out"),
+    "ragged_bmm_blas": _method("ragged_bmm_blas"),
+    "ragged_bias_relu_": _method("ragged_bias_relu_"),
+    "ragged_relu_backward_": _method("ragged_relu_backward_"),
 }
 
 

@@ -8,6 +8,10 @@ _reason = _load("_C")
 if _reason is not None:
     raise ImportError(_reason)
 
+from .library import register_cpp_fakes  # noqa: E402
+
+register_cpp_fakes()
+
 from ._cpp_ops import (  # noqa: E402,F401
     add_noise_, aggregate, aggregate_pieces, client_dots, client_dots_pieces, client_gram, client_gram_pieces,
     coordinate_select, coordinate_select_pieces, nar_apply_, nar_sq_norm, nar_step_, nar_step_batched_,

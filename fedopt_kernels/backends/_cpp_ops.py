@@ -31,8 +31,9 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_d
         float(max_norm), int(mode), float(momentum), grad_scale, found_inf)
 
 
-def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                      grad_scale, found_inf):
+def nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                      mode, momentum, grad_scale, found_inf):
+    X, G, B = params, grads, momentum_buffers
     return torch.ops.fedopt_C.nar_step_batched_(
         X, G, B, float(lr), lr_tensor, float(weight_decay), weight_decay_tensor, float(max_norm), int(mode),
         float(momentum), grad_scale, found_inf)

@@ -40,8 +40,9 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_d
         grad_scale=grad_scale, found_inf=found_inf))
 
 
-def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                      grad_scale, found_inf):
+def nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                      mode, momentum, grad_scale, found_inf):
+    X, G, B = params, grads, momentum_buffers
     return tuple(_nar.nar_step_batched_(
         X, G, lr=join(lr, lr_tensor), weight_decay=join(weight_decay, weight_decay_tensor), max_norm=max_norm,
         mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=B, grad_scale=grad_scale, found_inf=found_inf))

@@ -295,10 +295,11 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_d
     return tuple(t.reshape(()) for t in stats)
 
 
-def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                      grad_scale, found_inf):
+def nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                      mode, momentum, grad_scale, found_inf):
     """Row-wise FedNAR on contiguous ``[C, N]`` tensors (no table); ``[C]`` stats (contract)."""
-    B = B if momentum != 0.0 else None
+    X, G = params, grads
+    B = momentum_buffers if momentum != 0.0 else None
     with _on(X.device):
         return _run_nar(_rows_work(X, G, B), X.dtype, X.device, lr, lr_tensor, weight_decay, weight_decay_tensor,
                         max_norm, int(mode), float(momentum), grad_scale, found_inf, per_row=True)

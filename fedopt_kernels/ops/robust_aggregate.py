@@ -39,7 +39,10 @@ them out; for Krum, Multi-Krum and Bulyan they count among the ``f`` faulty clie
 ``C`` before anything is read or written; what depends on the data (how many clients
 were left out) is decided on the device, and :attr:`RobustStats.bound_met` says whether
 the rule's bound still held.  No host sync anywhere (the CPU backend reads its small
-flags on the host, which is the host).
+flags on the host, which is the host).  Every kernel is reached through the ops layer's
+one dispatcher, so under ``torch.compile`` (``fullgraph=True``) a rule is one graph
+whose kernels are the routed ops ``fedopt_C::routed_coordinate_select``,
+``routed_client_gram`` and ``routed_aggregate``.
 """
 
 from __future__ import annotations
@@ -108,8 +111,7 @@ def _check_int(value, name: str, *, low: int, high: Optional[int] = None, why: s
 
 def _backend_name(backend, device) -> str:
     V.check_backend(backend)
-    backends.resolve(backend, device)  # raises if it cannot run here (and loads it)
-    return backends.resolve_name(backend, device.type)
+    return backends.resolve_name(backend, device.type)  # raises if it cannot run here
 
 
 def reads_pieces(backend: Optional[str], device: torch.device) -> bool:

@@ -5,6 +5,7 @@ place that spells it out is checked against that table here (issue 46, item 3):
   the loaded extension prints it;
 * every backend's function of the op (the backend contract, the Triton wrappers
   included): parameter names, order, keyword-only parameters and defaults;
+* the contract as fedopt_kernels/backends/__init__.py's docstring writes it;
 * the routed ops ``routed_<op>`` that ``torch.compile`` records (generated from it);
 * the namespace itself: one (``fedopt_C``), holding the table's ops and nothing else,
   each op that takes or returns a tensor with a fake kernel that agrees with the real
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 
 import pytest
 import torch
@@ -118,6 +120,18 @@ def test_every_backend_function_has_the_tables_signature(name):
         _check_function(getattr(module, schemas.function_name(op)), op)
     if name == "cpu":  # the C++ CPU backend has every optional op
         assert optional == list(schemas.OPTIONAL)
+
+
+@pytest.mark.parametrize("op", [op for op in (*schemas.CONTRACT, *schemas.OPTIONAL) if op in backends.__doc__])
+def test_the_contracts_docstring_writes_each_signature_as_the_table(op):
+    match = re.search(r"``" + re.escape(op) + r"\(([^)]*)\)", backends.__doc__)
+    assert match, f"backends/__init__.py does not write {op}'s signature"
+    written = [a.strip().split("=")[0] for a in " ".join(match.group(1).split()).split(",")]
+    assert written == [a.name for a in _parsed(op).arguments]
+
+
+def test_the_contracts_docstring_writes_every_contract_op():
+    assert all(f"``{op}(" in backends.__doc__ for op in schemas.CONTRACT)
 
 
 def test_a_drifted_signature_is_caught():

@@ -1,7 +1,8 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
 Every backend is a module exposing the same ten functions (and optionally more: the
-``*_pieces`` forms and the ragged products, below), with the same contract
+``*_pieces`` forms and the ragged products, below), with the same contract (their
+schemas: :mod:`.schemas`, which tests/test_op_signatures.py holds these lines to)
 (the ops layer has validated every argument before they are called; ``mode`` is 0 co /
 1 grad / 2 none).  A hyperparameter that may be a number or a tensor (``lr``,
 ``weight_decay``, ``gamma``) comes as the pair ``h, h_tensor`` of :mod:`.hyper`: a
@@ -26,9 +27,9 @@ weight_decay_tensor, max_norm, mode, momentum, grad_scale, found_inf) -> (norm, 
     ``nar_step_`` bitwise.  Together they give one norm over several calls
     (``ops.nar_step_groups_``).
 
-``nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
-momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
-    Row-wise FedNAR on ``[C, N]`` tensors (``B`` is None without momentum); stats
+``nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor,
+max_norm, mode, momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
+    Row-wise FedNAR on ``[C, N]`` tensors (``momentum_buffers`` is None without momentum); stats
     ``[C]``; ``lr_tensor``/``weight_decay_tensor`` may also be ``[C]`` tensors.
 
 ``aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
@@ -43,8 +44,9 @@ noise_std_tensor=None) -> (client_sq_norms, sq_norm)``
     read there) if given, else ``noise_std``; the norms are those of the sum without
     the noise.
 
-``add_noise_(out, noise_key, noise_std, noise_std_tensor) -> None``
-    ``out[j] = out[j] + std * n_j`` in the acc dtype, rounded once to ``out``'s dtype:
+``add_noise_(out, noise_key, noise_std, noise_std_tensor, skip=None) -> None``
+    ``out[j] = out[j] + std * n_j`` in the acc dtype, rounded once to ``out``'s dtype
+    (``skip`` as ``aggregate``'s):
     for an fp32/fp64 ``out``, ``aggregate`` with noise equals ``aggregate`` without it
     followed by ``add_noise_``, bit for bit (the distributed DP round adds the noise
     once, after the sum over the ranks).

@@ -1,7 +1,8 @@
 """Kernel backends behind the public ops, and how one is chosen.
 
-Every backend is a module exposing the same eight functions (and optionally two more,
-``aggregate_pieces`` and ``client_dots_pieces``), with the same contract
+Every backend is a module exposing the same ten functions (and optionally more: the
+``*_pieces`` forms and the ragged products, below), with the same contract (their
+schemas: :mod:`.schemas`, which tests/test_op_signatures.py holds these lines to)
 (the ops layer has validated every argument before they are called; ``mode`` is 0 co /
 1 grad / 2 none).  A hyperparameter that may be a number or a tensor (``lr``,
 ``weight_decay``, ``gamma``) comes as the pair ``h, h_tensor`` of :mod:`.hyper`: a
@@ -26,9 +27,9 @@ weight_decay_tensor, max_norm, mode, momentum, grad_scale, found_inf) -> (norm, 
     ``nar_step_`` bitwise.  Together they give one norm over several calls
     (``ops.nar_step_groups_``).
 
-``nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
-momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
-    Row-wise FedNAR on ``[C, N]`` tensors (``B`` is None without momentum); stats
+``nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor,
+max_norm, mode, momentum, grad_scale, found_inf) -> (norm, scale, skipped)``
+    Row-wise FedNAR on ``[C, N]`` tensors (``momentum_buffers`` is None without momentum); stats
     ``[C]``; ``lr_tensor``/``weight_decay_tensor`` may also be ``[C]`` tensors.
 
 ``aggregate(clients, weights, gamma, gamma_tensor, out, skip, noise_key=None, noise_std=0.0,
@@ -43,8 +44,9 @@ noise_std_tensor=None) -> (client_sq_norms, sq_norm)``
     read there) if given, else ``noise_std``; the norms are those of the sum without
     the noise.
 
-``add_noise_(out, noise_key, noise_std, noise_std_tensor) -> None``
-    ``out[j] = out[j] + std * n_j`` in the acc dtype, rounded once to ``out``'s dtype:
+``add_noise_(out, noise_key, noise_std, noise_std_tensor, skip=None) -> None``
+    ``out[j] = out[j] + std * n_j`` in the acc dtype, rounded once to ``out``'s dtype
+    (``skip`` as ``aggregate``'s):
     for an fp32/fp64 ``out``, ``aggregate`` with noise equals ``aggregate`` without it
     followed by ``add_noise_``, bit for bit (the distributed DP round adds the noise
     once, after the sum over the ranks).
@@ -68,6 +70,33 @@ FedNAR ops (GradScaler's own flag), ``skip`` of ``aggregate`` and ``server_updat
 ``client_dots(clients, g) -> [C]``
     ``<clients[i], g>`` for every client in one pass.
 
+``coordinate_select(clients, keep, count, mode, out, skip) -> nonfinite``
+    Coordinate-wise order statistics of the kept clients in one pass over them (the
+    robust aggregators' median, trimmed mean and Bulyan; oracle: python_ref/robust.py).
+    ``clients`` a ``[C, N]`` tensor or a list of ``C`` 1-D tensors; ``keep`` ``[C]`` bool
+    and ``count`` a one-element int64 tensor, both on the data's device; ``mode`` 0 (mean
+    of the sorted values ``[k, m - k)``, ``k = min(count, (m - 1) // 2)``) or 1 (mean of
+    the ``count`` values closest to the median); ``out`` ``[N]`` in the clients' or the
+    acc dtype; ``skip`` None or a one-element bool tensor (true: nothing written, no
+    flags).  Returns ``[C]`` bool: the kept clients holding a NaN/Inf.
+
+``client_gram(clients, float64_products) -> [C, C] float64``
+    ``G = X X^T`` in one pass, fixed blocks added in float64 in a fixed order (error
+    bounds: :func:`fedopt_kernels.ops.robust_aggregate.client_gram`); ``clients`` as
+    ``coordinate_select``'s, a list possibly ending with a row of another dtype.
+    Krum, Bulyan, the geometric median and centered clipping read it; everything else
+    they need is ``[C]``-sized work in the ops layer over ``aggregate``.
+
+``coordinate_select_pieces(pieces, pieces_per_client, subtract_from, keep, count, mode, out, skip)``,
+``client_gram_pieces(pieces, pieces_per_client, subtract_from, float64_products)`` (optional: ``cpu``)
+    The same over clients read in place, as ``aggregate_pieces``.
+
+``ragged_bmm(a, b, lengths, dim, zero_fill, use_blas=True)``, ``ragged_bmm_out(..., *, out)``
+(``cpu`` and ``reference``); ``ragged_bmm_blas(dtype)``, ``ragged_bias_relu_(x, bias, lengths,
+relu)``, ``ragged_relu_backward_(grad, output, lengths)`` (``cpu``)
+    The batched engine's products over ragged batches (:mod:`fedopt_kernels.ops.ragged_bmm`);
+    on ``cpu`` they are the C++ op overloads themselves, the targets of traced graphs' nodes.
+
 ``server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, gamma, gamma_tensor,
 beta1, beta2, tau, nesterov, skip) -> None``
     The elementwise step of a server optimizer (``rule`` 0 sgd / 1 momentum / 2 adagrad /
@@ -75,6 +104,9 @@ beta1, beta2, tau, nesterov, skip) -> None``
     lists of tensors; ``updates`` in the acc dtype; ``exp_avg``/``exp_avg_sq`` possibly
     empty lists; ``lr_tensor``/``gamma_tensor`` None or 0-d; ``skip`` None or a 0-d bool
     tensor (true: nothing written).
+
+The ops layer reaches every one of these through one dispatcher,
+:func:`fedopt_kernels.ops._dispatch.kernel`.
 
 Choice: the ``backend=`` argument, else the ``FEDOPT_BACKEND`` environment variable,
 else by device: CPU tensors use the C++ CPU extension; CUDA tensors use the C++ CUDA

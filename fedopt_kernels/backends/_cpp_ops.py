@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import gram
+
 
 def nar_step_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
               momentum, grad_scale, found_inf):
@@ -29,8 +31,9 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_d
         float(max_norm), int(mode), float(momentum), grad_scale, found_inf)
 
 
-def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                      grad_scale, found_inf):
+def nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                      mode, momentum, grad_scale, found_inf):
+    X, G, B = params, grads, momentum_buffers
     return torch.ops.fedopt_C.nar_step_batched_(
         X, G, B, float(lr), lr_tensor, float(weight_decay), weight_decay_tensor, float(max_norm), int(mode),
         float(momentum), grad_scale, found_inf)
@@ -76,3 +79,33 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, ga
     torch.ops.fedopt_C.server_update_(
         params, updates, exp_avg, exp_avg_sq, int(rule), float(lr), lr_tensor, float(gamma), gamma_tensor,
         float(beta1), float(beta2), float(tau), bool(nesterov), skip)
+
+
+def coordinate_select(clients, keep, count, mode, out, skip):
+    if isinstance(clients, torch.Tensor):
+        clients = [clients]
+    return torch.ops.fedopt_C.coordinate_select(list(clients), keep, count, int(mode), out, skip)
+
+
+def coordinate_select_pieces(pieces, pieces_per_client, subtract_from, keep, count, mode, out, skip):
+    return torch.ops.fedopt_C.coordinate_select_pieces(pieces, int(pieces_per_client), subtract_from, keep, count,
+                                                        int(mode), out, skip)
+
+
+def client_gram(clients, float64_products):
+    """The C++ kernel (CPU only) over rows of one dtype; rows of several dtypes (the ops
+    layer's reference point of another dtype than the clients) take the torch form."""
+    rows = [clients.contiguous()] if isinstance(clients, torch.Tensor) else [r.contiguous() for r in clients]
+    if any(r.dtype != rows[0].dtype for r in rows):
+        return gram.client_gram(clients, float64_products)
+    return torch.ops.fedopt_C.client_gram(rows, bool(float64_products))
+
+
+def client_gram_pieces(pieces, pieces_per_client, subtract_from, float64_products):
+    return torch.ops.fedopt_C.client_gram_pieces(pieces, int(pieces_per_client), subtract_from,
+                                                 bool(float64_products))
+
+
+def ragged_bmm_blas(dtype):
+    return bool(torch.ops.fedopt_C.ragged_bmm_blas(dtype))
+

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import acc_dtype
+from .gram import gram_float64
 from .hyper import join
 from .oracle import aggregation as _agg, fednar as _nar, gaussian_noise as _noise, server_optimizers as _srv
 
 _MODE_NAMES = _nar.MODES  # index = the integer mode of the contract
+MODE_TRIM = 0  # coordinate_select's modes
+MODE_CLOSEST = 1
 
 
 def nar_step_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode,
@@ -36,8 +40,9 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_d
         grad_scale=grad_scale, found_inf=found_inf))
 
 
-def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                      grad_scale, found_inf):
+def nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                      mode, momentum, grad_scale, found_inf):
+    X, G, B = params, grads, momentum_buffers
     return tuple(_nar.nar_step_batched_(
         X, G, lr=join(lr, lr_tensor), weight_decay=join(weight_decay, weight_decay_tensor), max_norm=max_norm,
         mode=_MODE_NAMES[mode], momentum=momentum, momentum_buffers=B, grad_scale=grad_scale, found_inf=found_inf))
@@ -104,3 +109,70 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, ga
                 dst.copy_(val)
             else:
                 torch.where(skip, dst, val, out=dst)
+
+
+def coordinate_select(clients, keep, count, mode, out, skip):
+    """torch, in the acc dtype: ``sort`` along the clients (left-out clients as ``+inf``,
+    sorted last), then the same reductions as the kernels."""
+    X = clients if isinstance(clients, torch.Tensor) else torch.stack(list(clients))
+    C, N = X.shape
+    acc = acc_dtype(X.dtype)
+    flags = torch.zeros(C, dtype=torch.bool, device=X.device)
+    if skip is not None and bool(skip.reshape(())):
+        return flags
+    x = X.to(acc)
+    flags = keep & ~torch.isfinite(x).all(dim=1) if N else flags
+    v = torch.where(keep[:, None], x, torch.full((), float("inf"), dtype=acc, device=X.device))
+    v = torch.sort(v, dim=0).values
+    m = int(keep.sum())
+    c = int(count.reshape(()))
+    if m == 0:
+        out.zero_()
+        return flags
+    if mode == MODE_TRIM:
+        k = min(c, (m - 1) // 2)
+        res = v[k:m - k].sum(dim=0) / (m - 2 * k)
+    else:
+        beta = max(1, min(c, m))
+        med = v[(m - 1) // 2] if m % 2 else (v[m // 2 - 1] + v[m // 2]) / 2
+        lo = torch.zeros(N, dtype=torch.long, device=X.device)
+        hi = torch.full((N,), m - 1, dtype=torch.long, device=X.device)
+        for _ in range(m - beta):
+            vlo = v.gather(0, lo[None]).squeeze(0)
+            vhi = v.gather(0, hi[None]).squeeze(0)
+            drop_lo = (vlo - med).abs() > (vhi - med).abs()
+            lo, hi = torch.where(drop_lo, lo + 1, lo), torch.where(drop_lo, hi, hi - 1)
+        rank = torch.arange(C, device=X.device)[:, None]
+        sel = (rank >= lo[None]) & (rank <= hi[None])
+        res = torch.where(sel, v, torch.zeros((), dtype=acc, device=X.device)).sum(dim=0) / beta
+    out.copy_(res)
+    return flags
+
+
+def client_gram(clients, float64_products):
+    """Float64 products of float64 blocks whatever ``float64_products`` asks
+    (:func:`~fedopt_kernels.backends.gram.gram_float64`)."""
+    return gram_float64(clients)
+
+
+def ragged_bmm(a, b, lengths, dim, zero_fill, use_blas=True):
+    """A loop of ``@`` over the clients' real parts (``use_blas`` has no meaning here)."""
+    out = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    for i, n in enumerate(lengths.tolist()):
+        if n == 0:
+            continue
+        if dim == 1:
+            out[i, :n] = a[i, :n] @ b[i]
+            if not zero_fill:
+                out[i, n:] = out[i, :1]
+        elif dim == 2:
+            out[i] = a[i, :, :n] @ b[i, :n]
+        else:
+            out[i, :, :n] = a[i] @ b[i, :, :n]
+            if not zero_fill:
+                out[i, :, n:] = out[i, :, :1]
+    return out
+
+
+def ragged_bmm_out(a, b, lengths, dim, zero_fill, use_blas=True, *, out):
+    return out.copy_(ragged_bmm(a, b, lengths, dim, zero_fill, use_blas))

@@ -6,7 +6,7 @@ Run (python_ref's formulas come from :mod:`fedopt_kernels.backends.oracle`):
     python -m fedopt_kernels.benchmarks.cpu_kernels [--reps 15] [--only nar|agg] [--dtype bfloat16]
 
 (``python -m fedopt_kernels.benchmarks.suite --backend cpu`` is the project-wide
-suite; this script adds the CPU-specific cases: the raw op next to the ops API, momentum
+suite; this script adds the CPU-specific cases: the backend op next to the ops API, momentum
 and mode grad, list vs [C, N] clients, client_dots against MKL's X @ g.)
 
 Every measurement is the median of interleaved repetitions in one process, so that
@@ -21,7 +21,9 @@ training, where a forward/backward pass separates two steps).
 
 "speed vs floor" = floor time / candidate time (> 1: faster than the floor).
 ATEN_CPU_CAPABILITY=default|avx2|avx512 selects the instruction set of both torch's and
-these kernels (torch.ops.fedopt_C.cpu_isa() says which build runs).
+these kernels (the cpu backend's cpu_isa() says which build runs).  "backend op" is the cpu
+backend's own function (fedopt_kernels.backends.cpu: the C++ op behind a Python call,
+without the ops layer's checks).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ import argparse
 
 import torch
 
-import fedopt_kernels.backends.cpu  # noqa: F401  (loads the extension)
-from fedopt_kernels import ops
+from fedopt_kernels import backends, ops
 from fedopt_kernels.backends.oracle import fednar as ref_nar
 from fedopt_kernels.benchmarks.shapes import resnet18_shapes
 from fedopt_kernels.benchmarks.timing import interleaved
+
+
+def cpu_backend():
+    """The cpu backend module (loads the extension; raises if it cannot run here)."""
+    return backends.resolve("cpu", torch.device("cpu"))
 
 
 def run_interleaved(cands: dict, reps: int) -> dict:
@@ -57,15 +63,15 @@ def bench_nar(reps: int, dtype=torch.float32) -> None:
         torch.dot(g, x)
         x.add_(g, alpha=-1e-6)
 
-    raw = torch.ops.fedopt_C.nar_step_
+    raw = cpu_backend().nar_step_
     cands = {
         "floor dot+add_": floor,
-        "fused raw op (co)": lambda: raw(P, G, [], 0.0, lr, 0.0, torch.tensor(5e-4), 10.0, 0, 0.0, None, None),
+        "fused backend op (co)": lambda: raw(P, G, [], 0.0, lr, 0.0, torch.tensor(5e-4), 10.0, 0, 0.0, None, None),
         "fused ops.nar_step_ (co)": lambda: ops.nar_step_(P, G, lr=lr, weight_decay=5e-4, max_norm=10.0,
                                                           backend="cpu"),
-        "fused raw op (co, momentum)": lambda: raw(P, G, B, 0.0, lr, 0.0, torch.tensor(5e-4), 10.0, 0, 0.9,
+        "fused backend op (co, momentum)": lambda: raw(P, G, B, 0.0, lr, 0.0, torch.tensor(5e-4), 10.0, 0, 0.9,
                                                    None, None),
-        "fused raw op (grad)": lambda: raw(P, G, [], 0.0, lr, 0.0, torch.tensor(5e-4), 10.0, 1, 0.0, None, None),
+        "fused backend op (grad)": lambda: raw(P, G, [], 0.0, lr, 0.0, torch.tensor(5e-4), 10.0, 1, 0.0, None, None),
         "python_ref eager (co)": lambda: ref_nar.nar_step_(P, G, lr=lr, weight_decay=5e-4, max_norm=10.0),
     }
     med = run_interleaved(cands, reps)
@@ -84,7 +90,7 @@ def bench_agg(reps: int, C: int = 20, dtype=torch.float32) -> None:
     out = torch.empty(n, dtype=dtype)
     gvec = torch.randn(n, generator=gen, dtype=dtype)
     print(f"aggregate: {C} clients x {n / 1e6:.2f}M, {dtype}, {torch.get_num_threads()} threads")
-    raw = torch.ops.fedopt_C.aggregate
+    raw = cpu_backend().aggregate
 
     def unfused():
         total = w.to(dtype) @ X
@@ -93,12 +99,12 @@ def bench_agg(reps: int, C: int = 20, dtype=torch.float32) -> None:
 
     cands = {
         "floor torch.sum(X, 0)": lambda: torch.sum(X, dim=0),
-        "fused raw op, 2-D": lambda: raw([X], w, 1.0, None, out, None),
-        "fused raw op, list": lambda: raw(rows, w, 1.0, None, out, None),
+        "fused backend op, 2-D": lambda: raw([X], w, 1.0, None, out, None),
+        "fused backend op, list": lambda: raw(rows, w, 1.0, None, out, None),
         "fused ops.aggregate (propagate)": lambda: ops.aggregate(X, w, out=out, nonfinite="propagate",
                                                                  backend="cpu"),
         "unfused w @ X + norms": unfused,
-        "client_dots raw op": lambda: torch.ops.fedopt_C.client_dots([X], gvec),
+        "client_dots backend op": lambda: cpu_backend().client_dots([X], gvec),
         "X @ g (client_dots floor)": lambda: X @ gvec,
     }
     med = run_interleaved(cands, reps)
@@ -116,7 +122,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"fedopt CPU kernels {torch.ops.fedopt_C.cpu_isa()}")
+          f"fedopt CPU kernels {cpu_backend().cpu_isa()}")
     if args.only in (None, "nar"):
         bench_nar(args.reps, dtype)
     if args.only in (None, "agg"):

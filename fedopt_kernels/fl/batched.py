@@ -94,7 +94,7 @@ import torch
 from torch import nn
 
 from ..ops import nar_step_batched_
-from ..ops.ragged_bmm import ragged_bmm_uses_blas
+from ..ops.ragged_bmm import ragged_bmm_uses_blas, ragged_graph_ops
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
@@ -329,8 +329,9 @@ class BatchedTrainer:
                 ragged_products(fn, found[1], B)
             drop_identity_ops(fn)
             channels_last_pools(fn)
-            if (self.fuse and hasattr(torch.ops.fedopt_C, "ragged_bias_relu_")
-                    and any(n.target is torch.ops.fedopt_C.ragged_bmm.default for n in fn.graph.nodes)):
+            kernels = ragged_graph_ops()
+            if (self.fuse and kernels is not None
+                    and any(n.target is kernels.bmm for n in fn.graph.nodes)):
                 fused_epilogues(fn)  # after drop_identity_ops: the fused ops mutate
             gradients_into_buffer(fn, [(o, k, s) for _, o, k, s, t in self._slots if t], self.numel)
             fn.recompile()  # once, after every pass

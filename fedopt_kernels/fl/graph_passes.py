@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.ragged_bmm import RaggedGraphOps, ragged_bmm_uses_blas, ragged_graph_ops
+
 __all__ = ["drop_identity_ops", "channels_last_pools", "graph_signature", "sample_dims", "ragged_products",
            "fused_epilogues", "RAGGED_LENGTHS", "gradients_into_buffer", "GRADIENT_BUFFER"]
 
@@ -167,8 +169,6 @@ def ragged_products(gm, dims, batch: int) -> int:
     padded ``bmm``.  Returns the number of products rewritten (0 when ``dims`` does not
     fit the graph).
     """
-    from ..ops.ragged_bmm import ragged_bmm_uses_blas
-
     graph = gm.graph
     products = _products(gm)
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
@@ -198,7 +198,7 @@ def ragged_products(gm, dims, batch: int) -> int:
             with graph.inserting_before(first):
                 lengths = graph.get_attr(RAGGED_LENGTHS)
         with graph.inserting_before(node):
-            ragged = graph.call_function(torch.ops.fedopt_C.ragged_bmm.default, (a, b, lengths, dim, zero_fill))
+            ragged = graph.call_function(_ragged_ops().bmm, (a, b, lengths, dim, zero_fill))
         ragged.meta.update(node.meta)
         node.replace_all_uses_with(ragged)
         graph.erase_node(node)
@@ -208,11 +208,22 @@ def ragged_products(gm, dims, batch: int) -> int:
     return rewritten
 
 
+_RAGGED_OPS = []
+
+
+def _ragged_ops() -> RaggedGraphOps:
+    """The CPU backend's ragged kernels (op overloads, the targets of their nodes); all
+    None where its extension does not run (then no node has one as its target)."""
+    if not _RAGGED_OPS:
+        _RAGGED_OPS.append(ragged_graph_ops() or RaggedGraphOps(None, None, None, None))
+    return _RAGGED_OPS[0]
+
+
 def _ragged(node, dim: int, zero_fill=None) -> bool:
     """Whether ``node`` is a ragged product along sample dimension ``dim`` (and, unless
     None, with that ``zero_fill``)."""
     return (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target in (torch.ops.fedopt_C.ragged_bmm.default, torch.ops.fedopt_C.ragged_bmm.out)
+            and node.target is not None and node.target in (_ragged_ops().bmm, _ragged_ops().bmm_out)
             and node.args[3] == dim and (zero_fill is None or bool(node.args[4]) == zero_fill))
 
 
@@ -231,7 +242,7 @@ def _skips_padding(user, node) -> bool:
         return all(_ragged(u, 2) and u.args[0] is user and u.args[1] is not user for u in user.users)
     if user.target is aten.threshold_backward.default and user.args[1] is node and user.args[0] is not node:
         g = user.args[0]
-        return _ragged(g, 1, zero_fill=True) or g.target is torch.ops.fedopt_C.ragged_relu_backward_.default
+        return _ragged(g, 1, zero_fill=True) or g.target is _ragged_ops().relu_backward_
     return False
 
 
@@ -269,8 +280,8 @@ def fused_epilogues(gm) -> int:
     Run after :func:`ragged_products` and :func:`drop_identity_ops` (the ops mutate).
     Returns the number of nodes fused."""
     aten = torch.ops.aten
-    fused_fwd = torch.ops.fedopt_C.ragged_bias_relu_.default
-    fused_bwd = torch.ops.fedopt_C.ragged_relu_backward_.default
+    kernels = _ragged_ops()
+    fused_fwd, fused_bwd = kernels.bias_relu_, kernels.relu_backward_
     graph = gm.graph
     fused = 0
     for node in list(graph.nodes):
@@ -278,7 +289,7 @@ def fused_epilogues(gm) -> int:
             continue
         if node.target is aten.threshold_backward.default and node.args[2] == 0:
             g, h = node.args[0], node.args[1]
-            if _ragged(g, 1, zero_fill=True) and g.target is torch.ops.fedopt_C.ragged_bmm.default \
+            if _ragged(g, 1, zero_fill=True) and g.target is kernels.bmm \
                     and len(g.users) == 1 and isinstance(h, torch.fx.Node) and _same_layout(node, g):
                 with graph.inserting_before(node):
                     new = graph.call_function(fused_bwd, (g, h, g.args[2]))
@@ -293,7 +304,7 @@ def fused_epilogues(gm) -> int:
                 and add.kwargs.get("alpha", 1) == 1 and (not relu or len(add.users) == 1)):
             continue
         r = next((a for a in add.args if _ragged(a, 1, zero_fill=False)
-                  and a.target is torch.ops.fedopt_C.ragged_bmm.default and len(a.users) == 1), None)
+                  and a.target is kernels.bmm and len(a.users) == 1), None)
         b = next((a for a in add.args if a is not r), None) if r is not None else None
         vr = r.meta.get("val") if r is not None else None
         vb = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
@@ -348,7 +359,8 @@ def gradients_into_buffer(gm, slots, numel: int) -> int:
     rows = vals[0].shape[0]
     if any(tuple(v.shape) != (rows, *shape) or v.numel() != rows * k for v, (_, k, shape) in zip(vals, slots)):
         return 0
-    ragged_out = torch.ops.fedopt_C.ragged_bmm.out
+    kernels = _ragged_ops()
+    ragged_out = kernels.bmm_out
     views = (aten.transpose.int, aten.view.default, aten._unsafe_view.default, aten.permute.default,
              aten.alias.default, aten.t.default)
     gm.register_buffer(GRADIENT_BUFFER, torch.zeros(rows, numel, dtype=vals[0].dtype), persistent=False)
@@ -361,7 +373,7 @@ def gradients_into_buffer(gm, slots, numel: int) -> int:
         while producer.op == "call_function" and producer.target in views and len(producer.users) == 1:
             producer = producer.args[0]
         pval = producer.meta.get("val") if isinstance(producer, torch.fx.Node) else None
-        direct = (producer.op == "call_function" and producer.target is torch.ops.fedopt_C.ragged_bmm.default
+        direct = (producer.op == "call_function" and kernels.bmm is not None and producer.target is kernels.bmm
                   and len(producer.users) == 1 and isinstance(pval, torch.Tensor) and pval.is_contiguous()
                   and val.is_contiguous() and pval.numel() == val.numel())
         with graph.inserting_before(producer if direct else output):

@@ -1,10 +1,12 @@
 """Public functional ops: validate input, pick a backend, call it.
 
 See :func:`nar_step_`, :func:`nar_step_groups_`, :func:`nar_step_batched_`, :func:`aggregate`,
-:func:`weighted_sum`, :func:`client_dots` and :func:`server_update_`.  Under
-``torch.compile`` each op is one opaque ``torch.library`` custom op
-(``torch.ops.fedopt.*``).  :func:`ragged_bmm` is the batched simulator's matrix
-product over ragged batches (CPU; it runs inside the engine's traced graphs).
+:func:`weighted_sum`, :func:`client_dots` and :func:`server_update_`.  Every op
+reaches its backend's kernel through one dispatcher (``_dispatch.kernel``); under
+``torch.compile`` each is one opaque ``torch.library`` op (``torch.ops.fedopt_C.routed_*``,
+registered with the C++ ops' fakes in :mod:`fedopt_kernels.backends.library`).
+:func:`ragged_bmm` is the batched simulator's matrix product over ragged batches (CPU;
+it runs inside the engine's traced graphs).
 """
 
 from .aggregate import AggregateStats, aggregate, client_dots

@@ -1,13 +1,20 @@
-"""Where an op's call goes: the ONE place that chooses between eager mode and ``torch.compile``.
+"""Where an op's call goes: the ONE route from the ops layer to a kernel, and the one place
+that chooses between eager mode and ``torch.compile``.
 
 Every public op validates its input, then asks :func:`kernel` for the callable of one
 backend op and calls it with the backend contract's arguments
-(:mod:`fedopt_kernels.backends`):
+(:mod:`fedopt_kernels.backends`) -- the FedNAR steps, the aggregation and its noise,
+the server step, the robust aggregators' ``coordinate_select`` and ``client_gram``, and
+the batched engine's ragged products alike; nothing above the backends calls a kernel
+or a ``torch.ops`` op any other way:
 
 * eager, that callable is the backend's own method -- no dispatcher round trip;
-* under ``torch.compile`` it is the op's ``torch.library`` custom op (:mod:`._library`),
-  one opaque node of the graph, with the backend's NAME as its ``backend`` argument (a
-  graph cannot hold the backend object).
+* under ``torch.compile`` it is the op's routed form ``fedopt_C::routed_<op>``
+  (:mod:`fedopt_kernels.backends.library`, the one registration of the namespace), one
+  opaque node of the graph, with the backend's NAME as its ``backend`` argument (a
+  graph cannot hold the backend object).  The ragged products and the ``*_pieces``
+  forms have no routed form: they are called eagerly (the C++ ragged ops are nodes
+  of the batched engine's own traced graphs, with their fake kernels).
 
 Clients given as :class:`~fedopt_kernels.ops.ClientPieces` are read in place, eager, by a
 backend's ``<op>_pieces`` where it has one, else stacked once; a custom-op node takes
@@ -23,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import backends
-from . import _library
+from ..backends import library
 from .client_pieces import ClientPieces
 
 __all__ = ["kernel"]
@@ -33,7 +40,7 @@ def kernel(op: str, backend: Optional[str], device: torch.device) -> Callable:
     """The callable that runs backend op ``op`` (a name of :data:`_EAGER`) of
     ``backend`` (a name or None: resolved as :func:`backends.resolve` does) on
     ``device``.  Resolving raises if the backend cannot run there."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and op in _COMPILED:
         custom, name = _COMPILED[op], backends.resolve_name(backend, device.type)
         return lambda *args: custom(*args, backend=name)
     return _EAGER[op](backends.resolve(backend, device))
@@ -104,30 +111,42 @@ _EAGER = {
     "add_noise_": _method("add_noise_"),
     "client_dots": _rows_op("client_dots"),
     "weighted_sum": lambda impl: lambda rows, weights, gamma: _WeightedSum.apply(weights, gamma, impl, rows),
+    "coordinate_select": _rows_op("coordinate_select"),
+    "client_gram": _rows_op("client_gram"),
+    # the batched engine's ragged products (the cpu and reference backends)
+    "ragged_bmm": _method("ragged_bmm"),
+    "ragged_bmm_out": _method("ragged_bmm_out"),
+    "ragged_bmm_blas": _method("ragged_bmm_blas"),
+    "ragged_bias_relu_": _method("ragged_bias_relu_"),
+    "ragged_relu_backward_": _method("ragged_relu_backward_"),
 }
 
 
-def _rows_only(op: str, custom):
-    """A custom op over clients: rows (a list or one ``[C, N]`` tensor), never pieces."""
+def _rows_only(op: str):
+    """The routed form of an op over clients: rows (a list or one ``[C, N]`` tensor,
+    passed as the schema's ``Tensor[]``), never pieces."""
+    custom = library.routed(op)
 
     def call(rows, *args, **kwargs):
         if isinstance(rows, ClientPieces):
             raise TypeError(f"{op}: clients given as ClientPieces cannot be traced by torch.compile; pass the [C, N] "
                             "rows instead (ClientPieces.stack())")
-        return custom(rows, *args, **kwargs)
+        return custom([rows] if isinstance(rows, torch.Tensor) else list(rows), *args, **kwargs)
 
     return call
 
 
-# op -> its custom op, called with the contract's arguments and the backend's name
+# op -> its routed form, called with the contract's arguments and the backend's name
 _COMPILED = {
-    "nar_step_": _library.nar_step_op,
-    "nar_step_batched_": _library.nar_step_batched_op,
-    "nar_sq_norm": _library.nar_sq_norm_op,
-    "nar_apply_": _library.nar_apply_op,
-    "server_update_": _library.server_update_op,
-    "aggregate": _rows_only("aggregate", _library.aggregate_op),
-    "add_noise_": _library.add_noise_op,
-    "client_dots": _rows_only("client_dots", _library.client_dots_op),
-    "weighted_sum": _rows_only("weighted_sum", _library.weighted_sum_op),
+    "nar_step_": library.routed("nar_step_"),
+    "nar_step_batched_": library.routed("nar_step_batched_"),
+    "nar_sq_norm": library.routed("nar_sq_norm"),
+    "nar_apply_": library.routed("nar_apply_"),
+    "server_update_": library.routed("server_update_"),
+    "aggregate": _rows_only("aggregate"),
+    "add_noise_": library.routed("add_noise_"),
+    "client_dots": _rows_only("client_dots"),
+    "weighted_sum": _rows_only("weighted_sum"),
+    "coordinate_select": _rows_only("coordinate_select"),
+    "client_gram": _rows_only("client_gram"),
 }

@@ -28,44 +28,52 @@ says which applies, so callers can keep ``bmm``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["ragged_bmm", "ragged_bmm_uses_blas"]
+from .. import backends
+from . import _dispatch
+
+__all__ = ["ragged_bmm", "ragged_bmm_uses_blas", "RaggedGraphOps", "ragged_graph_ops"]
 
 _DIMS = (1, 2, 3)
+_CPU = torch.device("cpu")
 
 
-def _has_cpu_op() -> bool:
-    from ..backends import _extensions
-
-    return _extensions.load("_C") is None
+def _backend(device) -> str:
+    """The backend of the ragged ops on ``device``: ``cpu`` (csrc/cpu/ragged_bmm.cpp)
+    where its extension runs, else ``reference`` (a loop of ``@``)."""
+    device = torch.device(device)
+    return "cpu" if device.type == "cpu" and backends.why_unavailable("cpu", device) is None else "reference"
 
 
 def ragged_bmm_uses_blas(dtype: torch.dtype, device) -> bool:
     """Whether :func:`ragged_bmm` runs on BLAS for ``dtype`` on ``device`` (CPU
     float32/float64 with the CPU extension and a torch linked to a BLAS)."""
-    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64) and _has_cpu_op()
-            and bool(torch.ops.fedopt_C.ragged_bmm_blas(dtype)))
+    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
+            and _backend(device) == "cpu" and _dispatch.kernel("ragged_bmm_blas", "cpu", _CPU)(dtype))
 
 
-def _reference(a, b, lengths, dim, zero_fill):
-    out = torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    for i, n in enumerate(lengths.tolist()):
-        if n == 0:
-            continue
-        if dim == 1:
-            out[i, :n] = a[i, :n] @ b[i]
-            if not zero_fill:
-                out[i, n:] = out[i, :1]
-        elif dim == 2:
-            out[i] = a[i, :, :n] @ b[i, :n]
-        else:
-            out[i, :, :n] = a[i] @ b[i, :, :n]
-            if not zero_fill:
-                out[i, :, n:] = out[i, :, :1]
-    return out
+class RaggedGraphOps(NamedTuple):
+    """The CPU backend's ragged kernels as the targets of graph nodes (op overloads),
+    for the batched engine's passes over its traced graphs (fl/graph_passes.py):
+    ``bmm(a, b, lengths, dim, zero_fill)`` (:func:`ragged_bmm`), ``bmm_out`` (the same
+    with ``out=``), ``bias_relu_(x, bias, lengths, relu)`` and
+    ``relu_backward_(grad, output, lengths)`` (csrc/cpu/ragged_epilogues.cpp)."""
+
+    bmm: object
+    bmm_out: object
+    bias_relu_: object
+    relu_backward_: object
+
+
+def ragged_graph_ops() -> Optional[RaggedGraphOps]:
+    """:class:`RaggedGraphOps`, or None where the CPU extension does not run."""
+    if _backend(_CPU) != "cpu":
+        return None
+    return RaggedGraphOps(*(_dispatch.kernel(op, "cpu", _CPU) for op in
+                            ("ragged_bmm", "ragged_bmm_out", "ragged_bias_relu_", "ragged_relu_backward_")))
 
 
 def ragged_bmm(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, dim: int, *,
@@ -106,9 +114,7 @@ def ragged_bmm(a: torch.Tensor, b: torch.Tensor, lengths: torch.Tensor, dim: int
             raise ValueError(f"ragged_bmm: out must be a {a.dtype} tensor of shape {(C, M, N)} on {a.device} with "
                              f"contiguous, non-overlapping rows and matrices, got "
                              f"{(out.dtype, tuple(out.shape), out.stride()) if isinstance(out, torch.Tensor) else out}")
-    if a.device.type == "cpu" and _has_cpu_op():
-        if out is None:
-            return torch.ops.fedopt_C.ragged_bmm(a, b, lengths, dim, bool(zero_fill))
-        return torch.ops.fedopt_C.ragged_bmm.out(a, b, lengths, dim, bool(zero_fill), out=out)
-    result = _reference(a, b, lengths, dim, zero_fill)
-    return result if out is None else out.copy_(result)
+    name = _backend(a.device)
+    if out is None:
+        return _dispatch.kernel("ragged_bmm", name, a.device)(a, b, lengths, dim, bool(zero_fill))
+    return _dispatch.kernel("ragged_bmm_out", name, a.device)(a, b, lengths, dim, bool(zero_fill), out=out)

@@ -5,7 +5,7 @@ bounding.  Definitions and sources: python_ref/robust.py (the float64 oracle).
 How each is computed (``C`` clients of ``N`` values, ``m`` of them kept):
 
 * **median, trimmed mean** -- one backend op, ``coordinate_select``
-  (:mod:`fedopt_kernels.backends.robust`): one pass over the clients per coordinate,
+  (:mod:`fedopt_kernels.backends`): one pass over the clients per coordinate,
   the ``m`` kept values sorted in registers / local memory in the acc dtype (fp32 for
   fp16/bf16 data), reduced in a fixed order (deterministic).  Unweighted, as [Yin18]
   defines them.
@@ -39,7 +39,10 @@ them out; for Krum, Multi-Krum and Bulyan they count among the ``f`` faulty clie
 ``C`` before anything is read or written; what depends on the data (how many clients
 were left out) is decided on the device, and :attr:`RobustStats.bound_met` says whether
 the rule's bound still held.  No host sync anywhere (the CPU backend reads its small
-flags on the host, which is the host).
+flags on the host, which is the host).  Every kernel is reached through the ops layer's
+one dispatcher, so under ``torch.compile`` (``fullgraph=True``) a rule is one graph
+whose kernels are the routed ops ``fedopt_C::routed_coordinate_select``,
+``routed_client_gram`` and ``routed_aggregate``.
 """
 
 from __future__ import annotations
@@ -49,22 +52,17 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import backends
-from ..backends import robust as robust_backends
-from . import validation as V
+from ..backends.gram import GRAM_ACC_OPS, GRAM_BATCH, GRAM_BLOCK, GRAM_CHUNK  # noqa: F401 - the bounds' constants
+from . import _dispatch, validation as V
 from .aggregate import aggregate_runner, check_clients, check_out, check_weights
 from .client_pieces import ClientPieces
 
 __all__ = ["RobustStats", "client_gram", "reads_pieces", "coordinate_median", "trimmed_mean", "krum", "multi_krum",
            "bulyan", "geometric_median", "centered_clip", "norm_bounded_mean"]
 
-GRAM_CHUNK = 1 << 15  # columns per float64 block of the reference backend's Gram pass (C x 32K doubles)
-# The other backends' Gram blocks (the CPU kernel's kGramBlock; triton, cuda: one batched
-# product of GRAM_BATCH such blocks at a time, each block summed in the acc dtype)
-GRAM_BLOCK = 256
-GRAM_BATCH = 128
-# Roundings in the acc dtype that a term x_ik x_jk of the CPU kernel's Gram matrix goes
-# through (csrc/cpu/robust_kernels.h): fp32 acc 10, fp64 acc 13
-GRAM_ACC_OPS = {torch.float32: 10, torch.float64: 13}
+# coordinate_select's modes (the backend contract: fedopt_kernels.backends)
+MODE_TRIM = 0  # mean of the sorted values [k, m - k)
+MODE_CLOSEST = 1  # mean of the `count` values closest to the median
 NORM_EPS = 1e-6  # norm-bound epsilon, as aggregate's max_client_norm
 
 
@@ -113,8 +111,7 @@ def _check_int(value, name: str, *, low: int, high: Optional[int] = None, why: s
 
 def _backend_name(backend, device) -> str:
     V.check_backend(backend)
-    backends.resolve(backend, device)  # raises if it cannot run here (and loads it)
-    return backends.resolve_name(backend, device.type)
+    return backends.resolve_name(backend, device.type)  # raises if it cannot run here
 
 
 def reads_pieces(backend: Optional[str], device: torch.device) -> bool:
@@ -132,48 +129,6 @@ def _rows(clients, backend=None, *, pieces_ok: bool = True):
     if isinstance(rows, ClientPieces) and not (pieces_ok and reads_pieces(backend, device)):
         rows = rows.stacked()
     return rows, C, N, dtype, device
-
-
-def _row_block(X, j0: int, j1: int, dtype=torch.float64) -> torch.Tensor:
-    if isinstance(X, torch.Tensor):
-        return X[:, j0:j1].to(dtype)
-    return torch.stack([r[j0:j1] for r in X]).to(dtype)
-
-
-def _symmetric(G: torch.Tensor) -> torch.Tensor:
-    return torch.triu(G) + torch.triu(G, 1).T
-
-
-def _gram_float64(X, N: int, K: int, extra, device) -> torch.Tensor:
-    """The reference backend's Gram matrix: float64 products of float64 blocks."""
-    G = torch.zeros(K, K, dtype=torch.float64, device=device)
-    for j0 in range(0, N, GRAM_CHUNK):
-        j1 = min(N, j0 + GRAM_CHUNK)
-        blk = _row_block(X, j0, j1)
-        if extra is not None:
-            blk = torch.cat([blk, extra[j0:j1].double()[None]])
-        G += blk @ blk.T
-    return _symmetric(G)
-
-
-def _gram_blocks(X, N: int, K: int, extra, acc, device) -> torch.Tensor:
-    """Triton's and CUDA's Gram matrix (and the CPU's with an ``extra`` of another
-    dtype): each block of :data:`GRAM_BLOCK` columns in the acc dtype by one batched
-    product of :data:`GRAM_BATCH` blocks, the blocks' ``[K, K]`` results added in
-    float64.  Any order of a block's sum: ``|error| <= (gamma_256(u_acc) + gamma_n(2^-53))
-    sum_k |x_ik x_jk|``."""
-    G = torch.zeros(K, K, dtype=torch.float64, device=device)
-    step = GRAM_BLOCK * GRAM_BATCH
-    for j0 in range(0, N, step):
-        j1 = min(N, j0 + step)
-        nb = -(-(j1 - j0) // GRAM_BLOCK)
-        blk = torch.zeros(K, nb * GRAM_BLOCK, dtype=acc, device=device)
-        blk[:K - (extra is not None), :j1 - j0] = _row_block(X, j0, j1, acc)
-        if extra is not None:
-            blk[K - 1, :j1 - j0] = extra[j0:j1]
-        B = blk.view(K, nb, GRAM_BLOCK).transpose(0, 1)
-        G += torch.bmm(B, B.transpose(1, 2)).double().sum(dim=0)
-    return _symmetric(G)
 
 
 def client_gram(clients, extra: Optional[torch.Tensor] = None, *, float64_products: bool = False,
@@ -194,7 +149,7 @@ def client_gram(clients, extra: Optional[torch.Tensor] = None, *, float64_produc
       the number of blocks plus chunks (csrc/cpu/robust_kernels.h); an ``extra`` of
       another dtype than the clients takes the next form.
     * ``triton``, ``cuda``: the same blocks by batched products on the device
-      (:func:`_gram_blocks`; ``k = 256``).
+      (:func:`~fedopt_kernels.backends.gram.gram_blocks`; ``k = 256``).
 
     ``float64_products``: the blocks in float64 instead of the acc dtype (products of
     fp32/fp16/bf16 values exact, ``k = 13`` roundings of ``2^-53``: a float64 Gram's
@@ -208,23 +163,11 @@ def client_gram(clients, extra: Optional[torch.Tensor] = None, *, float64_produc
     digits (by the 2^-24 of fp32 on the CPU, where float64 lost them by 2^-53)."""
     X, C, N, dtype, device = check_clients(clients)
     name = _backend_name(backend, device)
-    K = C + (extra is not None)
-    exact = bool(float64_products)
-    if name == "cpu" and (extra is None or extra.dtype == dtype):
+    if extra is not None:  # one more row, of its own dtype (a backend's kernel may not take it: then torch's form)
         if isinstance(X, ClientPieces):
-            if extra is None:
-                return torch.ops.fedopt_C.client_gram_pieces(X.flat(), X.num_pieces, X.subtract_from, exact)
             X = X.stacked()
-        if extra is None:
-            rows = [X.contiguous()] if isinstance(X, torch.Tensor) else list(X)
-        else:
-            rows = list(X.contiguous() if isinstance(X, torch.Tensor) else X) + [extra.contiguous()]
-        return torch.ops.fedopt_C.client_gram(rows, exact)
-    if isinstance(X, ClientPieces):
-        X = X.stacked()
-    if name == "reference" or exact:
-        return _gram_float64(X, N, K, extra, device)
-    return _gram_blocks(X, N, K, extra, V.acc_dtype(dtype), device)
+        X = list(X.contiguous() if isinstance(X, torch.Tensor) else X) + [extra.contiguous()]
+    return _dispatch.kernel("client_gram", name, device)(X, bool(float64_products))
 
 
 def _gram_parts(G: torch.Tensor):
@@ -293,7 +236,7 @@ def _zero(device):
 def _coordinate(clients, mode: int, count_of, out, backend):
     X, C, N, dtype, device = _rows(clients, backend)
     out = check_out(out, N, dtype, device, who="robust aggregation")
-    run = robust_backends.coordinate_select(_backend_name(backend, device))
+    run = _dispatch.kernel("coordinate_select", _backend_name(backend, device), device)
     keep = torch.ones(C, dtype=torch.bool, device=device)
     bad = run(X, keep, count_of(keep.sum()), mode, out, None)
     # a second pass without the non-finite clients, skipped on the device if none
@@ -307,7 +250,7 @@ def _coordinate(clients, mode: int, count_of, out, backend):
 def coordinate_median(clients, *, out: Optional[torch.Tensor] = None, backend: Optional[str] = None):
     """Coordinate-wise median of the kept clients ([Yin18]; unweighted, the mean of the
     two middle values for an even count).  Returns ``(out, RobustStats)``."""
-    return _coordinate(clients, robust_backends.MODE_TRIM, lambda m: ((m - 1) // 2).clamp_min(0).reshape(1), out,
+    return _coordinate(clients, MODE_TRIM, lambda m: ((m - 1) // 2).clamp_min(0).reshape(1), out,
                        backend)
 
 
@@ -316,7 +259,7 @@ def trimmed_mean(clients, beta: float, *, out: Optional[torch.Tensor] = None, ba
     ``k = floor(beta m)`` largest and smallest of the ``m`` kept values are dropped and
     the rest averaged.  ``beta`` in ``[0, 0.5)``.  Returns ``(out, RobustStats)``."""
     beta = V.check_real(beta, "beta", low=0.0, high=0.5, high_open=True)
-    return _coordinate(clients, robust_backends.MODE_TRIM,
+    return _coordinate(clients, MODE_TRIM,
                        lambda m: torch.floor(m.double() * beta).long().reshape(1), out, backend)
 
 
@@ -370,7 +313,7 @@ def bulyan(clients, f: int, *, out: Optional[torch.Tensor] = None, backend: Opti
     X, C, N, dtype, device = _rows(clients, backend)
     f = _check_f(f, C, 3, 4, "Bulyan")
     out = check_out(out, N, dtype, device, who="robust aggregation")
-    run = robust_backends.coordinate_select(_backend_name(backend, device))
+    run = _dispatch.kernel("coordinate_select", _backend_name(backend, device), device)
     G = client_gram(X, backend=backend)
     kept, Gk = _gram_parts(G)
     D = sq_distances_from_gram(Gk, kept)
@@ -384,7 +327,7 @@ def bulyan(clients, f: int, *, out: Optional[torch.Tensor] = None, backend: Opti
         pick[best] = remaining.any()
         chosen = chosen | pick
     theta = chosen.sum()
-    run(X, chosen, (theta - 2 * f).clamp_min(1).reshape(1), robust_backends.MODE_CLOSEST, out, None)
+    run(X, chosen, (theta - 2 * f).clamp_min(1).reshape(1), MODE_CLOSEST, out, None)
     e = (~kept).sum()
     return out, RobustStats(~kept, chosen, None, e <= f, _zero(device), e == C, torch.diagonal(G).clone())
 

@@ -31,17 +31,19 @@ import triton.language as tl
 
 from .. import _chunks, hyper
 from ..dtypes import acc_dtype
+from ..gram import client_gram  # noqa: F401 - torch's batched products on the device
 from . import _interpreter_compat, _tables
 from ._helpers import HYPER_FLOAT, HYPER_ROW, HYPER_SCALAR
 from .add_noise import add_noise_kernel
 from .aggregate import aggregate_kernel, client_dots_kernel, row_sum_kernel
 from .nar_step import group_sum_kernel, nar_norm_kernel, nar_update_kernel
+from .robust import MAX_CLIENTS, coordinate_select_kernel, tile_shape
 from .server_update import server_update_kernel
 
 _interpreter_compat.install()  # Triton 3.6's interpreter under NumPy >= 2.4 (see there)
 
 __all__ = ["nar_step_", "nar_step_batched_", "nar_sq_norm", "nar_apply_", "aggregate", "client_dots",
-           "server_update_", "add_noise_"]
+           "server_update_", "add_noise_", "coordinate_select", "client_gram"]
 
 TL_DTYPES = {
     torch.float16: tl.float16,
@@ -293,10 +295,11 @@ def nar_apply_(params, grads, momentum_buffers, sq_norm, lr, lr_tensor, weight_d
     return tuple(t.reshape(()) for t in stats)
 
 
-def nar_step_batched_(X, G, B, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm, mode, momentum,
-                      grad_scale, found_inf):
+def nar_step_batched_(params, grads, momentum_buffers, lr, lr_tensor, weight_decay, weight_decay_tensor, max_norm,
+                      mode, momentum, grad_scale, found_inf):
     """Row-wise FedNAR on contiguous ``[C, N]`` tensors (no table); ``[C]`` stats (contract)."""
-    B = B if momentum != 0.0 else None
+    X, G = params, grads
+    B = momentum_buffers if momentum != 0.0 else None
     with _on(X.device):
         return _run_nar(_rows_work(X, G, B), X.dtype, X.device, lr, lr_tensor, weight_decay, weight_decay_tensor,
                         max_norm, int(mode), float(momentum), grad_scale, found_inf, per_row=True)
@@ -446,3 +449,21 @@ def add_noise_(out, noise_key, noise_std, noise_std_tensor, skip=None):
             ACC=TL_DTYPES[acc], STD_KIND=s_kind, HAS_SKIP=skip is not None, BLOCK=block, num_warps=warps,
             # the noise rounds every operation itself (_noise.py); nothing else here to contract
             enable_fp_fusion=False)
+
+
+def coordinate_select(clients, keep, count, mode, out, skip):
+    X = clients if isinstance(clients, torch.Tensor) else torch.stack(list(clients))
+    C, N = X.shape
+    if C > MAX_CLIENTS:
+        raise ValueError(f"the triton backend's coordinate_select takes at most {MAX_CLIENTS} clients, got {C}")
+    cp, block = tile_shape(C)
+    nblk = max(1, -(-N // block))
+    bad = torch.zeros(C, nblk, dtype=torch.int8, device=X.device)
+    if N == 0:
+        return bad.any(dim=1)
+    with _on(X.device):
+        coordinate_select_kernel[(nblk,)](
+            X, keep, count.reshape(1), out, bad, skip if skip is not None else keep, C, N, nblk,
+            ACC=TL_DTYPES[acc_dtype(X.dtype)], CP=cp, BLOCK=block, MODE=int(mode), HAS_SKIP=skip is not None,
+            num_warps=4)
+    return bad.any(dim=1)

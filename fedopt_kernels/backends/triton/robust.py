@@ -1,4 +1,4 @@
-"""Triton kernel of ``coordinate_select`` (contract: :mod:`fedopt_kernels.backends.robust`;
+"""Triton kernel of ``coordinate_select`` (contract: :mod:`fedopt_kernels.backends`;
 oracle: python_ref/robust.py): the coordinate-wise median, beta-trimmed mean and
 Bulyan's closest-to-median mean, one pass over the kept clients.
 

@@ -66,22 +66,30 @@ def gencode_flags() -> list[str]:
     return flags
 
 
-def build_command(nvcc: str, out: Path) -> list[str]:
+def build_command(nvcc: str, out: Path, family: str | None = None) -> list[str]:
     # The flags of the extension's nvcc build (setup.py; torch adds --expt-relaxed-constexpr).
-    return [nvcc, "-std=c++20", "-O3", "-lineinfo", "--expt-relaxed-constexpr", "-cudart", "shared", "--no-compress",
+    only = [f'-DFEDOPT_HARNESS_FAMILY="{family}"'] if family else []
+    return [nvcc, *only, "-std=c++20", "-O3", "-lineinfo", "--expt-relaxed-constexpr", "-cudart", "shared", "--no-compress",
             f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}", *gencode_flags(),
-            str(SOURCE), "-o", str(out), "-ldl"]
+            str(SOURCE), "-o", str(out)]
 
 
-def build() -> Path:
-    """The harness binary, built once per distinct source and command."""
+def split() -> bool:
+    """``FEDOPT_HARNESS_SPLIT=1``: one binary per kernel family (for a simulator, which
+    parses a program's whole PTX at every start: one family's is several times faster)."""
+    return os.environ.get("FEDOPT_HARNESS_SPLIT", "0") == "1"
+
+
+def build(family: str | None = None) -> Path:
+    """The harness binary (of one ``family`` only, when given), built once per distinct
+    source and command."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("no nvcc (FEDOPT_NVCC, /usr/local/cuda-13.0, CUDA_HOME, PATH)")
     h = hashlib.sha256()
     for p in DEPENDS:
         h.update(p.name.encode() + b"\0" + p.read_bytes())
-    h.update(" ".join(build_command(nvcc, Path("X"))).encode())
+    h.update(" ".join(build_command(nvcc, Path("X"), family)).encode())
     out_dir = ROOT / "build" / "gpu_harness" / h.hexdigest()[:16]
     binary = out_dir / "gpu_harness"
     if binary.exists():
@@ -91,7 +99,7 @@ def build() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not binary.exists():
             tmp = out_dir / f"gpu_harness.tmp{os.getpid()}"
-            r = subprocess.run(build_command(nvcc, tmp), capture_output=True, text=True)
+            r = subprocess.run(build_command(nvcc, tmp, family), capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
             os.replace(tmp, binary)
@@ -132,8 +140,9 @@ def probe(binary: Path, scratch: str) -> tuple[bool, str]:
                            timeout=300)
     except subprocess.TimeoutExpired:
         return False, "gpu_harness --probe timed out"
-    said = (r.stdout + r.stderr).strip().splitlines()
-    return r.returncode == 0, (said[-1] if said else f"exit {r.returncode}")
+    # the harness's own line (a simulator prints much else around it)
+    said = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith(("device ", "gpu_harness"))]
+    return r.returncode == 0, (said[-1] if said else f"exit {r.returncode}: {(r.stdout + r.stderr)[-500:]}")
 
 
 class HarnessError(RuntimeError):
@@ -144,7 +153,7 @@ class Runner:
     """Writes cases under ``root`` and runs them; ``seconds`` adds up the runs' wall time."""
 
     def __init__(self, binary: Path, root: Path):
-        self.binary, self.root = binary, root
+        self.binary, self.root = binary, root  # split(): binaries per family, built as needed
         self.count = 0
         self.seconds = 0.0
 
@@ -175,7 +184,8 @@ class Runner:
         for name, data in (files or {}).items():
             (d / name).write_bytes(data)
         t0 = time.perf_counter()
-        r = subprocess.run(_command(self.binary, str(d)), capture_output=True, text=True, env=runtime_env(), cwd=d,
+        binary = build(keys["kernel"]) if split() else self.binary
+        r = subprocess.run(_command(binary, str(d)), capture_output=True, text=True, env=runtime_env(), cwd=d,
                            timeout=600)
         self.seconds += time.perf_counter() - t0
         if r.returncode != 0:

@@ -14,16 +14,15 @@
 // (tests/_gpu_harness.py) computes the expected values with python_ref.
 //
 // Families (`kernel` key): nar, aggregate, client_dots, add_noise, server_update,
-// coordinate_select, and triton (a Triton kernel's AOT-compiled PTX or cubin, loaded
-// with the driver API's cuModuleLoadData and launched with cuLaunchKernel; libcuda is
-// opened with dlopen, so the other families also run where only a runtime exists).
+// coordinate_select, and triton (a Triton kernel's AOT-compiled PTX, loaded with the
+// driver API's cuModuleLoadData and launched with cuLaunchKernel, both asked of the
+// runtime: no libcuda is linked, so a simulator's runtime is enough).
 //
 // Exit status: 0 ok, 1 a CUDA error or a changed guard, 2 a malformed case, 3 no
 // device (or, for triton, no driver API): the message says which.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 
 #include <chrono>
 #include <cstdint>
@@ -35,6 +34,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fedopt/chunks.h"
@@ -574,9 +574,10 @@ void run_coordinate_select(const Case& c, Arrays& A, cudaStream_t stream) {
 
 // ------------------------------------------------------------------------- Triton (driver API)
 
-// The few driver entry points the triton family needs, opened at run time: the harness
-// links only the (shared) runtime, so that a simulator's libcudart is all it needs for
-// the other families.
+// The few driver entry points the triton family needs, asked of the runtime
+// (cudaGetDriverEntryPointByVersion): the harness links only the shared libcudart, so
+// the same binary runs on a GPU and on a simulator that provides a runtime but no
+// libcuda.
 struct Driver {
   using CUresult = int;
   using CUmodule = void*;
@@ -589,34 +590,37 @@ struct Driver {
   CUresult (*ModuleUnload)(CUmodule) = nullptr;
 
   Driver() {
-    const char* lib = std::getenv("FEDOPT_HARNESS_LIBCUDA");
-    void* h = dlopen(lib != nullptr ? lib : "libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (h == nullptr) h = dlopen("libcuda.so", RTLD_NOW | RTLD_GLOBAL);
-    if (h == nullptr) throw NoDevice(std::string("the triton family needs the driver API: ") + dlerror());
-    load(h, ModuleLoadData, "cuModuleLoadData");
-    load(h, ModuleGetFunction, "cuModuleGetFunction");
-    load(h, FuncSetAttribute, "cuFuncSetAttribute");
-    load(h, LaunchKernel, "cuLaunchKernel");
-    load(h, ModuleUnload, "cuModuleUnload");
+    load(ModuleLoadData, "cuModuleLoadData", true);
+    load(ModuleGetFunction, "cuModuleGetFunction", true);
+    load(LaunchKernel, "cuLaunchKernel", true);
+    load(FuncSetAttribute, "cuFuncSetAttribute", false);  // only for > 48 KiB of shared memory
+    load(ModuleUnload, "cuModuleUnload", false);
   }
   template <typename F>
-  static void load(void* h, F& f, const char* name) {
-    f = reinterpret_cast<F>(dlsym(h, name));
-    if (f == nullptr) throw NoDevice(std::string("the driver library lacks ") + name);
+  static void load(F& f, const char* name, bool required) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+      cudaGetLastError();  // a missing optional entry point leaves no sticky error behind
+      if (required) throw NoDevice(std::string("the runtime gives no driver entry point ") + name);
+      return;
+    }
+    f = reinterpret_cast<F>(p);
   }
   static void ok(CUresult r, const std::string& what) {
     if (r != 0) throw CudaFailure(what + ": CUresult " + std::to_string(r));
   }
 };
 
-// `module FILE` (PTX or cubin, relative to the case), `name`, `grid gx gy gz`, `block
+// `module FILE` (PTX text, relative to the case), `name`, `grid gx gy gz`, `block
 // threads`, `shared bytes`; `array NAME BYTES [PAD [out]]` lines declare the device
 // arrays (in_NAME.bin, at PAD bytes of misalignment; `out` writes them back), then one
 // `arg` line per kernel parameter in order: `arg ptr NAME` (the array's address as a
 // pointer), `arg addr NAME` (the same address as an i64: kernels that rebuild pointers
 // from integers), `arg i32 V`, `arg i64 V`, `arg f32 V`, `arg f64 V`, `arg null` (a null
 // pointer: Triton's scratch parameters when the kernel needs no scratch).
-void run_triton(const Case& c, Arrays& A, cudaStream_t stream) {
+void run_triton(const Case& c, Arrays& A) {
   check(cudaFree(nullptr), "creating the runtime's context");  // the primary context, current
   const Driver drv;
   std::ifstream f(c.dir() + "/" + c.str("module"), std::ios::binary);
@@ -628,8 +632,10 @@ void run_triton(const Case& c, Arrays& A, cudaStream_t stream) {
   Driver::CUfunction fn = nullptr;
   Driver::ok(drv.ModuleGetFunction(&fn, mod, c.str("name").c_str()), "cuModuleGetFunction " + c.str("name"));
   const int shared = static_cast<int>(c.i64("shared", 0));
-  if (shared > 48 * 1024)  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+  if (shared > 48 * 1024) {  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+    if (drv.FuncSetAttribute == nullptr) throw NoDevice("no cuFuncSetAttribute for > 48 KiB of shared memory");
     Driver::ok(drv.FuncSetAttribute(fn, 8, shared), "cuFuncSetAttribute");
+  }
 
   std::map<std::string, DevArray*> arrays;
   std::vector<std::string> outs;
@@ -678,24 +684,40 @@ void run_triton(const Case& c, Arrays& A, cudaStream_t stream) {
   if (grid.size() != 3) throw CaseError("grid gx gy gz");
   Driver::ok(drv.LaunchKernel(fn, static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
                               static_cast<unsigned>(grid[2]), static_cast<unsigned>(c.i64("block")), 1, 1,
-                              static_cast<unsigned>(shared), stream, params.data(), nullptr),
+                              static_cast<unsigned>(shared), /*stream=*/nullptr, params.data(), nullptr),
              "cuLaunchKernel " + c.str("name"));
-  check(cudaStreamSynchronize(stream), "triton kernel");
+  check(cudaDeviceSynchronize(), "triton kernel");
   for (const auto& name : outs) A.write_out(name);
-  drv.ModuleUnload(mod);
+  if (drv.ModuleUnload != nullptr) drv.ModuleUnload(mod);
 }
 
 // ------------------------------------------------------------------------- main
 
+// Which families this binary holds (FEDOPT_HARNESS_FAMILY, one family's name, set by
+// tests/_gpu_harness.py when FEDOPT_HARNESS_SPLIT=1): a simulator parses the whole PTX
+// of a program at every start, so one family per binary makes each start several times
+// cheaper.  Without it, every family.
+#ifdef FEDOPT_HARNESS_FAMILY
+#define FEDOPT_HARNESS_HAS(f) (std::string_view(FEDOPT_HARNESS_FAMILY) == f)
+#else
+#define FEDOPT_HARNESS_HAS(f) true
+#endif
+
 template <typename scalar_t>
 void run_family(const std::string& kernel, const Case& c, Arrays& A, cudaStream_t stream) {
-  if (kernel == "nar") return run_nar<scalar_t>(c, A, stream);
-  if (kernel == "aggregate") return run_aggregate<scalar_t>(c, A, stream);
-  if (kernel == "client_dots") return run_client_dots<scalar_t>(c, A, stream);
-  if (kernel == "add_noise") return run_add_noise<scalar_t>(c, A, stream);
-  if (kernel == "server_update") return run_server_update<scalar_t>(c, A, stream);
-  if (kernel == "coordinate_select") return run_coordinate_select<scalar_t>(c, A, stream);
-  throw CaseError("unknown kernel family " + kernel);
+  if constexpr (FEDOPT_HARNESS_HAS("nar"))
+    if (kernel == "nar") return run_nar<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("aggregate"))
+    if (kernel == "aggregate") return run_aggregate<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("client_dots"))
+    if (kernel == "client_dots") return run_client_dots<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("add_noise"))
+    if (kernel == "add_noise") return run_add_noise<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("server_update"))
+    if (kernel == "server_update") return run_server_update<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("coordinate_select"))
+    if (kernel == "coordinate_select") return run_coordinate_select<scalar_t>(c, A, stream);
+  throw CaseError("kernel family '" + kernel + "' is not built into this binary");
 }
 
 void need_device() {
@@ -728,7 +750,8 @@ int run(int argc, char** argv) {
   {
     Arrays A(c);
     if (kernel == "triton") {
-      run_triton(c, A, stream);
+      if constexpr (!FEDOPT_HARNESS_HAS("triton")) throw CaseError("the triton family is not built into this binary");
+      run_triton(c, A);
     } else {
       const std::string dtype = c.str("dtype");
       if (dtype == "fp32")

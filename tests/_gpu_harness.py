@@ -69,7 +69,8 @@ def gencode_flags() -> list[str]:
 def build_command(nvcc: str, out: Path, family: str | None = None) -> list[str]:
     # The flags of the extension's nvcc build (setup.py; torch adds --expt-relaxed-constexpr).
     only = [f'-DFEDOPT_HARNESS_FAMILY="{family}"'] if family else []
-    return [nvcc, *only, "-std=c++20", "-O3", "-lineinfo", "--expt-relaxed-constexpr", "-cudart", "shared", "--no-compress",
+    return [nvcc, *only, "-std=c++20", "-O3", "-lineinfo", "--expt-relaxed-constexpr", "-cudart", "shared",
+            "--no-compress",
             f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc' / 'cuda'}", *gencode_flags(),
             str(SOURCE), "-o", str(out)]
 

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import _gpu_harness as H
-from _contract import Backend, acc_of, assert_bitwise, bits, assert_norms_close, assert_stats_close, assert_values_close
+from _contract import (Backend, acc_of, assert_bitwise, assert_norms_close, assert_stats_close, assert_values_close,
+                       bits, ulp)
 from _server_update_oracle import server_update_exact
 
 from fedopt_kernels.backends.robust import coordinate_select
@@ -453,7 +454,8 @@ def run_triton(run, compiled: dict, grid: int, arrays: list, args: list, outputs
                 block=32 * compiled["num_warps"], shared=compiled["shared"])
     inputs = dict(arrays)
     lines = [[n, t.numel() * t.element_size(), 0, *(["out"] if n in outputs else [])] for n, t in arrays]
-    return run.run(keys, inputs, outputs, args=args + [["null"]] * extra, files={"kernel.ptx": compiled["ptx"].encode()},
+    return run.run(keys, inputs, outputs, args=args + [["null"]] * extra,
+                   files={"kernel.ptx": compiled["ptx"].encode()},
                    arrays=lines)
 
 
@@ -547,6 +549,59 @@ def test_triton_nar_norm_rows_compiled(run, dtype, record_property):
             with open(report, "a") as f:
                 f.write(f"nar_norm_kernel {dtype} sm_{arch}: compiled vs interpreter ulps per chunk {diff.tolist()}\n")
         assert int(diff.max()) <= 4, diff.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_aggregate_compiled(run, dtype):
+    """Triton's aggregate_kernel ([C, N] clients, gamma a float) as compiled for the
+    device: out against python_ref under the CUDA rules, and against the interpreter's
+    out: the compiled sum contracts w * x + s into FMAs (the contract allows it on a
+    GPU), so the two differ by rounding errors of the size of the terms, eps(acc) *
+    gamma * sum_i |w_i x_i| (many ulps of a sum that cancels to near 0): within 4 of
+    those plus 1 ulp of the out dtype; the ulp counts are recorded."""
+    import fedopt_kernels.backends.triton as TB
+    from fedopt_kernels.backends import _chunks
+
+    acc = acc_of(dtype)
+    C, N, gamma = 5, 4099, 0.9
+    X = randn((C, N), dtype, 31)
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.75], dtype=acc)
+    block, warps, nblk = TB.aggregate_tiling(N, dtype)
+    assert _chunks.rows_misalignment([X.data_ptr()]) == 0, "aligned like the device arrays"
+    want = torch.full((N,), 7.0, dtype=dtype)
+    REF.aggregate(X, w, gamma, want, None)
+    interp = torch.full((N,), 7.0, dtype=dtype)
+    Backend("triton", CPU).aggregate(X, w, gamma, interp, None)
+    assert_values_close(GPU, interp, want)
+    a, d = "*" + TRITON_TY[acc], "*" + TRITON_TY[dtype]
+    for arch in triton_archs(run):
+        compiled = aot(dict(module="fedopt_kernels.backends.triton.aggregate", kernel="aggregate_kernel",
+                            types=dict(ctab_ptr=a, w_ptr=a, out_ptr=d, part_ptr=a, skip_ptr=a, gamma_ptr=a, std_ptr=a,
+                                       gamma_value="fp64", std_value="fp64", noise_key="i64", x_base="i64", C="i64",
+                                       N="i64", nblk="i64", mis="i64"),
+                            constexprs=dict(DTYPE=TRITON_TY[dtype], ESIZE=TB.ESIZES[dtype], ACC=TRITON_TY[acc],
+                                            TWO_D=True, HAS_SKIP=False, GAMMA_KIND=0, NOISE=False, STD_KIND=0,
+                                            BLOCK=block),
+                            aligned=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "skip_ptr", "gamma_ptr", "std_ptr"],
+                            warps=warps, arch=arch))
+        part = torch.zeros((C + 1) * nblk, dtype=acc)
+        got = run_triton(run, compiled, nblk, [["part", part], ["w", w], ["out", torch.full((N,), 7.0, dtype=dtype)],
+                                               ["X", X]],
+                         [["ptr", "part"], ["ptr", "w"], ["ptr", "out"], ["ptr", "part"], ["ptr", "part"],
+                          ["ptr", "part"], ["ptr", "part"], ["f64", gamma], ["f64", 0.0], ["i64", 0], ["addr", "X"],
+                          ["i64", C], ["i64", N], ["i64", nblk], ["i64", 0]],
+                         dict(out=(dtype, (N,))))["out"]
+        assert_values_close(GPU, got, want)
+        diff = ulps(got, interp)
+        report = os.environ.get("FEDOPT_HARNESS_REPORT")
+        if report:
+            with open(report, "a") as f:
+                f.write(f"aggregate_kernel {dtype} sm_{arch}: compiled vs interpreter: max {int(diff.max())} ulp, "
+                        f"{int((diff > 0).sum())} of {N} elements differ\n")
+        terms = gamma * (w.double().abs()[:, None] * X.double().abs()).sum(0)
+        tol = 4 * torch.finfo(acc).eps * terms + ulp(want, dtype)
+        excess = (got.double() - interp.double()).abs() - tol
+        assert float(excess.max()) <= 0, float(excess.max())
 
 
 TRITON_TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}

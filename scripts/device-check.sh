@@ -12,6 +12,10 @@
 #   selftest --device cuda           every op x backend against python_ref / fp64
 #   pytest-gpu                       the cuda / triton cases of the test suite
 #   sanitizer-memcheck               compute-sanitizer on the kernels' edge cases
+#   gpu-harness                      tools/gpu_harness: every CUDA kernel family through its
+#                                    torch-free launcher, and compiled Triton PTX, against
+#                                    python_ref (tests/test_gpu_harness.py), each run under
+#                                    compute-sanitizer memcheck; built with this GPU's SASS
 #   bench                            kernels vs torch's anchors, fraction of HBM peak,
 #                                    launches per step; the batched simulator on CUDA
 #                                    against the CPU engine
@@ -239,8 +243,9 @@ line="$(last_line selftest '^fedopt selftest on')"
 [ -n "$line" ] && result "$line"
 
 WORKERS=$((JOBS < 8 ? JOBS : 8))
+# (tests/test_gpu_harness.py has its own step below, under compute-sanitizer.)
 step pytest-gpu gpu 240 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -k "cuda or triton" \
-    -n "$WORKERS" --dist loadfile --junitxml="$OUT/pytest-gpu.xml" tests
+    -n "$WORKERS" --dist loadfile --junitxml="$OUT/pytest-gpu.xml" --ignore=tests/test_gpu_harness.py tests
 line="$(last_line pytest-gpu '(passed|failed|error)')"
 [ -n "$line" ] && result "pytest-gpu: $line"
 
@@ -264,6 +269,16 @@ for tool in $TOOLS; do
         "${SANITIZER:-compute-sanitizer}" --tool "$tool" --error-exitcode 99 "$PY" scripts/sanitizer_driver.py \
         --device cuda
 done
+
+# The harness: SASS for this GPU (the code a GPU runs, not the PTX a simulator runs),
+# every run of it under memcheck.  Its tests skip, saying why, where it cannot run.
+HARNESS_ARCHS="sm_${ARCH//./} ${ARCH//./}"
+[ -z "$ARCH" ] && HARNESS_ARCHS=90
+step gpu-harness gpu 240 env FEDOPT_HARNESS_ARCHS="$HARNESS_ARCHS" \
+    FEDOPT_HARNESS_WRAPPER="${SANITIZER:-compute-sanitizer} --tool memcheck --error-exitcode 99" \
+    "$PY" -m pytest -q -p no:cacheprovider -rs -n "$WORKERS" tests/test_gpu_harness.py
+line="$(last_line gpu-harness '(passed|failed|error)')"
+[ -n "$line" ] && result "gpu-harness: $line"
 
 QUICK="--quick"
 [ "$PROFILE" = full ] && QUICK=""

@@ -24,9 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device-check.sh"
-LEASE_GPU_STEPS = ["selftest", "pytest-gpu", "sanitizer-memcheck", "bench", "bench-triton"]
+LEASE_GPU_STEPS = ["selftest", "pytest-gpu", "sanitizer-memcheck", "gpu-harness", "bench", "bench-triton"]
 FULL_GPU_STEPS = ["selftest", "pytest-gpu", "nvidia-smi-q", "pytest-readme", "sanitizer-memcheck",
-                  "sanitizer-racecheck", "sanitizer-initcheck", "bench", "bench-triton"]
+                  "sanitizer-racecheck", "sanitizer-initcheck", "gpu-harness", "bench", "bench-triton"]
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real thing: make device-check")
 
@@ -73,7 +73,7 @@ def test_without_a_gpu_the_gpu_steps_skip_and_the_cpu_parts_pass(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     status = _status(summary)
     assert status == {"env": "ok", "info": "ok", **{s: "SKIP(no CUDA)" for s in LEASE_GPU_STEPS}}, summary
-    assert "7 steps, 0 failed, 5 skipped" in summary and "dry run" in summary
+    assert "8 steps, 0 failed, 6 skipped" in summary and "dry run" in summary
     assert summary in p.stdout
     files = sorted(f.name for f in out.iterdir())
     assert files == ["info.json", "logs.tar.gz", "summary.txt"], files

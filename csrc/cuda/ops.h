@@ -10,6 +10,8 @@
 #include <optional>
 #include <tuple>
 
+#include "kernels/aggregate_tiling.h"
+
 namespace fedopt {
 namespace cuda {
 
@@ -52,14 +54,8 @@ void server_update_(at::TensorList params, at::TensorList updates, at::TensorLis
 
 // Host-side launch decisions, exposed for the diagnostic ops of module.cpp (tests).
 
-// The aggregation's tile shape for N columns of `esize`-byte clients (aggregate.cu's
-// header comment has the rule): `threads` x `vectors` 16-byte vectors per tile of
-// `columns` columns, `tiles` tiles, `blocks` = min(tiles, 1024).
-struct AggTiling {
-  int threads, vectors;
-  int64_t columns, tiles, blocks;
-};
-AggTiling aggregate_tiling(int64_t n, int64_t esize);
+// The aggregation's tiling rule (struct AggTiling, aggregate_tiling(n, esize)):
+// kernels/aggregate_tiling.h, included above.
 
 // nar_step_'s finalize threshold: a group with more partials than this gets the
 // one-block-per-group sum pass (fedopt::kMaxRedundantPartials, or the environment

@@ -1,26 +1,7 @@
-// CUDA kernel of fedopt_C::coordinate_select (schema and semantics:
-// csrc/registration.cpp; the CPU twin: csrc/cpu/robust_select.cpp; oracle:
-// python_ref/robust.py).
-//
-// One pass over the kept clients: thread j owns column j.  It reads the kept clients'
-// values of that column in client order (adjacent threads read adjacent columns of each
-// row: coalesced) and inserts each into a sorted array in local memory (an insertion
-// sort: stable, no comparisons across threads), then reduces the sorted values exactly
-// as the CPU kernel does -- mode 0: the mean of v[k .. m-k) with k = min(count,
-// (m-1)/2); mode 1: the mean of the `count` values closest to the median, found by
-// dropping the farther end (the upper one on a tie).  Sums run in ascending order in
-// the acc dtype: deterministic, independent of the launch shape.
-//
-// A kept client holding a NaN/Inf is flagged with an integer atomicOr (the flags are
-// exact whatever the order).  `keep`, `count` and `skip` are read on the device: no
-// host sync.  The local array holds kMaxClients values: more clients are refused by
-// name (the ops layer checks C first).
-//
-// Not tuned: insertion sort costs O(m^2) per column, which for m = 20 is a few hundred
-// instructions per element -- measured on no GPU here (this machine has none); a
-// register sorting network per warp is the obvious next step.
+// The ATen binding of fedopt_C::coordinate_select on CUDA: argument checks, the [C, N]
+// stack of a list, the flags tensor, then launch_coordinate_select.  The kernel and its
+// trade-offs: csrc/cuda/kernels/robust_select.cuh.
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -28,88 +9,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <limits>
 #include <optional>
+
+#include "fedopt/cuda_aten.h"
+#include "kernels/robust_select.cuh"
 
 namespace fedopt {
 namespace cuda {
 namespace {
-
-constexpr int kSelectThreads = 256;
-
-template <int MAXC, typename scalar_t, typename acc_t, typename out_t>
-__global__ void coordinate_select_kernel(const scalar_t* __restrict__ X, const bool* __restrict__ keep,
-                                         const int64_t* __restrict__ count_ptr, int mode, int64_t C, int64_t N,
-                                         out_t* __restrict__ out, int* __restrict__ bad,
-                                         const bool* __restrict__ skip) {
-  if (skip != nullptr && *skip) return;
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= N) return;
-  const acc_t big = std::numeric_limits<acc_t>::max();
-  acc_t v[MAXC];
-  int64_t m = 0;
-  for (int64_t i = 0; i < C; ++i) {
-    if (!keep[i]) continue;
-    const acc_t x = static_cast<acc_t>(X[i * N + j]);
-    if (!(fabs(x) <= big)) atomicOr(bad + i, 1);
-    int64_t p = m;
-    while (p > 0 && x < v[p - 1]) {
-      v[p] = v[p - 1];
-      --p;
-    }
-    v[p] = x;
-    ++m;
-  }
-  const int64_t count = *count_ptr;
-  acc_t res = 0;
-  if (m > 0 && mode == 0) {
-    const int64_t k = count < (m - 1) / 2 ? count : (m - 1) / 2;
-    for (int64_t i = k; i < m - k; ++i) res += v[i];
-    res /= static_cast<acc_t>(m - 2 * k);
-  } else if (m > 0) {
-    const int64_t beta = count < 1 ? 1 : (count > m ? m : count);
-    const acc_t med = m % 2 ? v[(m - 1) / 2] : (v[m / 2 - 1] + v[m / 2]) / acc_t(2);
-    int64_t lo = 0, hi = m - 1;
-    while (hi - lo + 1 > beta) {
-      if (fabs(v[lo] - med) > fabs(v[hi] - med)) {
-        ++lo;
-      } else {
-        --hi;
-      }
-    }
-    for (int64_t i = lo; i <= hi; ++i) res += v[i];
-    res /= static_cast<acc_t>(beta);
-  }
-  out[j] = static_cast<out_t>(res);
-}
-
-constexpr int64_t kMaxClients = 1024;
-
-template <int MAXC, typename scalar_t, typename acc_t, typename out_t>
-void launch(const at::Tensor& X, const at::Tensor& keep, const at::Tensor& count, int mode, const at::Tensor& out,
-            const at::Tensor& bad, const bool* skip) {
-  const int64_t C = X.size(0), N = X.size(1);
-  const int64_t blocks = (N + kSelectThreads - 1) / kSelectThreads;
-  coordinate_select_kernel<MAXC, scalar_t, acc_t, out_t>
-      <<<blocks, kSelectThreads, 0, c10::cuda::getCurrentCUDAStream(X.device().index()).stream()>>>(
-          X.const_data_ptr<scalar_t>(), keep.const_data_ptr<bool>(), count.const_data_ptr<int64_t>(), mode, C, N,
-          out.data_ptr<out_t>(), bad.data_ptr<int>(), skip);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename scalar_t, typename out_t>
-void launch_sized(const at::Tensor& X, const at::Tensor& keep, const at::Tensor& count, int mode,
-                  const at::Tensor& out, const at::Tensor& bad, const bool* skip) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t C = X.size(0);
-  if (C <= 32) {
-    launch<32, scalar_t, acc_t, out_t>(X, keep, count, mode, out, bad, skip);
-  } else if (C <= 128) {
-    launch<128, scalar_t, acc_t, out_t>(X, keep, count, mode, out, bad, skip);
-  } else {
-    launch<kMaxClients, scalar_t, acc_t, out_t>(X, keep, count, mode, out, bad, skip);
-  }
-}
 
 at::Tensor coordinate_select_cuda(at::TensorList clients, const at::Tensor& keep, const at::Tensor& count,
                                   int64_t mode, const at::Tensor& out, const std::optional<at::Tensor>& skip) {
@@ -143,12 +50,19 @@ at::Tensor coordinate_select_cuda(at::TensorList clients, const at::Tensor& keep
   at::Tensor bad = at::zeros({C}, X.options().dtype(at::kInt));
   if (N > 0) {
     const bool out_acc = out.scalar_type() != dtype;
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(X.device().index()).stream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "coordinate_select", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
+      using acc_t = acc_type<scalar_t>;
+      const scalar_t* x = X.const_data_ptr<scalar_t>();
+      const bool* k = keep.const_data_ptr<bool>();
+      const int64_t* n = count.const_data_ptr<int64_t>();
+      int* b = bad.data_ptr<int>();
+      const int m = static_cast<int>(mode);
       if (out_acc) {
-        launch_sized<scalar_t, acc_t>(X, keep, count, static_cast<int>(mode), out, bad, skip_ptr);
+        C10_CUDA_CHECK(launch_coordinate_select<scalar_t>(x, k, n, m, C, N, out.data_ptr<acc_t>(), b, skip_ptr, stream));
       } else {
-        launch_sized<scalar_t, scalar_t>(X, keep, count, static_cast<int>(mode), out, bad, skip_ptr);
+        C10_CUDA_CHECK(
+            launch_coordinate_select<scalar_t>(x, k, n, m, C, N, out.data_ptr<scalar_t>(), b, skip_ptr, stream));
       }
     });
   }

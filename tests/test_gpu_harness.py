@@ -1,0 +1,607 @@
+"""The CUDA kernels executed without torch: tools/gpu_harness runs each kernel family
+through its host launcher (csrc/cuda/kernels/*.cuh) on whatever CUDA runtime is loaded
+-- a GPU's, or a PTX simulator's named by ``FEDOPT_CUDA_SIM_ENV`` (tests/_gpu_harness.py
+says how) -- and the results are held to python_ref under the backend contract's rules
+for the CUDA backend (tests/_contract.py): values within torch's default tolerance of
+the dtype, norms within 2e-5, and bit for bit where the contract promises bits (the
+DP noise, the server update, a skipped step, the finalize pass, nar_apply_ after
+nar_sq_norm).
+
+``test_harness_builds`` runs wherever nvcc exists (CI has it): the harness compiles
+against the launchers alone (no torch header) and carries PTX for every requested arch.
+Every other test needs a runtime with a device and skips, saying why, without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import _gpu_harness as H
+from _contract import (Backend, acc_of, assert_bitwise, assert_norms_close, assert_stats_close, assert_values_close,
+                       bits, ulp)
+from _server_update_oracle import server_update_exact
+
+from fedopt_kernels.backends.robust import coordinate_select
+from python_ref import gaussian_noise as noise_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+# The CUDA backend's tolerances, for results that come back as CPU tensors.
+GPU = SimpleNamespace(name="cuda", device=torch.device("cpu"))
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def binary():
+    if H.find_nvcc() is None:
+        pytest.skip("no nvcc: the harness cannot be built here (FEDOPT_NVCC, /usr/local/cuda-13.0, CUDA_HOME, PATH)")
+    return H.build("add_noise") if H.split() else H.build()  # split: the families are built as the cases need them
+
+
+def test_harness_builds(binary):
+    """nvcc builds the harness from the launchers alone (no torch header), with the PTX of
+    every arch asked for and every kernel family in it, and the program starts:
+    ``--probe`` answers 0 (a device) or 3 (none), or the loader finds no libcudart at all
+    (127) -- never a crash."""
+    image = binary.read_bytes()
+    for a in H.archs():
+        if not a.startswith("sm_"):
+            assert f".target sm_{a}".encode() in image, a
+    kernels = (b"nar_norm_kernel", b"nar_update_kernel", b"nar_group_sum_kernel", b"rows_kernel",
+               b"finalize_rows_kernel", b"add_noise_kernel", b"server_update_kernel", b"coordinate_select_kernel")
+    for kernel in kernels if not H.split() else (b"add_noise_kernel",):
+        assert kernel in image, kernel
+    includes = re.findall(r"^#include\s*[<\"]([^>\"]+)", "".join(p.read_text() for p in H.DEPENDS), re.M)
+    assert includes and not [i for i in includes if i.split("/")[0] in ("ATen", "torch", "c10")], includes
+    # (in this process's environment: a simulator's needs its files, which the cases get)
+    r = subprocess.run([str(binary), "--probe"], capture_output=True, text=True, timeout=300)
+    assert r.returncode in (0, 3, 127), (r.returncode, r.stdout, r.stderr)
+
+
+@pytest.fixture(scope="module")
+def run(binary, tmp_path_factory):
+    ok, said = H.probe(binary, str(tmp_path_factory.mktemp("probe")))
+    if not ok:
+        pytest.skip(f"no CUDA runtime that can run kernels here ({said}): run on a GPU, or name a simulator's "
+                    "environment with FEDOPT_CUDA_SIM_ENV (tests/_gpu_harness.py)")
+    runner = H.Runner(binary, tmp_path_factory.mktemp("cases"))
+    runner.device = said
+    yield runner
+    report = os.environ.get("FEDOPT_HARNESS_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(f"{said}: {runner.count} harness runs, {runner.seconds:.1f} s\n")
+
+
+REF = Backend("reference", CPU)
+
+
+def randn(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def name(dtype):
+    return H.DTYPE_NAMES[dtype]
+
+
+# ----------------------------------------------------------------------------- FedNAR
+
+NAR_HYPER = dict(weight_decay=0.01, max_norm=20.0)
+
+
+def nar_rows(run, dtype, mode, momentum, C, N, *, lr=0.1, seed=0):
+    """nar_step_batched_ on [C, N] through the harness and python_ref."""
+    acc = acc_of(dtype)
+    X, G, B = randn((C, N), dtype, seed), randn((C, N), dtype, seed + 1), randn((C, N), dtype, seed + 2)
+    rows_scale = torch.linspace(0.05, 1.0, C, dtype=torch.float64)[:, None]  # some rows clipped, some not
+    G = (G.double() * rows_scale).to(dtype)
+    lr_t = lr if isinstance(lr, float) else lr.to(acc)
+    Xr, Gr, Br = X.clone(), G.clone(), B.clone()
+    st = REF.nar_step_batched_(Xr, Gr, Br if momentum else None, lr_t, NAR_HYPER["weight_decay"],
+                               NAR_HYPER["max_norm"], mode, momentum, None, None)
+    keys = dict(kernel="nar", dtype=name(dtype), layout="rows", phase="step", C=C, N=N, numel=C * N, mode=mode,
+                lr=lr if isinstance(lr, float) else 0.0, momentum=momentum, **NAR_HYPER)
+    inputs = dict(x=X, g=G)
+    if momentum:
+        inputs["b"] = B
+    if not isinstance(lr, float):
+        inputs["lr"], keys["lr_numel"] = lr_t, C
+    outs = dict(x=(dtype, (C, N)), norm=(acc, (C,)), scale=(acc, (C,)), skipped=(torch.bool, (C,)))
+    if momentum:
+        outs["b"] = (dtype, (C, N))
+    got = run.run(keys, inputs, outs)
+    assert_values_close(GPU, got["x"], Xr)
+    if momentum:
+        assert_values_close(GPU, got["b"], Br)
+    assert_stats_close(GPU, SimpleNamespace(norm=got["norm"], scale=got["scale"], skipped=got["skipped"]),
+                       _stats(st), dtype, shape=(C,))
+    assert not got["skipped"].any()
+    return got
+
+
+def _stats(st):
+    norm, scale, skipped = st
+    return SimpleNamespace(norm=norm, scale=scale, skipped=skipped)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["co", "grad", "none"])
+def test_nar_rows(run, dtype, mode):
+    """[C, N] rows of 4099 elements: 3 chunks per row (2048, 2048 and a masked tail of
+    3), rows whose byte size is not a multiple of 16 (fp32, fp16, bf16: aligned and
+    misaligned rows, the 16-byte and the scalar body), momentum in mode co, a per-row lr
+    tensor in mode grad."""
+    lr = torch.linspace(0.05, 0.2, 3, dtype=torch.float64) if mode == 1 else 0.1
+    nar_rows(run, dtype, mode, 0.9 if mode == 0 else 0.0, 3, 4099, lr=lr)
+
+
+# A list of tensors at element offsets of one flat buffer: misaligned starts, an empty
+# tensor, a single element, a tail chunk.
+LIST_SIZES = [5000, 1, 0, 2053, 77]
+LIST_OFFSETS = [1, 5003, 5005, 5009, 7070]
+LIST_NUMEL = 7200
+
+
+def nar_list_inputs(dtype, seed=0):
+    flat = [randn((LIST_NUMEL,), dtype, seed + k) for k in range(3)]
+    flat[1] = (flat[1].double() * 0.3).to(dtype)
+    return flat
+
+
+def views(flat):
+    return [flat[o:o + n] for o, n in zip(LIST_OFFSETS, LIST_SIZES)]
+
+
+def nar_list_run(run, dtype, flat, *, phase="step", mode=0, momentum=0.9, finalize=0, extra=None, inputs=None):
+    acc = acc_of(dtype)
+    keys = dict(kernel="nar", dtype=name(dtype), layout="list", phase=phase, numel=LIST_NUMEL, sizes=LIST_SIZES,
+                offsets=LIST_OFFSETS, mode=mode, lr=0.1, momentum=momentum, finalize=finalize, **NAR_HYPER)
+    keys.update(extra or {})
+    ins = dict(x=flat[0], g=flat[1])
+    if momentum:
+        ins["b"] = flat[2]
+    ins.update(inputs or {})
+    outs = dict(x=(dtype, (LIST_NUMEL,)), norm=(acc, (1,)), scale=(acc, (1,)), skipped=(torch.bool, (1,)))
+    if momentum:
+        outs["b"] = (dtype, (LIST_NUMEL,))
+    return run.run(keys, ins, outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nar_list_step_finalize_and_the_two_passes(run, dtype):
+    """nar_step_ over a list (one group of 5 chunks, misaligned views, the gaps between
+    them untouched) against python_ref; the finalize pass and nar_sq_norm + nar_apply_
+    give the same bits as the plain step."""
+    flat = nar_list_inputs(dtype)
+    ref = [t.clone() for t in flat]
+    st = REF.nar_step_(views(ref[0]), views(ref[1]), views(ref[2]), 0.1, NAR_HYPER["weight_decay"],
+                       NAR_HYPER["max_norm"], 0, 0.9, None, None)
+    got = nar_list_run(run, dtype, flat)
+    assert_values_close(GPU, got["x"], ref[0])
+    assert_values_close(GPU, got["b"], ref[2])
+    assert_stats_close(GPU, SimpleNamespace(norm=got["norm"][0], scale=got["scale"][0], skipped=got["skipped"][0]),
+                       _stats(st), dtype)
+    fin = nar_list_run(run, dtype, flat, finalize=1)
+    assert_bitwise([fin[k] for k in ("x", "b", "norm", "scale")], [got[k] for k in ("x", "b", "norm", "scale")],
+                   "finalize pass vs redundant combine")
+    sq = nar_list_run(run, dtype, flat, phase="norm")["norm"]
+    assert_norms_close(GPU, sq[0], REF.nar_sq_norm(views(flat[0]), views(flat[1]), NAR_HYPER["weight_decay"], 0,
+                                                   None), dtype)
+    applied = nar_list_run(run, dtype, flat, phase="apply", inputs=dict(sq=sq))
+    assert_bitwise([applied[k] for k in ("x", "b", "norm", "scale")], [got[k] for k in ("x", "b", "norm", "scale")],
+                   "nar_apply_(nar_sq_norm) vs nar_step_")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nar_list_grad_scale_and_found_inf(run, dtype):
+    """A GradScaler scale (read on the device) against python_ref; found_inf set: the
+    step is skipped and no bit of params or buffers changes."""
+    acc = acc_of(dtype)
+    flat = nar_list_inputs(dtype, seed=5)
+    ref = [t.clone() for t in flat]
+    gs = torch.tensor([4.0], dtype=acc)
+    st = REF.nar_step_(views(ref[0]), views(ref[1]), views(ref[2]), 0.1, NAR_HYPER["weight_decay"],
+                       NAR_HYPER["max_norm"], 1, 0.9, gs.reshape(()), None)
+    got = nar_list_run(run, dtype, flat, mode=1, inputs=dict(grad_scale=gs))
+    assert_values_close(GPU, got["x"], ref[0])
+    assert_stats_close(GPU, SimpleNamespace(norm=got["norm"][0], scale=got["scale"][0], skipped=got["skipped"][0]),
+                       _stats(st), dtype)
+    skipped = nar_list_run(run, dtype, flat, extra=dict(found_kind=1),
+                           inputs=dict(found_inf=torch.tensor([1.0], dtype=torch.float32)))
+    assert bool(skipped["skipped"][0])
+    assert_bitwise([skipped["x"], skipped["b"]], [flat[0], flat[2]], "found_inf: nothing written")
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def agg_run(run, dtype, X, w, *, layout, out_acc, gamma=0.9, gamma_tensor=False, skip=None, noise=None, offset=0):
+    C, N = X.shape
+    acc = acc_of(dtype)
+    out_dtype = acc if out_acc else dtype
+    keys = dict(kernel="aggregate", dtype=name(dtype), C=C, N=N, layout=layout, out_acc=out_acc,
+                gamma=0.0 if gamma_tensor else gamma, offset_X=offset, offset_out=offset)
+    ins = dict(X=X, w=w, out=torch.full((N,), 7.0, dtype=out_dtype))
+    if gamma_tensor:
+        ins["gamma"] = torch.tensor([gamma], dtype=acc)
+    if skip is not None:
+        ins["skip"] = torch.tensor([skip])
+    if noise is not None:
+        keys["noise_key"], keys["noise_std"] = noise
+    got = run.run(keys, ins, dict(out=(out_dtype, (N,)), sq_norms=(acc, (C,)), sq_norm=(acc, ())))
+    return got
+
+
+# One column; 33 fp32 blocks of 32 x 1 tiles with a masked tail; 256 x 2 tiles (not on a
+# simulator, where 37 clients of 70001 columns take minutes per dtype).
+AGG_SIZES = [1, 4099] + ([] if os.environ.get("FEDOPT_CUDA_SIM_ENV") else [70001])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["2d", "list"])
+def test_aggregate(run, dtype, layout):
+    """out = gamma * sum_i w_i X_i and the norms against python_ref: a zero weight on a
+    client holding NaN (never multiplied), 37 clients (two batches of 32), misaligned
+    list clients and out, out in the data and the acc dtype, gamma as a tensor."""
+    acc = acc_of(dtype)
+    for N in AGG_SIZES:
+        for C, out_acc in ((5, False), (37, True)):
+            X = randn((C, N), dtype, N + C)
+            X[1, N // 2] = float("nan")
+            w = torch.linspace(0.1, 1.0, C, dtype=acc)
+            w[1] = 0.0
+            offset = 1 if layout == "list" else 0
+            got = agg_run(run, dtype, X, w, layout=layout, out_acc=out_acc, gamma_tensor=out_acc, offset=offset)
+            out = torch.full((N,), 7.0, dtype=acc if out_acc else dtype)
+            clients = X if layout == "2d" else [X[i].clone() for i in range(C)]
+            q, Q = REF.aggregate(clients, w, torch.tensor(0.9, dtype=acc) if out_acc else 0.9, out, None)
+            assert_values_close(GPU, got["out"], out)
+            assert_norms_close(GPU, got["sq_norms"], q, dtype)
+            assert_norms_close(GPU, got["sq_norm"], Q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_aggregate_skip_and_noise(run, dtype):
+    """skip: out untouched, zero norms.  DP noise: the noiseless sum (acc) plus
+    python_ref's noise, rounded once, bit for bit; the norms those without noise."""
+    acc = acc_of(dtype)
+    N, C = 4099, 5
+    X = randn((C, N), dtype, 11)
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.75], dtype=acc)
+    skipped = agg_run(run, dtype, X, w, layout="2d", out_acc=False, skip=True)
+    assert_bitwise(skipped["out"], torch.full((N,), 7.0, dtype=dtype), "skip: out untouched")
+    assert_bitwise([skipped["sq_norms"], skipped["sq_norm"]], [torch.zeros(C, dtype=acc), torch.zeros((), dtype=acc)])
+    plain = agg_run(run, dtype, X, w, layout="2d", out_acc=True)
+    key, std = 2**40 + 17, 0.6
+    noisy = agg_run(run, dtype, X, w, layout="list", out_acc=False, noise=(key, std))
+    want = (plain["out"] + torch.tensor(std, dtype=acc) * noise_ref.noise(key, N).to(acc)).to(dtype)
+    assert_bitwise(noisy["out"], want, "aggregate with noise")
+    assert_bitwise([noisy["sq_norms"], noisy["sq_norm"]], [plain["sq_norms"], plain["sq_norm"]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_client_dots(run, dtype):
+    acc = acc_of(dtype)
+    for N, g_acc, layout in ((4099, False, "2d"), (AGG_SIZES[-1], True, "list"), (1, False, "list")):
+        C = 6
+        X, g = randn((C, N), dtype, N), randn((N,), acc if g_acc else dtype, N + 1)
+        got = run.run(dict(kernel="client_dots", dtype=name(dtype), C=C, N=N, layout=layout, g_acc=g_acc,
+                           offset_X=1 if layout == "list" else 0),
+                      dict(X=X, g=g), dict(dots=(acc, (C,))))
+        assert_norms_close(GPU, got["dots"], REF.client_dots(X if layout == "2d" else list(X), g), dtype,
+                           atol=1e-5 * float(N) ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_noise(run, dtype):
+    """out += std * normal(key, j), bit for bit python_ref's, std a float or a tensor;
+    skip leaves out untouched."""
+    acc = acc_of(dtype)
+    key = 12345
+    for N in (1, 17, 4099):
+        for std_tensor in (False, True):
+            out = randn((N,), dtype, N)
+            keys = dict(kernel="add_noise", dtype=name(dtype), N=N, noise_key=key,
+                        noise_std=0.0 if std_tensor else 0.37, offset_out=N % 2)
+            ins = dict(out=out)
+            if std_tensor:
+                ins["noise_std"] = torch.tensor([0.37], dtype=acc)
+            got = run.run(keys, ins, dict(out=(dtype, (N,))))["out"]
+            want = (out.to(acc) + torch.tensor(0.37, dtype=acc) * noise_ref.noise(key, N).to(acc)).to(dtype)
+            assert_bitwise(got, want, f"add_noise N={N}")
+    out = randn((99,), dtype, 3)
+    got = run.run(dict(kernel="add_noise", dtype=name(dtype), N=99, noise_key=key, noise_std=1.0),
+                  dict(out=out, skip=torch.tensor([True])), dict(out=(dtype, (99,))))["out"]
+    assert_bitwise(got, out, "add_noise skipped")
+
+
+# ----------------------------------------------------------------------------- server update
+
+SERVER_RULES = {"sgd": (0, False), "momentum": (1, False), "nesterov": (1, True), "adagrad": (2, False),
+                "adam": (3, False), "yogi": (4, False)}
+SERVER_HYPER = dict(lr=0.05, gamma=1.3, beta1=0.9, beta2=0.99, tau=1e-3)  # inexact in fp32
+SERVER_SIZES = [3000, 5, 0, 2051, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule", list(SERVER_RULES))
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "views"])
+def test_server_update(run, dtype, rule, aligned):
+    """Every rule against the exact oracle (each op rounded once, no FMA), bit for bit:
+    chunk-aligned tensors (the 16-byte bodies) or views at odd offsets (the scalar
+    bodies, D misaligned too)."""
+    acc = acc_of(dtype)
+    code, nesterov = SERVER_RULES[rule]
+    step_x = 16 // torch.empty((), dtype=dtype).element_size()
+    step_d = 16 // torch.empty((), dtype=acc).element_size()
+    offs, doffs, o, od = [], [], 0 if aligned else 1, 0 if aligned else 1
+    for n in SERVER_SIZES:
+        if aligned:
+            o, od = -(-o // step_x) * step_x, -(-od // step_d) * step_d
+        offs.append(o)
+        doffs.append(od)
+        o, od = o + n + 1, od + n + 1
+    total, dtotal = o + 1, od + 1
+    g = torch.Generator().manual_seed(code)
+    x = torch.randn(total, generator=g, dtype=torch.float64).to(dtype)
+    d = (torch.randn(dtotal, generator=g, dtype=torch.float64) * 0.3).to(acc)
+    m = (torch.randn(total, generator=g, dtype=torch.float64) * 0.1).to(dtype)
+    v = (torch.rand(total, generator=g, dtype=torch.float64) * 0.05 + 1e-4).to(dtype)
+    d[3::11] = 0.5
+    v[3::11] = 0.25  # Yogi ties: v == d^2 (where the views line up)
+    keys = dict(kernel="server_update", dtype=name(dtype), rule=code, nesterov=nesterov, numel=total, d_numel=dtotal,
+                sizes=SERVER_SIZES, offsets=offs, d_offsets=doffs, **SERVER_HYPER)
+    ins = dict(x=x, d=d)
+    outs = dict(x=(dtype, (total,)))
+    if code >= 1:
+        ins["m"], outs["m"] = m, (dtype, (total,))
+    if code >= 2:
+        ins["v"], outs["v"] = v, (dtype, (total,))
+    got = run.run(keys, ins, outs)
+    want = {"x": x.clone(), "m": m.clone(), "v": v.clone()}
+    for o_, od_, n in zip(offs, doffs, SERVER_SIZES):
+        xs, ms, vs = (t[o_:o_ + n].to(acc) for t in (x, m, v))
+        nx, nm, nv = server_update_exact(code, nesterov, xs, d[od_:od_ + n], ms if code >= 1 else None,
+                                         vs if code >= 2 else None, **SERVER_HYPER)
+        want["x"][o_:o_ + n] = nx.to(dtype)
+        if code >= 1:
+            want["m"][o_:o_ + n] = nm.to(dtype)
+        if code >= 2:
+            want["v"][o_:o_ + n] = nv.to(dtype)
+    for k in outs:
+        assert_bitwise(got[k], want[k], f"{rule} {k}", nan_ok=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_server_update_skip_and_tensor_hyper(run, dtype):
+    """skip (read on the device) writes nothing; lr and gamma as tensors give the bits
+    of the same floats."""
+    acc = acc_of(dtype)
+    n = 4100
+    x, d = randn((n,), dtype, 1), randn((n,), acc, 2, 0.3)
+    base = dict(kernel="server_update", dtype=name(dtype), rule=0, numel=n, d_numel=n, sizes=[n], offsets=[0],
+                d_offsets=[0], **SERVER_HYPER)
+    skipped = run.run(base, dict(x=x, d=d, skip=torch.tensor([True])), dict(x=(dtype, (n,))))["x"]
+    assert_bitwise(skipped, x, "skipped")
+    floats = run.run(base, dict(x=x, d=d), dict(x=(dtype, (n,))))["x"]
+    tensors = run.run(dict(base, lr=0.0, gamma=0.0),
+                      dict(x=x, d=d, lr=torch.tensor([SERVER_HYPER["lr"]], dtype=acc),
+                           gamma=torch.tensor([SERVER_HYPER["gamma"]], dtype=acc)), dict(x=(dtype, (n,))))["x"]
+    assert_bitwise(tensors, floats, "tensor vs float hyperparameters")
+    assert not torch.equal(floats, x)
+
+
+# ----------------------------------------------------------------------------- robust select
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", [0, 1], ids=["trim", "closest"])
+def test_coordinate_select(run, dtype, mode):
+    """The coordinate-wise trimmed mean / closest-to-median mean of the kept clients
+    against the reference; a left-out client's Inf is ignored, a kept client's NaN
+    flagged; 40 clients take the 128-slot kernel, 5 the 32-slot one."""
+    acc = acc_of(dtype)
+    ref_select = coordinate_select("reference")
+    for C, N, count, out_acc in ((5, 1000, 1, False), (40, 777, 7, True)):
+        X = randn((C, N), dtype, C)
+        keep = torch.ones(C, dtype=torch.bool)
+        keep[2] = False
+        X[2, 10] = float("inf")
+        X[3, 20] = float("nan")
+        out_dtype = acc if out_acc else dtype
+        got = run.run(dict(kernel="coordinate_select", dtype=name(dtype), C=C, N=N, mode=mode, out_acc=out_acc),
+                      dict(X=X, keep=keep, count=torch.tensor([count]), out=torch.full((N,), 7.0, dtype=out_dtype)),
+                      dict(out=(out_dtype, (N,)), bad=(torch.int32, (C,))))
+        want = torch.full((N,), 7.0, dtype=out_dtype)
+        flags = ref_select(X, keep, torch.tensor([count]), mode, want, None)
+        assert torch.equal(got["bad"] != 0, flags), (got["bad"], flags)
+        assert_values_close(GPU, got["out"], want)
+
+
+# ----------------------------------------------------------------------------- compiled Triton
+
+def triton_archs(run) -> list[int]:
+    """``FEDOPT_HARNESS_TRITON_ARCHS`` (e.g. ``80 90``), else the device's: sm_90 and up
+    take Triton's sm_90 code, sm_80 to sm_89 its sm_80 code."""
+    if os.environ.get("FEDOPT_HARNESS_TRITON_ARCHS"):
+        return [int(a) for a in os.environ["FEDOPT_HARNESS_TRITON_ARCHS"].split()]
+    m = re.search(r"sm_(\d)(\d)", run.device)
+    return [90 if m and int(m.group(1)) >= 9 else 80]
+
+
+def aot(spec: dict) -> dict:
+    """tests/_triton_aot_case.py in a subprocess without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(H.ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(H.ROOT / "tests" / "_triton_aot_case.py")], input=json.dumps(spec),
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def run_triton(run, compiled: dict, grid: int, arrays: list, args: list, outputs: dict):
+    """Launches the compiled kernel: ``args`` are the kernel's own arguments; the scratch
+    pointers Triton appends (the PTX entry's extra parameters) get null."""
+    extra = len(compiled["params"]) - len(args)
+    assert extra >= 0, (compiled["params"], args)
+    keys = dict(kernel="triton", module="kernel.ptx", name=compiled["name"], grid=[grid, 1, 1],
+                block=32 * compiled["num_warps"], shared=compiled["shared"])
+    inputs = dict(arrays)
+    lines = [[n, t.numel() * t.element_size(), 0, *(["out"] if n in outputs else [])] for n, t in arrays]
+    return run.run(keys, inputs, outputs, args=args + [["null"]] * extra,
+                   files={"kernel.ptx": compiled["ptx"].encode()},
+                   arrays=lines)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of their float dtype (finite values): the
+    sign-magnitude bit patterns mapped onto a monotonic integer line."""
+    def ordered(t):
+        i = bits(t).long()
+        lowest = -(1 << (8 * t.element_size() - 1))
+        return torch.where(i < 0, lowest - i, i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_add_noise_compiled(run, dtype):
+    """Triton's add_noise_kernel as compiled for the device: bit for bit python_ref's
+    noise (the contract of every backend) and the interpreter's result."""
+    import fedopt_kernels.backends.triton as TB
+
+    acc = acc_of(dtype)
+    block, warps = TB.noise_launch_config(dtype)
+    N, key, std = 2 * block + 77, 987654321, 0.37  # two full blocks and a masked tail
+    out = randn((N,), dtype, 4)
+    want = (out.to(acc) + torch.tensor(std, dtype=acc) * noise_ref.noise(key, N).to(acc)).to(dtype)
+    interp = out.clone()
+    Backend("triton", CPU).module.add_noise_(interp, key, std, None)
+    assert_bitwise(interp, want, "interpreter vs python_ref")
+    for arch in triton_archs(run):
+        compiled = aot(dict(module="fedopt_kernels.backends.triton.add_noise", kernel="add_noise_kernel",
+                            types=dict(out_ptr="*" + TRITON_TY[dtype], std_ptr="*" + TRITON_TY[dtype],
+                                       skip_ptr="*" + TRITON_TY[dtype], std_value="fp64", noise_key="i64", N="i64"),
+                            constexprs=dict(ACC=TRITON_TY[acc], STD_KIND=0, HAS_SKIP=False, BLOCK=block),
+                            aligned=["out_ptr", "std_ptr", "skip_ptr"], warps=warps,
+                            options=dict(enable_fp_fusion=False), arch=arch))
+        got = run_triton(run, compiled, -(-N // block), [["out", out]],
+                         [["ptr", "out"], ["ptr", "out"], ["ptr", "out"], ["f64", std], ["i64", key], ["i64", N]],
+                         dict(out=(dtype, (N,))))["out"]
+        assert_bitwise(got, want, f"compiled sm_{arch} vs python_ref")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_nar_norm_rows_compiled(run, dtype, record_property):
+    """Triton's nar_norm_kernel ([C, N] rows, mode co) as compiled for the device: each
+    chunk's partial sum of squares against float64 (rtol 2e-5, 1e-13 for fp64) and
+    against the interpreter's, in ulps of the acc dtype (the compiled code contracts
+    g + wd * x into an FMA and sums in its own tree; the interpreter rounds each numpy
+    op): at most 4 ulps apart, the largest difference recorded."""
+    import importlib
+
+    import fedopt_kernels.backends.triton as TB
+    from fedopt_kernels.backends import _chunks
+
+    NS = importlib.import_module("fedopt_kernels.backends.triton.nar_step")
+    acc = acc_of(dtype)
+    C, N, wd = 3, 4099, 0.01
+    X, G = randn((C, N), dtype, 21), randn((C, N), dtype, 22)
+    chunk = _chunks.chunk_size_for(N)
+    row_chunks = -(-N // chunk)
+    nblock, nwarps = TB.norm_launch_config(dtype)
+    mis = _chunks.rows_misalignment([X.data_ptr(), G.data_ptr()])
+    assert mis == 0, "the CPU tensors must be 16-byte aligned like the device arrays"
+    cx = dict(ESIZE=TB.ESIZES[dtype], MODE=0, WD_KIND=0, HAS_GS=False, ROWS=True, BLOCK=nblock)
+    interp = torch.zeros(C * row_chunks, dtype=acc)
+    NS.nar_norm_kernel[(C * row_chunks,)](interp, interp, interp, interp, interp, wd, X.data_ptr(), G.data_ptr(), N,
+                                          row_chunks, chunk, 0, num_warps=nwarps, DTYPE=TB.TL_DTYPES[dtype],
+                                          ACC=TB.TL_DTYPES[acc], **cx)
+    # float64 oracle per chunk
+    v = G.double() + wd * X.double()
+    exact = torch.stack([(v[r, k * chunk:(k + 1) * chunk] ** 2).sum() for r in range(C) for k in range(row_chunks)])
+    rtol = 1e-13 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(interp.double(), exact, rtol=rtol, atol=0.0)
+    a = "*" + TRITON_TY[acc]
+    for arch in triton_archs(run):
+        compiled = aot(dict(module="fedopt_kernels.backends.triton.nar_step", kernel="nar_norm_kernel",
+                            types=dict(tab_ptr=a, groups_ptr=a, part_ptr=a, wd_ptr=a, gs_ptr=a, wd_value="fp64",
+                                       x_base="i64", g_base="i64", row_len="i64", row_chunks="i64", chunk="i64",
+                                       mis="i64"),
+                            constexprs=dict(cx, DTYPE=TRITON_TY[dtype], ACC=TRITON_TY[acc]),
+                            aligned=["tab_ptr", "groups_ptr", "part_ptr", "wd_ptr", "gs_ptr"], warps=nwarps, arch=arch))
+        part = torch.zeros(C * row_chunks, dtype=acc)
+        got = run_triton(run, compiled, C * row_chunks, [["part", part], ["x", X], ["g", G]],
+                         [["ptr", "part"]] * 5 + [["f64", wd], ["addr", "x"], ["addr", "g"], ["i64", N],
+                                                  ["i64", row_chunks], ["i64", chunk], ["i64", 0]],
+                         dict(part=(acc, (C * row_chunks,))))["part"]
+        torch.testing.assert_close(got.double(), exact, rtol=rtol, atol=0.0)
+        diff = ulps(got, interp)
+        record_property(f"nar_norm_ulps_sm_{arch}", diff.tolist())
+        report = os.environ.get("FEDOPT_HARNESS_REPORT")
+        if report:
+            with open(report, "a") as f:
+                f.write(f"nar_norm_kernel {dtype} sm_{arch}: compiled vs interpreter ulps per chunk {diff.tolist()}\n")
+        assert int(diff.max()) <= 4, diff.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_aggregate_compiled(run, dtype):
+    """Triton's aggregate_kernel ([C, N] clients, gamma a float) as compiled for the
+    device: out against python_ref under the CUDA rules, and against the interpreter's
+    out: the compiled sum contracts w * x + s into FMAs (the contract allows it on a
+    GPU), so the two differ by rounding errors of the size of the terms, eps(acc) *
+    gamma * sum_i |w_i x_i| (many ulps of a sum that cancels to near 0): within 4 of
+    those plus 1 ulp of the out dtype; the ulp counts are recorded."""
+    import fedopt_kernels.backends.triton as TB
+    from fedopt_kernels.backends import _chunks
+
+    acc = acc_of(dtype)
+    C, N, gamma = 5, 4099, 0.9
+    X = randn((C, N), dtype, 31)
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.75], dtype=acc)
+    block, warps, nblk = TB.aggregate_tiling(N, dtype)
+    assert _chunks.rows_misalignment([X.data_ptr()]) == 0, "aligned like the device arrays"
+    want = torch.full((N,), 7.0, dtype=dtype)
+    REF.aggregate(X, w, gamma, want, None)
+    interp = torch.full((N,), 7.0, dtype=dtype)
+    Backend("triton", CPU).aggregate(X, w, gamma, interp, None)
+    assert_values_close(GPU, interp, want)
+    a, d = "*" + TRITON_TY[acc], "*" + TRITON_TY[dtype]
+    for arch in triton_archs(run):
+        compiled = aot(dict(module="fedopt_kernels.backends.triton.aggregate", kernel="aggregate_kernel",
+                            types=dict(ctab_ptr=a, w_ptr=a, out_ptr=d, part_ptr=a, skip_ptr=a, gamma_ptr=a, std_ptr=a,
+                                       gamma_value="fp64", std_value="fp64", noise_key="i64", x_base="i64", C="i64",
+                                       N="i64", nblk="i64", mis="i64"),
+                            constexprs=dict(DTYPE=TRITON_TY[dtype], ESIZE=TB.ESIZES[dtype], ACC=TRITON_TY[acc],
+                                            TWO_D=True, HAS_SKIP=False, GAMMA_KIND=0, NOISE=False, STD_KIND=0,
+                                            BLOCK=block),
+                            aligned=["ctab_ptr", "w_ptr", "out_ptr", "part_ptr", "skip_ptr", "gamma_ptr", "std_ptr"],
+                            warps=warps, arch=arch))
+        part = torch.zeros((C + 1) * nblk, dtype=acc)
+        got = run_triton(run, compiled, nblk, [["part", part], ["w", w], ["out", torch.full((N,), 7.0, dtype=dtype)],
+                                               ["X", X]],
+                         [["ptr", "part"], ["ptr", "w"], ["ptr", "out"], ["ptr", "part"], ["ptr", "part"],
+                          ["ptr", "part"], ["ptr", "part"], ["f64", gamma], ["f64", 0.0], ["i64", 0], ["addr", "X"],
+                          ["i64", C], ["i64", N], ["i64", nblk], ["i64", 0]],
+                         dict(out=(dtype, (N,))))["out"]
+        assert_values_close(GPU, got, want)
+        diff = ulps(got, interp)
+        report = os.environ.get("FEDOPT_HARNESS_REPORT")
+        if report:
+            with open(report, "a") as f:
+                f.write(f"aggregate_kernel {dtype} sm_{arch}: compiled vs interpreter: max {int(diff.max())} ulp, "
+                        f"{int((diff > 0).sum())} of {N} elements differ\n")
+        terms = gamma * (w.double().abs()[:, None] * X.double().abs()).sum(0)
+        tol = 4 * torch.finfo(acc).eps * terms + ulp(want, dtype)
+        excess = (got.double() - interp.double()).abs() - tol
+        assert float(excess.max()) <= 0, float(excess.max())
+
+
+TRITON_TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}

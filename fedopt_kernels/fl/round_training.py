@@ -120,7 +120,9 @@ class RoundTraining:
         self._progress_total = len(clients)
         self._report_progress(round_number, 0)
         if self._chunk is not None:
-            return self._train_chunked(round_number, clients, todo, bad)
+            stats = self._train_chunked(round_number, clients, todo, bad)
+            self._round_nonfinite = stats.nonfinite
+            return stats
         if self._lazy:
             self._round_data(todo)
         try:
@@ -131,6 +133,7 @@ class RoundTraining:
             if self._lazy:
                 self._round_data(None)
         self._report_progress(round_number, len(clients))
+        self._round_nonfinite = stats.nonfinite  # read by the record, only when clients were left out
         return stats
 
     def _report_progress(self, round_number: int, done: int) -> None:
@@ -329,9 +332,11 @@ class RoundTraining:
 def _add_stats(total: RoundStats, part: RoundStats) -> None:
     """``part``'s sums into ``total`` (a chunked round's statistics)."""
     for a, b in ((total.loss_sum, part.loss_sum), (total.clipped, part.clipped),
-                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped)):
+                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped),
+                 (total.uncounted, part.uncounted)):
         a += b
     total.steps += part.steps
+    total.nonfinite += part.nonfinite
 
 
 def _snapshot(stats: RoundStats) -> tuple:

@@ -63,6 +63,7 @@ import copy
 import logging
 import platform
 import time
+import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -74,7 +75,8 @@ from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vect
 from .attacks import Attack
 from .batched import BatchedTrainer
 from .chunked import folded_server_step
-from .client import LocalConfig, LocalTrainer, ScaffoldState
+from .client import NONFINITE_TRAINING as _NONFINITE_TRAINING
+from .client import LocalConfig, LocalTrainer, NonFiniteClientWarning, ScaffoldState
 from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
@@ -472,7 +474,12 @@ class Simulation(RoundTraining):
         bad = list(self._round_bad)
         if record.get("excluded_clients"):  # the server step's NaN/Inf exclusions (one read, only then)
             mask = excluded.detach().cpu().tolist()
-            bad += [(cid, "nonfinite", "NaN/Inf update") for cid, e in zip(kept, mask) if e]
+            flagged = getattr(self, "_round_nonfinite", None) or []
+            trained_bad = {cid for (cid, _), b in zip(flagged, torch.stack([f for _, f in flagged]).tolist()
+                                                       if flagged else []) if b}
+            bad += [(cid, "nonfinite", _NONFINITE_TRAINING if cid in trained_bad else "NaN/Inf update")
+                    for cid, e in zip(kept, mask) if e]
+            self._warn_nonfinite_clients([cid for cid, e in zip(kept, mask) if e and cid in trained_bad])
         counts = {reason: 0 for reason in BAD_CLIENT_REASONS}
         for _, reason, _ in bad:
             counts[reason] += 1
@@ -489,6 +496,17 @@ class Simulation(RoundTraining):
                              "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in bad))
 
     _log_exclusions = True  # the distributed simulator logs on rank 0 only
+
+    def _warn_nonfinite_clients(self, clients: List[int]) -> None:
+        """One :class:`NonFiniteClientWarning` per client, the first round it trains to a
+        non-finite loss or step (the per-round log line names it every round)."""
+        warned = self.__dict__.setdefault("_nonfinite_warned", set())
+        new = [cid for cid in clients if cid not in warned]
+        if new and self._log_exclusions:
+            warned.update(new)
+            warnings.warn(NonFiniteClientWarning(
+                f"client{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}: {_NONFINITE_TRAINING}; left out of "
+                "every round where this happens (excluded_nonfinite in the records), not averaged in"), stacklevel=3)
 
     def _server_step(self, clients: List[int], sizes: torch.Tensor) -> dict:
         """The round's server step on the updates in rows ``[:len(clients)]`` (``clients``:

@@ -82,8 +82,10 @@ SIM_OPTIONS: List[tuple] = [
     ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
     ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
                    "(default {default})"),
-    ("--dataset", str, "digits, synthetic, cifar10 (needs torchvision and the data on disk), a name registered "
-                       "with fedopt_kernels.fl.register_dataset, or package.module:function (default {default})"),
+    ("--dataset", str, "digits, synthetic, synthetic-lazy (each client generated when sampled), cifar10 (needs "
+                       "torchvision and the data on disk), leaf-femnist:PATH or leaf-shakespeare:PATH (LEAF's files "
+                       "in PATH), a name registered with fedopt_kernels.fl.register_dataset, or "
+                       "package.module:function (your own dataset: docs/datasets.md) (default {default})"),
     ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, a registered name, or package.module:function "
                      "called with (input_shape, num_classes) (default {default})"),
     ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default {default})"),

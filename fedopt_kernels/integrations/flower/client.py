@@ -48,6 +48,7 @@ simulate`` does; ``prox-mu`` stays 0 (no proximal term) unless given.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -87,15 +88,52 @@ def local_config_from_run_config(run_config, base: Optional[LocalConfig] = None)
     changes = {}
     for field, key in RUN_CONFIG_KEYS.items():
         if key in run_config:
-            value = run_config[key]
-            if field == "backend":
-                value = value or None
-            elif field in ("steps", "batch_size"):
-                value = int(value)
-            elif field not in ("nar", "decay_kind", "decay_per"):
-                value = float(value)
-            changes[field] = value
+            changes[field] = _run_config_value(field, key, run_config[key])
     return dataclasses.replace(base, **changes)
+
+
+# what each run-config value may be: (kind, test, words); checked with the key named, as Flower
+# passes the strings of `--run-config "local-lr=abc"` through unchanged
+_RUN_CONFIG_RULES = {
+    "steps": ("int", lambda v: v >= 1, "a positive integer"),
+    "batch_size": ("int", lambda v: v >= 1, "a positive integer"),
+    "lr": ("float", lambda v: v >= 0, "a number >= 0"),
+    "lr_decay": ("float", lambda v: v > 0, "a number > 0"),
+    "weight_decay": ("float", lambda v: v >= 0, "a number >= 0"),
+    "wd_decay": ("float", lambda v: v > 0, "a number > 0"),
+    "max_norm": ("float", lambda v: v > 0, "a number > 0"),
+    "momentum": ("float", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "prox_mu": ("float", lambda v: v >= 0, "a number >= 0"),
+    "decay_beta": ("float", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "nar": ("choice", ("co", "grad", "none"), "one of co, grad, none"),
+    "decay_kind": ("choice", ("exponential", "linear"), "one of exponential, linear"),
+    "decay_per": ("choice", ("step", "epoch"), "one of step, epoch"),
+}
+
+
+def _run_config_value(field: str, key: str, value):
+    """``value`` of run-config ``key`` as :class:`LocalConfig`'s ``field`` wants it, or a
+    ``ValueError`` naming the key, the value and what it must be."""
+    if field == "backend":
+        return value or None
+    kind, rule, words = _RUN_CONFIG_RULES[field]
+    if kind == "choice":
+        if value not in rule:
+            raise ValueError(f"run config {key!r} must be {words}, got {value!r}")
+        return value
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+        if kind == "int":
+            if not number.is_integer():
+                raise ValueError
+            number = int(number)
+    except (TypeError, ValueError):
+        raise ValueError(f"run config {key!r} must be {words}, got {value!r}") from None
+    if not math.isfinite(number) or not rule(number):
+        raise ValueError(f"run config {key!r} must be {words}, got {value!r}")
+    return number
 
 
 class FedNARClient:

@@ -184,6 +184,7 @@ class FusedStrategy(_FlowerFedAvg):
             geomed_tol=geomed_tol, cclip_tau=cclip_tau, cclip_iters=cclip_iters, norm_bound_radius=norm_bound_radius))
         dp = dict(clip=dp_clip, noise_multiplier=dp_noise_multiplier, target_quantile=dp_target_quantile,
                   delta=dp_delta, mode=dp_mode, clip_lr=dp_clip_lr, clip_count_stddev=dp_clip_count_stddev)
+        _check_flower_arguments(kwargs)  # Flower's FedAvg takes them as given
         super().__init__(**kwargs)
         self.dp_num_clients = dp_num_clients
         self._check_dp_arguments(robust, aggregator, dp, dp_seed)  # before the model is taken over
@@ -420,7 +421,9 @@ class FusedStrategy(_FlowerFedAvg):
         if not screened.kept:
             if not replies:
                 return None, None
-            raise AggregationError(reason=f"round {server_round}: no usable reply among {len(replies)}")
+            raise AggregationError(reason=f"round {server_round}: no usable reply among {len(replies)}: "
+                                          + "; ".join(f"node {n}: {reason} ({detail})"
+                                                      for n, reason, detail in screened.excluded))
         t0 = time.perf_counter()
         if self.on_round is not None:
             self.on_round(server_round)
@@ -578,6 +581,21 @@ class FusedStrategy(_FlowerFedAvg):
 
 
 # ---------------------------------------------------------------------------- named strategies
+def _check_flower_arguments(kwargs: dict) -> None:
+    """Flower ``FedAvg``'s sampling arguments, checked here: Flower itself accepts, say,
+    ``fraction_train=2.0`` and samples every node without a word."""
+    for key in ("fraction_train", "fraction_evaluate"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0.0 <= value <= 1.0):
+            raise ValueError(f"{key} must be a number in [0, 1] (the fraction of the nodes sampled per round), "
+                             f"got {value!r}")
+    for key in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+
+
 def _robust_aggregator(rule: str, given: dict) -> Optional[RobustAggregator]:
     """The strategy's ``aggregator=`` and its parameters, by ``fedopt simulate``'s
     names (``trim_beta``, ``byzantine_f``, ...: :data:`fedopt_kernels.fl.config.AGGREGATOR_PARAMS`),

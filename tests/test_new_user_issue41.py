@@ -384,3 +384,67 @@ def test_the_compare_legend_covers_no_curve(tmp_path, saved_figures):
         assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_ylabel()
     fig_box = fig.bbox
     assert box.x0 >= fig_box.x0 and box.y0 >= fig_box.y0 and box.x1 <= fig_box.x1  # not cut off
+
+
+# --------------------------------------------------------------------------- item 4: the --config format documented
+def test_the_config_page_lists_every_setting_and_only_settings(tmp_path):
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from fedopt_kernels.cli._options import CLI_ONLY_KEYS, SIM_OPTIONS
+    from fedopt_kernels.fl.config import SimulationConfig
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    listed = {m.group(1).replace("-", "_") for m in re.finditer(r"^\| `([a-z0-9-]+)` \|", text, re.M)}
+    fields = {f.name for f in dataclasses.fields(SimulationConfig)}
+    settings = {flag[2:].replace("-", "_") for flag, _, _ in SIM_OPTIONS}
+    assert settings <= listed and set(CLI_ONLY_KEYS) <= listed
+    assert listed <= fields | set(CLI_ONLY_KEYS), listed - fields - set(CLI_ONLY_KEYS)
+    # the page's example file is read as written, each value reaching the settings
+    example = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "run.toml").write_text(example)
+    import argparse
+
+    from fedopt_kernels.cli._options import build_settings
+
+    config, opts = build_settings(argparse.Namespace(config=str(tmp_path / "run.toml")))
+    assert (config.algo, config.hidden, config.per_round, config.server_betas) == ("fedadam", (64,), 10, (0.9, 0.99))
+    assert (opts["out"], opts["threads"]) == ("results/fedadam", 1)
+
+
+def test_the_custom_dataset_page_is_in_the_site_and_names_the_contract():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    nav = (root / "mkdocs.yml").read_text()
+    assert "config.md" in nav and "datasets.md" in nav
+    text = (root / "docs" / "datasets.md").read_text()
+    for words in ("function(seed=..., num_clients=...)", "x_train", "y_train", "int64", "num_classes",
+                  "client_indices", "--dataset package.module:function"):
+        assert words in text, words
+
+
+# --------------------------------------------------------------------------- item 7: docs that say what the code does
+def test_the_readme_names_every_extra():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = (root / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z]+)`", install))
+    assert set(extras) <= named, set(extras) - named
+
+
+def test_the_gradscaler_statement_is_one():
+    from pathlib import Path
+
+    from fedopt_kernels.optim import FedNAR
+
+    doc = " ".join(FedNAR.__doc__.split())
+    compile_md = " ".join((Path(__file__).resolve().parents[1] / "docs" / "compile.md").read_text().split())
+    assert "Do not call" not in doc
+    assert "``scaler.unscale_(optimizer)`` before ``scaler.step`` is not needed but allowed" in doc
+    assert "`scaler.unscale_(opt)` is not needed (FedNAR clips itself), but allowed" in compile_md

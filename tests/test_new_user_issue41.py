@@ -448,3 +448,56 @@ def test_the_gradscaler_statement_is_one():
     assert "Do not call" not in doc
     assert "``scaler.unscale_(optimizer)`` before ``scaler.step`` is not needed but allowed" in doc
     assert "`scaler.unscale_(opt)` is not needed (FedNAR clips itself), but allowed" in compile_md
+
+
+# --------------------------------------------------------------------------- item 5: the Flower docs as a user lives them
+def _flower_md() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "docs" / "flower.md").read_text()
+
+
+def test_the_flower_docs_declare_every_run_config_key_the_client_reads(tmp_path):
+    """The docs' [tool.flwr.app.config] declares every key FedNARClient reads, at the
+    simulator's defaults; Flower's own config fusion (what `flwr run` does) takes a
+    --run-config of a declared key and refuses an undeclared one."""
+    pytest.importorskip("flwr")
+    import re
+
+    from flwr.common.config import get_fused_config_from_dir, parse_config_args
+
+    from fedopt_kernels.fl.client import LocalConfig
+    from fedopt_kernels.integrations.flower import RUN_CONFIG_KEYS, local_config_from_run_config
+
+    block = re.search(r"```toml\n# pyproject.toml of your app.*?\n(\[tool\.flwr\.app\.config\]\n.*?)```",
+                      _flower_md(), re.S).group(1)
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "app"\nversion = "1.0.0"\n\n[tool.flwr.app]\npublisher = "me"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "a:app"\nclientapp = "b:app"\n\n' + block)
+    declared = get_fused_config_from_dir(tmp_path, {})
+    assert set(RUN_CONFIG_KEYS.values()) <= set(declared)
+    assert local_config_from_run_config(declared) == LocalConfig()  # the defaults, as written
+    fused = get_fused_config_from_dir(tmp_path, parse_config_args(["local-lr=0.1 local-steps=5"]))
+    cfg = local_config_from_run_config(fused)
+    assert (cfg.lr, cfg.steps, cfg.max_norm) == (0.1, 5, LocalConfig().max_norm)
+    with pytest.raises(ValueError, match="not present"):  # what "Invalid run configuration" hides
+        get_fused_config_from_dir(tmp_path, parse_config_args(["server-lr-typo=0.1"]))
+
+
+def test_the_flower_deployment_uses_its_own_flower_home_and_stops_cleanly():
+    """The deployment script of the docs: a FLWR_HOME of its own with a connection of its
+    own name (not the `[superlink.local]` Flower writes into ~/.flwr), the connection
+    `flwr run` names, and a trap that stops the script's whole process group."""
+    import re
+    import tomllib
+
+    text = _flower_md()
+    script = re.search(r"```bash\n#!/bin/bash\n# deploy\.sh.*?```", text, re.S).group(0)
+    assert "trap 'kill 0' EXIT" in script
+    assert 'export FLWR_HOME="$PWD/.flwr-deploy"' in script and "~/.flwr" not in script.split("TOML")[1]
+    config = tomllib.loads(re.search(r"<<'TOML'\n(.*?)\nTOML\n", script, re.S).group(1))
+    name = config["superlink"]["default"]
+    assert name != "local" and config["superlink"][name]["address"] == "127.0.0.1:39091"
+    assert f"flwr run examples/flower_app {name} " in script
+    assert "--port 39091" in script and "--superlink 127.0.0.1:39091" in script
+    assert "[superlink.local]" not in script

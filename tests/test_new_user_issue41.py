@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -501,3 +502,24 @@ def test_the_flower_deployment_uses_its_own_flower_home_and_stops_cleanly():
     assert f"flwr run examples/flower_app {name} " in script
     assert "--port 39091" in script and "--superlink 127.0.0.1:39091" in script
     assert "[superlink.local]" not in script
+
+
+# --------------------------------------------------------------------------- the table: a memory budget no chunk fits
+def test_a_memory_budget_no_chunk_fits_is_said_with_the_numbers(capsys):
+    from fedopt_kernels.cli import main
+
+    argv = ["simulate", "--dataset", "synthetic-lazy", "--clients", "20000", "--per-round", "4", "--rounds", "1",
+            "--local-steps", "1", "--memory-budget", "1M", "--no-plots", "--quiet", "--threads", "1", "--out"]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        assert main([*argv, out]) == 0
+        meta = json.loads((Path(out) / "results.json").read_text())["meta"]
+    err = " ".join(capsys.readouterr().err.split())
+    need = meta["memory_budget_needed"]
+    assert need > 2 ** 20 and meta["round_chunk"] == 2
+    assert (f"fedopt: warning: memory-budget 1,048,576 bytes is below what the smallest chunk needs: {need:,} bytes"
+            in err), err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget that fits: no word
+        Simulation(SimulationConfig(dataset="digits", hidden=(8,), clients=8, per_round=4, memory_budget="64M"))

@@ -28,12 +28,13 @@ _NOTED: set = set()
 
 # ---------------------------------------------------------------------------- helpers
 def _with_notices(fn):
-    """Run ``fn`` showing the simulator's engine fallback (``fedopt: note: ...``) and a
-    client left out for non-finite training (``fedopt: warning: ...``) as one line
-    instead of a Python warning with its source line."""
+    """Run ``fn`` showing the simulator's engine fallback (``fedopt: note: ...``), a
+    client left out for non-finite training and a memory budget no chunk fits
+    (``fedopt: warning: ...``) as one line instead of a Python warning with its source
+    line."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from ..fl import NonFiniteClientWarning
+        from ..fl import MemoryBudgetWarning, NonFiniteClientWarning
         from ..fl.batched import EngineFallbackWarning
 
         previous = warnings.showwarning
@@ -41,7 +42,7 @@ def _with_notices(fn):
         def show(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, EngineFallbackWarning):
                 print(f"fedopt: note: {message}", file=sys.stderr)
-            elif issubclass(category, NonFiniteClientWarning):
+            elif issubclass(category, (NonFiniteClientWarning, MemoryBudgetWarning)):
                 print(f"fedopt: warning: {message}", file=sys.stderr)
             else:
                 previous(message, category, filename, lineno, file, line)

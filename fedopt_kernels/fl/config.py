@@ -60,6 +60,11 @@ class ConfigError(ValueError):
     """An impossible or unknown setting; the message is one line naming it."""
 
 
+class MemoryBudgetWarning(UserWarning):
+    """``memory_budget`` is below what the smallest chunk of a round needs: the run goes
+    on, over the budget, and says by how much."""
+
+
 @dataclass
 class SimulationConfig:
     """Settings of one simulated federated training run (defaults: a quick digits run).

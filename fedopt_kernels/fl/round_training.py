@@ -36,7 +36,7 @@ from ..utils import buffers_to_vector
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .chunked import FOLDABLE, RoundFold, chunk_clients, round_weights
 from .client import RoundStats
-from .config import ConfigError
+from .config import ConfigError, MemoryBudgetWarning
 from .seeds import batch_seed
 
 __all__ = ["RoundTraining"]
@@ -182,6 +182,13 @@ class RoundTraining:
                 per_client += self.batched.planner.client_bytes(cfg.batch_size)
             fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
             chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
+            need = fixed + min(2, cfg.per_round) * per_client  # the smallest chunk: 2 clients
+            if budget < need:  # the bound cannot be kept: say so, with the numbers, and go on
+                self.results.meta["memory_budget_needed"] = need
+                warnings.warn(MemoryBudgetWarning(
+                    f"memory-budget {budget:,} bytes is below what the smallest chunk needs: {need:,} bytes (the "
+                    f"model's buffers {fixed:,} + {min(2, cfg.per_round)} clients x {per_client:,}); the run trains "
+                    f"{chunk} clients at a time, over the budget"), stacklevel=4)
             if chunk < cfg.per_round:
                 self._chunk = chunk
                 # DP clips every row, an attack reads the honest ones and a robust rule compares

@@ -451,7 +451,7 @@ def test_the_gradscaler_statement_is_one():
     assert "`scaler.unscale_(opt)` is not needed (FedNAR clips itself), but allowed" in compile_md
 
 
-# --------------------------------------------------------------------------- item 5: the Flower docs as a user lives them
+# ------------------------------------------------------------------- item 5: the Flower docs as a user lives them
 def _flower_md() -> str:
     from pathlib import Path
 

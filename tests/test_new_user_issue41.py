@@ -9,6 +9,7 @@ import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -523,3 +524,47 @@ def test_a_memory_budget_no_chunk_fits_is_said_with_the_numbers(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a budget that fits: no word
         Simulation(SimulationConfig(dataset="digits", hidden=(8,), clients=8, per_round=4, memory_budget="64M"))
+
+
+def test_a_flower_client_with_nonfinite_data_is_left_out_and_keeps_its_control_variate():
+    """Item 1 on Flower: the FedNARClient's non-finite training sends a NaN model, which
+    the strategy leaves out as ``nonfinite`` (not averaged in as a zero update); the
+    round's train_loss is that of the other clients; its SCAFFOLD c_i stays zero."""
+    pytest.importorskip("flwr")
+    from flwr.clientapp import ClientApp
+    from test_flower import LocalGrid
+
+    from fedopt_kernels.fl import digits, iid_partition
+    from fedopt_kernels.integrations import flower as fk
+
+    ds = digits(seed=0)
+    part = iid_partition(ds.num_train, 3, seed=0)
+
+    def data_fn(context):
+        pid = int(context.node_config["partition-id"])
+        x = ds.x_train[part.client_indices[pid]].clone()
+        if pid == 1:
+            x[:, 0, 0, 0] = float("nan")
+        return x, ds.y_train[part.client_indices[pid]]
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+
+    client = fk.FedNARClient(lambda c: net(), data_fn)
+    app = ClientApp()
+    app.train()(client.train)
+    grid = LocalGrid(app, 3, run_config={"local-steps": 2, "local-lr": 0.1})
+    strategy = fk.FedAvg(net(), scaffold=True, fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3)
+    result = strategy.start(grid=grid, initial_arrays=fk.model_to_arrayrecord(net()), num_rounds=2)
+    for r in (1, 2):
+        m = result.train_metrics_clientapp[r]
+        assert m["excluded_nonfinite"] == 1 and m["excluded_clients"] == 1, m
+        assert math.isfinite(m["train_loss"])  # the clients that trained
+    assert all(torch.isfinite(p).all() for p in strategy.model.parameters())
+    state = grid.contexts[grid.nodes[1]].state
+    from fedopt_kernels.integrations.flower.client import SCAFFOLD_STATE_KEY
+
+    if SCAFFOLD_STATE_KEY in state:
+        for arr in state[SCAFFOLD_STATE_KEY].values():
+            assert np.array_equal(arr.numpy(), np.zeros_like(arr.numpy()))

@@ -240,9 +240,14 @@ class FedNARClient:
         lr_sum = trainer.train(x_global, indices, round_index=server_round - 1,
                                seed=batch_seed(self._seed(context), server_round, cid), out_update=update,
                                stats=stats, client=0, scaffold=scaffold)
+        with torch.no_grad():  # a non-finite training (update NaN: RoundStats.close_client) sends a NaN model, which
+            # the strategy leaves out as nonfinite -- its skipped steps would otherwise send x_global back, a zero update
+            trainer.x.masked_fill_(~torch.isfinite(update).all(), float("nan"))
         if scaffold is not None and lr_sum > 0:
             with torch.no_grad():  # option II, as ScaffoldState: c_i += D / lr_sum - c
                 c_i_new = scaffold.control(0) + (update / lr_sum - scaffold.c)
+                # a non-finite training (its update NaN: RoundStats.close_client) keeps c_i, as the server leaves it out
+                c_i_new = torch.where(torch.isfinite(c_i_new).all(), c_i_new, scaffold.control(0))
             layout = parameters_layout(model)
             context.state[SCAFFOLD_STATE_KEY] = tensors_to_arrayrecord(
                 (s.name, c_i_new[s.offset:s.offset + s.numel].view(s.shape)) for s in layout.slots)
@@ -254,9 +259,10 @@ class FedNARClient:
                     torch.sub(x_global, update, out=trainer.x)
 
         summary = stats.summary()
+        nan = float("nan")  # a training left out as non-finite has no loss of its own
         metrics = MetricRecord({
-            "train_loss": float(summary["train_loss"]),
-            "clip_frequency": float(summary["clip_frequency"]),
+            "train_loss": nan if summary["train_loss"] is None else float(summary["train_loss"]),
+            "clip_frequency": nan if summary["clip_frequency"] is None else float(summary["clip_frequency"]),
             "clipped_steps": int(summary["clipped_steps"]),
             "skipped_steps": int(summary["skipped_steps"]),
             LR_SUM_KEY: float(lr_sum),

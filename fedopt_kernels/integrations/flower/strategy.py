@@ -479,6 +479,9 @@ class FusedStrategy(_FlowerFedAvg):
                 vector_to_buffers(self.round.buffers(buffers, round_weights, current, excluded), self.model)
         out = tensors_to_arrayrecord(self._named_state(self._keys))
         self._sent = out
+        if server_metrics["excluded_clients"] and excluded is not None:  # the clients that counted, as the simulator
+            mask = excluded.tolist()  # read only when the step left a NaN/Inf update out
+            contents = [c for c, e in zip(contents, mask) if not e] or contents
         try:
             agg = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         except (KeyError, TypeError, ValueError) as exc:  # replies whose other metrics differ: keep the round

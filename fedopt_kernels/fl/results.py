@@ -20,7 +20,8 @@ client schedule, and one dict per evaluated round (round 0 is the untrained mode
 ``update_norm``        norm of the aggregated update D
 ``excluded_clients``   clients left out of the round, all reasons; per reason
                        ``excluded_no_data`` (no samples), ``excluded_error`` (its
-                       training raised), ``excluded_nonfinite`` (NaN/Inf update);
+                       training raised), ``excluded_nonfinite`` (NaN/Inf update,
+                       or a non-finite loss or local step in its training);
                        ``left_out``: ``[client, reason]`` pairs, in rounds with any
 ``server_skipped``     no client was left: the model and server state did not change
 ``dp_epsilon``         with ``dp_clip`` and noise: epsilon at ``dp_delta`` after the

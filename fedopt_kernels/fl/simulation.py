@@ -474,9 +474,11 @@ class Simulation(RoundTraining):
         bad = list(self._round_bad)
         if record.get("excluded_clients"):  # the server step's NaN/Inf exclusions (one read, only then)
             mask = excluded.detach().cpu().tolist()
+            # which of them trained to a non-finite loss or step (RoundStats.close_client), not sent one; the
+            # distributed simulator's rank 0 knows this of its own clients only
             flagged = getattr(self, "_round_nonfinite", None) or []
-            trained_bad = {cid for (cid, _), b in zip(flagged, torch.stack([f for _, f in flagged]).tolist()
-                                                       if flagged else []) if b}
+            flags = torch.stack([flag for _, flag in flagged]).tolist() if flagged else []
+            trained_bad = {cid for (cid, _), flag in zip(flagged, flags) if flag}
             bad += [(cid, "nonfinite", _NONFINITE_TRAINING if cid in trained_bad else "NaN/Inf update")
                     for cid, e in zip(kept, mask) if e]
             self._warn_nonfinite_clients([cid for cid, e in zip(kept, mask) if e and cid in trained_bad])

@@ -55,7 +55,8 @@ def test_a_changing_float_lr_recompiles_for_every_value_a_tensor_lr_never():
 
 def test_compare_writes_each_runs_results_and_one_plot(tmp_path):
     """README, `make demo`: compare writes `compare.{png,csv,json}` plus one folder per
-    run with its `results.json/.csv` (it said "and plots", which it never drew)."""
+    run with its `results.json/.csv` (it said "and plots", which it never drew) and,
+    since issue 41, its `checkpoint.pt` (`fedopt compare --resume`)."""
     from fedopt_kernels.cli import main
 
     out = tmp_path / "cmp"
@@ -70,7 +71,7 @@ def test_compare_writes_each_runs_results_and_one_plot(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["compare.csv", "compare.json", "compare.png", "fedavg",
                                                       "fedprox"]
     for run in ("fedavg", "fedprox"):
-        assert sorted(p.name for p in (out / run).iterdir()) == ["results.csv", "results.json"]
+        assert sorted(p.name for p in (out / run).iterdir()) == ["checkpoint.pt", "results.csv", "results.json"]
 
 
 @pytest.mark.skipif(not HAVE_FLWR, reason="flwr is not installed")

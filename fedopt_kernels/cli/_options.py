@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -82,8 +84,10 @@ SIM_OPTIONS: List[tuple] = [
     ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
     ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
                    "(default {default})"),
-    ("--dataset", str, "digits, synthetic, cifar10 (needs torchvision and the data on disk), a name registered "
-                       "with fedopt_kernels.fl.register_dataset, or package.module:function (default {default})"),
+    ("--dataset", str, "digits, synthetic, synthetic-lazy (each client generated when sampled), cifar10 (needs "
+                       "torchvision and the data on disk), leaf-femnist:PATH or leaf-shakespeare:PATH (LEAF's files "
+                       "in PATH), a name registered with fedopt_kernels.fl.register_dataset, or "
+                       "package.module:function (your own dataset: docs/datasets.md) (default {default})"),
     ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, a registered name, or package.module:function "
                      "called with (input_shape, num_classes) (default {default})"),
     ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default {default})"),
@@ -262,6 +266,31 @@ def load_toml(path: str) -> Dict[str, Any]:
     return out
 
 
+# environment caps for running the docs' commands as written but short (tests/test_docs_commands.py,
+# docs/development.md); a real run leaves them unset
+CAPS = {"FEDOPT_MAX_ROUNDS": "rounds", "FEDOPT_MAX_LOCAL_STEPS": "local_steps"}
+
+
+def _apply_caps(config: SimulationConfig) -> SimulationConfig:
+    """``$FEDOPT_MAX_ROUNDS`` / ``$FEDOPT_MAX_LOCAL_STEPS``, when set: at most that many
+    rounds / local steps, each cap said in a note on stderr."""
+    for env, field in CAPS.items():
+        text = os.environ.get(env)
+        if not text:
+            continue
+        try:
+            cap = int(text)
+            if cap < 1:
+                raise ValueError
+        except ValueError:
+            raise CLIError(f"{env} must be a positive integer, got {text!r}") from None
+        value = getattr(config, field)
+        if value > cap:
+            print(f"fedopt: note: {env}={cap} caps {field.replace('_', '-')} {value} to {cap}", file=sys.stderr)
+            config = config.replace(**{field: cap})
+    return config
+
+
 def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> Tuple[SimulationConfig, dict]:
     """``(config, cli_only)`` from defaults <- recipe <- base <- TOML <- explicit flags.
 
@@ -306,6 +335,7 @@ def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> 
         raise CLIError(str(exc)) from None
     except TypeError as exc:  # a TOML value of the wrong kind reaching the dataclass
         raise CLIError(f"{source}: {exc}") from None
+    config = _apply_caps(config)
     threads = cli_only["threads"]
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise CLIError(f"threads must be a positive integer, got {threads!r}")

@@ -28,10 +28,13 @@ _NOTED: set = set()
 
 # ---------------------------------------------------------------------------- helpers
 def _with_notices(fn):
-    """Run ``fn`` showing the simulator's engine fallback as one line
-    (``fedopt: note: ...``) instead of a Python warning with its source line."""
+    """Run ``fn`` showing the simulator's engine fallback (``fedopt: note: ...``), a
+    client left out for non-finite training and a memory budget no chunk fits
+    (``fedopt: warning: ...``) as one line instead of a Python warning with its source
+    line."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from ..fl import MemoryBudgetWarning, NonFiniteClientWarning
         from ..fl.batched import EngineFallbackWarning
 
         previous = warnings.showwarning
@@ -39,6 +42,8 @@ def _with_notices(fn):
         def show(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, EngineFallbackWarning):
                 print(f"fedopt: note: {message}", file=sys.stderr)
+            elif issubclass(category, (NonFiniteClientWarning, MemoryBudgetWarning)):
+                print(f"fedopt: warning: {message}", file=sys.stderr)
             else:
                 previous(message, category, filename, lineno, file, line)
 
@@ -128,16 +133,28 @@ def print_summary(results: List[Results], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("run", "rounds", "init acc", "final acc", "best acc", "test loss", "train loss", "clip freq",
-                "time s"):
-        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
-    for s in comparison_rows(results):
-        table.add_row(s["label"] + (" (interrupted)" if s["interrupted"] else ""), str(s["rounds"]),
-                      _fmt(s["initial_accuracy"], pct=True), _fmt(s["final_accuracy"], pct=True),
-                      _fmt(s["best_accuracy"], pct=True), _fmt(s["final_test_loss"], digits=3),
-                      _fmt(s["final_train_loss"], digits=3), _fmt(s["mean_clip_frequency"], digits=2),
-                      "-" if s["wall_time"] is None else f"{s['wall_time']:.1f}")
-    console = _console(min_width=120)
+    rows = comparison_rows(results)
+    # columns a plain run does not need: the mean of the last two iterates (a recipe that evaluates
+    # it, as FedExP's), and what the run is beyond its algorithm (DP epsilon, aggregator, attack)
+    avg2 = any(s["final_accuracy_avg2"] is not None for s in rows)
+    settings = any(s["settings"] for s in rows)
+    columns = ["run", "rounds", "init acc", "final acc", "best acc"] + (["final avg2", "best avg2"] if avg2 else [])
+    columns += ["test loss", "train loss", "clip freq", "time s"] + (["settings"] if settings else [])
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("run", "settings") else "right",
+                         no_wrap=col != "settings")
+    for s in rows:
+        cells = [s["label"] + (" (interrupted)" if s["interrupted"] else ""), str(s["rounds"]),
+                 _fmt(s["initial_accuracy"], pct=True), _fmt(s["final_accuracy"], pct=True),
+                 _fmt(s["best_accuracy"], pct=True)]
+        if avg2:
+            cells += [_fmt(s["final_accuracy_avg2"], pct=True), _fmt(s["best_accuracy_avg2"], pct=True)]
+        cells += [_fmt(s["final_test_loss"], digits=3), _fmt(s["final_train_loss"], digits=3),
+                  _fmt(s["mean_clip_frequency"], digits=2), "-" if s["wall_time"] is None else f"{s['wall_time']:.1f}"]
+        if settings:
+            cells.append(s["settings"] or "-")
+        table.add_row(*cells)
+    console = _console(min_width=160 if settings else 120)
     console.print(table)
     for s in comparison_rows(results):
         if s.get("note"):
@@ -224,7 +241,7 @@ def _build_simulation(config: SimulationConfig, *, distributed: bool = False, **
 
 def _load_checkpoint(path: Path) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         hint = ""
         if (path.parent / "results.json").exists():
@@ -232,7 +249,32 @@ def _load_checkpoint(path: Path) -> dict:
                     "the machine going down; --checkpoint-every K saves one every K rounds)")
         raise CLIError(f"--resume: no checkpoint at {path}{hint}") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is one message
-        raise CLIError(f"--resume: cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
+        # a truncated or foreign file: say so in our words -- torch's own message advises
+        # weights_only=False, which would run whatever code a pickle holds
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        first = first.split(" Re-running `torch.load`")[0].split(" In PyTorch 2.6")[0]
+        raise CLIError(f"--resume: {path} is not a readable checkpoint (corrupt, truncated, or not written by "
+                       f"fedopt: {type(exc).__name__}: {first[:160]}); its run cannot continue from it -- "
+                       "start again without --resume or with another --out") from None
+    if not isinstance(state, dict) or "round" not in state or "config" not in state:
+        raise CLIError(f"--resume: {path} is not a fedopt checkpoint (it holds no run state); start again without "
+                       "--resume or with another --out")
+    return state
+
+
+def _resume_into(sim, state: dict, path: Path, *, done: Optional[int] = None) -> None:
+    """Load ``state`` into ``sim`` (a Simulation, or a ClockedRun with its own state);
+    refuse fewer rounds than the checkpoint has done (the run would be marked complete
+    at the checkpoint's round and a later plain ``--resume`` would do nothing)."""
+    done = int(state.get("round", 0)) if done is None else done
+    config = sim.sim.config if hasattr(sim, "sim") else sim.config
+    if config.rounds < done:
+        raise CLIError(f"--resume: {path} has already run {done} rounds, more than --rounds {config.rounds}; "
+                       f"give --rounds {done} or more to continue it (or a new --out for a shorter run)")
+    try:
+        sim.load_state_dict(state)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise CLIError(f"--resume: {exc}") from None
 
 
 def _save_checkpoint(sim, out: Path) -> None:
@@ -379,13 +421,9 @@ def _run_simulate(args, distributed: bool = False) -> int:
         except ValueError as exc:
             raise CLIError(str(exc)) from None
     if state is not None:
-        try:
-            if clocked_state is not None and acfg is not None:
-                runner.load_state_dict(clocked_state)
-            else:
-                sim.load_state_dict(state)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CLIError(f"--resume: {exc}") from None
+        _resume_into(runner if clocked_state is not None and acfg is not None else sim,
+                     clocked_state if clocked_state is not None and acfg is not None else state,
+                     Path(opts["out"]) / CHECKPOINT, done=int(state.get("round", 0)))
     _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
     console = _console(min_width=120)
     if not quiet:
@@ -455,6 +493,9 @@ def add_compare_parser(sub) -> None:
                    help="comma-separated runs, each ALGO or ALGO:NAR (e.g. fedavg:grad,fedavg:co,fedexp:co); "
                         "default fedavg,fedprox,scaffold,fedexp")
     add_simulation_options(p, compare=True)
+    p.add_argument("--resume", action="store_true",
+                   help=f"continue a comparison stopped in <out>: each run from its <out>/<run>/{CHECKPOINT} (a "
+                        "finished run is not run again; give the same settings, --rounds may grow)")
     p.set_defaults(func=run_compare)
 
 
@@ -539,32 +580,47 @@ def run_compare(args) -> int:
         write_atomic(out / "compare.csv", buf.getvalue())
         return allres
 
-    current = None
+    current = current_sim = None
+    resumed = []
     with _Progress(not args.quiet) as progress:
         try:
             with stop_on_signals():  # SIGTERM / SIGHUP stop the comparison as Ctrl-C does
                 for label, cfg in configs:
                     sim = _build_simulation(cfg, dataset=dataset, partition=partition, hold_out_proxy=hold_out)
                     _apply_threads(opts["threads"], sim.numel, sim.batched is not None)
-                    sim.results.label = label
-                    current = sim.results
-                    task = progress.add(label, cfg.rounds)
-                    sim.progress = progress.within_round if not args.quiet else None  # clients within a round
                     run_dir = out / _safe(label)
                     run_dir.mkdir(exist_ok=True)
+                    # each run keeps its own checkpoint, so --resume continues the comparison where it stopped
+                    if getattr(args, "resume", False) and (run_dir / CHECKPOINT).exists():
+                        _resume_into(sim, _load_checkpoint(run_dir / CHECKPOINT), run_dir / CHECKPOINT)
+                        resumed.append(f"{label} at round {sim.round}")
+                    sim.results.label = label
+                    current, current_sim = sim.results, sim
+                    task = progress.add(label, cfg.rounds, sim.round)
+                    sim.progress = progress.within_round if not args.quiet else None  # clients within a round
 
                     def callback(record, s, task=task, run_dir=run_dir):
                         s.results.write(run_dir)
                         progress.update(task, record)
 
                     sim.run(callback=callback)
+                    sim.results.meta["interrupted"] = False
+                    sim.results.meta.pop("interrupted_by", None)
+                    with deferred_interrupts():
+                        sim.results.write(run_dir)
+                        _save_checkpoint(sim, run_dir)
                     done.append(sim.results)
-                    current = None
+                    current = current_sim = None
         except KeyboardInterrupt as exc:
             interrupted = exc
+    if current_sim is not None:  # the run that was stopped: its rounds so far, to resume from
+        with deferred_interrupts():
+            _save_checkpoint(current_sim, out / _safe(current.label))
     if current is not None:
         current.meta["interrupted"] = True
         current.meta["interrupted_by"] = signal_name(interrupted)
+    if resumed and not args.quiet:
+        console.print("resumed from their checkpoints: " + ", ".join(resumed))
     allres = write_all(current)
     files = [out / "compare.json", out / "compare.csv"]
     if opts["plots"] and allres:
@@ -575,9 +631,19 @@ def run_compare(args) -> int:
     if interrupted is not None:
         by = signal_name(interrupted)
         console.print(f"[yellow]interrupted ({by})[/]: {len(done)} of {len(configs)} runs finished; results so far "
-                      f"in {out}")
+                      f"in {out}; continue with: {_compare_resume_command(args, out)}")
         return exit_status(interrupted)
     return 0
+
+
+def _compare_resume_command(args, out: Path) -> str:
+    """The command that continues a stopped comparison: the same one with --resume."""
+    argv = [a for a in sys.argv[1:] if a != "--resume"] if sys.argv[1:2] == ["compare"] else None
+    if not argv:
+        return f"fedopt compare --resume --out {out} (with the same settings)"
+    import shlex
+
+    return "fedopt " + " ".join(shlex.quote(a) for a in argv) + " --resume"
 
 
 def _safe(label: str) -> str:

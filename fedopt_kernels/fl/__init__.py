@@ -31,8 +31,8 @@ from ..extras import require
 require("sim", "fedopt_kernels.fl (the simulator)")
 
 from .batched import BatchedTrainer, EngineFallbackWarning  # noqa: E402
-from .client import LocalConfig, LocalTrainer, ScaffoldState  # noqa: E402
-from .config import ALGORITHMS, ConfigError, SimulationConfig  # noqa: E402
+from .client import LocalConfig, LocalTrainer, NonFiniteClientWarning, ScaffoldState  # noqa: E402
+from .config import ALGORITHMS, ConfigError, MemoryBudgetWarning, SimulationConfig  # noqa: E402
 from .data import FederatedDataset, dataset_names, digits, load_dataset, register_dataset, synthetic  # noqa: E402
 from .models import MLP, SimpleCNN, build_model, model_names, register_model  # noqa: E402
 from .partition import Partition, dirichlet_partition, iid_partition, natural_partition  # noqa: E402
@@ -52,7 +52,7 @@ __all__ = [
     "proxy_split",
     "MLP", "SimpleCNN", "build_model", "register_model", "model_names",
     "LocalConfig", "LocalTrainer", "ScaffoldState", "derive_seed", "init_seed", "batch_seed", "ServerSide",
-    "BatchedTrainer", "EngineFallbackWarning",
+    "BatchedTrainer", "EngineFallbackWarning", "NonFiniteClientWarning", "MemoryBudgetWarning",
     "ClientStateStore", "LazyFederatedDataset", "synthetic_lazy", "load_leaf", "CharGRU", "CSRIndices",
     "contiguous_partition",
 ]

@@ -497,14 +497,21 @@ class BatchedTrainer:
         with torch.no_grad():
             real = group.real
             acc = stats.loss_sum.dtype
-            stats.loss_sum += torch.stack(losses)[:, :real].to(acc).sum()
+            zero = torch.zeros((), dtype=acc, device=device)
+            step_losses = torch.stack(losses)[:, :real].to(acc)
             sk = torch.stack(skipped)[:, :real]
-            clipped = (torch.stack(scales)[:, :real] < 1) & ~sk
+            # a client with a skipped (non-finite) step or a non-finite loss is left out of the round: its
+            # update becomes NaN below (the server step excludes it) and its steps do not count (RoundStats)
+            bad = sk.any(dim=0) | ~torch.isfinite(step_losses).all(dim=0)
+            stats.loss_sum += torch.where(bad, zero, step_losses).sum()
+            clipped = (torch.stack(scales)[:, :real] < 1) & ~sk & ~bad
             stats.clipped += clipped.to(acc).sum()
-            stats.clipped_norm_sum += torch.where(clipped, torch.stack(norms)[:, :real].to(acc),
-                                                  torch.zeros((), dtype=acc, device=device)).sum()
-            stats.skipped += sk.to(acc).sum()
+            stats.clipped_norm_sum += torch.where(clipped, torch.stack(norms)[:, :real].to(acc), zero).sum()
+            stats.skipped += (sk & ~bad).to(acc).sum()
             stats.steps += cfg.steps * real
+            stats.uncounted += bad.to(acc).sum() * float(cfg.steps)
+            stats.nonfinite += [(clients[r] if clients is not None else r, bad[j]) for j, r in enumerate(rows[:real])]
+            X[:real].masked_fill_(bad[:, None], float("nan"))  # before D_i = x0 - x_end: NaN stays NaN
             if contiguous:
                 torch.sub(x_global, X, out=X)  # D_i = x0 - x_end, in place in the round's updates
             else:  # the real rows (padding dropped) into their places in the round's updates

@@ -34,7 +34,14 @@ from ..optim import FedNAR
 from ..server import scaffold_control_update_
 from ..utils import buffers_layout, flatten_parameters_
 
-__all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats"]
+__all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats", "NonFiniteClientWarning"]
+
+#: why a client left out by :meth:`RoundStats.close_client` is left out (the records' ``nonfinite``)
+NONFINITE_TRAINING = "non-finite loss or local step (NaN/Inf in its data, or its training diverged)"
+
+
+class NonFiniteClientWarning(UserWarning):
+    """A client trained to a non-finite loss or step and was left out of its round."""
 
 
 @dataclass
@@ -79,6 +86,10 @@ class RoundStats:
         z = lambda: torch.zeros((), dtype=dtype, device=device)  # noqa: E731
         self.loss_sum, self.clipped, self.clipped_norm_sum, self.skipped = z(), z(), z(), z()
         self.steps = 0
+        # steps of the clients left out for a non-finite loss or step (their sums are taken back)
+        self.uncounted = z()
+        #: ``(client, 0-dim bool tensor)`` per client trained: True when its training was non-finite
+        self.nonfinite: list = []
 
     def add_step(self, loss: torch.Tensor, stats) -> None:
         self.loss_sum += loss.detach().to(self.loss_sum.dtype)
@@ -90,18 +101,39 @@ class RoundStats:
             self.skipped += stats.skipped.to(self.skipped.dtype)
         self.steps += 1
 
+    def mark(self) -> tuple:
+        """The sums before a client trains, for :meth:`close_client`."""
+        return (self.loss_sum.clone(), self.clipped.clone(), self.clipped_norm_sum.clone(), self.skipped.clone(),
+                self.steps)
+
+    def close_client(self, client, mark: tuple, update: torch.Tensor) -> None:
+        """End client ``client``'s training (its steps added since :meth:`mark`): when a
+        step was skipped as non-finite or its loss is not finite -- NaN/Inf in its data,
+        or a diverged model -- its update becomes NaN, so the server step leaves it out
+        as ``nonfinite`` (a client whose every step was skipped would otherwise send a
+        zero update that is averaged in), and its steps are taken back out of the
+        round's sums.  On the device: no host sync."""
+        bad = (self.skipped != mark[3]) | ~torch.isfinite(self.loss_sum)
+        for total, before in zip((self.loss_sum, self.clipped, self.clipped_norm_sum, self.skipped), mark[:4]):
+            total.copy_(torch.where(bad, before, total))
+        self.uncounted += bad.to(self.uncounted.dtype) * float(self.steps - mark[4])
+        update.masked_fill_(bad, float("nan"))
+        self.nonfinite.append((client, bad))
+
     def summary(self) -> dict:
-        """Python numbers (one device sync for all of them)."""
-        loss, clipped, norm_sum, skipped = torch.stack(
-            [self.loss_sum, self.clipped, self.clipped_norm_sum, self.skipped]).tolist()
-        n = max(self.steps, 1)
+        """Python numbers (one device sync for all of them); the steps of the clients
+        left out as non-finite (:meth:`close_client`) do not count."""
+        loss, clipped, norm_sum, skipped, uncounted = torch.stack(
+            [self.loss_sum, self.clipped, self.clipped_norm_sum, self.skipped, self.uncounted]).tolist()
+        steps = self.steps - int(uncounted)
+        n = max(steps, 1)
         return {
-            "train_loss": loss / n if self.steps else None,
-            "clip_frequency": clipped / n if self.steps else None,
+            "train_loss": loss / n if steps else None,
+            "clip_frequency": clipped / n if steps else None,
             "clipped_steps": int(clipped),
             "mean_clipped_norm": norm_sum / clipped if clipped > 0 else None,
             "skipped_steps": int(skipped),
-            "local_steps_total": self.steps,
+            "local_steps_total": steps,
         }
 
 
@@ -343,6 +375,7 @@ class LocalTrainer:
         per_epoch = self.steps_per_epoch(indices.numel())
         self.model.train()
         lr_sum = 0.0
+        mark = stats.mark()
         devices = [self.x.device] if self.x.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)  # dropout & co. draw from the client's own stream
@@ -374,6 +407,7 @@ class LocalTrainer:
                         self.x.sub_(self._epoch_start).mul_(scale).add_(self._epoch_start)
         with torch.no_grad():
             torch.sub(x_global, self.x, out=out_update)
+            stats.close_client(client, mark, out_update)  # a non-finite client: a NaN update, left out
             if out_buffers is not None and self.buffers:
                 self.buffers_layout.flatten(self.buffers, out=out_buffers)
         if scaffold is not None:

@@ -50,6 +50,11 @@ class ConfigError(ValueError):
     """An impossible or unknown setting; the message is one line naming it."""
 
 
+class MemoryBudgetWarning(UserWarning):
+    """``memory_budget`` is below what the smallest chunk of a round needs: the run goes
+    on, over the budget, and says by how much."""
+
+
 @dataclass
 class SimulationConfig:
     """Settings of one simulated federated training run (defaults: a quick digits run).
@@ -232,7 +237,7 @@ class SimulationConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "SimulationConfig":
         """Check every setting; raises :class:`ConfigError` naming the first bad one."""
-        from .data import dataset_names
+        from .data import dataset_names, unknown_dataset
         from .models import model_names
 
         def choice(name, options):
@@ -265,8 +270,10 @@ class SimulationConfig:
 
         choice("algo", ALGORITHMS)
         choice("nar", NAR_MODES)
-        if not (isinstance(self.dataset, str) and ":" in self.dataset):  # package.module:function is resolved later
+        if not isinstance(self.dataset, str):
             choice("dataset", tuple(dataset_names()))
+        elif unknown_dataset(self.dataset):  # package.module:function is resolved later
+            raise ConfigError(unknown_dataset(self.dataset))
         if not (isinstance(self.model, str) and ":" in self.model):
             choice("model", tuple(model_names()))
         choice("partition", PARTITIONS)

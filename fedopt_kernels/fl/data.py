@@ -437,6 +437,26 @@ def dataset_names() -> List[str]:
     return _DATASETS.names()
 
 
+def dataset_forms() -> str:
+    """Every form ``--dataset`` takes, in words (its help and its error list them)."""
+    return (", ".join(dataset_names()) + ", leaf-femnist:PATH, leaf-shakespeare:PATH (LEAF's files in PATH), "
+            "a name registered with fedopt_kernels.fl.register_dataset, or package.module:function (your own "
+            "dataset: docs/datasets.md)")
+
+
+def unknown_dataset(name: str) -> Optional[str]:
+    """Why ``name`` is no form of ``--dataset`` (None when it is one; a
+    ``package.module:function`` is only checked when it is imported)."""
+    if ":" in name:
+        return None
+    if name.startswith("leaf-"):
+        return (f"dataset {name!r} needs the folder of its LEAF data: {name}:PATH, PATH the folder that holds "
+                "train/ and test/ (LEAF's data/<name>/data)")
+    if name not in _DATASETS:
+        return f"unknown dataset {name!r}; choose one of {dataset_forms()}"
+    return None
+
+
 def load_dataset(name: str, *, seed: int = 0, num_clients: int = 20, **options) -> FederatedDataset:
     """Build the registered dataset ``name``, or call ``"package.module:function"``
     (``function(seed=..., num_clients=..., **options) -> FederatedDataset``), or load
@@ -446,6 +466,9 @@ def load_dataset(name: str, *, seed: int = 0, num_clients: int = 20, **options) 
 
         kind, _, root = name[len("leaf-"):].partition(":")
         return load_leaf(kind, root)
+    problem = unknown_dataset(name)
+    if problem:
+        raise ValueError(problem)
     factory = _DATASETS.resolve(name)
     ds = factory(seed=seed, num_clients=num_clients, **options)
     if not isinstance(ds, (FederatedDataset, LazyFederatedDataset)):

@@ -168,8 +168,8 @@ class DistributedSimulation(Simulation):
     def _combine_stats(self, local: RoundStats, plan: Plan, num_bad: int = 0, failed: bool = False):
         """The round's statistics over every rank's steps (sums in rank order), how many
         clients each rank left out, and the ranks whose training raised."""
-        row = torch.stack([local.loss_sum, local.clipped, local.clipped_norm_sum, local.skipped,
-                           torch.tensor(float(local.steps), dtype=local.loss_sum.dtype, device=self.device),
+        row = torch.stack([local.loss_sum, local.clipped, local.clipped_norm_sum, local.skipped,  # steps: counted ones
+                           float(local.steps) - local.uncounted.to(local.loss_sum.dtype),
                            torch.tensor(float(num_bad), dtype=local.loss_sum.dtype, device=self.device),
                            torch.tensor(float(failed), dtype=local.loss_sum.dtype, device=self.device)])
         one_each = Plan(plan.rank, plan.world, (1,) * plan.world, plan.N, ())

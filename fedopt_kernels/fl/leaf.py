@@ -69,6 +69,39 @@ def _encode_text(strings) -> np.ndarray:
     return out
 
 
+def _femnist_inputs(rows, path: str, user: str) -> np.ndarray:
+    """A user's FEMNIST ``x``: ``[n, 1, 28, 28]`` float32, each row 784 numbers."""
+    for j, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 784:
+            got = f"{len(row)} values" if isinstance(row, list) else repr(row)[:40]
+            raise ValueError(f"{path}: user {user!r}, sample {j}: FEMNIST inputs must be 784 pixels each, got {got}")
+    try:
+        return np.asarray(rows, dtype=np.float32).reshape(len(rows), 1, 28, 28)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: user {user!r}: FEMNIST pixels must be numbers ({exc})") from None
+
+
+def _shakespeare_inputs(rows, path: str, user: str) -> np.ndarray:
+    bad = next((r for r in rows if not isinstance(r, str)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: user {user!r}: Shakespeare inputs must be strings, got {repr(bad)[:40]}")
+    try:
+        return _encode_text(rows)
+    except ValueError as exc:
+        raise ValueError(f"{path}: user {user!r}: {exc}") from None
+
+
+def _labels(values, path: str, user: str, classes: int) -> np.ndarray:
+    """A user's class labels: integers in ``[0, classes)`` (an integral float such as
+    ``3.0`` is taken as ``3``)."""
+    for j, v in enumerate(values):
+        ok = (isinstance(v, int) or (isinstance(v, float) and v.is_integer())) and not isinstance(v, bool)
+        if not ok or not 0 <= v < classes:
+            raise ValueError(f"{path}: user {user!r}, sample {j}: labels must be integers in [0, {classes}), "
+                             f"got {v!r}")
+    return np.asarray(values, dtype=np.int64)
+
+
 def _read_split(files: List[str], kind: str) -> Tuple[List[str], List[int], np.ndarray, np.ndarray]:
     """``(users, sizes, x, y)`` of a split's files (users in file order)."""
     users: List[str] = []
@@ -84,24 +117,29 @@ def _read_split(files: List[str], kind: str) -> Tuple[List[str], List[int], np.n
             if key not in data:
                 raise ValueError(f"{path} is not a LEAF file: it has no {key!r} (LEAF files hold 'users', "
                                  "'num_samples' and 'user_data')")
-        for u in data["users"]:
+        counts = data.get("num_samples")
+        if counts is not None and (not isinstance(counts, list) or len(counts) != len(data["users"])):
+            raise ValueError(f"{path}: 'num_samples' must list one count per user ({len(data['users'])} users), "
+                             f"got {counts if not isinstance(counts, list) else f'{len(counts)} counts'}")
+        for i, u in enumerate(data["users"]):
             d = data["user_data"].get(u)
             if d is None or "x" not in d or "y" not in d:
                 raise ValueError(f"{path}: user {u!r} has no user_data x and y")
             n = len(d["y"])
             if len(d["x"]) != n:
                 raise ValueError(f"{path}: user {u!r} has {len(d['x'])} inputs but {n} labels")
+            if counts is not None and counts[i] != n:
+                raise ValueError(f"{path}: user {u!r} has {n} samples but num_samples says {counts[i]!r}")
             if n == 0:
                 continue
             if kind == "femnist":
-                x = np.asarray(d["x"], dtype=np.float32)
-                if x.ndim != 2 or x.shape[1] != 784:
-                    raise ValueError(f"{path}: FEMNIST inputs must be 784 pixels each, user {u!r} has "
-                                     f"{x.shape[1:] if x.ndim == 2 else x.shape}")
-                xs.append(x.reshape(n, 1, 28, 28))
-                ys.append(np.asarray(d["y"], dtype=np.int64))
+                xs.append(_femnist_inputs(d["x"], path, u))
+                ys.append(_labels(d["y"], path, u, 62))
             else:
-                xs.append(_encode_text(d["x"]))
+                xs.append(_shakespeare_inputs(d["x"], path, u))
+                if not all(isinstance(c, str) and c for c in d["y"]):
+                    bad = next(c for c in d["y"] if not (isinstance(c, str) and c))
+                    raise ValueError(f"{path}: user {u!r}: Shakespeare labels must be characters, got {bad!r}")
                 ys.append(np.asarray([_INDEX.get(c[:1], 0) for c in d["y"]], dtype=np.int64))
             users.append(u)
             sizes.append(n)

@@ -20,7 +20,8 @@ client schedule, and one dict per evaluated round (round 0 is the untrained mode
 ``update_norm``        norm of the aggregated update D
 ``excluded_clients``   clients left out of the round, all reasons; per reason
                        ``excluded_no_data`` (no samples), ``excluded_error`` (its
-                       training raised), ``excluded_nonfinite`` (NaN/Inf update);
+                       training raised), ``excluded_nonfinite`` (NaN/Inf update,
+                       or a non-finite loss or local step in its training);
                        ``left_out``: ``[client, reason]`` pairs, in rounds with any
 ``server_skipped``     no client was left: the model and server state did not change
 ``dp_epsilon``         with ``dp_clip`` and noise: epsilon at ``dp_delta`` after the
@@ -151,22 +152,64 @@ class Results:
         return max(acc) if acc else None
 
     def summary(self) -> dict:
-        """Key numbers of the run (for tables)."""
+        """Key numbers of the run (for tables), with what the run is beyond its
+        algorithm (:meth:`settings`): epsilon at delta, the aggregator, the attack and
+        its fraction, and, for a recipe that evaluates the mean of the last two global
+        iterates (FedExP's), that accuracy too (``*_avg2``)."""
         fin, ini = self.final or {}, self.initial or {}
         _, clip = self.column("clip_frequency", trained_only=True)
+        _, avg2 = self.column("test_accuracy_avg2", trained_only=True)
+        c = self.config
+        eps = self.column("dp_epsilon", trained_only=True)[1]
         return {
             "label": self.label,
             "rounds": self.rounds_completed,
             "initial_accuracy": ini.get("test_accuracy"),
             "final_accuracy": fin.get("test_accuracy"),
             "best_accuracy": self.best_accuracy(),
+            "final_accuracy_avg2": fin.get("test_accuracy_avg2"),
+            "best_accuracy_avg2": max(avg2) if avg2 else None,
             "final_test_loss": fin.get("test_loss"),
             "final_train_loss": fin.get("train_loss"),
             "mean_clip_frequency": sum(clip) / len(clip) if clip else None,
             "wall_time": fin.get("wall_time"),
+            "dp_epsilon": eps[-1] if eps else None,
+            "dp_delta": c.get("dp_delta") if c.get("dp_clip") is not None else None,
+            "aggregator": c.get("aggregator"),
+            "attack": c.get("attack") if c.get("attack") not in (None, "none") else None,
+            "attack_fraction": c.get("attack_fraction") if c.get("attack") not in (None, "none") else None,
+            "recipe": c.get("recipe"),
+            "settings": self.settings(),
             "interrupted": bool(self.meta.get("interrupted", False)),
             "note": self.collapse_note(),
         }
+
+    def settings(self) -> str:
+        """What the run is beyond its algorithm, in a few words ("" for a plain run):
+        differential privacy with epsilon at delta, a robust aggregator, an attack and
+        its fraction, corrupted clients, and a recipe with its evaluation rule -- the
+        console summary, ``compare``'s table and the plot titles show it."""
+        c = self.config
+        parts = []
+        if c.get("recipe"):
+            parts.append(f"recipe {c['recipe']}" + (" (acc avg2: mean of the last two iterates)"
+                                                    if c.get("eval_avg_last_two") else ""))
+        if c.get("dp_clip") is not None:
+            eps = self.column("dp_epsilon", trained_only=True)[1]
+            if c.get("dp_noise_multiplier"):
+                privacy = (f"eps {eps[-1]:.3g} at delta {c.get('dp_delta'):g}" if eps and c.get("dp_delta")
+                           else "no delta: eps not computed")
+                parts.append(f"DP {c.get('dp_mode', 'server')} clip {c['dp_clip']:g} z {c['dp_noise_multiplier']:g}, "
+                             f"{privacy}")
+            else:
+                parts.append(f"DP clip {c['dp_clip']:g}, no noise (not private)")
+        if c.get("aggregator") not in (None, "mean"):
+            parts.append(f"aggregator {c['aggregator']}")
+        if c.get("attack") not in (None, "none") and c.get("attack_fraction"):
+            parts.append(f"attack {c['attack']} by {100 * c['attack_fraction']:g}% of clients")
+        if c.get("corrupt_fraction"):
+            parts.append(f"{100 * c['corrupt_fraction']:g}% of clients corrupted ({c.get('corrupt_kind')})")
+        return "; ".join(parts)
 
     def collapse_note(self) -> Optional[str]:
         """A sentence when the run's global model stayed at chance while a learned
@@ -280,15 +323,25 @@ class Results:
         _, scale = self.column("lr_scale", trained_only=True)
         if "gain_ratio" not in keys and any(v != 1.0 for v in scale):  # FedExP's eta_g
             keys.insert(1, "lr_scale")
+        # a statistic that never changes (FedAdam's server lr) is a number, not a panel: it goes in the title
+        constant = {}
+        for key in list(keys):
+            _, y = self.column(key, trained_only=True)
+            if len(set(y)) == 1:
+                constant[key] = y[0]
+                keys.remove(key)
         # at least the other plots' width: one panel (FedLAW's gamma) at 4.2 in cut its title
         fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(max(4.2 * len(keys), 11), 3.6), squeeze=False)
         for ax, key in zip(axes[0], keys):
             x, y = self.column(key, trained_only=True)
             ax.plot(x, y)
             ax.set_xlabel("round"), ax.set_ylabel(key.replace("_", " ")), ax.grid(alpha=0.3)
+        fixed = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in constant.items())
         if not keys:
-            axes[0][0].text(0.5, 0.5, "no server statistics", ha="center", va="center")
-        fig.suptitle(textwrap.fill(f"{title}: server statistics", 110))
+            axes[0][0].set_axis_off()
+            axes[0][0].text(0.5, 0.5, f"no server statistic changed over the rounds ({fixed})" if fixed
+                            else "no server statistics", ha="center", va="center")
+        fig.suptitle(textwrap.fill(f"{title}: server statistics" + (f" (constant: {fixed})" if fixed else ""), 110))
         paths.append(_save(fig, out_dir / f"{prefix}server.png"))
         return paths
 
@@ -305,8 +358,9 @@ class Results:
         c = self.config
         if not c:
             return self.label
+        settings = self.settings()
         return (f"{self.label} (nar={c.get('nar')}) on {c.get('dataset')}, {c.get('clients')} clients, "
-                f"{c.get('per_round')}/round, alpha={c.get('alpha')}")
+                f"{c.get('per_round')}/round, alpha={c.get('alpha')}" + (f"; {settings}" if settings else ""))
 
 
 def _pyplot():
@@ -318,12 +372,14 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, *, rect=None) -> Path:
+    """``rect``: the part of the figure the axes may take (tight_layout's), the rest kept
+    free, e.g. for a legend below them."""
     from matplotlib.ticker import MaxNLocator
 
     for ax in fig.axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
@@ -337,17 +393,30 @@ def plot_comparison(results: Sequence[Results], path) -> Path:
     """One figure: test accuracy, test loss and clip frequency per round of every run."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for res in results:
+    # what the runs are beyond their algorithms: in the title when they share it, else in each label
+    settings = [res.settings() for res in results]
+    common = settings[0] if settings and settings[0] and len(set(settings)) == 1 else ""
+    for res, extra in zip(results, settings):
+        label = textwrap.fill(res.label + (f" ({extra})" if extra and not common else ""), 60)
         x, y = res.column("test_accuracy")
-        axes[0].plot(x, [100 * v for v in y], label=res.label)
+        axes[0].plot(x, [100 * v for v in y], label=label)
         x, y = res.column("test_loss")
-        axes[1].plot(x, y, label=res.label)
+        axes[1].plot(x, y, label=label)
         x, y = res.column("clip_frequency", trained_only=True)
-        axes[2].plot(x, y, label=res.label)
+        axes[2].plot(x, y, label=label)
     for ax, name in zip(axes, ("test accuracy (%)", "test loss", "fraction of local steps clipped")):
         ax.set_xlabel("round"), ax.set_ylabel(name), ax.grid(alpha=0.3)
-    axes[0].legend()
+    # one legend below the panels, never over the curves (inside the accuracy panel it hid the early rounds)
+    handles, labels = axes[0].get_legend_handles_labels()
+    widest = max((len(line) for text in labels for line in text.split("\n")), default=0)
+    ncol = max(1, min(len(labels), 4, int(fig.get_figwidth() // (0.08 * widest + 0.8))))  # ~0.08 in a character
+    rows = sum(max(t.count("\n") + 1 for t in labels[i:i + ncol]) for i in range(0, len(labels), ncol))
+    band = min(0.6, (0.3 + 0.2 * rows) / fig.get_figheight())  # inches of legend as a fraction of the figure
+    if labels:
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False, bbox_to_anchor=(0.5, 0.0))
     first = results[0].config if results else {}
-    fig.suptitle(f"same partition and client sequence: {first.get('dataset')}, {first.get('clients')} clients, "
-                 f"{first.get('per_round')}/round, alpha={first.get('alpha')}, seed={first.get('seed')}")
-    return _save(fig, Path(path))
+    fig.suptitle(textwrap.fill(
+        f"same partition and client sequence: {first.get('dataset')}, {first.get('clients')} clients, "
+        f"{first.get('per_round')}/round, alpha={first.get('alpha')}, seed={first.get('seed')}"
+        + (f"; {common}" if common else ""), 150))
+    return _save(fig, Path(path), rect=(0, band if labels else 0, 1, 1))

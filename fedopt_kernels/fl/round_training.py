@@ -36,7 +36,7 @@ from ..utils import buffers_to_vector
 from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
 from .chunked import FOLDABLE, RoundFold, chunk_clients
 from .client import RoundStats
-from .config import ConfigError
+from .config import ConfigError, MemoryBudgetWarning
 from .seeds import batch_seed
 
 __all__ = ["RoundTraining"]
@@ -120,7 +120,9 @@ class RoundTraining:
         self._progress_total = len(clients)
         self._report_progress(round_number, 0)
         if self._chunk is not None:
-            return self._train_chunked(round_number, clients, todo, bad)
+            stats = self._train_chunked(round_number, clients, todo, bad)
+            self._round_nonfinite = stats.nonfinite
+            return stats
         if self._lazy:
             self._round_data(todo)
         try:
@@ -131,6 +133,7 @@ class RoundTraining:
             if self._lazy:
                 self._round_data(None)
         self._report_progress(round_number, len(clients))
+        self._round_nonfinite = stats.nonfinite  # read by the record, only when clients were left out
         return stats
 
     def _report_progress(self, round_number: int, done: int) -> None:
@@ -179,6 +182,13 @@ class RoundTraining:
                 per_client += self.batched.planner.client_bytes(cfg.batch_size)
             fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
             chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
+            need = fixed + min(2, cfg.per_round) * per_client  # the smallest chunk: 2 clients
+            if budget < need:  # the bound cannot be kept: say so, with the numbers, and go on
+                self.results.meta["memory_budget_needed"] = need
+                warnings.warn(MemoryBudgetWarning(
+                    f"memory-budget {budget:,} bytes is below what the smallest chunk needs: {need:,} bytes (the "
+                    f"model's buffers {fixed:,} + {min(2, cfg.per_round)} clients x {per_client:,}); the run trains "
+                    f"{chunk} clients at a time, over the budget"), stacklevel=4)
             if chunk < cfg.per_round:
                 self._chunk = chunk
                 # DP clips every row, an attack reads the honest ones and a robust rule compares
@@ -330,9 +340,11 @@ class RoundTraining:
 def _add_stats(total: RoundStats, part: RoundStats) -> None:
     """``part``'s sums into ``total`` (a chunked round's statistics)."""
     for a, b in ((total.loss_sum, part.loss_sum), (total.clipped, part.clipped),
-                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped)):
+                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped),
+                 (total.uncounted, part.uncounted)):
         a += b
     total.steps += part.steps
+    total.nonfinite += part.nonfinite
 
 
 def _snapshot(stats: RoundStats) -> tuple:

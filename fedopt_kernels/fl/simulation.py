@@ -64,6 +64,7 @@ import copy
 import logging
 import platform
 import time
+import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -74,7 +75,8 @@ from ..server import RobustAggregator, RoundReplies
 from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
 from .attacks import Attack
 from .batched import BatchedTrainer
-from .client import LocalTrainer, ScaffoldState
+from .client import NONFINITE_TRAINING as _NONFINITE_TRAINING
+from .client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
 from .client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
@@ -402,7 +404,7 @@ class Simulation(RoundTraining):
             record["local_lr"] = self.local.lr_at(r - 1, 0)
             record["weight_decay"] = self.local.weight_decay_at(r - 1)
             record.update(outcome.record(extra))
-            self._record_left_out(record, outcome.left_out)
+            self._record_left_out(record, self._explain_nonfinite(outcome.left_out))
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
                 if x_before is not None:
@@ -454,6 +456,31 @@ class Simulation(RoundTraining):
                          "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in left_out))
 
     _log_exclusions = True  # the distributed simulator logs on rank 0 only
+
+    def _explain_nonfinite(self, left_out: list) -> list:
+        """``left_out`` with the step's NaN/Inf exclusions of the clients that trained to a
+        non-finite loss or step (RoundStats.close_client) said so, instead of "NaN/Inf
+        update"; one :class:`NonFiniteClientWarning` names them.  The distributed
+        simulator's rank 0 knows this of its own clients only."""
+        if not any(reason == "nonfinite" for _, reason, _ in left_out):
+            return left_out
+        flagged = getattr(self, "_round_nonfinite", None) or []
+        flags = torch.stack([flag for _, flag in flagged]).tolist() if flagged else []
+        trained_bad = {cid for (cid, _), flag in zip(flagged, flags) if flag}
+        self._warn_nonfinite_clients([cid for cid, reason, _ in left_out if reason == "nonfinite" and cid in trained_bad])
+        return [(cid, reason, _NONFINITE_TRAINING if reason == "nonfinite" and cid in trained_bad else detail)
+                for cid, reason, detail in left_out]
+
+    def _warn_nonfinite_clients(self, clients: List[int]) -> None:
+        """One :class:`NonFiniteClientWarning` per client, the first round it trains to a
+        non-finite loss or step (the per-round log line names it every round)."""
+        warned = self.__dict__.setdefault("_nonfinite_warned", set())
+        new = [cid for cid in clients if cid not in warned]
+        if new and self._log_exclusions:
+            warned.update(new)
+            warnings.warn(NonFiniteClientWarning(
+                f"client{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}: {_NONFINITE_TRAINING}; left out of "
+                "every round where this happens (excluded_nonfinite in the records), not averaged in"), stacklevel=3)
 
     def _round_replies(self, clients: List[int]) -> tuple:
         """The round's replies for the server round, and the record's extras: the rows of

@@ -54,7 +54,10 @@ class FedNAR(EagerOptimizer):
     Mixed precision: ``torch.amp.GradScaler`` hands this optimizer its scale and inf flag
     (``_step_supports_amp_scaling``), so gradients are unscaled inside the fused step,
     the norm is that of the unscaled gradient and an overflow skips the step without a
-    host sync.  Do not call ``scaler.unscale_(optimizer)`` before ``scaler.step``.
+    host sync.  ``scaler.unscale_(optimizer)`` before ``scaler.step`` is not needed but
+    allowed (e.g. to look at the gradients): the step then gets the unscaled gradients
+    and only the inf flag, for one more pass over them, and takes the same step
+    (``tests/test_amp.py``; ``docs/compile.md``).
 
     Args:
         params: parameters or param-group dicts (each group may set ``lr``,

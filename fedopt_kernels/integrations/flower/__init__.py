@@ -50,7 +50,7 @@ if _parse(_version)[:2] >= _SPEC["below"]:
 # Its client trains as the simulator's clients do (fedopt_kernels.fl): the flower extra brings sim's.
 require("sim", "fedopt_kernels.integrations.flower", install=_SPEC["install"])
 
-from .client import FedNARClient, batch_seed, init_seed, local_config_from_run_config  # noqa: E402
+from .client import RUN_CONFIG_KEYS, FedNARClient, batch_seed, init_seed, local_config_from_run_config  # noqa: E402
 from .records import (arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord,  # noqa: E402
                       stack_arrayrecords, tensor_to_array, tensors_to_arrayrecord)
 from .concern import Concern, ConcernWrapper  # noqa: E402
@@ -66,7 +66,7 @@ __version_flwr__ = _version
 __all__ = [
     "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
     "make_strategy", "STRATEGIES", "Scaffold", "RobustAggregation", "DifferentialPrivacy", "Concern",
-    "ConcernWrapper", "FedNARClient", "local_config_from_run_config", "batch_seed", "init_seed",
+    "ConcernWrapper", "FedNARClient", "local_config_from_run_config", "RUN_CONFIG_KEYS", "batch_seed", "init_seed",
     "stack_arrayrecords", "arrayrecord_to_vector", "model_to_arrayrecord", "load_arrayrecord_",
     "tensor_to_array", "tensors_to_arrayrecord",
 ]

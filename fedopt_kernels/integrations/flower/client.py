@@ -48,6 +48,7 @@ simulate`` does; ``prox-mu`` stays 0 (no proximal term) unless given.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -89,15 +90,52 @@ def local_config_from_run_config(run_config, base: Optional[LocalConfig] = None)
     changes = {}
     for field, key in RUN_CONFIG_KEYS.items():
         if key in run_config:
-            value = run_config[key]
-            if field == "backend":
-                value = value or None
-            elif field in ("steps", "batch_size"):
-                value = int(value)
-            elif field not in ("nar", "decay_kind", "decay_per"):
-                value = float(value)
-            changes[field] = value
+            changes[field] = _run_config_value(field, key, run_config[key])
     return dataclasses.replace(base, **changes)
+
+
+# what each run-config value may be: (kind, test, words); checked with the key named, as Flower
+# passes the strings of `--run-config "local-lr=abc"` through unchanged
+_RUN_CONFIG_RULES = {
+    "steps": ("int", lambda v: v >= 1, "a positive integer"),
+    "batch_size": ("int", lambda v: v >= 1, "a positive integer"),
+    "lr": ("float", lambda v: v >= 0, "a number >= 0"),
+    "lr_decay": ("float", lambda v: v > 0, "a number > 0"),
+    "weight_decay": ("float", lambda v: v >= 0, "a number >= 0"),
+    "wd_decay": ("float", lambda v: v > 0, "a number > 0"),
+    "max_norm": ("float", lambda v: v > 0, "a number > 0"),
+    "momentum": ("float", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "prox_mu": ("float", lambda v: v >= 0, "a number >= 0"),
+    "decay_beta": ("float", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "nar": ("choice", ("co", "grad", "none"), "one of co, grad, none"),
+    "decay_kind": ("choice", ("exponential", "linear"), "one of exponential, linear"),
+    "decay_per": ("choice", ("step", "epoch"), "one of step, epoch"),
+}
+
+
+def _run_config_value(field: str, key: str, value):
+    """``value`` of run-config ``key`` as :class:`LocalConfig`'s ``field`` wants it, or a
+    ``ValueError`` naming the key, the value and what it must be."""
+    if field == "backend":
+        return value or None
+    kind, rule, words = _RUN_CONFIG_RULES[field]
+    if kind == "choice":
+        if value not in rule:
+            raise ValueError(f"run config {key!r} must be {words}, got {value!r}")
+        return value
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+        if kind == "int":
+            if not number.is_integer():
+                raise ValueError
+            number = int(number)
+    except (TypeError, ValueError):
+        raise ValueError(f"run config {key!r} must be {words}, got {value!r}") from None
+    if not math.isfinite(number) or not rule(number):
+        raise ValueError(f"run config {key!r} must be {words}, got {value!r}")
+    return number
 
 
 class FedNARClient:
@@ -204,9 +242,14 @@ class FedNARClient:
         lr_sum = trainer.train(x_global, indices, round_index=server_round - 1,
                                seed=batch_seed(self._seed(context), server_round, cid), out_update=update,
                                stats=stats, client=0, scaffold=scaffold)
+        with torch.no_grad():  # a non-finite training (update NaN: RoundStats.close_client) sends a NaN model, which
+            # the strategy leaves out as nonfinite -- its skipped steps would otherwise send x_global back, a zero update
+            trainer.x.masked_fill_(~torch.isfinite(update).all(), float("nan"))
         if scaffold is not None and lr_sum > 0:
             with torch.no_grad():  # option II, as ScaffoldState: c_i += D / lr_sum - c
                 c_i_new = scaffold.control(0) + (update / lr_sum - scaffold.c)
+                # a non-finite training (its update NaN: RoundStats.close_client) keeps c_i, as the server leaves it out
+                c_i_new = torch.where(torch.isfinite(c_i_new).all(), c_i_new, scaffold.control(0))
             layout = parameters_layout(model)
             context.state[SCAFFOLD_STATE_KEY] = tensors_to_arrayrecord(
                 (s.name, c_i_new[s.offset:s.offset + s.numel].view(s.shape)) for s in layout.slots)
@@ -218,9 +261,10 @@ class FedNARClient:
                     torch.sub(x_global, update, out=trainer.x)
 
         summary = stats.summary()
+        nan = float("nan")  # a training left out as non-finite has no loss of its own
         metrics = MetricRecord({
-            "train_loss": float(summary["train_loss"]),
-            "clip_frequency": float(summary["clip_frequency"]),
+            "train_loss": nan if summary["train_loss"] is None else float(summary["train_loss"]),
+            "clip_frequency": nan if summary["clip_frequency"] is None else float(summary["clip_frequency"]),
             "clipped_steps": int(summary["clipped_steps"]),
             "skipped_steps": int(summary["skipped_steps"]),
             LR_SUM_KEY: float(lr_sum),

@@ -112,6 +112,7 @@ class FusedStrategy(_FlowerFedAvg):
                  weighting: str = "auto", max_weight_share: Optional[float] = None, on_bad_reply: str = "exclude",
                  read_in_place: bool = True, on_round: Optional[Callable[[int], None]] = None, **kwargs):
         concerns = concerns_from_keywords(kwargs)
+        _check_flower_arguments(kwargs)  # Flower's FedAvg takes them as given
         super().__init__(**kwargs)
         for concern in concerns:
             concern.prepare(self)
@@ -254,7 +255,7 @@ class FusedStrategy(_FlowerFedAvg):
         if not screened.kept:
             if not replies:
                 return None, None
-            raise AggregationError(reason=f"round {server_round}: no usable reply among {len(replies)}")
+            raise AggregationError(reason=f"round {server_round}: no usable reply among {len(replies)}: {listed}")
         t0 = time.perf_counter()
         if self.on_round is not None:
             self.on_round(server_round)
@@ -290,6 +291,8 @@ class FusedStrategy(_FlowerFedAvg):
                 "; round skipped" if record["server_skipped"] else "")
         out = tensors_to_arrayrecord(self._named_state(self._keys))
         self._sent = out
+        if nonfinite:  # the metrics of the clients that counted, as the simulator's
+            contents = [c for c, n in zip(contents, nodes) if n not in nonfinite] or contents
         try:
             agg = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         except (KeyError, TypeError, ValueError) as exc:  # replies whose other metrics differ: keep the round
@@ -323,6 +326,21 @@ class FusedStrategy(_FlowerFedAvg):
             if state.get(concern.state_key) is not None:
                 concern.load_state(state[concern.state_key])
         self._keys, self._sent = state.get("keys"), None
+
+
+def _check_flower_arguments(kwargs: dict) -> None:
+    """Flower ``FedAvg``'s sampling arguments, checked here: Flower itself accepts, say,
+    ``fraction_train=2.0`` and samples every node without a word."""
+    for key in ("fraction_train", "fraction_evaluate"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0.0 <= value <= 1.0):
+            raise ValueError(f"{key} must be a number in [0, 1] (the fraction of the nodes sampled per round), "
+                             f"got {value!r}")
+    for key in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
 
 
 def _order_key(msg: Message):

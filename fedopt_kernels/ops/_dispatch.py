@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import backends
+from ..backends import compressed as _compressed_table
 from . import _library
 from .client_pieces import ClientPieces
 
@@ -93,6 +94,12 @@ def _method(op: str):
     return lambda impl: getattr(impl, op)
 
 
+def _compressed(op: str):
+    """An op of the compressed decode-aggregate: backends/compressed.py's table, by the
+    backend module's name (``fedopt_kernels.backends.cpu`` -> ``cpu``)."""
+    return lambda impl: getattr(_compressed_table, op)(impl.__name__.rsplit(".", 1)[-1])
+
+
 # op -> (backend object -> the eager callable)
 _EAGER = {
     "nar_step_": _method("nar_step_"),
@@ -104,6 +111,8 @@ _EAGER = {
     "add_noise_": _method("add_noise_"),
     "client_dots": _rows_op("client_dots"),
     "weighted_sum": lambda impl: lambda rows, weights, gamma: _WeightedSum.apply(weights, gamma, impl, rows),
+    "block_decode_aggregate": _compressed("block_decode_aggregate"),
+    "topk_decode_aggregate": _compressed("topk_decode_aggregate"),
 }
 
 
@@ -130,4 +139,6 @@ _COMPILED = {
     "add_noise_": _library.add_noise_op,
     "client_dots": _rows_only("client_dots", _library.client_dots_op),
     "weighted_sum": _rows_only("weighted_sum", _library.weighted_sum_op),
+    "block_decode_aggregate": _library.block_decode_aggregate_op,
+    "topk_decode_aggregate": _library.topk_decode_aggregate_op,
 }

@@ -217,3 +217,41 @@ _weighted_sum.register_autograd(_weighted_sum_backward, setup_context=_weighted_
 def weighted_sum_op(clients, weights, gamma, backend):
     rows = [clients] if isinstance(clients, torch.Tensor) else list(clients)
     return _weighted_sum(rows, weights, gamma, backend)
+
+
+# The compressed decode-aggregate (ops/compressed.py; backend table:
+# backends/compressed.py): one opaque node each, ``out`` written in place.
+@torch.library.custom_op("fedopt::block_decode_aggregate", mutates_args=("out",))
+def block_decode_aggregate_op(
+    codes: list[torch.Tensor], scales: list[torch.Tensor], kind: int, block: int, numel: int, weights: torch.Tensor,
+    gamma: float, gamma_tensor: Optional[torch.Tensor], out: torch.Tensor, skip: Optional[torch.Tensor],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..backends import compressed
+
+    backends.resolve(backend, out.device)
+    q, Q = compressed.block_decode_aggregate(backend)(codes, scales, kind, block, numel, weights, gamma, gamma_tensor,
+                                                      out, skip)
+    return q, Q
+
+
+@block_decode_aggregate_op.register_fake
+def _(codes, scales, kind, block, numel, weights, gamma, gamma_tensor, out, skip, backend):
+    return out.new_empty((len(codes),), dtype=torch.float32), out.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fedopt::topk_decode_aggregate", mutates_args=("out",))
+def topk_decode_aggregate_op(
+    values: list[torch.Tensor], indices: list[torch.Tensor], numel: int, weights: torch.Tensor, gamma: float,
+    gamma_tensor: Optional[torch.Tensor], out: torch.Tensor, skip: Optional[torch.Tensor], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..backends import compressed
+
+    backends.resolve(backend, out.device)
+    q, Q = compressed.topk_decode_aggregate(backend)(values, indices, numel, weights, gamma, gamma_tensor, out, skip)
+    return q, Q
+
+
+@topk_decode_aggregate_op.register_fake
+def _(values, indices, numel, weights, gamma, gamma_tensor, out, skip, backend):
+    return out.new_empty((len(values),), dtype=torch.float32), out.new_empty((), dtype=torch.float32)

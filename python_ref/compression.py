@@ -221,8 +221,7 @@ def hadamard_unrotate(y: torch.Tensor, key: int, block: int, n: int) -> torch.Te
     return (_fwht(yb) / math.sqrt(block) * r).reshape(-1)[:n]
 
 
-def decode_aggregate(decoded_rows: Sequence[Callable], weights: torch.Tensor, gamma=1.0):
-    """``(out, q, Q)`` of ``gamma * sum_i p_i x^_i`` with ``x^_i = decoded_rows[i]()``:
-    python_ref/aggregation.py over the decoded fp32 rows (``q_i = ||x^_i||^2``)."""
-    rows = [d() for d in decoded_rows]
-    return _aggregate(rows, weights, gamma)
+def decode_aggregate(decoded: Sequence[torch.Tensor], weights: torch.Tensor, gamma=1.0):
+    """``(out, q, Q)`` of ``gamma * sum_i p_i x^_i`` over the decoded fp32 replies ``x^_i``:
+    python_ref/aggregation.py, ``acc + p_i x^_i`` client after client (``q_i = ||x^_i||^2``)."""
+    return _aggregate(list(decoded), weights, gamma)

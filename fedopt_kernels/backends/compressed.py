@@ -32,7 +32,6 @@ from .hyper import join
 from .oracle import compression as _ref
 
 KINDS = {"int8": 0, "int4": 1, "fp8": 2}
-_CODE_DTYPES = {0: torch.int8, 1: torch.uint8, 2: torch.uint8}
 
 
 def _rows(t):
@@ -43,7 +42,7 @@ def _stacked(t):
     return t if isinstance(t, torch.Tensor) else torch.stack(list(t))
 
 
-def _finish_reference(rows, weights, gamma, gamma_tensor, out, skip, numel):
+def _finish_reference(rows, weights, gamma, gamma_tensor, out, skip):
     """python_ref's aggregation over decoded fp32 rows (the reference backend's aggregate)."""
     from . import reference
 
@@ -59,12 +58,12 @@ def _reference_block(codes, scales, kind, block, numel, weights, gamma, gamma_te
             rows.append(_ref.fp8_decode(c.view(torch.float8_e4m3fn), s, block, numel))
         else:
             rows.append(_ref.dequantize(c, s, "int8" if kind == 0 else "int4", block, numel))
-    return _finish_reference(rows, weights, gamma, gamma_tensor, out, skip, numel)
+    return _finish_reference(rows, weights, gamma, gamma_tensor, out, skip)
 
 
 def _reference_topk(values, indices, numel, weights, gamma, gamma_tensor, out, skip):
     rows = [_ref.topk_decode(v.cpu(), i.cpu(), numel).to(v.device) for v, i in zip(_rows(values), _rows(indices))]
-    return _finish_reference(rows, weights, gamma, gamma_tensor, out, skip, numel)
+    return _finish_reference(rows, weights, gamma, gamma_tensor, out, skip)
 
 
 def _cpp_block(codes, scales, kind, block, numel, weights, gamma, gamma_tensor, out, skip):

@@ -135,6 +135,13 @@ TORCH_LIBRARY(fedopt_C, m) {
   m.def(
       "block_decode_aggregate(Tensor[] codes, Tensor[] scales, int kind, int block, int numel, Tensor weights, "
       "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
+  // The client's encode, fused: x (a 1-D float CPU tensor, taken as float32) in blocks of
+  // `block` values: scale s_b = max|x_b| / Q (Q = 127 for kind 0 int8, 7 for kind 1
+  // int4), codes round(x / s_b) half to even, or with `stochastic` floor(t) + [u < t -
+  // floor(t)] with u of Philox4x32-10(key, (j, client, 0x51)) (key in [0, 2^63)); clamped
+  // to [-Q, Q], NaN codes 0.  Returns (codes int8 [N] or uint8 [ceil(N/2)], scales float32
+  // [ceil(N/block)]): python_ref.compression.quantize's bits.  (CPU only for now.)
+  m.def("block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) -> (Tensor, Tensor)");
   // Top-k: client i sends values[i] (float32 [k_i]) at indices[i] (int64 [k_i], strictly
   // increasing in [0, numel), checked); x^_i is zero elsewhere.  As block_decode_aggregate.
   m.def(

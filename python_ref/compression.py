@@ -125,6 +125,7 @@ def quantize(x: torch.Tensor, bits: str, block: int, *, stochastic: bool = False
         q = f + (u < (t - f)).to(torch.float32)
     else:
         q = torch.round(t)  # half to even
+    q = torch.where(torch.isnan(q), 0.0, q)  # a NaN value (its scale is NaN: a reply the server refuses) codes 0
     q = q.clamp(-qmax, qmax).to(torch.int8)
     return (q if bits == "int8" else pack_int4(q)), s
 

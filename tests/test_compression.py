@@ -14,6 +14,7 @@ from fedopt_kernels.compression import Codec, parse_codec
 from fedopt_kernels.fl.client_state import ClientStateStore
 from fedopt_kernels.fl.error_feedback import ErrorFeedback
 from fedopt_kernels.ops import compressed as C
+from python_ref import compression as P
 from python_ref.gaussian_noise import philox4x32_10
 
 LEVELS = {"int8": 127, "int4": 7}
@@ -86,6 +87,24 @@ def test_deterministic_rounding_is_nearest_even_within_half_a_step(codec, dtype)
     clear = (frac - 0.5).abs() > 1e-4  # away from a tie, the nearest integer is unambiguous
     assert torch.equal(f64_codes(r)[clear], torch.round(t)[clear])
     assert float(f64_codes(r).abs().max()) <= Q
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_fused_encode_gives_python_refs_bits(backend, codec, stochastic, dtype):
+    """Every backend's encode (the C++ CPU kernel's, python_ref's elsewhere) against
+    python_ref.compression.quantize, bit for bit: odd and empty sizes, zeros, a NaN."""
+    name, device = backend
+    for N in (0, 1, 31, 1000 + 7):
+        x = updates(1, N, dtype, seed=N)[0]
+        if N > 40:
+            x[40:80] = 0.0  # an all-zero block: scale 0, codes 0
+            x[500] = float("nan")  # its block's scale is NaN (the server refuses it), codes 0
+        r = C.encode(x.to(device), codec, block=32, stochastic=stochastic, key=2 ** 62 + 5, client=9, backend=name)
+        codes, scales = P.quantize(x, codec, 32, stochastic=stochastic, key=2 ** 62 + 5, client=9)
+        assert torch.equal(r.codes.cpu(), codes), (name, N)
+        assert torch.equal(r.scales.cpu().nan_to_num(7.0), scales.nan_to_num(7.0)), (name, N)
 
 
 def test_round_half_to_even_on_exact_ties():

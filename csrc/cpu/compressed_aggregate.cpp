@@ -1,5 +1,6 @@
-// CPU kernels of fedopt_C::block_decode_aggregate and fedopt_C::topk_decode_aggregate
-// (schemas: csrc/registration.cpp; oracle: python_ref/compression.py).
+// CPU kernels of fedopt_C::block_decode_aggregate and fedopt_C::topk_decode_aggregate, and
+// the client's fused encode fedopt_C::block_quantize (schemas: csrc/registration.cpp;
+// oracle: python_ref/compression.py).
 //
 // The aggregation reads each reply's codes and scales in place: the columns [0, N) are
 // cut into chunks (a multiple of the block, ~4 Ki columns: L1-resident), threads take
@@ -31,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
@@ -81,10 +83,11 @@ struct Loops {
   void (*scatter_axpy)(float, const float*, const int64_t*, int64_t, int64_t, float*);
   float (*sum_squares)(const float*, int64_t);
   void (*scale_into)(float, const float*, int64_t, float*);
+  float (*quantize_block)(const float*, int64_t, float, bool, uint64_t, int64_t, uint32_t, uint32_t, int8_t*);
 };
 
 #define FEDOPT_CK_LOOPS(NS) \
-  Loops { &NS::decode_chunk, &NS::axpy, &NS::scatter_axpy, &NS::sum_squares, &NS::scale_into }
+  Loops { &NS::decode_chunk, &NS::axpy, &NS::scatter_axpy, &NS::sum_squares, &NS::scale_into, &NS::quantize_block }
 
 const Loops& loops() {
   static const Loops chosen = [] {
@@ -253,10 +256,51 @@ std::tuple<Tensor, Tensor> topk_decode_aggregate_cpu(at::TensorList values, at::
   return finish(part, total, nc, C);
 }
 
+// python_ref/compression.py's STREAM_ROUNDING: the Philox counter's last word.
+constexpr uint32_t kStreamRounding = 0x51;
+
+std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int64_t block, bool stochastic,
+                                              int64_t key, int64_t client) {
+  const char* op = "fedopt_C::block_quantize";
+  TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (int8) or 1 (int4), got ", kind);
+  TORCH_CHECK(block > 0 && block % 32 == 0, op, ": block must be a positive multiple of 32, got ", block);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_floating_point(), op,
+              ": x must be a 1-D floating-point CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(key >= 0, op, ": key must be in [0, 2^63), got ", key);
+  const Tensor xf = x.to(at::kFloat).contiguous();  // fp16 / bf16 widen exactly; fp64 rounds once
+  const int64_t N = xf.numel(), nb = (N + block - 1) / block;
+  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 1 ? at::kByte : at::kChar));
+  Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
+  const float* xp = xf.const_data_ptr<float>();
+  float* sp = scales.data_ptr<float>();
+  uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
+  const float qmax = kind == 0 ? 127.0f : 7.0f;
+  const Loops& L = loops();
+  const int64_t grain = std::max<int64_t>(1, kMinColumnsPerThread / block);
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> q(kind == 1 ? block : 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t j0 = b * block, len = std::min(block, N - j0);
+      int8_t* dst = kind == 0 ? reinterpret_cast<int8_t*>(cp) + j0 : q.data();
+      sp[b] = L.quantize_block(xp + j0, len, qmax, stochastic, static_cast<uint64_t>(key), j0,
+                               static_cast<uint32_t>(client), kStreamRounding, dst);
+      if (kind == 1) {  // two nibbles per byte, low first (j0 is even: blocks are multiples of 32)
+        for (int64_t m = 0; 2 * m < len; ++m) {
+          const uint8_t lo = static_cast<uint8_t>(q[2 * m]) & 0xF;
+          const uint8_t hi = 2 * m + 1 < len ? static_cast<uint8_t>(q[2 * m + 1]) & 0xF : 0;
+          cp[j0 / 2 + m] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+      }
+    }
+  });
+  return {codes, scales};
+}
+
 }  // namespace
 }  // namespace fedopt::cpu::compressed
 
 TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
+  m.impl("block_quantize", &fedopt::cpu::compressed::block_quantize_cpu);
   m.impl("block_decode_aggregate", &fedopt::cpu::compressed::block_decode_aggregate_cpu);
   m.impl("topk_decode_aggregate", &fedopt::cpu::compressed::topk_decode_aggregate_cpu);
 }

@@ -67,3 +67,57 @@ inline float sum_squares(const float* v, int64_t len) {
 inline void scale_into(float gamma, const float* acc, int64_t len, float* out) {
   for (int64_t t = 0; t < len; ++t) out[t] = gamma * acc[t];
 }
+
+// ---------------------------------------------------------------------------------------
+// The client's encode (block quantization to int8 / int4), one block at a time.
+
+// x0 of Philox4x32-10 under `key` at counter (j lo, j hi, c2, c3): python_ref's
+// philox4x32_10 step for step (gaussian_noise.h has the (j, 0, 0) form of the noise).
+inline uint32_t philox_x0(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
+  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32);
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+#pragma GCC unroll 10
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
+    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
+    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+    c1 = static_cast<uint32_t>(p1);
+    c3 = static_cast<uint32_t>(p0);
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// Codes of the `len` values x[0, len) of one block starting at element j0: the block's
+// scale s = max|x| / qmax (returned), t = x / s (0 when s == 0), q = round half to even
+// (the default rounding mode's nearbyint) or, stochastic, floor(t) + [u < t - floor(t)]
+// with u = (x0 >> 8) 2^-24 of (key, j, client, stream); NaN to 0, clamped to [-qmax, qmax];
+// into q[].
+inline float quantize_block(const float* x, int64_t len, float qmax, bool stochastic, uint64_t key, int64_t j0,
+                            uint32_t client, uint32_t stream, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t t = 0; t < len; ++t) {
+    const float a = x[t] < 0.0f ? -x[t] : x[t];
+    amax = a > amax || a != a ? a : amax;  // a NaN propagates into the scale (the validator's to refuse)
+  }
+  const float s = amax / qmax;
+  for (int64_t t = 0; t < len; ++t) {
+    const float v = s == 0.0f ? 0.0f : x[t] / s;
+    float r;
+    if (stochastic) {
+      const float f = __builtin_floorf(v);
+      const float u = static_cast<float>(static_cast<int32_t>(philox_x0(key, static_cast<uint64_t>(j0 + t), client, stream) >> 8)) * 0x1p-24f;
+      r = f + (u < v - f ? 1.0f : 0.0f);
+    } else {
+      r = __builtin_nearbyintf(v);
+    }
+    r = r == r ? r : 0.0f;  // NaN (a NaN value, or a NaN scale) codes 0, as python_ref
+    r = r > qmax ? qmax : (r < -qmax ? -qmax : r);
+    q[t] = static_cast<int8_t>(r);
+  }
+  return s;
+}

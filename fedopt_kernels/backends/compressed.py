@@ -151,8 +151,31 @@ def _triton_topk(values, indices, numel, weights, gamma, gamma_tensor, out, skip
     return q, total
 
 
+def _reference_quantize(x, kind, block, stochastic, key, client):
+    codes, scales = _ref.quantize(x.cpu(), "int8" if kind == 0 else "int4", block, stochastic=stochastic, key=key,
+                                  client=client)
+    return codes.to(x.device), scales.to(x.device)
+
+
+def _cpp_quantize(x, kind, block, stochastic, key, client):
+    return torch.ops.fedopt_C.block_quantize(x, int(kind), int(block), bool(stochastic), int(key), int(client))
+
+
 _BLOCK = {"reference": _reference_block, "cpu": _cpp_block, "cuda": _cpp_block, "triton": _triton_block}
 _TOPK = {"reference": _reference_topk, "cpu": _cpp_topk, "cuda": _cpp_topk, "triton": _triton_topk}
+
+
+# The client's fused encode (int8 / int4): C++ on the CPU; elsewhere python_ref's torch
+# code on the update's device (its counter-based uniforms drawn on the CPU) until the
+# Triton / CUDA encode kernels exist.
+_QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _reference_quantize,
+             "triton": _reference_quantize}
+
+
+def block_quantize(name: str) -> Callable:
+    """Backend ``name``'s ``block_quantize(x, kind, block, stochastic, key, client) -> (codes,
+    scales)`` (kind 0 int8, 1 int4; ``x`` 1-D float; python_ref.compression.quantize's bits)."""
+    return _QUANTIZE[name]
 
 
 def block_decode_aggregate(name: str) -> Callable:
@@ -168,17 +191,9 @@ def topk_decode_aggregate(name: str) -> Callable:
 # ---------------------------------------------------------------------------------------
 # the client's encoders (python_ref's formulation, on the update's device)
 
-def encode_block(x: torch.Tensor, codec: str, block: int, *, stochastic: bool, key: int, client: int):
-    """``(codes, scales)`` of ``x`` (flat): ``codec`` "int8", "int4" or "fp8"."""
-    dev = x.device
-    x = x.reshape(-1)
-    if codec == "fp8":
-        codes, scales = _ref.fp8_encode(x, block)
-        return codes.to(dev), scales.to(dev)
-    if stochastic:  # the counter-based uniforms are drawn on the CPU by python_ref
-        codes, scales = _ref.quantize(x.cpu(), codec, block, stochastic=True, key=key, client=client)
-        return codes.to(dev), scales.to(dev)
-    return _ref.quantize(x, codec, block)
+def encode_fp8(x: torch.Tensor, block: int):
+    """``(codes float8_e4m3fn, scales)`` of ``x`` (flat), python_ref's torch code on its device."""
+    return _ref.fp8_encode(x.reshape(-1), block)
 
 
 topk_k = _ref.topk_k  # how many values top-k keeps of n: ceil(fraction n), at least 1

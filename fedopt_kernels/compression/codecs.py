@@ -57,14 +57,16 @@ class Codec:
             return numel
         return -(-numel // self.rotation) * self.rotation
 
-    def encode(self, update: torch.Tensor, key: int = 0, client: int = 0) -> C.CompressedUpdate:
-        """The reply of client ``client`` for ``update`` in the round of ``key``."""
+    def encode(self, update: torch.Tensor, key: int = 0, client: int = 0, *,
+               backend: Optional[str] = None) -> C.CompressedUpdate:
+        """The reply of client ``client`` for ``update`` in the round of ``key`` (in ``[0, 2^63)``)."""
         x = update.reshape(-1)
         if self.rotation is not None:
             x = C.hadamard_rotate(x, key, self.rotation)
         if self.name == "topk":
             return C.encode(x, "topk", fraction=self.fraction)
-        return C.encode(x, self.name, block=self.block, stochastic=self.stochastic, key=key, client=client)
+        return C.encode(x, self.name, block=self.block, stochastic=self.stochastic, key=key, client=client,
+                        backend=backend)
 
     def decode(self, reply: C.CompressedUpdate, numel: int, key: int = 0) -> torch.Tensor:
         """The dense fp32 update a reply stands for (rotated back)."""

@@ -113,6 +113,7 @@ _EAGER = {
     "weighted_sum": lambda impl: lambda rows, weights, gamma: _WeightedSum.apply(weights, gamma, impl, rows),
     "block_decode_aggregate": _compressed("block_decode_aggregate"),
     "topk_decode_aggregate": _compressed("topk_decode_aggregate"),
+    "block_quantize": _compressed("block_quantize"),
 }
 
 
@@ -141,4 +142,5 @@ _COMPILED = {
     "weighted_sum": _rows_only("weighted_sum", _library.weighted_sum_op),
     "block_decode_aggregate": _library.block_decode_aggregate_op,
     "topk_decode_aggregate": _library.topk_decode_aggregate_op,
+    "block_quantize": _library.block_quantize_op,
 }

@@ -255,3 +255,20 @@ def topk_decode_aggregate_op(
 @topk_decode_aggregate_op.register_fake
 def _(values, indices, numel, weights, gamma, gamma_tensor, out, skip, backend):
     return out.new_empty((len(values),), dtype=torch.float32), out.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fedopt::block_quantize", mutates_args=())
+def block_quantize_op(x: torch.Tensor, kind: int, block: int, stochastic: bool, key: int, client: int,
+                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..backends import compressed
+
+    backends.resolve(backend, x.device)
+    codes, scales = compressed.block_quantize(backend)(x, kind, block, stochastic, key, client)
+    return codes, scales
+
+
+@block_quantize_op.register_fake
+def _(x, kind, block, stochastic, key, client, backend):
+    n = x.numel()
+    codes = x.new_empty(((n + 1) // 2 if kind == 1 else n,), dtype=torch.uint8 if kind == 1 else torch.int8)
+    return codes, x.new_empty((-(-n // block),), dtype=torch.float32)

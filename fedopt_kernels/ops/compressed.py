@@ -79,11 +79,13 @@ def _check_codec(codec, block):
 
 
 def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bool = False, key: int = 0,
-           client: int = 0, fraction: Optional[float] = None, k: Optional[int] = None) -> CompressedUpdate:
+           client: int = 0, fraction: Optional[float] = None, k: Optional[int] = None,
+           backend: Optional[str] = None) -> CompressedUpdate:
     """Encode ``update`` (a float tensor, taken flat as fp32).  Block codecs: ``block``
     values per scale; int8/int4 ``stochastic`` rounding draws its uniforms from
-    ``(key, client, element)`` (python_ref/compression.py).  Top-k keeps ``k`` values,
-    or ``ceil(fraction * N)``."""
+    ``(key, client, element)`` (python_ref/compression.py; ``key`` in ``[0, 2^63)``), by
+    the backend's fused encode (``block_quantize``).  Top-k keeps ``k`` values, or
+    ``ceil(fraction * N)``."""
     _check_codec(codec, block)
     V.check_tensor(update, "update")
     if not update.is_floating_point():
@@ -101,9 +103,16 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
         return CompressedUpdate("topk", n, values, indices=indices)
     if stochastic and codec == "fp8":
         raise ValueError("stochastic rounding is defined for int8 and int4, not fp8")
-    if not 0 <= int(key) < 1 << 64:
-        raise ValueError(f"key must be in [0, 2^64), got {key}")
-    codes, scales = _codec.encode_block(update, codec, block, stochastic=stochastic, key=int(key), client=int(client))
+    if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 63:
+        raise ValueError(f"key must be an int in [0, 2^63), got {key!r}")
+    if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < 1 << 32:
+        raise ValueError(f"client must be an int in [0, 2^32), got {client!r}")
+    V.check_backend(backend)
+    if codec == "fp8":
+        codes, scales = _codec.encode_fp8(update, block)
+    else:
+        run = _dispatch.kernel("block_quantize", backend, update.device)
+        codes, scales = run(update.reshape(-1), _codec.KINDS[codec], block, bool(stochastic), key, client)
     return CompressedUpdate(codec, n, codes, scales=scales, block=block)
 
 

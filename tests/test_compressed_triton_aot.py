@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the compressed decode-aggregate's Triton kernels
 (backends/triton/compressed.py) for sm_80 and sm_90, no GPU needed: each codec's
-variant (int8, int4, fp8) and the top-k pair compile to PTX and a cubin, read their
+variant (int8, int4, fp8), the top-k pair and the fused encode compile to PTX and a cubin, read their
 codes with byte loads (never a dense fp32 copy), keep the sum unfused (no FMA: the bits
 of the CPU kernel) and ptxas reports no failure.  tests/_aot_compile.py's compiler in a
 subprocess with TRITON_INTERPRET unset, as tests/test_robust_triton_aot.py does.
@@ -49,6 +49,11 @@ variants.append(("topk finish", dict(kernel=K.topk_finish_kernel, warps=4, optio
     cx=dict(HAS_SKIP=True, GAMMA_KIND=0, BLOCK=TRITON_BLOCK),
     types=dict(acc_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32", skip_ptr="*i1", gamma_ptr="*fp32",
                gamma_value="fp64", N="i64"), ptrs=["acc_ptr", "out_ptr"])))
+for stochastic, int4 in ((False, False), (True, True)):
+    variants.append((f"quantize stochastic={stochastic} int4={int4}", dict(kernel=K.block_quantize_kernel, warps=4,
+        cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128),
+        types=dict(x_ptr="*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
+                   key="i64", client="i64"), ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
 for name, v in variants:
     entry = dict(name=name, archs={})
     for cc in A.ARCHS:
@@ -72,7 +77,9 @@ def report():
 
 def test_every_kernel_compiles_for_sm80_and_sm90(report):
     assert [e["name"] for e in report["results"]] == ["block kind=0", "block kind=1", "block kind=2",
-                                                      "topk scatter", "topk finish"]
+                                                      "topk scatter", "topk finish",
+                                                      "quantize stochastic=False int4=False",
+                                                      "quantize stochastic=True int4=True"]
     for e in report["results"]:
         for arch, r in e["archs"].items():
             name = f"{e['name']} {arch}"
@@ -91,4 +98,5 @@ def test_codes_are_read_as_bytes_and_the_sums_are_not_contracted(report):
         for arch, r in e["archs"].items():
             if e["name"].startswith("block"):
                 assert r["mem"].get("ld.global.b8", 0) > 0, (e["name"], arch, r["mem"])
-            assert r["fma"] == 0, (e["name"], arch, r["fma"])
+            if not e["name"].startswith("quantize"):  # the encode has no sum to keep unfused
+                assert r["fma"] == 0, (e["name"], arch, r["fma"])

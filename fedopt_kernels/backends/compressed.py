@@ -165,11 +165,28 @@ _BLOCK = {"reference": _reference_block, "cpu": _cpp_block, "cuda": _cpp_block, 
 _TOPK = {"reference": _reference_topk, "cpu": _cpp_topk, "cuda": _cpp_topk, "triton": _triton_topk}
 
 
-# The client's fused encode (int8 / int4): C++ on the CPU; elsewhere python_ref's torch
-# code on the update's device (its counter-based uniforms drawn on the CPU) until the
-# Triton / CUDA encode kernels exist.
+def _triton_quantize(x, kind, block, stochastic, key, client):
+    from .triton import _on
+    from .triton.compressed import block_quantize_kernel
+
+    N = x.numel()
+    nb = -(-N // block)
+    codes = torch.empty((N + 1) // 2 if kind == 1 else N, dtype=torch.uint8 if kind == 1 else torch.int8,
+                        device=x.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if nb:
+        half = 1 << max(0, (block // 2 - 1).bit_length())  # the next power of two >= block / 2
+        with _on(x.device):
+            block_quantize_kernel[(nb,)](x.contiguous(), codes, scales, N, int(block), int(key), int(client),
+                                         QMAX=127.0 if kind == 0 else 7.0, INT4=kind == 1,
+                                         STOCHASTIC=bool(stochastic), HALF=half, num_warps=4)
+    return codes, scales
+
+
+# The client's fused encode (int8 / int4): C++ on the CPU, Triton; on the cuda backend
+# python_ref's torch code on the update's device (no CUDA C++ encode kernel yet).
 _QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _reference_quantize,
-             "triton": _reference_quantize}
+             "triton": _triton_quantize}
 
 
 def block_quantize(name: str) -> Callable:

@@ -121,3 +121,75 @@ def topk_finish_kernel(acc_ptr, out_ptr, part_ptr, skip_ptr, gamma_ptr, gamma_va
         a = tl.load(acc_ptr + offs, mask=mask, other=0.0)
         tl.store(part_ptr + pid, tl.sum(a * a, axis=0))
         tl.store(out_ptr + offs, gamma * a, mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# The client's fused encode: block quantization to int8 / int4 (python_ref.compression.quantize)
+
+@triton.jit
+def philox_x0(key, c0, c1, c2, c3):
+    """``x0`` (uint32) of Philox4x32-10 of the counters ``(c0, c1, c2, c3)`` (uint32 blocks)
+    under ``(key lo, key hi)``: python_ref's ``philox4x32_10`` step for step (``_noise.py``
+    has the ``(j, 0, 0)`` form of the DP noise)."""
+    key = key.to(tl.int64)
+    k0 = key.to(tl.uint32)
+    k1 = (key >> 32).to(tl.uint32)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, 0xD2511F53)
+        lo0 = c0 * 0xD2511F53
+        hi1 = tl.umulhi(c2, 0xCD9E8D57)
+        lo1 = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0
+
+
+@triton.jit
+def _round_code(x, s, j, key, client, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The code (fp32 integer value) of ``x`` under scale ``s`` at element ``j`` (int64)."""
+    t = tl.where(s == 0.0, 0.0, tl.math.div_rn(x, s))
+    f = tl.floor(t)
+    if STOCHASTIC:
+        c0 = (j & 0xFFFFFFFF).to(tl.uint32)
+        c1 = (j >> 32).to(tl.uint32)
+        c2 = tl.zeros_like(c0) + client.to(tl.uint32)
+        c3 = tl.zeros_like(c0) + 0x51  # python_ref's STREAM_ROUNDING
+        u = (philox_x0(key, c0, c1, c2, c3) >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+        q = f + tl.where(u < t - f, 1.0, 0.0)
+    else:  # round half to even, exactly: d = t - f is exact for |t| < 2^23
+        d = t - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+        q = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
+    q = tl.where(q != q, 0.0, q)  # NaN (a NaN value or scale: a reply the server refuses) codes 0
+    return tl.minimum(tl.maximum(q, -QMAX), QMAX)
+
+
+@triton.jit(do_not_specialize=["N", "block", "key", "client"])
+def block_quantize_kernel(x_ptr, codes_ptr, scales_ptr, N: tl.int64, block: tl.int64, key: tl.int64,
+                          client: tl.int64, QMAX: tl.constexpr, INT4: tl.constexpr, STOCHASTIC: tl.constexpr,
+                          HALF: tl.constexpr):
+    """Block ``b`` (one program): ``s_b = max|x_b| / QMAX`` (NaN if the block holds one),
+    codes of its even and odd elements (``HALF`` = half the block, a power of two);
+    int8 stored as they are, int4 as one byte per pair (low nibble the even element)."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, HALF).to(tl.int64)
+    je = b * block + 2 * p
+    jo = je + 1
+    me = (2 * p < block) & (je < N)
+    mo = (2 * p + 1 < block) & (jo < N)
+    xe = tl.load(x_ptr + je, mask=me, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + jo, mask=mo, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
+    has_nan = tl.max(tl.where((xe != xe) | (xo != xo), 1, 0), axis=0) > 0
+    amax = tl.where(has_nan, float("nan"), amax)
+    s = tl.math.div_rn(amax, QMAX)
+    tl.store(scales_ptr + b, s)
+    qe = _round_code(xe, s, je, key, client, QMAX, STOCHASTIC).to(tl.int32)
+    qo = _round_code(xo, s, jo, key, client, QMAX, STOCHASTIC).to(tl.int32)
+    if INT4:
+        byte = (qe & 0xF) | ((qo & 0xF) << 4)
+        tl.store(codes_ptr + b * (block // 2) + p, byte.to(tl.uint8), mask=me)
+    else:
+        tl.store(codes_ptr + je, qe.to(tl.int8), mask=me)
+        tl.store(codes_ptr + jo, qo.to(tl.int8), mask=mo)

@@ -44,7 +44,7 @@ for kind, codes in ((0, "*i8"), (1, "*i8"), (2, "*u8")):
 variants.append(("topk scatter", dict(kernel=K.topk_scatter_kernel, warps=4, cx=dict(BLOCK=TRITON_BLOCK),
     options=dict(enable_fp_fusion=False),
     types=dict(values_ptr="*fp32", indices_ptr="*i64", w_ptr="*fp32", acc_ptr="*fp32", part_ptr="*fp32", i="i64",
-               k="i64", nkblk="i64"), ptrs=["values_ptr", "indices_ptr", "acc_ptr"])))
+               k="i64", nkblk="i64", N="i64"), ptrs=["values_ptr", "indices_ptr", "acc_ptr"])))
 variants.append(("topk finish", dict(kernel=K.topk_finish_kernel, warps=4, options=dict(enable_fp_fusion=False),
     cx=dict(HAS_SKIP=True, GAMMA_KIND=0, BLOCK=TRITON_BLOCK),
     types=dict(acc_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32", skip_ptr="*i1", gamma_ptr="*fp32",

@@ -429,3 +429,24 @@ def test_an_fp8_nan_code_is_left_out_by_the_exclusion(backend):
     assert st.excluded.tolist() == [False, False, True]
     expect = (C.decode(replies[0]) + C.decode(replies[1])).to(torch.float64) * 1.5
     assert torch.allclose(out.cpu().to(torch.float64), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_checked_skips_the_value_checks_but_never_writes_outside_out(backend):
+    """With checked=True (the round ran check_reply already) an index out of range is not
+    looked for by the ops layer; nothing is written outside out: the CPU op and python_ref
+    refuse it, the GPU kernels leave it out."""
+    name, _ = backend
+    t = C.encode(updates(1, 100)[0], "topk", k=5)
+    ix = t.indices.clone()
+    ix[-1] = 1000
+    bad = _bad(t, indices=ix)
+    with pytest.raises(ValueError, match="out of range"):
+        C.decode_aggregate([bad], [1.0], backend=name)
+    if name in ("cpu", "reference"):
+        with pytest.raises((RuntimeError, IndexError)):
+            C.decode_aggregate([bad], [1.0], backend=name, checked=True)
+    else:
+        out, _ = C.decode_aggregate([bad], [1.0], backend=name, checked=True, nonfinite="propagate")
+        expect = torch.zeros(100)
+        expect[t.indices[:-1]] = t.codes[:-1]
+        assert torch.equal(out.cpu(), expect)

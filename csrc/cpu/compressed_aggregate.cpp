@@ -3,11 +3,11 @@
 // oracle: python_ref/compression.py).
 //
 // The aggregation reads each reply's codes and scales in place: the columns [0, N) are
-// cut into chunks (a multiple of the block, ~4 Ki columns: L1-resident), threads take
-// consecutive chunks, and inside a chunk each client's codes are decoded into one
-// chunk-sized fp32 buffer (v = s_b * q, one rounding), added to the chunk's accumulator
-// (acc = acc + w_i * v, client order) and squared into the client's partial.  No dense
-// copy of a reply is made.  A client of weight 0 is not added at all: the oracle adds
+// cut into chunks (a multiple of the block, ~4 Ki columns: the accumulator stays in L1),
+// threads take consecutive chunks, and inside a chunk each client's codes are decoded in
+// registers (v = s_b * q, one rounding), squared into the client's partial and added to
+// the chunk's accumulator (acc = acc + w_i * v, client order), in one pass
+// (compressed_kernels.h, decode_accumulate).  No dense copy of a reply is made.  A client of weight 0 is not added at all: the oracle adds
 // +0.0, which leaves every accumulator as it is (the accumulator starts at +0.0 and a
 // sum of finite or infinite values is -0.0 only if both terms are).  So out is bit for
 // bit python_ref's gamma * sum_i w_i x^_i and ops.aggregate over the decoded rows.
@@ -78,16 +78,16 @@ constexpr int64_t kChunkColumns = int64_t(1) << 12;
 constexpr int64_t kMinColumnsPerThread = int64_t(1) << 16;
 
 struct Loops {
-  void (*decode_chunk)(int, const uint8_t*, const float*, int64_t, int64_t, const float*, float*);
-  void (*axpy)(float, const float*, int64_t, float*);
   void (*scatter_axpy)(float, const float*, const int64_t*, int64_t, int64_t, float*);
   float (*sum_squares)(const float*, int64_t);
   void (*scale_into)(float, const float*, int64_t, float*);
   float (*quantize_block)(const float*, int64_t, float, bool, uint64_t, int64_t, uint32_t, uint32_t, int8_t*);
+  float (*decode_accumulate)(int, const uint8_t*, const float*, int64_t, int64_t, const float*, float, float*);
 };
 
 #define FEDOPT_CK_LOOPS(NS) \
-  Loops { &NS::decode_chunk, &NS::axpy, &NS::scatter_axpy, &NS::sum_squares, &NS::scale_into, &NS::quantize_block }
+  Loops { &NS::scatter_axpy, &NS::sum_squares, &NS::scale_into, &NS::quantize_block, \
+        &NS::decode_accumulate }
 
 const Loops& loops() {
   static const Loops chosen = [] {
@@ -195,14 +195,13 @@ std::tuple<Tensor, Tensor> block_decode_aggregate_cpu(at::TensorList codes, at::
   const Loops& L = loops();
   const float* lut = fp8_table();
   float* o = out.data_ptr<float>();
-  parallel_chunks(nc, cols, [&](int64_t c, float* acc, float* v) {
+  parallel_chunks(nc, cols, [&](int64_t c, float* acc, float*) {
     const int64_t j0 = c * cols, len = std::min(cols, N - j0);
     std::fill(acc, acc + len, 0.0f);
     for (int64_t i = 0; i < C; ++i) {
       const uint8_t* q = cp[i] + (kind == 1 ? j0 / 2 : j0);
-      L.decode_chunk(static_cast<int>(kind), q, sp[i] + j0 / block, block, len, lut, v);
-      part[c * C + i] = L.sum_squares(v, len);
-      if (cm.w[i] != 0.0f) L.axpy(cm.w[i], v, len, acc);
+      part[c * C + i] = L.decode_accumulate(static_cast<int>(kind), q, sp[i] + j0 / block, block, len, lut,
+                                            cm.w[i], acc);
     }
     total[c] = L.sum_squares(acc, len);
     L.scale_into(cm.gamma, acc, len, o + j0);

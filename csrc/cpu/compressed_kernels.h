@@ -12,37 +12,73 @@
 
 constexpr int64_t kLanes = 16;
 
-// v[t] = s_b * q[t] for the columns [0, len) of one chunk starting at a block boundary
-// (block `block`, scales `s` of the chunk's first block on).  kind 0: int8 codes; 1:
-// int4, two per byte (low nibble first; `codes` is the chunk's first byte, even
-// column); 2: fp8 e4m3fn bytes, decoded through `lut`.
-inline void decode_chunk(int kind, const uint8_t* codes, const float* s, int64_t block, int64_t len,
-                         const float* lut, float* v) {
+// One client's chunk in ONE pass: v = s_b * q decoded in registers, lanes[t mod kLanes] +=
+// v^2 and (w != 0) acc[t] = acc[t] + w * v; the same operations, lane layout and order as
+// a decode into a buffer, sum_squares of it and acc += w v (so the same bits), without the buffer round trip.
+// The chunk starts at a block boundary and every block but the chunk's last is whole (a
+// multiple of 32 values), so only the chunk's end can be ragged.
+template <int kKind, bool kAdd>
+inline void decode_accumulate_kind(const uint8_t* codes, const float* s, int64_t block, int64_t len,
+                                   const float* lut, float w, float* acc, float* lanes) {
   for (int64_t b0 = 0; b0 < len; b0 += block) {
     const float sb = s[b0 / block];
-    const int64_t e = b0 + block < len ? b0 + block : len;  // no std::min: see the top
-    if (kind == 0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(codes);
-      for (int64_t t = b0; t < e; ++t) v[t] = sb * static_cast<float>(q[t]);
-    } else if (kind == 1) {
-      const int64_t pairs = (e - b0) / 2;  // b0 is even (blocks are multiples of 32)
-      const uint8_t* q = codes + b0 / 2;
-      float* o = v + b0;
-      for (int64_t m = 0; m < pairs; ++m) {
-        const int8_t byte = static_cast<int8_t>(q[m]);
-        o[2 * m] = sb * static_cast<float>(static_cast<int8_t>(byte << 4) >> 4);
-        o[2 * m + 1] = sb * static_cast<float>(byte >> 4);
+    const int64_t e = b0 + block < len ? b0 + block : len;
+    int64_t t = b0;
+    for (; t + kLanes <= e; t += kLanes) {
+      float v[kLanes];
+      if (kKind == 0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(codes) + t;
+        for (int64_t l = 0; l < kLanes; ++l) v[l] = sb * static_cast<float>(q[l]);
+      } else if (kKind == 1) {
+        const uint8_t* q = codes + t / 2;
+        for (int64_t l = 0; l < kLanes / 2; ++l) {
+          const int8_t byte = static_cast<int8_t>(q[l]);
+          v[2 * l] = sb * static_cast<float>(static_cast<int8_t>(byte << 4) >> 4);
+          v[2 * l + 1] = sb * static_cast<float>(byte >> 4);
+        }
+      } else {
+        for (int64_t l = 0; l < kLanes; ++l) v[l] = sb * lut[codes[t + l]];
       }
-      if ((e - b0) % 2) o[2 * pairs] = sb * static_cast<float>(static_cast<int8_t>(static_cast<int8_t>(q[pairs]) << 4) >> 4);
-    } else {
-      for (int64_t t = b0; t < e; ++t) v[t] = sb * lut[codes[t]];
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = lanes[l] + v[l] * v[l];
+      if (kAdd)
+        for (int64_t l = 0; l < kLanes; ++l) acc[t + l] = acc[t + l] + w * v[l];
+    }
+    for (int64_t l = 0; t + l < e; ++l) {  // the chunk's ragged end: lanes 0, 1, ... as sum_squares
+      const int64_t j = t + l;
+      float q;
+      if (kKind == 0) {
+        q = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[j]);
+      } else if (kKind == 1) {
+        const int8_t byte = static_cast<int8_t>(codes[j / 2]);
+        q = static_cast<float>(j % 2 ? byte >> 4 : static_cast<int8_t>(byte << 4) >> 4);
+      } else {
+        q = lut[codes[j]];
+      }
+      const float v = sb * q;
+      lanes[l] = lanes[l] + v * v;
+      if (kAdd) acc[j] = acc[j] + w * v;
     }
   }
 }
 
-// acc[t] = acc[t] + w * v[t]
-inline void axpy(float w, const float* v, int64_t len, float* acc) {
-  for (int64_t t = 0; t < len; ++t) acc[t] = acc[t] + w * v[t];
+// Returns the chunk's sum of v^2 (the lanes added in sum_squares' fixed tree).
+inline float decode_accumulate(int kind, const uint8_t* codes, const float* s, int64_t block, int64_t len,
+                               const float* lut, float w, float* acc) {
+  float lanes[kLanes] = {};
+  const bool add = w != 0.0f;
+  if (kind == 0) {
+    add ? decode_accumulate_kind<0, true>(codes, s, block, len, lut, w, acc, lanes)
+        : decode_accumulate_kind<0, false>(codes, s, block, len, lut, w, acc, lanes);
+  } else if (kind == 1) {
+    add ? decode_accumulate_kind<1, true>(codes, s, block, len, lut, w, acc, lanes)
+        : decode_accumulate_kind<1, false>(codes, s, block, len, lut, w, acc, lanes);
+  } else {
+    add ? decode_accumulate_kind<2, true>(codes, s, block, len, lut, w, acc, lanes)
+        : decode_accumulate_kind<2, false>(codes, s, block, len, lut, w, acc, lanes);
+  }
+  for (int64_t h = kLanes / 2; h >= 1; h /= 2)
+    for (int64_t l = 0; l < h; ++l) lanes[l] = lanes[l] + lanes[l + h];
+  return lanes[0];
 }
 
 // acc[idx[t] - c0] += w * val[t] for t in [0, k): the top-k values of one client that

@@ -140,7 +140,7 @@ def _triton_topk(values, indices, numel, weights, gamma, gamma_tensor, out, skip
         for i, (v, ix) in enumerate(zip(vals, idxs)):  # client order: the sum's order
             if v.numel():
                 topk_scatter_kernel[(-(-v.numel() // TRITON_BLOCK),)](
-                    v.contiguous(), ix.contiguous(), w, acc, part, i, v.numel(), nkblk, BLOCK=TRITON_BLOCK,
+                    v.contiguous(), ix.contiguous(), w, acc, part, i, v.numel(), nkblk, N, BLOCK=TRITON_BLOCK,
                     num_warps=4, enable_fp_fusion=False)
         if N:
             topk_finish_kernel[(-(-N // TRITON_BLOCK),)](

@@ -80,7 +80,7 @@ class Codec:
 
     def aggregate(self, replies: Sequence[C.CompressedUpdate], weights, numel: int, key: int = 0, **kwargs):
         """``(out, AggregateStats)`` of ``sum_i w_i decode(reply_i)``: the fused decode-aggregate
-        (``kwargs``: gamma, nonfinite, max_client_norm, backend), rotated back once.  The
+        (``kwargs``: gamma, nonfinite, max_client_norm, backend, checked), rotated back once.  The
         statistics are those of the decoded (rotated) updates: the rotation is orthogonal,
         so norms agree up to rounding."""
         out, stats = C.decode_aggregate(list(replies), weights, **kwargs)

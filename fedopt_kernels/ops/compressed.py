@@ -124,9 +124,11 @@ def decode(reply: CompressedUpdate) -> torch.Tensor:
     return _codec.decode_block(reply.codes, reply.scales, reply.codec, reply.block, reply.numel)
 
 
-def check_reply(reply, numel: int, *, codec: Optional[str] = None, block: Optional[int] = None) -> Optional[str]:
+def check_reply(reply, numel: int, *, codec: Optional[str] = None, block: Optional[int] = None,
+                values: bool = True) -> Optional[str]:
     """Why ``reply`` cannot be aggregated into a model of ``numel`` values (with the
-    round's ``codec`` and ``block`` when given), or None when it can."""
+    round's ``codec`` and ``block`` when given), or None when it can.  ``values=False``
+    checks the layout only (types, lengths), not the scales' and indices' values."""
     if not isinstance(reply, CompressedUpdate):
         return f"a compressed reply must be a CompressedUpdate, got {type(reply).__name__}"
     if reply.codec not in CODECS:
@@ -146,7 +148,7 @@ def check_reply(reply, numel: int, *, codec: Optional[str] = None, block: Option
             return "top-k indices must be a contiguous 1-D int64 tensor"
         if ix.numel() != c.numel():
             return f"{c.numel()} top-k values but {ix.numel()} indices"
-        if ix.numel():
+        if values and ix.numel():
             ixc = ix.cpu()
             if int(ixc.min()) < 0 or int(ixc.max()) >= numel:
                 return f"top-k indices out of range [0, {numel}): min {int(ixc.min())}, max {int(ixc.max())}"
@@ -173,6 +175,8 @@ def check_reply(reply, numel: int, *, codec: Optional[str] = None, block: Option
     nb = num_scales(numel, reply.block)
     if s.numel() != nb:
         return f"{s.numel()} scales for {numel} values in blocks of {reply.block} (expected {nb})"
+    if not values:
+        return None
     sc = s.cpu()
     if nb and not bool(torch.isfinite(sc).all()):
         return f"a NaN/Inf scale at block {int((~torch.isfinite(sc)).nonzero()[0])}"
@@ -184,7 +188,7 @@ def check_reply(reply, numel: int, *, codec: Optional[str] = None, block: Option
     return None
 
 
-def _check_round(replies: Sequence[CompressedUpdate]):
+def _check_round(replies: Sequence[CompressedUpdate], values: bool = True):
     """The common (codec, block, numel, device) of the replies; each reply valid."""
     if isinstance(replies, CompressedUpdate) or not isinstance(replies, (list, tuple)) or not replies:
         raise ValueError("replies must be a non-empty list of CompressedUpdate")
@@ -192,7 +196,8 @@ def _check_round(replies: Sequence[CompressedUpdate]):
     if not isinstance(first, CompressedUpdate):
         raise ValueError(f"replies[0]: a compressed reply must be a CompressedUpdate, got {type(first).__name__}")
     for i, r in enumerate(replies):
-        why = check_reply(r, first.numel, codec=first.codec, block=first.block if first.codec != "topk" else None)
+        why = check_reply(r, first.numel, codec=first.codec, block=first.block if first.codec != "topk" else None,
+                          values=values)
         if why is not None:
             raise ValueError(f"replies[{i}]: {why}")
         if r.codes.device != first.codes.device:
@@ -202,17 +207,22 @@ def _check_round(replies: Sequence[CompressedUpdate]):
 
 def decode_aggregate(replies: Sequence[CompressedUpdate], weights, *, gamma=1.0, out: Optional[torch.Tensor] = None,
                      nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                     backend: Optional[str] = None):
+                     backend: Optional[str] = None, checked: bool = False):
     r"""``out = gamma * sum_i weights[i] * decode(replies[i])`` and its statistics, every
     reply read in place by the backend's fused decode-aggregate.  ``weights``,
     ``gamma``, ``nonfinite`` and ``max_client_norm`` as :func:`~fedopt_kernels.ops.aggregate`
     (the norms are those of the decoded updates); ``out`` float32 ``[N]``.
     Every reply is validated first (:func:`check_reply`; a malformed one raises with
-    its reason -- a round leaves it out before calling this).
+    its reason -- a round leaves it out before calling this).  ``checked=True``: the
+    caller has just run :func:`check_reply` on every reply (as a round does, to leave the
+    malformed ones out with their reasons), so only their layout is checked again, not
+    their values.  Either way nothing unsafe reaches a kernel: the kernels never write
+    outside ``out`` whatever the indices, and a NaN/Inf that decodes is excluded by
+    ``nonfinite="exclude"``.
 
     Returns ``(out, AggregateStats)``.
     """
-    codec, block, N, device = _check_round(replies)
+    codec, block, N, device = _check_round(replies, values=not checked)
     C = len(replies)
     w = check_weights(weights, C, device, torch.float32)
     gamma = check_gamma(gamma, device, torch.float32)

@@ -89,9 +89,9 @@ def block_decode_aggregate_kernel(codes_ptr, scales_ptr, w_ptr, out_ptr, part_pt
         tl.store(out_ptr + offs, gamma * total, mask=mask)
 
 
-@triton.jit(do_not_specialize=["k", "i", "nkblk"])
+@triton.jit(do_not_specialize=["k", "i", "nkblk", "N"])
 def topk_scatter_kernel(values_ptr, indices_ptr, w_ptr, acc_ptr, part_ptr, i: tl.int64, k: tl.int64,
-                        nkblk: tl.int64, BLOCK: tl.constexpr):
+                        nkblk: tl.int64, N: tl.int64, BLOCK: tl.constexpr):
     """``acc[idx[t]] = acc[idx[t]] + w_i * val[t]`` (where ``w_i != 0``) for the ``t`` of
     program ``p``; ``part[i, p] = sum_t val[t]^2``.  Grid: ``ceil(k / BLOCK)``."""
     pid = tl.program_id(0).to(tl.int64)
@@ -102,8 +102,11 @@ def topk_scatter_kernel(values_ptr, indices_ptr, w_ptr, acc_ptr, part_ptr, i: tl
     w = tl.load(w_ptr + i).to(tl.float32)
     tl.store(part_ptr + i * nkblk + pid, tl.sum(val * val, axis=0))
     if w != 0.0:
-        a = tl.load(acc_ptr + idx, mask=mask, other=0.0)
-        tl.store(acc_ptr + idx, a + val * w, mask=mask)
+        # an index outside [0, N) is never written (memory safety without a host check;
+        # the ops layer refuses such a reply, with its reason, before the launch)
+        inside = mask & (idx >= 0) & (idx < N)
+        a = tl.load(acc_ptr + idx, mask=inside, other=0.0)
+        tl.store(acc_ptr + idx, a + val * w, mask=inside)
 
 
 @triton.jit(do_not_specialize=["gamma_value", "N"])

@@ -14,34 +14,52 @@ constexpr int64_t kLanes = 16;
 
 // One client's chunk in ONE pass: v = s_b * q decoded in registers, lanes[t mod kLanes] +=
 // v^2 and (w != 0) acc[t] = acc[t] + w * v; the same operations, lane layout and order as
-// a decode into a buffer, sum_squares of it and acc += w v (so the same bits), without the buffer round trip.
-// The chunk starts at a block boundary and every block but the chunk's last is whole (a
-// multiple of 32 values), so only the chunk's end can be ragged.
+// a decode into a buffer, sum_squares of it and acc += w v (so the same bits), without the
+// buffer round trip.  Written with GCC vector types of kLanes floats: each lane is one
+// IEEE operation, so the DEFAULT build (four SSE registers per vector) and the AVX-512
+// build (one zmm) give the same bits.  (The plain loops were left scalar by GCC's SLP
+// vectoriser: 1.8 ns per value.)  The chunk starts at a block boundary and every block
+// but the chunk's last is whole (a multiple of 32 values): only the chunk's end is ragged.
+typedef float F32xL __attribute__((vector_size(4 * kLanes)));
+typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
+typedef int8_t I8xL __attribute__((vector_size(kLanes)));
+typedef int8_t I8xH __attribute__((vector_size(kLanes / 2)));
+
 template <int kKind, bool kAdd>
-inline void decode_accumulate_kind(const uint8_t* codes, const float* s, int64_t block, int64_t len,
-                                   const float* lut, float w, float* acc, float* lanes) {
+inline void decode_accumulate_kind(const uint8_t* __restrict__ codes, const float* __restrict__ s, int64_t block,
+                                   int64_t len, const float* __restrict__ lut, float w, float* __restrict__ acc,
+                                   float* __restrict__ lanes_out) {
+  F32xL lanes;
+  __builtin_memcpy(&lanes, lanes_out, sizeof(lanes));
   for (int64_t b0 = 0; b0 < len; b0 += block) {
     const float sb = s[b0 / block];
     const int64_t e = b0 + block < len ? b0 + block : len;
     int64_t t = b0;
     for (; t + kLanes <= e; t += kLanes) {
-      float v[kLanes];
+      F32xL q;
       if (kKind == 0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(codes) + t;
-        for (int64_t l = 0; l < kLanes; ++l) v[l] = sb * static_cast<float>(q[l]);
+        I8xL c;
+        __builtin_memcpy(&c, codes + t, sizeof(c));
+        q = __builtin_convertvector(__builtin_convertvector(c, I32xL), F32xL);
       } else if (kKind == 1) {
-        const uint8_t* q = codes + t / 2;
-        for (int64_t l = 0; l < kLanes / 2; ++l) {
-          const int8_t byte = static_cast<int8_t>(q[l]);
-          v[2 * l] = sb * static_cast<float>(static_cast<int8_t>(byte << 4) >> 4);
-          v[2 * l + 1] = sb * static_cast<float>(byte >> 4);
-        }
+        I8xH b;
+        __builtin_memcpy(&b, codes + t / 2, sizeof(b));
+        const I8xH lo = (b << 4) >> 4, hi = b >> 4;  // arithmetic shifts: signed nibbles
+        const I8xL c = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        q = __builtin_convertvector(__builtin_convertvector(c, I32xL), F32xL);
       } else {
-        for (int64_t l = 0; l < kLanes; ++l) v[l] = sb * lut[codes[t + l]];
+        float g[kLanes];
+        for (int64_t l = 0; l < kLanes; ++l) g[l] = lut[codes[t + l]];
+        __builtin_memcpy(&q, g, sizeof(q));
       }
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = lanes[l] + v[l] * v[l];
-      if (kAdd)
-        for (int64_t l = 0; l < kLanes; ++l) acc[t + l] = acc[t + l] + w * v[l];
+      const F32xL v = sb * q;
+      lanes = lanes + v * v;
+      if (kAdd) {
+        F32xL a;
+        __builtin_memcpy(&a, acc + t, sizeof(a));
+        a = a + w * v;
+        __builtin_memcpy(acc + t, &a, sizeof(a));
+      }
     }
     for (int64_t l = 0; t + l < e; ++l) {  // the chunk's ragged end: lanes 0, 1, ... as sum_squares
       const int64_t j = t + l;
@@ -59,6 +77,7 @@ inline void decode_accumulate_kind(const uint8_t* codes, const float* s, int64_t
       if (kAdd) acc[j] = acc[j] + w * v;
     }
   }
+  __builtin_memcpy(lanes_out, &lanes, sizeof(lanes));
 }
 
 // Returns the chunk's sum of v^2 (the lanes added in sum_squares' fixed tree).

@@ -16,7 +16,8 @@ CUDA), ``launches`` (GPU operations -- kernels, memsets, memcpys -- of one call,
 with the profiler once every suite of the run is timed; NaN off CUDA; the JSON also has
 ``launch API calls``, the host calls that enqueued them, as a cross-check).
 
-Suites: ``nar_step``, ``aggregate``, ``server``, ``simulation`` and ``device_vs_cpu`` (the
+Suites: ``nar_step``, ``aggregate``, ``compressed`` (:mod:`.compressed`: the decode-aggregate
+of compressed replies against the fp32 floor and against decode-then-aggregate), ``server``, ``simulation`` and ``device_vs_cpu`` (the
 same real run with the batched engine on ``--device`` and on the CPU).  All run by
 default: ``device_vs_cpu`` costs nothing on a CPU device (one row says it was skipped)
 and on a GPU only a few CPU rounds.  ``scale`` (:mod:`.scale`: round time and peak
@@ -35,12 +36,13 @@ from typing import Optional
 import torch
 
 from .aggregate import bench_aggregate
+from .compressed import bench_compressed
 from .nar_step import bench_nar_step
 from .server_update import bench_server_update
 from .shapes import numel, resnet18_shapes, small_cnn_shapes
 from .timing import measured_copy_bandwidth, peak_bandwidth
 
-SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu")
+SUITES = ("nar_step", "aggregate", "compressed", "server", "simulation", "device_vs_cpu")
 EXTRA_SUITES = ("scale",)  # run only when named with --only
 SCALE_COLUMNS = (("case", "case"), ("clients", "clients"), ("per_round", "per round"), ("chunk", "chunk"),
                  ("setup_s", "setup s"), ("first_round_s", "first round s"), ("round_s", "round s"),
@@ -50,6 +52,8 @@ SIM_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms /
 KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
                   ("vs torch", "speed vs torch"), ("time / fused", "time / fused"),
                   ("of copy bw", "of copy bandwidth"), ("of HBM peak", "of HBM peak"), ("launches", "launches"))
+COMPRESSED_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
+                      ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"))
 DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                   ("vs cpu", "x faster than the CPU"))
 
@@ -79,6 +83,9 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
             rows += bench_aggregate(100, numel(small_cnn_shapes()), label=f"100 x small CNN (91K, {cache})",
                                     backend=backend, device=device, repeats=repeats * 2, cache=cache,
                                     deferred=deferred)
+    if "compressed" in only:  # issue 42: decode-aggregate of int8 / int4 / fp8 / top-k replies
+        rows += bench_compressed(20, numel(resnet18_shapes()), label="20 x ResNet-18 (11.2M)", backend=backend,
+                                 device=device, repeats=max(3, repeats // 2))
     if "server" in only:
         rows += bench_server_update(resnet18_shapes(), label="ResNet-18 (62 tensors, 11.2M)", backend=backend,
                                     device=device, repeats=max(3, repeats // 2), deferred=deferred)
@@ -203,8 +210,11 @@ def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
     rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale")]
     rounds = [r for r in rows if "vs hand loop" in r]
     versus = [r for r in rows if "vs cpu" in r]
-    kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r]
-    for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
+    compressed = [r for r in rows if "bytes/reply" in r]
+    kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r and "bytes/reply" not in r]
+    for part, columns, name in ((kernels, KERNEL_COLUMNS, title),
+                                (compressed, COMPRESSED_COLUMNS, f"{title}: compressed replies (issue 42)"),
+                                (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
                                 (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU"),
                                 (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)")):
         if part or (not rows and not scale and columns is KERNEL_COLUMNS):

@@ -450,3 +450,18 @@ def test_checked_skips_the_value_checks_but_never_writes_outside_out(backend):
         expect = torch.zeros(100)
         expect[t.indices[:-1]] = t.codes[:-1]
         assert torch.equal(out.cpu(), expect)
+
+
+def test_bench_rows_report_bytes_and_ratios_from_the_same_run():
+    from fedopt_kernels.benchmarks.compressed import FLOOR, bench_compressed
+
+    rows = {r["case"]: r for r in bench_compressed(3, 1000, label="tiny", repeats=1)}
+    assert rows[FLOOR]["vs floor"] == 1.0 and rows[FLOOR]["bytes/reply"] == 4000
+    # int8: 1000 codes + 4 scales of 4 bytes; int4: 500 + 16; top-k 1%: 10 x (4 + 8)
+    assert rows["fused int8"]["bytes/reply"] == 1016 and rows["fused int4"]["bytes/reply"] == 516
+    assert rows["fused topk 1%"]["bytes/reply"] == 120
+    for name in ("int8", "int4", "fp8", "topk 1%"):
+        for case in (f"fused {name}", f"decode then aggregate {name}", f"check_reply {name}"):
+            r = rows[case]
+            assert r["vs floor"] == pytest.approx(rows[FLOOR]["ms"] / r["ms"])
+            assert r["params/s"] == pytest.approx(3 * 1000 / (r["ms"] / 1e3))

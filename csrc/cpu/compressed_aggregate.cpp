@@ -74,7 +74,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-constexpr int64_t kChunkColumns = int64_t(1) << 12;
+constexpr int64_t kChunkColumns = int64_t(1) << 16;  // 256 KiB of accumulator: L2-resident; each client read as one 64 KiB+ run (prefetch-friendly)
 constexpr int64_t kMinColumnsPerThread = int64_t(1) << 16;
 
 struct Loops {

@@ -465,3 +465,15 @@ def test_bench_rows_report_bytes_and_ratios_from_the_same_run():
             r = rows[case]
             assert r["vs floor"] == pytest.approx(rows[FLOOR]["ms"] / r["ms"])
             assert r["params/s"] == pytest.approx(3 * 1000 / (r["ms"] / 1e3))
+
+
+def test_the_cuda_extension_registers_the_compressed_kernels():
+    """Where torch has CUDA the extension is built (CI), and it registers both CUDA kernels
+    (no GPU needed to check the registration; running them needs one)."""
+    if torch.version.cuda is None:
+        pytest.skip(f"torch {torch.__version__} is a CPU-only build, so the CUDA extension is not built")
+    import fedopt_kernels._C  # noqa: F401  (the schemas)
+    import fedopt_kernels._C_cuda  # noqa: F401
+
+    for op in ("block_decode_aggregate", "topk_decode_aggregate"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fedopt_C::{op}", "CUDA"), op

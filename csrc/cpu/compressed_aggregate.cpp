@@ -3,7 +3,8 @@
 // oracle: python_ref/compression.py).
 //
 // The aggregation reads each reply's codes and scales in place: the columns [0, N) are
-// cut into chunks (a multiple of the block, ~4 Ki columns: the accumulator stays in L1),
+// cut into chunks (a multiple of the block, ~64 Ki columns: the accumulator stays in L2,
+// and each client's codes are read as one long run),
 // threads take consecutive chunks, and inside a chunk each client's codes are decoded in
 // registers (v = s_b * q, one rounding), squared into the client's partial and added to
 // the chunk's accumulator (acc = acc + w_i * v, client order), in one pass

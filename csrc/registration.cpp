@@ -122,6 +122,31 @@ TORCH_LIBRARY(fedopt_C, m) {
   m.def(
       "coordinate_select(Tensor[] clients, Tensor keep, Tensor count, int mode, Tensor(a!) out, "
       "Tensor? skip) -> Tensor");
+  // Compressed updates decoded inside the aggregation (oracle: python_ref/compression.py).
+  // out = gamma * sum_i weights[i] * x^_i with x^_i client i's decoded reply, read in
+  // place (no dense copy), and in the same pass client_sq_norms[i] = ||x^_i||^2 and
+  // sq_norm = ||sum_i weights[i] x^_i||^2; out, weights and the statistics are float32.
+  // Block codecs: x^_j = scales[i][j / block] * q_j (fp32, one rounding), codes[i] int8
+  // [N] (kind 0), uint8 [ceil(N/2)] two int4 nibbles per byte, low first (kind 1), or
+  // uint8 fp8 e4m3fn bits [N] (kind 2); scales[i] float32 [ceil(N/block)]; block a
+  // positive multiple of 32.  The sum runs over the clients in order, acc = acc +
+  // weights[i] * x^_i: out is bit for bit `aggregate` over the decoded rows.  `skip` as
+  // aggregate's.  Returns (client_sq_norms [C], sq_norm []).
+  m.def(
+      "block_decode_aggregate(Tensor[] codes, Tensor[] scales, int kind, int block, int numel, Tensor weights, "
+      "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
+  // The client's encode, fused: x (a 1-D float CPU tensor, taken as float32) in blocks of
+  // `block` values: scale s_b = max|x_b| / Q (Q = 127 for kind 0 int8, 7 for kind 1
+  // int4), codes round(x / s_b) half to even, or with `stochastic` floor(t) + [u < t -
+  // floor(t)] with u of Philox4x32-10(key, (j, client, 0x51)) (key in [0, 2^63)); clamped
+  // to [-Q, Q], NaN codes 0.  Returns (codes int8 [N] or uint8 [ceil(N/2)], scales float32
+  // [ceil(N/block)]): python_ref.compression.quantize's bits.  (CPU only for now.)
+  m.def("block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) -> (Tensor, Tensor)");
+  // Top-k: client i sends values[i] (float32 [k_i]) at indices[i] (int64 [k_i], strictly
+  // increasing in [0, numel), checked); x^_i is zero elsewhere.  As block_decode_aggregate.
+  m.def(
+      "topk_decode_aggregate(Tensor[] values, Tensor[] indices, int numel, Tensor weights, float gamma, "
+      "Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)");
   // coordinate_select over clients read in place from pieces (as aggregate_pieces; CPU only).
   m.def(
       "coordinate_select_pieces(Tensor[] pieces, int pieces_per_client, Tensor? subtract_from, Tensor keep, "

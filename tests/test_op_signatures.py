@@ -65,7 +65,7 @@ def test_one_namespace_holds_the_tables_ops_and_nothing_else():
     backends.resolve("cpu", "cpu")
     registered = _ops_in_namespace(NS)
     expected = sorted([op for op in schemas.SCHEMAS if op in schemas.IN_CPP]
-                      + [f"routed_{op}" for op in schemas.ROUTED])
+                      + [f"routed_{op}" for op in (*schemas.ROUTED, *schemas.CODECS)])
     assert registered == expected
     others = {n.split("::", 1)[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fedopt")}
     assert others == {NS}
@@ -177,6 +177,13 @@ def _samples(gen):
         "ragged_bias_relu_": (r(C, 6, 4), r(C, 4), lengths, True),
         "ragged_relu_backward_": (r(C, 6, 4), r(C, 6, 4), lengths),
         "weighted_sum": ([X], w, torch.tensor(1.0)),
+        # compressed replies: int8 codes with one scale per 32 values; top-k at sorted indices
+        "block_decode_aggregate": ([torch.randint(-127, 128, (N,), generator=gen, dtype=torch.int8) for _ in range(C)],
+                                   [torch.rand(2, generator=gen) for _ in range(C)], 0, 32, N, w, 1.0, None,
+                                   torch.empty(N), None),
+        "block_quantize": (r(N), 0, 32, False, 7, 0),
+        "topk_decode_aggregate": ([r(4) for _ in range(C)], [torch.tensor([1, 5, 9, 36]) for _ in range(C)], N, w, 1.0,
+                                  None, torch.empty(N), None),
     }
 
 

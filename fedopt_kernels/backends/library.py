@@ -90,6 +90,20 @@ FAKES = {
     "ragged_bias_relu_": lambda x, *_: x,
     "ragged_relu_backward_": lambda grad, *_: grad,
 }
+
+
+def _codec_stats(clients, *args):
+    out = args[-2]  # (..., out, skip)
+    return out.new_empty((len(clients),), dtype=torch.float32), out.new_empty((), dtype=torch.float32)
+
+
+def _block_quantize(x, kind, block, *_):
+    n = x.numel()
+    codes = x.new_empty(((n + 1) // 2 if kind == 1 else n,), dtype=torch.uint8 if kind == 1 else torch.int8)
+    return codes, x.new_empty((-(-n // block),), dtype=torch.float32)
+
+
+FAKES.update(block_decode_aggregate=_codec_stats, topk_decode_aggregate=_codec_stats, block_quantize=_block_quantize)
 """op -> its fake kernel (the contract's arguments; a routed op's ``backend`` aside)."""
 
 
@@ -166,7 +180,24 @@ def _weighted_sum_backward(ctx, grad_out):
     return [None] * ctx.num_clients, grad_w, grad_gamma
 
 
+def _codec_kernel(op: str):
+    """``routed_<op>`` of a codec op: backends/compressed.py's function for the backend."""
+    def kernel(*args, backend: str):
+        from . import compressed
+
+        resolve(backend, _device_of(args))
+        return getattr(compressed, op)(backend)(*args)
+
+    kernel.__name__ = f"{op}_on_backend"
+    return kernel
+
+
 def _define_routed() -> None:
+    for op in schemas.CODECS:  # by the codec table (every backend), and their fakes
+        _LIB.define(schemas.routed_schema(op))
+        _LIB.impl(f"routed_{op}", _codec_kernel(op), "CompositeExplicitAutograd")
+        torch.library.register_fake(_qualname(f"routed_{op}"), lambda *args, backend, _f=FAKES[op]: _f(*args),
+                                    lib=_LIB)
     for op in schemas.ROUTED:
         _LIB.define(schemas.routed_schema(op))
         kernel = _weighted_sum if op == "weighted_sum" else _routed_kernel(op)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-__all__ = ["FROM_CHECKOUT", "aggregation", "fednar", "gaussian_noise", "server_optimizers"]
+__all__ = ["FROM_CHECKOUT", "aggregation", "compression", "fednar", "gaussian_noise", "server_optimizers"]
 
 _CHECKOUT = Path(__file__).resolve().parents[2] / "python_ref"
 
@@ -37,6 +37,6 @@ def _from_checkout() -> bool:
 
 FROM_CHECKOUT = _from_checkout()
 if FROM_CHECKOUT:
-    from python_ref import aggregation, fednar, gaussian_noise, server_optimizers
+    from python_ref import aggregation, compression, fednar, gaussian_noise, server_optimizers
 else:
-    from fedopt_kernels._python_ref import aggregation, fednar, gaussian_noise, server_optimizers
+    from fedopt_kernels._python_ref import aggregation, compression, fednar, gaussian_noise, server_optimizers

@@ -92,10 +92,23 @@ DIAGNOSTICS = {
     "_cuda_table_cache_clear": "_cuda_table_cache_clear() -> ()",
 }
 
+# The compressed replies' ops (csrc/cpu/compressed_aggregate.cpp, csrc/cuda/compressed_aggregate.cu;
+# every backend's function: backends/compressed.py's table, by the backend's name).  Each
+# is routed too, by that table (``routed_<op>``, :func:`.library.routed`).
+CODECS = {
+    "block_decode_aggregate": "block_decode_aggregate(Tensor[] codes, Tensor[] scales, int kind, int block, "
+                              "int numel, Tensor weights, float gamma, Tensor? gamma_tensor, Tensor(a!) out, "
+                              "Tensor? skip) -> (Tensor, Tensor)",
+    "block_quantize": "block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) "
+                      "-> (Tensor, Tensor)",
+    "topk_decode_aggregate": "topk_decode_aggregate(Tensor[] values, Tensor[] indices, int numel, Tensor weights, "
+                             "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)",
+}
+
 HOST_QUERIES = ("ragged_bmm_blas", "cpu_isa")
 ROUTED = (*CONTRACT, *COMPOSED)
-SCHEMAS = {**CONTRACT, **COMPOSED, **OPTIONAL, **DIAGNOSTICS}
-IN_CPP = (*CONTRACT, *OPTIONAL, *DIAGNOSTICS)  # defined by the C++ extensions (COMPOSED is Python's alone)
+SCHEMAS = {**CONTRACT, **COMPOSED, **OPTIONAL, **DIAGNOSTICS, **CODECS}
+IN_CPP = (*CONTRACT, *OPTIONAL, *DIAGNOSTICS, *CODECS)  # defined by the C++ extensions (COMPOSED is Python's alone)
 
 
 def function_name(op: str) -> str:

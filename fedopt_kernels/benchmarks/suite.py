@@ -16,7 +16,8 @@ CUDA), ``launches`` (GPU operations -- kernels, memsets, memcpys -- of one call,
 with the profiler once every suite of the run is timed; NaN off CUDA; the JSON also has
 ``launch API calls``, the host calls that enqueued them, as a cross-check).
 
-Suites: ``nar_step``, ``aggregate``, ``server``, ``simulation``, ``device_vs_cpu`` (the
+Suites: ``nar_step``, ``aggregate``, ``compressed`` (:mod:`.compressed`: the decode-aggregate
+of compressed replies against the fp32 floor and against decode-then-aggregate), ``server``, ``simulation``, ``device_vs_cpu`` (the
 same real run with the batched engine on ``--device`` and on the CPU) and ``startup`` (a
 one-round ``fedopt simulate`` as whole processes, paired against ``import torch``:
 :mod:`.startup`).  All run by
@@ -39,13 +40,14 @@ from typing import Optional
 import torch
 
 from .aggregate import bench_aggregate
+from .compressed import bench_compressed
 from .nar_step import bench_nar_step
 from .server_update import bench_server_update
 from .shapes import numel, resnet18_shapes, small_cnn_shapes
 from .startup import STARTUP_COLUMNS
 from .timing import measured_copy_bandwidth, peak_bandwidth
 
-SUITES = ("nar_step", "aggregate", "server", "simulation", "device_vs_cpu", "startup")
+SUITES = ("nar_step", "aggregate", "compressed", "server", "simulation", "device_vs_cpu", "startup")
 EXTRA_SUITES = ("scale", "diloco")  # run only when named with --only
 SCALE_COLUMNS = (("case", "case"), ("clients", "clients"), ("per_round", "per round"), ("chunk", "chunk"),
                  ("setup_s", "setup s"), ("first_round_s", "first round s"), ("round_s", "round s"),
@@ -58,6 +60,8 @@ KERNEL_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median m
 DILOCO_COLUMNS = (("case", "method"), ("params", "params"), ("tokens_per_worker", "tokens / worker"),
                   ("final_val_loss", "final val loss"), ("MB_sent_per_worker", "MB sent / worker"),
                   ("inner_step_ms", "inner step ms"), ("sync_s", "sync s"), ("wall_s", "wall s"))
+COMPRESSED_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
+                      ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"))
 DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                   ("vs cpu", "x faster than the CPU"))
 
@@ -87,6 +91,9 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
             rows += bench_aggregate(100, numel(small_cnn_shapes()), label=f"100 x small CNN (91K, {cache})",
                                     backend=backend, device=device, repeats=repeats * 2, cache=cache,
                                     deferred=deferred)
+    if "compressed" in only:  # issue 42: decode-aggregate of int8 / int4 / fp8 / top-k replies
+        rows += bench_compressed(20, numel(resnet18_shapes()), label="20 x ResNet-18 (11.2M)", backend=backend,
+                                 device=device, repeats=max(3, repeats // 2))
     if "server" in only:
         rows += bench_server_update(resnet18_shapes(), label="ResNet-18 (62 tensors, 11.2M)", backend=backend,
                                     device=device, repeats=max(3, repeats // 2), deferred=deferred)
@@ -227,8 +234,11 @@ def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
     rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale", "startup", "diloco")]
     rounds = [r for r in rows if "vs hand loop" in r]
     versus = [r for r in rows if "vs cpu" in r]
-    kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r]
-    for part, columns, name in ((kernels, KERNEL_COLUMNS, title), (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
+    compressed = [r for r in rows if "bytes/reply" in r]
+    kernels = [r for r in rows if "vs hand loop" not in r and "vs cpu" not in r and "bytes/reply" not in r]
+    for part, columns, name in ((kernels, KERNEL_COLUMNS, title),
+                                (compressed, COMPRESSED_COLUMNS, f"{title}: compressed replies (issue 42)"),
+                                (rounds, SIM_COLUMNS, f"{title}: simulated rounds"),
                                 (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU"),
                                 (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)"),
                                 (started, STARTUP_COLUMNS, "start-up of a one-round simulate (whole processes)"),

@@ -15,6 +15,7 @@ from .nar_step import MODES, NarStats, nar_step_, nar_step_batched_
 from .nar_step_groups import NarGroup, nar_step_groups_
 from .ragged_bmm import ragged_bmm, ragged_bmm_uses_blas
 from . import robust_aggregate  # robust aggregators: ops.robust_aggregate.{coordinate_median, krum, ...}
+from . import compressed  # compressed replies: ops.compressed.{encode, check_reply, decode_aggregate, ...}
 from .server_update import RULES, server_update_
 from .weighted_sum import weighted_sum
 

@@ -31,6 +31,7 @@ import torch
 
 from .. import backends
 from ..backends import library
+from ..backends import compressed as _compressed_table
 from .client_pieces import ClientPieces
 
 __all__ = ["kernel"]
@@ -100,6 +101,12 @@ def _method(op: str):
     return lambda impl: getattr(impl, op)
 
 
+def _compressed(op: str):
+    """An op of the compressed decode-aggregate: backends/compressed.py's table, by the
+    backend module's name (``fedopt_kernels.backends.cpu`` -> ``cpu``)."""
+    return lambda impl: getattr(_compressed_table, op)(impl.__name__.rsplit(".", 1)[-1])
+
+
 # op -> (backend object -> the eager callable)
 _EAGER = {
     "nar_step_": _method("nar_step_"),
@@ -119,6 +126,10 @@ _EAGER = {
     "ragged_bmm_blas": _method("ragged_bmm_blas"),
     "ragged_bias_relu_": _method("ragged_bias_relu_"),
     "ragged_relu_backward_": _method("ragged_relu_backward_"),
+    # the compressed replies' decode-aggregate and encode (backends/compressed.py's table)
+    "block_decode_aggregate": _compressed("block_decode_aggregate"),
+    "topk_decode_aggregate": _compressed("topk_decode_aggregate"),
+    "block_quantize": _compressed("block_quantize"),
 }
 
 
@@ -149,4 +160,7 @@ _COMPILED = {
     "weighted_sum": _rows_only("weighted_sum"),
     "coordinate_select": _rows_only("coordinate_select"),
     "client_gram": _rows_only("client_gram"),
+    "block_decode_aggregate": library.routed("block_decode_aggregate"),
+    "topk_decode_aggregate": library.routed("topk_decode_aggregate"),
+    "block_quantize": library.routed("block_quantize"),
 }

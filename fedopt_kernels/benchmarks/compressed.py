@@ -1,0 +1,77 @@
+"""Benchmark of the compressed decode-aggregate against the fp32 floor and against
+"decode, then aggregate".
+
+For each codec the same C replies of N values are aggregated:
+
+* ``fused <codec>``: :func:`fedopt_kernels.ops.compressed.decode_aggregate` (the codes and
+  scales read in place, the statistics in the same pass; ``nonfinite="propagate"``, as
+  the aggregate benchmark's ``fused``; ``checked=True``, as a round calls it after
+  validating the replies);
+* ``check_reply <codec>``: that validation of the C replies (scales, indices), alone;
+* ``decode then aggregate <codec>``: NVFlare's / FLSim's way -- every reply dequantized
+  into a dense fp32 copy in eager torch, then the copies summed with their weights
+  (``torch.stack`` + ``torch.mv``), no statistics;
+* ``floor`` (``torch.sum(X, dim=0)`` of the fp32 ``[C, N]``, DESIGN.md section 4): the
+  fp32 memory floor of the same run; ``vs floor`` is its time over each candidate's.
+
+Targets (issue 42): int8 >= 2.5x and 4-bit >= 4x the fp32 floor.  ``bytes/reply`` and
+``vs fp32 bytes`` say what travels.  Timed interleaved, medians, from memory ("cold").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..compression import Codec
+from ..ops import compressed as C
+from .timing import interleaved
+
+FLOOR = "floor (torch.sum dim 0, fp32)"
+CODECS = (("int8", Codec("int8", block=256)), ("int4", Codec("int4", block=256)), ("fp8", Codec("fp8", block=256)),
+          ("topk 1%", Codec("topk", fraction=0.01)))
+
+
+def _eager_decode(reply: C.CompressedUpdate) -> torch.Tensor:
+    """A dense fp32 copy of one reply, as eager torch writes it (NVFlare / FLSim)."""
+    n = reply.numel
+    if reply.codec == "topk":
+        out = torch.zeros(n, dtype=torch.float32, device=reply.codes.device)
+        out[reply.indices] = reply.codes
+        return out
+    if reply.codec == "int4":
+        b = reply.codes.view(torch.int8).to(torch.int16)
+        q = torch.stack([(b << 12) >> 12, b >> 4], dim=1).reshape(-1)[:n].to(torch.float32)
+    else:
+        q = reply.codes.to(torch.float32)
+    return reply.scales.repeat_interleave(reply.block)[:n] * q
+
+
+def bench_compressed(C_: int, N: int, *, label: str, backend: Optional[str] = None, device="cpu",
+                     repeats: int = 7) -> list:
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(C_, N, generator=g).to(device)
+    w = torch.rand(C_, generator=g).to(device)
+    w = w / w.sum()
+    out = torch.empty(N, device=device)
+    candidates = {FLOOR: lambda: torch.sum(X, dim=0)}
+    sizes = {}
+    for name, codec in CODECS:
+        replies = [codec.encode(X[i]) for i in range(C_)]
+        sizes[name] = replies[0].nbytes()
+        candidates[f"fused {name}"] = (lambda r=replies: C.decode_aggregate(r, w, out=out, nonfinite="propagate",
+                                                                            backend=backend, checked=True))
+        candidates[f"check_reply {name}"] = (lambda r=replies: [C.check_reply(x, N) for x in r])
+        candidates[f"decode then aggregate {name}"] = (
+            lambda r=replies: torch.mv(torch.stack([_eager_decode(x) for x in r]).t(), w))
+    times = interleaved(candidates, repeats=repeats, device=device, cold_cache=True)
+    rows = []
+    for name, seconds in times.items():
+        codec = next((c for c, _ in CODECS if name.endswith(" " + c)), None)
+        nbytes = sizes[codec] if codec else 4 * N
+        rows.append({"benchmark": f"compressed aggregate {label}", "case": name, "ms": seconds * 1e3,
+                     "vs floor": times[FLOOR] / seconds, "params/s": C_ * N / seconds,
+                     "bytes/reply": nbytes, "vs fp32 bytes": 4 * N / nbytes})
+    return rows

@@ -1,0 +1,102 @@
+"""Ahead-of-time compilation of the compressed decode-aggregate's Triton kernels
+(backends/triton/compressed.py) for sm_80 and sm_90, no GPU needed: each codec's
+variant (int8, int4, fp8), the top-k pair and the fused encode compile to PTX and a cubin, read their
+codes with byte loads (never a dense fp32 copy), keep the sum unfused (no FMA: the bits
+of the CPU kernel) and ptxas reports no failure.  tests/_aot_compile.py's compiler in a
+subprocess with TRITON_INTERPRET unset, as tests/test_robust_triton_aot.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import import_triton_module
+
+import_triton_module("triton")
+
+pytestmark = pytest.mark.slow  # 5 kernels x 2 archs through ptxas: about a minute on a loaded 2-core machine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = r"""
+import json, sys, importlib
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import _aot_compile as A
+K = importlib.import_module("fedopt_kernels.backends.triton.compressed")
+from fedopt_kernels.backends.compressed import TRITON_BLOCK
+results = []
+block_types = dict(codes_ptr="*i8", scales_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32",
+                   skip_ptr="*i1", gamma_ptr="*fp32", gamma_value="fp64", C="i64", N="i64", L="i64", NB="i64",
+                   block="i64", nblk="i64")
+variants = []
+for kind, codes in ((0, "*i8"), (1, "*i8"), (2, "*u8")):
+    t = dict(block_types, codes_ptr=codes)
+    variants.append((f"block kind={kind}", dict(kernel=K.block_decode_aggregate_kernel, types=t, warps=4,
+        options=dict(enable_fp_fusion=False),
+        cx=dict(KIND=kind, HAS_SKIP=kind == 1, GAMMA_KIND=0, BLOCK=TRITON_BLOCK),
+        ptrs=["codes_ptr", "scales_ptr", "w_ptr", "out_ptr", "part_ptr"])))
+variants.append(("topk scatter", dict(kernel=K.topk_scatter_kernel, warps=4, cx=dict(BLOCK=TRITON_BLOCK),
+    options=dict(enable_fp_fusion=False),
+    types=dict(values_ptr="*fp32", indices_ptr="*i64", w_ptr="*fp32", acc_ptr="*fp32", part_ptr="*fp32", i="i64",
+               k="i64", nkblk="i64", N="i64"), ptrs=["values_ptr", "indices_ptr", "acc_ptr"])))
+variants.append(("topk finish", dict(kernel=K.topk_finish_kernel, warps=4, options=dict(enable_fp_fusion=False),
+    cx=dict(HAS_SKIP=True, GAMMA_KIND=0, BLOCK=TRITON_BLOCK),
+    types=dict(acc_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32", skip_ptr="*i1", gamma_ptr="*fp32",
+               gamma_value="fp64", N="i64"), ptrs=["acc_ptr", "out_ptr"])))
+for stochastic, int4 in ((False, False), (True, True)):
+    variants.append((f"quantize stochastic={stochastic} int4={int4}", dict(kernel=K.block_quantize_kernel, warps=4,
+        cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128),
+        types=dict(x_ptr="*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
+                   key="i64", client="i64"), ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
+for name, v in variants:
+    entry = dict(name=name, archs={})
+    for cc in A.ARCHS:
+        try:
+            entry["archs"][f"sm_{cc}"] = A.compile_one(v, cc)
+        except Exception as exc:
+            entry["archs"][f"sm_{cc}"] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
+    results.append(entry)
+json.dump(dict(ptxas=A.os.path.exists(A.PTXAS), results=results), sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, os.path.dirname(HERE), HERE], capture_output=True,
+                          text=True, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(report):
+    assert [e["name"] for e in report["results"]] == ["block kind=0", "block kind=1", "block kind=2",
+                                                      "topk scatter", "topk finish",
+                                                      "quantize stochastic=False int4=False",
+                                                      "quantize stochastic=True int4=True"]
+    for e in report["results"]:
+        for arch, r in e["archs"].items():
+            name = f"{e['name']} {arch}"
+            assert "error" not in r, f"{name}: {r.get('error')}"
+            assert r["ptx_bytes"] > 0 and r["cubin_bytes"] > 0, name
+            assert r["target"] == ("sm_90a" if arch == "sm_90" else "sm_80"), name
+            if "ptxas" in r:
+                assert "error" not in r["ptxas"], (name, r["ptxas"])
+
+
+def test_codes_are_read_as_bytes_and_the_sums_are_not_contracted(report):
+    """The block kernels load the codes with byte loads (the replies are read in place,
+    as codes); no kernel has an FMA (the launches' enable_fp_fusion=False), so the GPU
+    gives the CPU kernel's bits."""
+    for e in report["results"]:
+        for arch, r in e["archs"].items():
+            if e["name"].startswith("block"):
+                assert r["mem"].get("ld.global.b8", 0) > 0, (e["name"], arch, r["mem"])
+            if not e["name"].startswith("quantize"):  # the encode has no sum to keep unfused
+                assert r["fma"] == 0, (e["name"], arch, r["fma"])

@@ -29,7 +29,7 @@ from _contract import (Backend, acc_of, assert_bitwise, assert_norms_close, asse
                        bits, ulp)
 from _server_update_oracle import server_update_exact
 
-from fedopt_kernels.backends.robust import coordinate_select
+from fedopt_kernels.backends import reference as reference_backend
 from python_ref import gaussian_noise as noise_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -407,7 +407,7 @@ def test_coordinate_select(run, dtype, mode):
     against the reference; a left-out client's Inf is ignored, a kept client's NaN
     flagged; 40 clients take the 128-slot kernel, 5 the 32-slot one."""
     acc = acc_of(dtype)
-    ref_select = coordinate_select("reference")
+    ref_select = reference_backend.coordinate_select
     for C, N, count, out_acc in ((5, 1000, 1, False), (40, 777, 7, True)):
         X = randn((C, N), dtype, C)
         keep = torch.ones(C, dtype=torch.bool)
@@ -421,7 +421,12 @@ def test_coordinate_select(run, dtype, mode):
         want = torch.full((N,), 7.0, dtype=out_dtype)
         flags = ref_select(X, keep, torch.tensor([count]), mode, want, None)
         assert torch.equal(got["bad"] != 0, flags), (got["bad"], flags)
-        assert_values_close(GPU, got["out"], want)
+        # column 20 holds a KEPT client's NaN: the op flags the client and its caller runs
+        # the rule again without it, so that column's value is not the contract's (the CUDA
+        # insertion sort leaves the NaN in place, python_ref's sort puts it last: found on
+        # the PTX simulator, issue 40's note); every other column is held to the reference
+        cols = torch.arange(N) != 20
+        assert_values_close(GPU, got["out"][cols], want[cols])
 
 
 # ----------------------------------------------------------------------------- compiled Triton

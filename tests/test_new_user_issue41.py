@@ -497,9 +497,11 @@ def test_the_flower_deployment_uses_its_own_flower_home_and_stops_cleanly():
     script = re.search(r"```bash\n#!/bin/bash\n# deploy\.sh.*?```", text, re.S).group(0)
     assert "trap 'kill 0' EXIT" in script
     assert 'export FLWR_HOME="$PWD/.flwr-deploy"' in script and "~/.flwr" not in script.split("TOML")[1]
-    config = tomllib.loads(re.search(r"<<'TOML'\n(.*?)\nTOML\n", script, re.S).group(1))
+    # unquoted heredoc: the shell writes the absolute path of the CA (Flower refuses a relative one)
+    config = tomllib.loads(re.search(r"<<'?TOML'?\n(.*?)\nTOML\n", script, re.S).group(1))
     name = config["superlink"]["default"]
     assert name != "local" and config["superlink"][name]["address"] == "127.0.0.1:39091"
+    assert config["superlink"][name]["root-certificates"] == "$PWD/certs/ca.crt"  # TLS: the way shown
     assert f"flwr run examples/flower_app {name} " in script
     assert "--port 39091" in script and "--superlink 127.0.0.1:39091" in script
     assert "[superlink.local]" not in script

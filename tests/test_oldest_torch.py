@@ -56,7 +56,7 @@ PACKAGES = ["setuptools>=64,<82", "wheel", "numpy", "scikit-learn", "rich", "mat
 TORCH = [f"torch=={OLDEST}", "triton==3.6.0"]
 TORCH_REQUIRES = ["filelock", "typing-extensions>=4.10.0", "sympy>=1.13.3", "networkx>=2.5.1", "jinja2",
                   "fsspec>=0.8.5", "cuda-bindings>=13.0.3,<14"]
-GPU_STEPS = ["selftest", "pytest-gpu", "sanitizer-memcheck", "bench", "bench-triton"]
+GPU_STEPS = ["selftest", "pytest-gpu", "sanitizer-memcheck", "gpu-harness", "bench", "bench-triton"]
 # What the set-up needs on the disk at most (downloads and unpacked, measured: 2.2 GB
 # after, ~3 GB at its peak); checked first, so that a full disk fails with this message
 # instead of pip's OSError half-way through.

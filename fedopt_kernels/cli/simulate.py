@@ -256,7 +256,8 @@ def _load_checkpoint(path: Path) -> dict:
         raise CLIError(f"--resume: {path} is not a readable checkpoint (corrupt, truncated, or not written by "
                        f"fedopt: {type(exc).__name__}: {first[:160]}); its run cannot continue from it -- "
                        "start again without --resume or with another --out") from None
-    if not isinstance(state, dict) or "round" not in state or "config" not in state:
+    run = state.get("sim") if isinstance(state, dict) and "async" in state else state  # a run on the virtual clock
+    if not isinstance(run, dict) or "round" not in run or "config" not in run:
         raise CLIError(f"--resume: {path} is not a fedopt checkpoint (it holds no run state); start again without "
                        "--resume or with another --out")
     return state

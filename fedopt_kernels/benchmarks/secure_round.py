@@ -244,31 +244,23 @@ def main(argv=None) -> int:
             print(f"{r['security']}: {r['nodes']} nodes, {r['params']:,} params: median round {r['median round s']:.2f} s, "
                   f"{r['payload MB per round']:.0f} MB of payload a round")
         print(f"TLS + node auth / insecure: {rows[1]['median round s'] / rows[0]['median round s']:.2f}x the round time")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    if args.accuracy:
-        out = [digits_accuracy(a, rounds=args.rounds) for a in args.accuracy.split(",")]
-        for r in out:
+    elif args.accuracy:
+        rows = [digits_accuracy(a, rounds=args.rounds) for a in args.accuracy.split(",")]
+        for r in rows:
             print(f"{r['algo']}: {r['clients']} clients, {r['rounds']} rounds: final accuracy plain "
                   f"{r['plain'][-1]:.4f}, SecAgg+ {r['secagg'][-1]:.4f}; max |difference| over rounds "
                   f"{max(abs(a - b) for a, b in zip(r['plain'], r['secagg'])):.4f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-        return 0
-    rows = run(params=args.params, nodes=tuple(int(v) for v in args.nodes.split(",")), shares=args.shares)
-    for r in rows:
-        print(f"{r['nodes']:>3} nodes, {r['params']:,} params, {r['shares']} shares: plain {r['plain s']:.2f} s, "
-              f"SecAgg+ {r['secagg s']:.2f} s ({r['time x']:.1f}x); up {r['plain MB up']:.1f} MB -> "
-              f"{r['secagg MB up']:.1f} MB ({r['bytes up x']:.2f}x); down {r['plain MB down']:.1f} -> "
-              f"{r['secagg MB down']:.1f} MB; max |x diff| {r['max |x_secagg - x_plain|']:.2e}")
+    else:
+        rows = run(params=args.params, nodes=tuple(int(v) for v in args.nodes.split(",")), shares=args.shares)
+        for r in rows:
+            print(f"{r['nodes']:>3} nodes, {r['params']:,} params, {r['shares']} shares: plain {r['plain s']:.2f} s, "
+                  f"SecAgg+ {r['secagg s']:.2f} s ({r['time x']:.1f}x); up {r['plain MB up']:.1f} MB -> "
+                  f"{r['secagg MB up']:.1f} MB ({r['bytes up x']:.2f}x); down {r['plain MB down']:.1f} -> "
+                  f"{r['secagg MB down']:.1f} MB; max |x diff| {r['max |x_secagg - x_plain|']:.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

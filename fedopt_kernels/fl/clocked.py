@@ -42,6 +42,7 @@ from ..server.round import RoundReplies
 from .clock import HETEROGENEITY, DeviceClock, sync_round
 from .fedbuff_schedule import fedbuff_schedule
 from .population import sample_clients
+from .server_side import BAD_CLIENT_REASONS
 
 __all__ = ["ClockConfig", "AsyncConfig", "ClockedRun", "MODES", "CLOCK_REASONS"]
 
@@ -140,7 +141,7 @@ class ClockedRun:
             raise ValueError(f"mode fedbuff needs a server optimizer; {cfg.algo} (FedLAW) weighs each round's models")
         if sim.scaffold is not None:
             raise ValueError("mode fedbuff: SCAFFOLD's control variates assume one synchronous round's clients")
-        if getattr(sim, "chunk", None) or cfg.memory_budget:
+        if cfg.memory_budget:
             raise ValueError("mode fedbuff: a folded (chunked) round is not supported; leave out memory_budget")
         if self.acfg.concurrency > len(sim.training_clients):
             raise ValueError(f"concurrency ({self.acfg.concurrency}) exceeds the {len(sim.training_clients)} "
@@ -211,15 +212,10 @@ class ClockedRun:
 
     def _server_round(self, rows: torch.Tensor, clients: List[int]):
         sim = self.sim
-        replies = RoundReplies(rows, sizes=sim.client_sizes[clients], clients=clients,
-                               reasons=tuple(self._reasons()), left_out=self._left_out)
+        replies = RoundReplies(rows, sizes=sim.client_sizes[clients], clients=clients, reasons=BAD_CLIENT_REASONS,
+                               left_out=self._left_out)
         sim._schedule_server(sim.round + 1)
         return sim.server.round(replies)
-
-    def _reasons(self):
-        from .server_side import BAD_CLIENT_REASONS
-
-        return BAD_CLIENT_REASONS
 
     def _fedbuff_step(self, stop_after: Optional[int]):
         sim = self.sim

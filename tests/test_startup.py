@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-HEAVY = ("torch._dynamo", "sklearn", "matplotlib")
+HEAVY = ("torch._dynamo", "torch._inductor", "sklearn", "matplotlib")
 
 
 def _imported_after(code: str) -> list:
@@ -56,13 +56,29 @@ def test_digits_without_importing_sklearn_equal_load_digits():
 def test_a_sequential_run_with_a_checkpoint_imports_no_compiler(tmp_path):
     """Optimizer construction, state_dict (the checkpoint) and zero_grad of FedNAR and
     the server optimizers do not import torch._dynamo (torch.optim's bookkeeping
-    methods do, through torch._disable_dynamo); no plots, no scikit-learn.  (The batched
-    engine's torch.func.grad imports torch._dynamo itself.)"""
+    methods do, through torch._disable_dynamo); no plots, no scikit-learn."""
     code = ("import contextlib, io\nfrom fedopt_kernels.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    main(['simulate', '--rounds', '1', '--engine', 'sequential', '--algo', 'fedadam', '--quiet',"
             f" '--no-plots', '--out', {str(tmp_path)!r}])\n"
             f"import os\nassert os.path.exists(os.path.join({str(tmp_path)!r}, 'checkpoint.pt'))")
+    assert _imported_after(code) == []
+
+
+def test_a_short_batched_run_imports_no_compiler(tmp_path):
+    """Issue 48: the batched engine differentiates (fl/functorch_grad.py) and traces
+    (fl/aten_trace.py) its clients' gradients without torch._dynamo or torch._inductor,
+    which torch.func.grad and make_fx import (~0.75 s of a short run).  The run must
+    really be batched and traced, or this would prove nothing."""
+    code = ("import contextlib, io\nfrom fedopt_kernels.cli import main\nfrom fedopt_kernels.fl import Simulation\n"
+            "sims = []\ninit = Simulation.__init__\n"
+            "def keep(self, *a, **k):\n    init(self, *a, **k)\n    sims.append(self)\n"
+            "Simulation.__init__ = keep\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['simulate', '--rounds', '1', '--clients', '5', '--per-round', '2', '--engine', 'batched',"
+            f" '--quiet', '--no-plots', '--out', {str(tmp_path)!r}])\n"
+            "(sim,) = sims\nassert sim.results.meta['engine'] == 'batched', sim.results.meta\n"
+            "assert sim.batched._traced and sim.batched.trace_failure is None, sim.batched.trace_failure")
     assert _imported_after(code) == []
 
 

@@ -12,9 +12,14 @@ after another.  The batched engine trains the round's ``C`` clients together:
   (:meth:`~fedopt_kernels.utils.FlatLayout.unflatten`'s layout: ``named_parameters()``
   order), batched over the clients.
 * **gradients**: ``vmap(grad(loss of functional_call(model, views, batch)))`` over the
-  clients (:mod:`torch.func`); the per-parameter gradients are concatenated into a
+  clients (:mod:`torch.func`'s ``vmap``; ``grad`` is
+  :func:`~fedopt_kernels.fl.functorch_grad.grad_with_aux`, torch's transform without
+  its import of ``torch._dynamo``); the per-parameter gradients are concatenated into a
   preallocated ``[C, N]`` buffer ``G``.  A group's vmapped gradient is traced once
-  per shape (see *Fixed shapes*), at its first sighting, with ``make_fx`` into a graph
+  per shape (see *Fixed shapes*), at its first sighting, with
+  :func:`~fedopt_kernels.fl.aten_trace.trace_aten` (what ``make_fx`` records, without
+  importing the compiler: a short run imports neither ``torch._dynamo`` nor
+  ``torch._inductor``) into a graph
   of the plain ATen ops the transforms dispatch to (batched matmuls ...) and the graph
   runs instead: the same ops, the same bits (tested), without the per-op cost of the
   transforms -- a third of a small model's step.  In padded groups on CPU its
@@ -97,7 +102,9 @@ from ..ops import nar_step_batched_
 from ..ops.ragged_bmm import ragged_bmm_uses_blas, ragged_graph_ops
 from ..ops.validation import acc_dtype
 from ..utils import parameters_layout
+from .aten_trace import drop_values, trace_aten
 from .client import LocalConfig, RoundStats, ScaffoldState
+from .functorch_grad import grad_with_aux
 from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, fused_epilogues,
                            gradients_into_buffer, graph_signature, ragged_products, sample_dims)
 from .round_plan import Group, RoundPlanner
@@ -217,7 +224,9 @@ class BatchedTrainer:
                  *, num_classes: Optional[int] = None, buffers: Optional[Dict[str, torch.Tensor]] = None,
                  client_batch: int = 0, seed: int = 0, population_sizes: Optional[Sequence[int]] = None,
                  round_clients: Optional[int] = None, call_cost_flops: Optional[float] = None):
-        from torch.func import grad, vmap
+        from torch.func import vmap
+
+        grad = grad_with_aux  # torch.func.grad(f, has_aux=True), without importing torch._dynamo
 
         self.model = model
         self.loss_fn = loss_fn
@@ -250,10 +259,9 @@ class BatchedTrainer:
                                     round_clients=round_clients, call_cost_flops=call_cost_flops)
         self.verified = False  # a first round ran: later errors are real errors, not "vmap cannot"
         self._grad = {
-            "soft": vmap(grad(self._soft_loss, has_aux=True), in_dims=(0, 0, None, 0, 0), randomness="different"),
-            "masked": vmap(grad(self._masked_loss, has_aux=True), in_dims=(0, 0, None, 0, 0, 0),
-                           randomness="different"),
-            "plain": vmap(grad(self._plain_loss, has_aux=True), in_dims=(0, 0, None, 0, 0), randomness="different"),
+            "soft": vmap(grad(self._soft_loss), in_dims=(0, 0, None, 0, 0), randomness="different"),
+            "masked": vmap(grad(self._masked_loss), in_dims=(0, 0, None, 0, 0, 0), randomness="different"),
+            "plain": vmap(grad(self._plain_loss), in_dims=(0, 0, None, 0, 0), randomness="different"),
         }
         self.trace = True  # see _traced_grad
         self.fuse = True  # ragged layers' bias, ReLU and its gradient on the real rows (see _traced_grad)
@@ -290,7 +298,8 @@ class BatchedTrainer:
 
     def _traced_grad(self, key: tuple, mode: str, example: tuple):
         """The vmapped gradient of ``mode`` for the shapes ``key``, traced once into a
-        graph of plain ATen ops (``make_fx``): running that graph skips the per-op
+        graph of plain ATen ops (:func:`~.aten_trace.trace_aten`, on the real
+        arguments, the RNG state put back after it): running that graph skips the per-op
         dispatch of the torch.func transforms -- about a third of a small model's step
         -- and gives the same bits, except where :func:`~.graph_passes.ragged_products`
         (``self.ragged``, padded groups) runs the matrix products on the real samples
@@ -306,14 +315,14 @@ class BatchedTrainer:
         if fn is not None or not self.trace:
             return fn
         try:
-            from torch.fx.experimental.proxy_tensor import make_fx
-
             vmapped = self._grad[mode]
+            devices = [example[3].device] if example[3].device.type == "cuda" else []
 
-            def step(*args):  # a plain function: make_fx would count the bound method's `self`
-                return vmapped(*args)
+            def trace(*args):  # the real call must not move the RNG the graph's first run draws from
+                with torch.random.fork_rng(devices=devices):
+                    return trace_aten(vmapped, *args)
 
-            fn = make_fx(step, tracing_mode="fake")(*example)
+            fn = trace(*example)
             bmm = torch.ops.aten.bmm.default
             if (self.ragged and mode != "plain" and ragged_bmm_uses_blas(self.layout.dtype, example[3].device)
                     and any(n.target is bmm for n in fn.graph.nodes)):  # else no second trace
@@ -324,7 +333,7 @@ class BatchedTrainer:
                 found = self._sample_dims.get((mode, B))
                 if found is None or found[0] != signature:
                     longer = (*example[:3], *(torch.cat([t, t[:, :1]], 1) for t in example[3:]))
-                    found = (signature, sample_dims(fn, make_fx(step, tracing_mode="fake")(*longer), B))
+                    found = (signature, sample_dims(fn, trace(*longer), B))
                     self._sample_dims[(mode, B)] = found
                 ragged_products(fn, found[1], B)
             drop_identity_ops(fn)
@@ -335,6 +344,7 @@ class BatchedTrainer:
                 fused_epilogues(fn)  # after drop_identity_ops: the fused ops mutate
             gradients_into_buffer(fn, [(o, k, s) for _, o, k, s, t in self._slots if t], self.numel)
             fn.recompile()  # once, after every pass
+            drop_values(fn)  # the traced call's tensors
         except Exception as exc:  # noqa: BLE001 - tracing is an optimisation: stay eager
             self.trace = False
             self.trace_failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"

@@ -1,7 +1,8 @@
 """Passes over the traced gradient graph of the batched engine.
 
 :class:`~fedopt_kernels.fl.batched.BatchedTrainer` traces a group's vmapped gradient
-into an FX graph of plain ATen ops (``make_fx``) and runs that graph in later rounds.
+into an FX graph of plain ATen ops (:func:`~fedopt_kernels.fl.aten_trace.trace_aten`, the
+ops ``make_fx`` would record) and runs that graph in later rounds.
 These passes rewrite such a graph in place before it first runs, each for speed only:
 the values a client gets stay those of the eager transforms (each pass says how
 closely: the same bits, or the same values up to a kernel's rounding).  A pass edits
@@ -20,7 +21,7 @@ __all__ = ["drop_identity_ops", "channels_last_pools", "graph_signature", "sampl
 
 
 def drop_identity_ops(gm) -> int:
-    """Remove the no-op nodes ``make_fx`` records from the torch.func transforms (views
+    """Remove the no-op nodes the tracer records from the torch.func transforms (views
     and expands to the shape and strides they already have, ``alias``, ``mul(x, 1)``):
     about 40% of a small model's graph, each a dispatch of a few microseconds per step,
     and no arithmetic -- the results are the same bits.  Skipped for a graph with an

@@ -14,8 +14,10 @@ arguments yields the graph.  It keeps what the engine's passes
 (:mod:`~fedopt_kernels.fl.graph_passes`) read: ``OpOverload`` targets, ``getitem``
 nodes for multi-output ops, each node's value in ``meta["val"]`` (the real tensor:
 shapes, strides, dtype, device -- drop them with :func:`drop_values` once the passes
-are done), inputs as flattened placeholders and the same pytree calling convention
-(the graph takes and returns ``fn``'s nested arguments and result).  Like ``make_fx``
+are done), ``detach`` recorded as ``alias`` (as ``make_fx`` does), inputs as flattened
+placeholders and the same pytree calling convention (the graph takes and returns
+``fn``'s nested arguments and result): for the engine's gradients, make_fx's sequence
+of ops (``tests/test_aten_trace.py``).  Like ``make_fx``
 it eliminates nothing: every op recorded runs (in-place and random ops included).
 Differences from ``make_fx``: the function runs once for real (a step's cost, no fake
 tensors), and a tensor neither an input nor made by a recorded op -- a constant the
@@ -75,14 +77,19 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         to_node = lambda x: self.node_of(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        node = self.graph.call_function(func, pytree.tree_map(to_node, args), pytree.tree_map(to_node, kwargs))
+        # make_fx's default decomposition: detach is recorded as alias (the graph's inputs
+        # need no gradient; drop_identity_ops then removes it)
+        target = torch.ops.aten.alias.default if func is torch.ops.aten.detach.default else func
+        node = self.graph.call_function(target, pytree.tree_map(to_node, args), pytree.tree_map(to_node, kwargs))
         if isinstance(out, torch.Tensor):
             self.bind(out, node)
         elif isinstance(out, (tuple, list)):
             node.meta["val"] = out
-            for i, x in enumerate(out):
+            for i, x in enumerate(out):  # make_fx's getitems: undefined (None) results too
                 if isinstance(x, torch.Tensor):
                     self.bind(x, self.graph.call_function(operator.getitem, (node, i)))
+                elif x is None:
+                    self.graph.call_function(operator.getitem, (node, i))
         return out
 
 

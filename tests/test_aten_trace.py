@@ -99,6 +99,12 @@ def test_multi_outputs_constants_inplace_random_and_empty_tensors():
     assert got["e"].shape == (0, 5)
 
 
-def test_non_tensor_arguments_are_refused_by_type():
+def test_non_tensor_arguments_and_unrecorded_outputs_are_refused():
     with pytest.raises(TypeError, match="every leaf of the arguments must be a tensor, got float, int"):
         trace_aten(lambda x, a, b: x * a * b, torch.ones(2), 2.0, 3)
+    made_before = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"outputs \[1\] of <lambda> were made by no recorded op"):
+        trace_aten(lambda x: (x * 2, made_before), torch.ones(3))
+    gm = trace_aten(lambda x: (x, x + made_before), torch.ones(3))  # an input returned, a constant used
+    out = gm(torch.full((3,), 2.0))
+    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.full((3,), 3.0))

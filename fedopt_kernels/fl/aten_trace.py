@@ -97,7 +97,9 @@ def trace_aten(fn: Callable[..., Any], *args) -> GraphModule:
     """Call ``fn(*args)`` once and return a graph module of the ATen ops it ran:
     ``gm(*args2)`` replays them on ``args2`` (the same nested structure and tensor
     shapes) and returns ``fn``'s result structure.  Every leaf of ``args`` must be a
-    tensor (a placeholder of the graph)."""
+    tensor (a placeholder of the graph); every tensor ``fn`` returns must be one of
+    them or made by a recorded op (a RuntimeError otherwise: the graph would return
+    the traced call's values as constants)."""
     flat, in_spec = pytree.tree_flatten(list(args))
     if not all(isinstance(t, torch.Tensor) for t in flat):
         raise TypeError("trace_aten: every leaf of the arguments must be a tensor, got "
@@ -110,6 +112,10 @@ def trace_aten(fn: Callable[..., Any], *args) -> GraphModule:
     with recorder:
         result = fn(*args)
     flat_out, out_spec = pytree.tree_flatten(result)
+    unseen = [i for i, t in enumerate(flat_out) if isinstance(t, torch.Tensor) and id(t) not in recorder.nodes]
+    if unseen:  # made by no recorded op (e.g. on a thread the mode did not reach): never a constant
+        raise RuntimeError(f"trace_aten: outputs {unseen} of {getattr(fn, '__name__', 'the function')} were made "
+                           "by no recorded op")
     graph.output([recorder.node_of(t) if isinstance(t, torch.Tensor) else t for t in flat_out])
     graph._codegen = _PyTreeCodeGen(_PyTreeInfo([f"arg{i}" for i in range(len(args))], in_spec, out_spec))
     recorder.alive.clear()

@@ -105,6 +105,8 @@ def test_non_tensor_arguments_and_unrecorded_outputs_are_refused():
     made_before = torch.ones(3)
     with pytest.raises(RuntimeError, match=r"outputs \[1\] of <lambda> were made by no recorded op"):
         trace_aten(lambda x: (x * 2, made_before), torch.ones(3))
+    with pytest.raises(RuntimeError, match="returns a Python value.*data-dependent"):
+        trace_aten(lambda x: x * 2 if x.sum().item() > 0 else x, torch.ones(3))
     gm = trace_aten(lambda x: (x, x + made_before), torch.ones(3))  # an input returned, a constant used
     out = gm(torch.full((3,), 2.0))
     assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.full((3,), 3.0))

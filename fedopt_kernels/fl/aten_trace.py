@@ -25,7 +25,9 @@ function closes over -- is kept as a graph attribute, whatever its size (``make_
 does the same for non-scalars).  Tensor identity is Python object identity, which the
 dispatcher preserves for a tensor's whole life; no data-dependent Python control flow
 is seen (the graph replays the ops of this one call, which is also ``make_fx``'s
-contract).
+contract): an op that returns a Python number (``.item()``, ``bool(t)``), where such
+flow would start, is refused with a RuntimeError, as ``make_fx``'s fake tensors refuse
+it (the engine then runs eagerly).
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        values = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(x is None or isinstance(x, torch.Tensor) for x in values):
+            # a Python number (.item(), bool(t), torch.equal): the caller's control flow may
+            # depend on it, which the graph cannot replay -- make_fx's fake tensors refuse too
+            raise RuntimeError(f"trace_aten: {func} returns a Python value ({type(values[0]).__name__}): "
+                               "data-dependent Python cannot be traced")
         to_node = lambda x: self.node_of(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
         # make_fx's default decomposition: detach is recorded as alias (the graph's inputs
         # need no gradient; drop_identity_ops then removes it)

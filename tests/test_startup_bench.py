@@ -36,3 +36,5 @@ def test_the_timed_commands_run(tmp_path):
     assert (tmp_path / "a" / "results.json").exists() and not list((tmp_path / "a").glob("*.png"))
     heavy = [ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY:")]
     assert heavy and "matplotlib" not in heavy[-1]  # --no-plots imports no matplotlib
+    # nor the compiler (item 1): the batched engine's gradient and trace import neither
+    assert "torch._dynamo" not in heavy[-1] and "torch._inductor" not in heavy[-1], heavy[-1]

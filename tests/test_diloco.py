@@ -231,6 +231,16 @@ def body(rank, world):
         out[f"qs_{codec}"] = streaming_case(rank, tau=2, alpha=0.3, weighted=True, codec=codec, codec_block=32)
     out["qs_resumed"] = streaming_resume(rank, codec="int4", codec_block=32)
 
+    # rank 1's outer gradient holds a NaN at the first sync: its int4 reply (a NaN scale) is left out
+    def poison(dl):
+        out["q_nan_before"] = (dl.snapshot.clone(), [p.detach().clone() for p in dl.params])
+        if rank == 1:
+            with torch.no_grad():
+                dl.params[0].view(-1)[40 % dl.params[0].numel()] = float("nan")
+
+    d, recs = run_diloco(rank, H, weighted=True, codec="int4", codec_block=32, before_sync=poison)
+    out["q_nan"] = {"snapshot": d.snapshot.clone(), "left_out": recs[0].left_out, "stats": recs[0].stats}
+
     if rank == 0:  # the oracle, in this process (same threads and code paths as the workers)
         out["ref"] = {w: reference(STEPS, w) for w in (False, True)}
         out["stream_ref"] = {k: streaming_reference(tau=k[0], alpha=k[1], weighted=k[2])
@@ -374,6 +384,18 @@ def test_quantized_streaming_is_bitwise_the_reference_loop(ranks, codec):
         per = {0: (42 if codec == "fp8" else 21) + 2 * 4 + 16, 1: (24 if codec == "fp8" else 12) + 4 + 16}
         assert got["bytes"] == [(f, per[f]) for f in (1, 0, 1, 0, 1)]
     assert not torch.equal(ranks[0][f"qs_{codec}"]["globals"][0], ranks[0]["stream_2_0.3_True"]["globals"][0])
+
+
+def test_quantized_exchange_leaves_a_non_finite_worker_out(ranks):
+    snap, params = ranks[0]["q_nan_before"]
+    D = R.quantized_mean([snap - R.flat(params)], None, "int4", 32)  # rank 0's outer gradient alone
+    theta, _ = R.outer_nesterov(snap, D, torch.zeros_like(snap), lr=0.7, momentum=0.9)
+    for r in range(2):
+        got = ranks[r]["q_nan"]
+        assert len(got["left_out"]) == 1 and got["left_out"][0][0] == 1
+        assert "NaN/Inf scale" in got["left_out"][0][1]
+        assert not bool(got["stats"].skipped)
+        assert_bitwise(got["snapshot"], theta, f"rank {r} snapshot: rank 0's outer gradient alone")
 
 
 def test_quantized_streaming_resume_with_an_exchange_in_flight(ranks):

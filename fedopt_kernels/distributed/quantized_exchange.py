@@ -11,8 +11,13 @@ every worker forms the same mean with the fused decode-aggregate::
 
 reading the K workers' codes in place in rank order (bit for bit the same on every
 worker and for any timing; python_ref/compression.py's ``decode_aggregate`` is the
-oracle).  A worker whose codes decode to NaN/Inf is left out of the mean (the
-aggregation's non-finite exclusion) and named in the record.
+oracle).  A worker whose reply is not valid (a NaN/Inf scale: its outer gradient held
+a NaN/Inf; :func:`~fedopt_kernels.ops.compressed.check_reply`) or whose codes decode
+to NaN/Inf is left out of the mean, its weight dropped, and named in the record with
+the reason; when every worker is left out, the outer step is skipped (the outer
+optimizer's non-finite rule, ``record.stats.skipped``).  Checking the replies and
+naming the left-out workers read the scales and a ``[K]`` flag on the host: on a GPU,
+one wait for the device per outer step.
 
 Why all-gather and not all-reduce: codes on per-worker scales cannot be summed on the
 wire (torchft's FP8 all-reduce dequantizes and re-quantizes at every hop instead); a
@@ -77,19 +82,27 @@ class GatheredCodes:
         gradients, and the workers left out of it (``(rank, reason)``)."""
         self.wait()
         w = torch.stack(self.weights).to(torch.float64)  # [K, 2]
-        given = w[:, 1].tolist()  # host values: gloo tensors (the gather already waited)
+        given = w[:, 1].tolist()  # host values (gathered on the host, already waited)
         if len(set(given)) > 1:
             raise ValueError("DiLoCo: some workers give tokens and some do not: "
                              + ", ".join(f"rank {r}: {'tokens' if g else 'none'}" for r, g in enumerate(given)))
-        K = len(self.codes)
-        p, _ = normalize_weights(None if not given[0] else w[:, 0].cpu(), K, self.codes[0].device, torch.float32)
         dtype = torch.float8_e4m3fn if self.codec == "fp8" else self.codes[0].dtype
         replies = [C.CompressedUpdate(self.codec, self.numel, c.view(dtype), scales=s, block=self.block)
                    for c, s in zip(self.codes, self.scales)]
-        out, stats = C.decode_aggregate(replies, p, nonfinite="exclude")
-        left = tuple((r, "its outer gradient decodes to NaN/Inf: left out of the mean")
-                     for r, x in enumerate(stats.excluded.tolist()) if x)
-        return out, left
+        reasons = [C.check_reply(r, self.numel, codec=self.codec, block=self.block) for r in replies]
+        left = [(r, f"its reply is refused: {why}") for r, why in enumerate(reasons) if why is not None]
+        kept = [r for r, why in enumerate(reasons) if why is None]
+        if not kept:  # a non-finite outer gradient: the outer optimizer skips the step
+            return torch.full((self.numel,), float("nan"), device=self.codes[0].device), tuple(left)
+        p, _ = normalize_weights(None if not given[0] else w[kept, 0], len(kept), self.codes[0].device,
+                                 torch.float32)
+        out, stats = C.decode_aggregate([replies[r] for r in kept], p, nonfinite="exclude", checked=True)
+        excluded = stats.excluded.tolist()
+        left += [(kept[i], "its outer gradient decodes to NaN/Inf: left out of the mean")
+                 for i, x in enumerate(excluded) if x]
+        if all(excluded):
+            out = torch.full_like(out, float("nan"))
+        return out, tuple(sorted(left))
 
     def state(self) -> dict:
         self.wait()
@@ -109,11 +122,13 @@ def start_exchange(delta: torch.Tensor, weight: Optional[float], *, codec: str, 
     ``(weight, given)`` over ``group`` (``async_op``: return at once; :meth:`GatheredCodes.wait`)."""
     reply = C.encode(delta, codec, block=block)
     codes = reply.codes.view(torch.uint8) if codec == "fp8" else reply.codes
+    # the weights are host numbers: they travel on the host (the group itself, or a gloo
+    # twin of an NCCL group), so that reading them never waits for the device
     wt = torch.tensor([1.0 if weight is None else float(weight), 0.0 if weight is None else 1.0],
-                      dtype=torch.float64, device=delta.device)
+                      dtype=torch.float64)
     world = comm.group_size(group)
     out = ([torch.empty_like(codes) for _ in range(world)], [torch.empty_like(reply.scales) for _ in range(world)],
            [torch.empty_like(wt) for _ in range(world)])
-    works = [dist.all_gather(parts, t, group=group, async_op=async_op)
-             for parts, t in zip(out, (codes, reply.scales, wt))]
+    works = [dist.all_gather(parts, t, group=g, async_op=async_op)
+             for parts, t, g in zip(out, (codes, reply.scales, wt), (group, group, comm.object_group(group)))]
     return GatheredCodes(codec, block, delta.numel(), *out, works=[w for w in works if w is not None])

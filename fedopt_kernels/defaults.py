@@ -101,6 +101,13 @@ DILOCO = MappingProxyType(dict(sync_every=500, outer_lr=0.7, outer_momentum=0.9)
 # Streaming DiLoCo ([Streaming DiLoCo] Douillard et al. 2025, arXiv 2501.18512, section
 # 2 and its experiments): alpha 0.5 mixes the exchanged global fragment with the local
 # one (the value its ablation retains); overlap tau 1 inner step (the smallest of the
-# overlaps it studies, tau in {1, 5, 10}); fragments staggered evenly over H.  The paper
-# is not in papers/: these values are quoted from the paper as recalled, to be checked.
+# overlaps it studies); fragments staggered evenly over H.  NOT verified against the
+# paper's text: neither papers/ nor the stored copies reachable here hold its body (only
+# its abstract and third-party summaries, which name no alpha or tau).  What could be
+# checked is torchft's implementation (pytorch/torchft @ 73dafea, torchft/local_sgd.py,
+# "Streaming DiLoCo paper: https://arxiv.org/pdf/2501.18512"): its defaults are
+# fragment_sync_delay (tau) 0 and fragment_update_alpha 0.0 -- no overlap and the global
+# value alone, i.e. plain DiLoCo per fragment, not the paper's recommendation -- and its
+# examples use tau 5 (train_diloco.py, H 20) and tau 1 (examples/slurm/runner.py).
+# torchft's merge p.lerp_(local, alpha) weighs the LOCAL value by alpha, as here.
 STREAMING_DILOCO = MappingProxyType(dict(alpha=0.5, overlap=1))

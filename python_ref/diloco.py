@@ -21,7 +21,12 @@ worker MIXES it into the parameters it kept training meanwhile::
 
     theta_k,p <- alpha theta_k,p + (1 - alpha) theta_p
 
-(With tau = 0 and alpha = 0 a fragment is plain DiLoCo.)  Every tensor op here is an
+(With tau = 0 and alpha = 0 a fragment is plain DiLoCo.)
+
+The quantized exchange (``codec`` "fp8", "int4" or "int8", ``block`` values per scale):
+each worker's outer gradient is encoded and decoded by python_ref/compression.py, and
+the mean is that module's ``decode_aggregate`` of the decoded vectors with the
+normalised token weights ``p_k`` (fp32), in worker order -- in both loops.  Every tensor op here is an
 out-of-place, separately rounded elementwise op in the accumulation dtype; the inner
 steps are whatever ``inner_step`` does.
 """
@@ -32,11 +37,12 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from . import compression as Q
 from .fednar import compute_dtype
 from .server_optimizers import fedavgm, normalized_weights
 
 __all__ = ["flat", "pseudo_gradient", "mean_outer_gradient", "outer_nesterov", "mix", "fragment_offsets",
-           "syncs_at", "diloco_loop", "streaming_diloco_loop"]
+           "syncs_at", "diloco_loop", "streaming_diloco_loop", "quantized_mean"]
 
 
 def flat(params: Sequence[torch.Tensor], dtype=None) -> torch.Tensor:
@@ -58,6 +64,22 @@ def mean_outer_gradient(deltas: Sequence[torch.Tensor], tokens: Optional[Sequenc
     for pk, dk in zip(p, deltas):
         D = D + pk.to(dk.dtype) * dk
     return D
+
+
+def quantized_mean(deltas: Sequence[torch.Tensor], tokens: Optional[Sequence[float]], codec: str,
+                   block: int) -> torch.Tensor:
+    """``sum_k p_k decode(C(Delta_k))`` (fp32; cast to the deltas' dtype): each outer
+    gradient through the codec, then the decode-aggregate in worker order."""
+    decoded = []
+    for d in deltas:
+        x, n = d.to(torch.float32), d.numel()
+        if codec == "fp8":
+            decoded.append(Q.fp8_decode(*Q.fp8_encode(x, block), block, n))
+        else:
+            decoded.append(Q.dequantize(*Q.quantize(x, codec, block), codec, block, n))
+    p = normalized_weights(None if tokens is None else torch.tensor(tokens, dtype=torch.float64), len(deltas))
+    out, _, _ = Q.decode_aggregate(decoded, p.to(torch.float32))
+    return out.to(deltas[0].dtype)
 
 
 def outer_nesterov(theta: torch.Tensor, D: torch.Tensor, m: torch.Tensor, *, lr: float, momentum: float):
@@ -90,7 +112,8 @@ def _write(params: Sequence[torch.Tensor], vec: torch.Tensor) -> None:
 
 
 def diloco_loop(workers: Sequence[Sequence[torch.Tensor]], inner_step: Callable[[int, int], Optional[float]], *,
-                H: int, steps: int, lr: float = 0.7, momentum: float = 0.9, weighted: bool = False):
+                H: int, steps: int, lr: float = 0.7, momentum: float = 0.9, weighted: bool = False,
+                codec: Optional[str] = None, block: int = 256):
     """Run DiLoCo for ``steps`` inner steps on K simulated workers.
 
     ``workers[k]`` is worker k's parameter list (all workers start equal);
@@ -107,7 +130,10 @@ def diloco_loop(workers: Sequence[Sequence[torch.Tensor]], inner_step: Callable[
             tokens[k] += float(n or 0)
         if t % H == 0:
             deltas = [pseudo_gradient(theta, w) for w in workers]
-            D = mean_outer_gradient(deltas, tokens if weighted else None)
+            if codec is None:
+                D = mean_outer_gradient(deltas, tokens if weighted else None)
+            else:
+                D = quantized_mean(deltas, tokens if weighted else None, codec, block)
             theta, m = outer_nesterov(theta, D, m, lr=lr, momentum=momentum)
             for w in workers:
                 _write(w, theta)
@@ -118,7 +144,8 @@ def diloco_loop(workers: Sequence[Sequence[torch.Tensor]], inner_step: Callable[
 def streaming_diloco_loop(workers: Sequence[Sequence[torch.Tensor]], fragments: Sequence[Sequence[int]],
                           inner_step: Callable[[int, int], Optional[float]], *, H: int, steps: int, tau: int,
                           alpha: float, offsets: Optional[Sequence[int]] = None, lr: float = 0.7,
-                          momentum: float = 0.9, weighted: bool = False):
+                          momentum: float = 0.9, weighted: bool = False, codec: Optional[str] = None,
+                          block: int = 256):
     """Streaming DiLoCo for ``steps`` inner steps on K simulated workers.
 
     ``fragments[p]`` lists the indices (into each worker's parameter list) of fragment
@@ -141,7 +168,9 @@ def streaming_diloco_loop(workers: Sequence[Sequence[torch.Tensor]], fragments: 
         for p in syncs_at(t, H, offsets):
             deltas = [pseudo_gradient(thetas[p], frag[k][p]) for k in range(K)]
             w = [tokens[k][p] for k in range(K)]
-            in_flight.setdefault(t + tau, []).append((p, _mean_by_sum(deltas, w if weighted else None)))
+            mean = _mean_by_sum(deltas, w if weighted else None) if codec is None else \
+                quantized_mean(deltas, w if weighted else None, codec, block)
+            in_flight.setdefault(t + tau, []).append((p, mean))
             for k in range(K):
                 tokens[k][p] = 0.0
         for p, D in in_flight.pop(t, []):

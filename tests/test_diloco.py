@@ -16,6 +16,10 @@ checks its part of the ranks' results.
   workers' parameters, with the outer gradients rounded through fp16);
 * Streaming DiLoCo: the fragment schedule, and the overlapped exchange with the alpha
   merge against the reference, bit for bit;
+* the quantized exchange (fp8, int4 through ops.compressed; blocks of 32 on a
+  66-parameter model: a partial last block): DiLoCo and Streaming DiLoCo bit for bit the
+  reference loops with the codec of python_ref/compression.py, resume with a quantized
+  exchange in flight, and the bytes each worker sends, counted by hand;
 * bad settings refused before anything changes (in this process, a 1-rank group).
 """
 
@@ -30,34 +34,10 @@ from torch import nn
 
 import python_ref.diloco as R
 from _asserts import assert_bitwise
+from _diloco_case import H, STEPS, inner_step_fn, make_model, momentum_of, params_of, reference
 from _gloo import launch
 
-H = 3
-STEPS = 8  # two outer rounds and two steps into the third
-
-
-def make_model(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
-
-
-def batch_size(k):
-    return 4 + 3 * k  # the workers' batches differ: token weighting matters
-
-
-def inner_step_fn(models, opts):
-    """``inner_step(k, t)``: worker k's t-th AdamW step on its own data; returns its tokens."""
-
-    def inner_step(k, t):
-        g = torch.Generator().manual_seed(1000 * k + t)
-        n = batch_size(k)
-        x = torch.randn(n, 5, generator=g, dtype=torch.float64).to(next(models[k].parameters()).dtype)
-        y = torch.randn(n, 3, generator=g, dtype=torch.float64).to(x.dtype)
-        opts[k].zero_grad()
-        nn.functional.mse_loss(models[k](x), y).backward()
-        return n
-
-    return inner_step
+QUANT_CODECS = ("fp8", "int4")
 
 
 _SINGLES = []
@@ -70,7 +50,7 @@ def singles():
     return _SINGLES
 
 
-def run_diloco(rank, steps, *, weighted, mode="ordered", ddp=False, codec=None, before_sync=None):
+def run_diloco(rank, steps, *, weighted, mode="ordered", ddp=False, codec=None, before_sync=None, **kw):
     from fedopt_kernels.distributed import DiLoCo
 
     model = make_model()
@@ -78,7 +58,7 @@ def run_diloco(rank, steps, *, weighted, mode="ordered", ddp=False, codec=None, 
     if ddp:  # each island a DDP group of its own (one rank here); DiLoCo across the islands
         net = nn.parallel.DistributedDataParallel(model, process_group=singles()[rank])
     opt = torch.optim.AdamW(net.parameters(), lr=0.05)
-    diloco = DiLoCo(net, opt, sync_every=H, mode=mode, codec=codec)
+    diloco = DiLoCo(net, opt, sync_every=H, mode=mode, codec=codec, **kw)
     step = inner_step_fn({rank: net}, {rank: opt})
     records = []
     if before_sync is not None:  # after the inner step that ends a round, before its sync
@@ -89,29 +69,6 @@ def run_diloco(rank, steps, *, weighted, mode="ordered", ddp=False, codec=None, 
         if rec is not None:
             records.append(rec)
     return diloco, records
-
-
-def reference(steps, weighted, world=2):
-    models = [make_model() for _ in range(world)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
-    step = inner_step_fn(models, opts)
-
-    def inner(k, t):
-        n = step(k, t)
-        opts[k].step()
-        return n
-
-    theta, m = R.diloco_loop([list(mm.parameters()) for mm in models], inner, H=H, steps=steps, weighted=weighted)
-    return theta, m, [[p.detach().clone() for p in mm.parameters()] for mm in models]
-
-
-def params_of(diloco):
-    return [p.detach().clone() for p in diloco.params]
-
-
-def momentum_of(diloco):
-    opt = diloco.outer_optimizer
-    return torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in diloco.params])
 
 
 class Fp16Codec:
@@ -142,23 +99,25 @@ def hand_case(rank):
     return out
 
 
-def streaming_case(rank, *, tau, alpha, weighted, steps=11, H_s=4):
+def streaming_case(rank, *, tau, alpha, weighted, steps=11, H_s=4, **kw):
     from fedopt_kernels.distributed import StreamingDiLoCo
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     s = StreamingDiLoCo(model, opt, fragments=[["0.weight", "0.bias"], ["2.weight", "2.bias"]], sync_every=H_s,
-                        overlap=tau, alpha=alpha)
+                        overlap=tau, alpha=alpha, **kw)
     step = inner_step_fn({rank: model}, {rank: opt})
-    sent = []
+    sent, sent_bytes = [], []
     for t in range(1, steps + 1):
         n = step(rank, t)
         rec = s.step(tokens=n if weighted else None)
         sent.append([r.fragment for r in rec.sent])
-    return {"params": params_of(s), "globals": [g.clone() for g in s.global_fragments], "sent": sent}
+        sent_bytes += [(r.fragment, r.payload_bytes) for r in rec.sent]
+    return {"params": params_of(s), "globals": [g.clone() for g in s.global_fragments], "sent": sent,
+            "bytes": sent_bytes}
 
 
-def streaming_resume(rank, *, tau=2, alpha=0.3, steps=11, H_s=4, stop=7):
+def streaming_resume(rank, *, tau=2, alpha=0.3, steps=11, H_s=4, stop=7, **kw):
     """The (tau 2, alpha 0.3, tokens) streaming run saved after step 7 -- fragment 1's
     exchange of step 6 still in flight -- and continued in fresh objects."""
     from fedopt_kernels.distributed import StreamingDiLoCo
@@ -167,7 +126,7 @@ def streaming_resume(rank, *, tau=2, alpha=0.3, steps=11, H_s=4, stop=7):
         model = make_model(seed=seed)
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         s = StreamingDiLoCo(model, opt, fragments=[["0.weight", "0.bias"], ["2.weight", "2.bias"]], sync_every=H_s,
-                            overlap=tau, alpha=alpha, broadcast_initial=False)
+                            overlap=tau, alpha=alpha, broadcast_initial=False, **kw)
         return model, opt, s
 
     model, opt, s = make(0)
@@ -184,7 +143,7 @@ def streaming_resume(rank, *, tau=2, alpha=0.3, steps=11, H_s=4, stop=7):
     return {"params": params_of(s), "globals": [g.clone() for g in s.global_fragments], "in_flight": in_flight}
 
 
-def streaming_reference(*, tau, alpha, weighted, steps=11, H_s=4, world=2):
+def streaming_reference(*, tau, alpha, weighted, steps=11, H_s=4, world=2, **kw):
     models = [make_model() for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
     step = inner_step_fn(models, opts)
@@ -195,7 +154,7 @@ def streaming_reference(*, tau, alpha, weighted, steps=11, H_s=4, world=2):
         return n
 
     thetas, _ = R.streaming_diloco_loop([list(m.parameters()) for m in models], [[0, 1], [2, 3]], inner, H=H_s,
-                                        steps=steps, tau=tau, alpha=alpha, weighted=weighted)
+                                        steps=steps, tau=tau, alpha=alpha, weighted=weighted, **kw)
     return thetas, [[p.detach().clone() for p in m.parameters()] for m in models]
 
 
@@ -264,10 +223,31 @@ def body(rank, world):
 
     out["stream_resumed"] = streaming_resume(rank)
 
+    # the quantized exchange (blocks of 32 over 66 parameters: 3 blocks, the last one partial)
+    for codec in QUANT_CODECS:
+        d, recs = run_diloco(rank, STEPS, weighted=True, codec=codec, codec_block=32)
+        out[f"q_{codec}"] = {"params": params_of(d), "snapshot": d.snapshot.clone(), "m": momentum_of(d),
+                             "bytes": [r.payload_bytes for r in recs], "left_out": [r.left_out for r in recs]}
+        out[f"qs_{codec}"] = streaming_case(rank, tau=2, alpha=0.3, weighted=True, codec=codec, codec_block=32)
+    out["qs_resumed"] = streaming_resume(rank, codec="int4", codec_block=32)
+
+    # rank 1's outer gradient holds a NaN at the first sync: its int4 reply (a NaN scale) is left out
+    def poison(dl):
+        out["q_nan_before"] = (dl.snapshot.clone(), [p.detach().clone() for p in dl.params])
+        if rank == 1:
+            with torch.no_grad():
+                dl.params[0].view(-1)[40 % dl.params[0].numel()] = float("nan")
+
+    d, recs = run_diloco(rank, H, weighted=True, codec="int4", codec_block=32, before_sync=poison)
+    out["q_nan"] = {"snapshot": d.snapshot.clone(), "left_out": recs[0].left_out, "stats": recs[0].stats}
+
     if rank == 0:  # the oracle, in this process (same threads and code paths as the workers)
         out["ref"] = {w: reference(STEPS, w) for w in (False, True)}
         out["stream_ref"] = {k: streaming_reference(tau=k[0], alpha=k[1], weighted=k[2])
                              for k in ((1, 0.5, False), (2, 0.3, True), (0, 0.0, False))}
+        out["q_ref"] = {c: reference(STEPS, True, codec=c, block=32) for c in QUANT_CODECS}
+        out["qs_ref"] = {c: streaming_reference(tau=2, alpha=0.3, weighted=True, codec=c, block=32)
+                         for c in QUANT_CODECS}
     return out
 
 
@@ -378,6 +358,54 @@ def test_streaming_resume_with_an_exchange_in_flight(ranks):
         assert_bitwise(got["params"], ref["params"], f"rank {r} parameters")
 
 
+@pytest.mark.parametrize("codec", QUANT_CODECS)
+def test_quantized_diloco_is_bitwise_the_reference_loop(ranks, codec):
+    theta, m, workers = ranks[0]["q_ref"][codec]
+    for r in range(2):
+        got = ranks[r][f"q_{codec}"]
+        assert_bitwise(got["snapshot"], theta, f"rank {r} snapshot")
+        assert_bitwise(got["m"], m, f"rank {r} outer momentum")
+        assert_bitwise(got["params"], workers[r], f"rank {r} parameters")
+        # 66 values, 3 blocks of 32: codes (fp8 1 byte each, int4 two per byte) + 3 fp32 scales + (w, given) fp64
+        assert got["bytes"] == [{"fp8": 66, "int4": 33}[codec] + 3 * 4 + 2 * 8] * 2
+        assert got["left_out"] == [(), ()]
+    # the codec is not a no-op: the fp32 exchange gives other bits
+    assert not torch.equal(ranks[0][f"q_{codec}"]["snapshot"], ranks[0]["ordered_True"]["snapshot"])
+
+
+@pytest.mark.parametrize("codec", QUANT_CODECS)
+def test_quantized_streaming_is_bitwise_the_reference_loop(ranks, codec):
+    thetas, workers = ranks[0]["qs_ref"][codec]
+    for r in range(2):
+        got = ranks[r][f"qs_{codec}"]
+        assert_bitwise(got["globals"], thetas, f"rank {r} global fragments")
+        assert_bitwise(got["params"], workers[r], f"rank {r} parameters")
+        # fragment 0 = Linear(5, 7): 42 values (2 blocks), fragment 1 = Linear(7, 3): 24 values (1 block)
+        per = {0: (42 if codec == "fp8" else 21) + 2 * 4 + 16, 1: (24 if codec == "fp8" else 12) + 4 + 16}
+        assert got["bytes"] == [(f, per[f]) for f in (1, 0, 1, 0, 1)]
+    assert not torch.equal(ranks[0][f"qs_{codec}"]["globals"][0], ranks[0]["stream_2_0.3_True"]["globals"][0])
+
+
+def test_quantized_exchange_leaves_a_non_finite_worker_out(ranks):
+    snap, params = ranks[0]["q_nan_before"]
+    D = R.quantized_mean([snap - R.flat(params)], None, "int4", 32)  # rank 0's outer gradient alone
+    theta, _ = R.outer_nesterov(snap, D, torch.zeros_like(snap), lr=0.7, momentum=0.9)
+    for r in range(2):
+        got = ranks[r]["q_nan"]
+        assert len(got["left_out"]) == 1 and got["left_out"][0][0] == 1
+        assert "NaN/Inf scale" in got["left_out"][0][1]
+        assert not bool(got["stats"].skipped)
+        assert_bitwise(got["snapshot"], theta, f"rank {r} snapshot: rank 0's outer gradient alone")
+
+
+def test_quantized_streaming_resume_with_an_exchange_in_flight(ranks):
+    for r in range(2):
+        got, ref = ranks[r]["qs_resumed"], ranks[r]["qs_int4"]
+        assert got["in_flight"] == [(1, 6, 8)]
+        assert_bitwise(got["globals"], ref["globals"], f"rank {r} global fragments")
+        assert_bitwise(got["params"], ref["params"], f"rank {r} parameters")
+
+
 # ---------------------------------------------------------------------- bad settings
 @pytest.fixture
 def one_rank(tmp_path):
@@ -400,6 +428,8 @@ def _snapshot_all(model, *opts):
     (dict(sync_every=True), TypeError, "sync_every must be an int"),
     (dict(mode="sum"), ValueError, "mode must be one of"),
     (dict(codec=object()), TypeError, "codec must be None"),
+    (dict(codec="int3"), ValueError, "codec must be None .fp32. or one of"),
+    (dict(codec="fp8", codec_block=48), ValueError, "codec_block must be a positive multiple of 32"),
 ])
 def test_bad_settings_are_refused(one_rank, kw, exc, match):
     from fedopt_kernels.distributed import DiLoCo
@@ -490,6 +520,8 @@ def test_fragments_must_cover_the_model(one_rank, fragments, match):
     (dict(alpha=1.5), "alpha"),
     (dict(offsets=[0, 4]), "offsets"),
     (dict(offsets=[0]), "offsets"),
+    (dict(codec="topk"), "codec must be None .fp32. or one of"),
+    (dict(codec="int4", codec_block=0), "codec_block must be a positive multiple of 32"),
 ])
 def test_streaming_bad_settings(one_rank, kw, match):
     from fedopt_kernels.distributed import StreamingDiLoCo

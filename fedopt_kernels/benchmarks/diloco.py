@@ -9,6 +9,8 @@ machine's CPU), once per method, the same initial model, data and seeds:
   (outer Nesterov 0.7 / 0.9);
 * ``streaming-H``: :class:`~fedopt_kernels.distributed.StreamingDiLoCo`, 2 fragments,
   overlap 5 steps, alpha 0.5;
+* ``streaming-int4-H``: the same with the quantized exchange (``codec="int4"``, blocks of
+  256: the paper's 4-bit values, all-gathered);
 * ``torchft-diloco-50`` (only when named, torchft installed): torchft 0.2.0's own
   ``local_sgd.DiLoCo`` under its ``Manager`` (a lighthouse on 127.0.0.1, one gloo
   replica group per worker), the outer step ``torch.optim.SGD(lr 0.7, momentum 0.9,
@@ -35,7 +37,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-METHODS = ("ddp", "diloco-50", "diloco-100", "streaming-100")
+METHODS = ("ddp", "diloco-50", "diloco-100", "streaming-100", "streaming-int4-100")
 TORCHFT_METHODS = ("torchft-diloco-50",)  # torchft's own DiLoCo (when torchft is importable)
 
 
@@ -92,7 +94,9 @@ def _worker(rank, world, store, out_dir, method, preset, steps, batch, lr, eval_
     elif method.startswith("diloco-"):
         loop = DiLoCo(model, inner, sync_every=int(method.split("-")[1]), mode="all_reduce")
     elif method.startswith("streaming-"):
-        loop = StreamingDiLoCo(model, inner, fragments=2, sync_every=int(method.split("-")[1]), overlap=5)
+        codec = "int4" if "-int4-" in method else None
+        loop = StreamingDiLoCo(model, inner, fragments=2, sync_every=int(method.split("-")[-1]), overlap=5,
+                               codec=codec)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     gv = torch.Generator().manual_seed(12345)
     val_batches = [sample_batch(val, batch, cfg.block_size, gv) for _ in range(8)]

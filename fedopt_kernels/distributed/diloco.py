@@ -28,7 +28,13 @@ One sync, as the code runs it:
    to the outer state);
 3. the snapshot takes the new parameters (a copy).
 
-A ``codec`` (an object with ``encode(delta) -> payload`` and ``decode(payload) ->
+``codec="fp8"`` / ``"int4"`` / ``"int8"`` quantizes the exchange: each worker encodes
+its ``Delta_k`` with :mod:`fedopt_kernels.ops.compressed`'s block codec (``codec_block``
+values per fp32 scale), the codes, scales and token weights are all-gathered, and the
+fused decode-aggregate forms the token-weighted mean on every worker, the same bits
+(:mod:`~fedopt_kernels.distributed.quantized_exchange`); then the outer step as above.
+
+A ``codec`` object (with ``encode(delta) -> payload`` and ``decode(payload) ->
 delta``, payload a tensor or tuple of tensors whose shapes depend only on ``N``)
 replaces step 1's exchange: each worker encodes its ``Delta_k`` (fp32), the payloads
 are all-gathered, and every worker decodes all of them and averages them with the
@@ -62,6 +68,7 @@ from ..ops.validation import is_dtensor
 from ..server import FedAvgM, LocalAggregator, ServerOptimizer, ServerStats
 from . import comm
 from .aggregate import MODES
+from .quantized_exchange import check_exchange_codec, start_exchange
 from .server_optimizer import distributed_form
 
 __all__ = ["DiLoCo", "SyncRecord", "check_sync_every", "model_parameters", "check_codec"]
@@ -130,9 +137,13 @@ def model_parameters(model: nn.Module) -> List[torch.Tensor]:
     return params
 
 
-def check_codec(codec) -> None:
-    """None, or an object with callable ``encode`` and ``decode``."""
+def check_codec(codec, block: int = 256) -> None:
+    """None, a codec name of :data:`~.quantized_exchange.EXCHANGE_CODECS` (with its
+    ``block``), or an object with callable ``encode`` and ``decode``."""
     if codec is None:
+        return
+    if isinstance(codec, str):
+        check_exchange_codec(codec, block)
         return
     if not (callable(getattr(codec, "encode", None)) and callable(getattr(codec, "decode", None))):
         raise TypeError(f"codec must be None (fp32) or an object with encode(delta) and decode(payload) methods, "
@@ -213,7 +224,9 @@ class DiLoCo:
         group: the process group of the workers (None: the default group).
         mode: ``"ordered"`` (bitwise the one-process mean, any number of workers) or
             ``"all_reduce"`` (one packed all-reduce).
-        codec: None (fp32) or an encode/decode object (module docstring).
+        codec: None (fp32), ``"fp8"`` / ``"int4"`` / ``"int8"`` (the quantized
+            exchange) or an encode/decode object (module docstring).
+        codec_block: values per scale of a named codec (a multiple of 32; default 256).
         manager: None, or a ``torchft.Manager`` (fault tolerance, duck-typed: its
             ``start_quorum``, ``allreduce``, ``should_commit``, ``num_participants``):
             the exchange is then its fault-tolerant all-reduce of the packed
@@ -230,7 +243,8 @@ class DiLoCo:
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: Optional[ServerOptimizer] = None, *, sync_every: int = D.DILOCO["sync_every"],
-                 group=None, mode: str = "ordered", codec=None, broadcast_initial: bool = True, manager=None):
+                 group=None, mode: str = "ordered", codec=None, codec_block: int = 256, broadcast_initial: bool = True,
+                 manager=None):
         sync_every = check_sync_every(sync_every)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
@@ -239,7 +253,7 @@ class DiLoCo:
         params = model_parameters(model)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        check_codec(codec)
+        check_codec(codec, codec_block)
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -270,6 +284,7 @@ class DiLoCo:
         self.group = group
         self.mode = mode
         self.codec = codec
+        self.codec_block = codec_block
         self.manager = manager
         self.params: List[torch.Tensor] = list(order)  # the outer optimizer's order
         self.local_step = 0  # inner steps taken
@@ -338,6 +353,14 @@ class DiLoCo:
             stats = self.outer_optimizer.step(pieces, weights, aggregator=agg)
             payload = self.numel * torch.finfo(self.snapshot.dtype).bits // 8
             left_out = tuple((i, reason) for i, reason, _ in agg.last_left_out)
+        elif isinstance(self.codec, str):
+            delta = ClientPieces([self.params], subtract_from=self.snapshot).row(0).to(torch.float32)
+            exchange = start_exchange(delta, tokens, codec=self.codec, block=self.codec_block, group=self.group,
+                                      async_op=False)
+            D, left_out = exchange.mean()
+            self._reset_to_snapshot()
+            stats = self.outer_optimizer.step(D.to(self.snapshot.dtype)[None], aggregator=LocalAggregator())
+            payload = exchange.payload_bytes
         else:
             rows, all_weights, payload = self._exchange_encoded(weights)
             self._reset_to_snapshot()

@@ -24,8 +24,15 @@ The oracle is ``python_ref/diloco.py``'s ``streaming_diloco_loop``.
 Trade-offs: the all-reduce sums in the group's order (gloo, NCCL), not the ordered
 mode of :class:`~fedopt_kernels.distributed.DiLoCo` (which needs a gather: no
 overlap); the global copies cost one copy of the parameters, the in-flight buffer one
-fragment in fp32.  Quantised exchange (the paper's 4-bit values) is the codecs' work:
-not here yet.
+fragment in fp32.
+
+Quantized exchange (``codec="int4"``, the paper's 4-bit values; ``"fp8"`` as torchft;
+``"int8"``): the fragment's outer gradient is encoded by
+:mod:`fedopt_kernels.ops.compressed`'s block codec and its codes, scales and token
+weight are all-gathered asynchronously instead of the all-reduce
+(:mod:`~fedopt_kernels.distributed.quantized_exchange`); at the merge the fused
+decode-aggregate forms ``Delta_p = sum_k p_k decode(C(Delta_k,p))`` (``p_k = w_k /
+sum_j w_j``) in rank order -- the same bits on every worker, whatever the timing.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from .. import defaults as D
 from ..server import FedAvgM, ServerOptimizer, ServerStats
 from . import comm
 from .diloco import check_outer, check_state_entry, check_sync_every, model_parameters
+from .quantized_exchange import GatheredCodes, check_exchange_codec, start_exchange
 
 __all__ = ["StreamingDiLoCo", "StreamRecord", "fragment_schedule", "split_fragments"]
 
@@ -116,6 +124,7 @@ class FragmentApplied:
     fragment: int
     sent_at: int
     stats: ServerStats
+    left_out: Tuple[Tuple[int, str], ...] = ()  # quantized exchange: (rank, reason) of workers left out
 
 
 @dataclass(frozen=True)
@@ -161,6 +170,8 @@ class StreamingDiLoCo:
         overlap: ``tau``, inner steps between a send and its merge, ``0 <= tau < H``.
         alpha: the merge's weight of the local parameters, in ``[0, 1]``.
         group: the workers' process group.
+        codec: None (fp32 all-reduce) or ``"int4"`` / ``"fp8"`` / ``"int8"`` (the
+            quantized exchange, module docstring); ``codec_block`` values per scale.
 
     Everything is checked before anything changes.
     """
@@ -169,7 +180,8 @@ class StreamingDiLoCo:
                  outer_optimizer: Optional[Callable[[List[torch.Tensor]], ServerOptimizer]] = None, *,
                  fragments: Union[int, Sequence] = 2, sync_every: int = D.DILOCO["sync_every"],
                  offsets: Optional[Sequence[int]] = None, overlap: int = D.STREAMING_DILOCO["overlap"],
-                 alpha: float = D.STREAMING_DILOCO["alpha"], group=None, broadcast_initial: bool = True):
+                 alpha: float = D.STREAMING_DILOCO["alpha"], group=None, broadcast_initial: bool = True,
+                 codec: Optional[str] = None, codec_block: int = 256):
         H = check_sync_every(sync_every)
         if not isinstance(inner_optimizer, torch.optim.Optimizer) or isinstance(inner_optimizer, ServerOptimizer):
             raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
@@ -186,6 +198,8 @@ class StreamingDiLoCo:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be a number in [0, 1] (the local parameters' weight in the merge), "
                              f"got {alpha!r}")
+        if codec is not None:
+            check_exchange_codec(codec, codec_block)
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise TypeError("outer_optimizer must be a factory: params -> ServerOptimizer (one per fragment)")
         if len({p.dtype for p in params}) > 1:
@@ -198,6 +212,7 @@ class StreamingDiLoCo:
         factory = outer_optimizer or _default_outer
         self.model, self.inner_optimizer, self.group = model, inner_optimizer, group
         self.sync_every, self.offsets, self.overlap, self.alpha = H, offsets, overlap, float(alpha)
+        self.codec, self.codec_block = codec, codec_block
         self.params = params  # the model's, in model order
         self.fragments = [[params[i] for i in f] for f in frags]
         self.global_fragments = [torch.cat([p.detach().reshape(-1) for p in f]) for f in self.fragments]
@@ -245,10 +260,15 @@ class StreamingDiLoCo:
                 d.copy_(g)
                 d.sub_(p)
         w = self._tokens[f]
+        self._tokens[f] = None
+        if self.codec is not None:  # the codes of Delta_k,p itself; its weight travels beside them
+            codes = start_exchange(buf[:n].to(torch.float32), w, codec=self.codec, block=self.codec_block,
+                                   group=self.group, async_op=True)
+            self._in_flight.append(_InFlight(f, t, t + self.overlap, codes, codes))
+            return FragmentSend(fragment=f, step=t, payload_bytes=codes.payload_bytes)
         if w is not None:
             buf[:n].mul_(w)
         buf[n].fill_(1.0 if w is None else w)
-        self._tokens[f] = None
         work = dist.all_reduce(buf, group=self.group, async_op=True)
         self._in_flight.append(_InFlight(f, t, t + self.overlap, buf, work))
         return FragmentSend(fragment=f, step=t, payload_bytes=buf.numel() * buf.element_size())
@@ -256,14 +276,19 @@ class StreamingDiLoCo:
     @torch.no_grad()
     def _apply(self, x: _InFlight) -> FragmentApplied:
         x.work.wait()
-        n = x.buf.numel() - 1
-        D = (x.buf[:n] / x.buf[n]).to(self.global_fragments[x.fragment].dtype)
+        left_out = ()
+        if isinstance(x.buf, GatheredCodes):
+            D, left_out = x.buf.mean()
+            D = D.to(self.global_fragments[x.fragment].dtype)
+        else:
+            n = x.buf.numel() - 1
+            D = (x.buf[:n] / x.buf[n]).to(self.global_fragments[x.fragment].dtype)
         stats = self.outer_optimizers[x.fragment].step(D[None])
         local, glob = self.fragments[x.fragment], self._global_views[x.fragment]
         theirs = torch._foreach_mul(glob, 1.0 - self.alpha)
         torch._foreach_mul_(local, self.alpha)
         torch._foreach_add_(local, theirs)
-        return FragmentApplied(fragment=x.fragment, sent_at=x.sent_at, stats=stats)
+        return FragmentApplied(fragment=x.fragment, sent_at=x.sent_at, stats=stats, left_out=left_out)
 
     def state_dict(self) -> dict:
         """Everything to continue bit for bit, in the middle of a round too: the
@@ -277,7 +302,10 @@ class StreamingDiLoCo:
             "local_step": self.local_step, "tokens": list(self._tokens), "tokens_given": self._tokens_given,
             "params": [p.detach().clone() for p in self.params],
             "global_fragments": [g.clone() for g in self.global_fragments],
-            "in_flight": [(x.fragment, x.sent_at, x.apply_at, x.buf.clone()) for x in self._in_flight],
+            "codec": self.codec, "codec_block": self.codec_block,
+            "in_flight": [(x.fragment, x.sent_at, x.apply_at,
+                           x.buf.state() if isinstance(x.buf, GatheredCodes) else x.buf.clone())
+                          for x in self._in_flight],
             "inner": copy.deepcopy(self.inner_optimizer.state_dict()),
             "outer": [copy.deepcopy(o.state_dict()) for o in self.outer_optimizers],
         }
@@ -290,6 +318,11 @@ class StreamingDiLoCo:
                 raise ValueError(f"StreamingDiLoCo state_dict lacks {key!r}")
             if state[key] != getattr(self, key):
                 raise ValueError(f"the state was saved with {key}={state[key]!r} but this StreamingDiLoCo has "
+                                 f"{getattr(self, key)!r}")
+        for key in ("codec", "codec_block"):  # absent in states saved before the quantized exchange: fp32
+            saved = state.get(key, None if key == "codec" else self.codec_block)
+            if saved != getattr(self, key):
+                raise ValueError(f"the state was saved with {key}={saved!r} but this StreamingDiLoCo has "
                                  f"{getattr(self, key)!r}")
         saved, globs = state["params"], state["global_fragments"]
         if len(saved) != len(self.params) or any(a.shape != b.shape or a.dtype != b.dtype
@@ -319,7 +352,9 @@ class StreamingDiLoCo:
         torch._foreach_copy_(self.global_fragments, list(globs))
         self.local_step, self._tokens_given = state["local_step"], state["tokens_given"]
         self._tokens = list(state["tokens"])
-        self._in_flight = [_InFlight(f, sent, at, buf.clone(), _Done()) for f, sent, at, buf in state["in_flight"]]
+        self._in_flight = [_InFlight(f, sent, at,
+                                     GatheredCodes.from_state(buf) if isinstance(buf, dict) else buf.clone(), _Done())
+                           for f, sent, at, buf in state["in_flight"]]
 
     def finish(self) -> Tuple[FragmentApplied, ...]:
         """Wait for every exchange still in flight and apply it now (end of training)."""

@@ -27,9 +27,10 @@ from a heterogeneity level, or read from a trace).  Each record gains ``virtual_
   pulled version ``k`` (smaller groups, the same bits: a row's arithmetic is its own
   client's, tested).  Their updates wait until they arrive; every ``buffer`` arrivals
   the simulator's server round (robust rules, DP and the record included) steps on the
-  buffered, staleness-scaled rows and the version advances.  ``rounds`` counts server steps.  One record per step, with the staleness of
-  its updates.  Not for SCAFFOLD (its control variates assume one round's clients),
-  FedLAW (it weighs each round's models) or a folded (chunked) round.
+  buffered, staleness-scaled rows and the version advances.  ``rounds`` counts server
+  steps.  One record per step, with the staleness of its updates.  Not for SCAFFOLD (its
+  control variates assume one round's clients), FedLAW (it weighs each round's models)
+  or a folded (chunked) round.
 
 A client dispatched twice on the same version trains once: its data, model and seed are
 those of the same round, so its two updates would be equal.

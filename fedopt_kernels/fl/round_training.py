@@ -147,6 +147,7 @@ class RoundTraining:
             stats = self._train_round_clients(round_number, clients, todo, bad)
         finally:
             self._progress_base = 0
+            self._starts = None  # the start rows are the caller's: hold none past the call
             if self._lazy:
                 self._round_data(None)
         self._report_progress(round_number, len(clients))

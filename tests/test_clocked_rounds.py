@@ -135,3 +135,67 @@ def test_the_command_line_runs_fedbuff_and_resumes_it_bit_for_bit(tmp_path, caps
     assert [r["round"] for r in rec] == [0, 1, 2, 3] and all("staleness_mean" in r for r in rec[1:])
     assert main(["simulate", "--mode", "fedbuff", "--concurrency", "50", "--out", str(tmp_path / "bad")]) == 2
     assert "concurrency (50) exceeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("het, kw", [
+    # per-row lrs and weight decays of rows at different rounds, FedProx against each row's own start
+    ("heavy", dict(engine="batched", lr_decay=0.9, weight_decay=0.01, wd_decay=0.8, momentum=0.5, prox_mu=0.1)),
+    ("none", dict(engine="batched", lr_decay=0.9, decay_per="epoch", decay_beta=0.5)),  # FedDecay per epoch
+    ("mild", dict(engine="sequential", lr_decay=0.9)),
+])
+def test_clients_of_different_versions_train_as_one_group_with_their_own_bits(het, kw, monkeypatch):
+    """Oracle: the per-version grouping (each group one version's clients, from the
+    current model, as a plain round of that version).  Grouping everyone in flight --
+    each row from the version its client pulled, annealed as that version's round --
+    gives the same model bit for bit, and did put versions together."""
+    from fedopt_kernels.fl.round_training import RoundTraining
+
+    acfg = AsyncConfig(mode="fedbuff", concurrency=6, buffer=3, clock=ClockConfig(heterogeneity=het))
+    mixed = []
+    train = RoundTraining._train_clients
+
+    def spy(self, round_number, clients, **kw):
+        if kw.get("round_numbers"):
+            mixed.append(len(set(kw["round_numbers"])))
+        return train(self, round_number, clients, **kw)
+
+    monkeypatch.setattr(RoundTraining, "_train_clients", spy)
+    models = {}
+    for grouping in ("version", "in_flight"):
+        sim = Simulation(_cfg(rounds=6, local_steps=3, **kw))
+        run = ClockedRun(sim, acfg, grouping=grouping)
+        run.run()
+        models[grouping] = sim.x_global
+        assert [r["staleness_mean"] for r in sim.results.records[1:]] == [
+            sum(k - a.version for a in s) / len(s) for k, s in enumerate(run.schedule.steps)]
+    assert torch.equal(models["in_flight"], models["version"])
+    assert max(mixed) >= 2  # some group held clients of two versions
+    # past models are kept for the clients still in flight after the last step alone
+    sched = run.schedule
+    arrived = {(a.client, a.version) for s in sched.steps for a in s}
+    in_flight = {(c, v) for v, cs in sched.pulled.items() for c in cs} - arrived - {(c, v) for c, v, _ in sched.dropped}
+    assert set(run.versions) == {v for _, v in in_flight if v < len(sched.steps)}
+
+
+def test_resume_with_clients_of_a_past_version_still_untrained_is_bit_identical():
+    acfg = AsyncConfig(mode="fedbuff", concurrency=6, buffer=2, clock=ClockConfig(heterogeneity="none"))
+    whole = Simulation(_cfg(rounds=6, engine="batched"))
+    ClockedRun(whole, acfg, grouping="in_flight").run()
+    first = Simulation(_cfg(rounds=6, engine="batched"))
+    r1 = ClockedRun(first, acfg, grouping="in_flight")
+    stop = next(i for i in range(1, 12) if (r1.run(stop_after=1) or True) and r1.versions)
+    assert r1.versions and stop  # a past model is held for clients that pulled it
+    blob = io.BytesIO()
+    torch.save(r1.state_dict(), blob)
+    blob.seek(0)
+    resumed = Simulation(_cfg(rounds=6, engine="batched"))
+    r2 = ClockedRun(resumed, acfg, grouping="in_flight")
+    r2.load_state_dict(torch.load(blob, weights_only=True))
+    r2.run()
+    assert torch.equal(resumed.x_global, whole.x_global)
+    assert _strip(resumed.results.records) == _strip(whole.results.records)
+
+
+def test_an_unknown_grouping_is_refused():
+    with pytest.raises(ValueError, match="grouping"):
+        ClockedRun(Simulation(_cfg()), AsyncConfig(mode="fedbuff", concurrency=5), grouping="round")

@@ -359,7 +359,9 @@ class BatchedTrainer:
     def train_round(self, x_global: torch.Tensor, client_indices: Sequence[torch.Tensor], *, round_index: int,
                     seeds: Sequence[int], out: torch.Tensor, stats: RoundStats,
                     clients: Optional[Sequence[int]] = None, scaffold: Optional[ScaffoldState] = None,
-                    on_group: Optional[Callable[[int], None]] = None) -> List[float]:
+                    on_group: Optional[Callable[[int], None]] = None,
+                    starts: Optional[torch.Tensor] = None,
+                    round_indices: Optional[Sequence[int]] = None) -> List[float]:
         """Train the round's clients (``client_indices[i]``, batch seeds ``seeds[i]``) from
         ``x_global``; writes ``D_i = x_global - x_end_i`` into ``out[i]`` (``[C, N]``) and
         accumulates ``stats``.  Returns each client's sum of local lrs (SCAFFOLD's
@@ -367,15 +369,25 @@ class BatchedTrainer:
         if given, is called after each group with the number of clients trained so far
         (a progress report: a count, no host sync).
 
+        ``starts`` (``[C, N]``) and ``round_indices`` (``C`` ints): clients that start from
+        DIFFERENT models at different points of the schedule (FedBuff's clients, each on
+        the version it pulled): row ``i`` trains from ``starts[i]`` with the local lr and
+        weight decay of round ``round_indices[i]``, and ``D_i = starts[i] - x_end_i``;
+        ``x_global`` and ``round_index`` are then unused but for the dropout seed (the
+        group's first row's round).  A row's arithmetic depends on its own start, round
+        and client alone, so on CPU every client's bits are those of training it in a
+        group of its own version (tested); only a model with dropout draws its masks per
+        group, as it already does.
+
         In the first round any exception is re-raised as :class:`BatchedUnsupported`
         (the model cannot be batched; nothing but ``out`` and ``stats`` was written).
         """
         if self.verified:
             return self._train_round(x_global, client_indices, round_index, seeds, out, stats, clients, scaffold,
-                                     on_group)
+                                     on_group, starts, round_indices)
         try:
             result = self._train_round(x_global, client_indices, round_index, seeds, out, stats, clients, scaffold,
-                                       on_group)
+                                       on_group, starts, round_indices)
         except Exception as exc:  # noqa: BLE001 - any failure of the first round means "cannot batch"
             msg = " ".join(str(exc).split())
             if len(msg) > 200:
@@ -385,23 +397,35 @@ class BatchedTrainer:
         return result
 
     def _train_round(self, x_global, client_indices, round_index, seeds, out, stats, clients, scaffold,
-                     on_group=None):
+                     on_group=None, starts=None, round_indices=None):
         cfg = self.config
         C = len(client_indices)
         if out.shape != (C, self.numel):
             raise ValueError(f"out must have shape {(C, self.numel)}, got {tuple(out.shape)}")
         if scaffold is not None and clients is None:
             raise ValueError("scaffold needs the clients' ids")
+        if starts is not None and (starts.shape != (C, self.numel) or starts.dtype != out.dtype):
+            raise ValueError(f"starts must be a {out.dtype} tensor of shape {(C, self.numel)}, got "
+                             f"{starts.dtype} {tuple(starts.shape)}")
+        if round_indices is not None and len(round_indices) != C:
+            raise ValueError(f"round_indices must have one round per client ({C}), got {len(round_indices)}")
+        rounds = [round_index] * C if round_indices is None else [int(r) for r in round_indices]
+        mixed = len(set(rounds)) > 1  # clients at different points of the schedule: per-row lr and wd
         batches = [client_batches(ix, s, cfg.batch_size, cfg.steps) for ix, s in zip(client_indices, seeds)]
         sizes = [int(ix.numel()) for ix in client_indices]
+        if C:
+            round_index = rounds[0]
         # the local lrs, exactly as the sequential engine computes them (Python floats)
-        if cfg.decay_per == "step":
+        if cfg.decay_per == "step" and not mixed:
             step_lrs = [cfg.lr_at(round_index, k) for k in range(cfg.steps)]
             lrs = [step_lrs] * C
+        elif cfg.decay_per == "step":
+            step_lrs = None
+            lrs = [[cfg.lr_at(r, k) for k in range(cfg.steps)] for r in rounds]
         else:  # FedDecay per epoch: epochs have client-dependent lengths
             step_lrs = None
-            lrs = [[cfg.lr_at(round_index, k // (n // min(cfg.batch_size, n))) for k in range(cfg.steps)]
-                   for n in sizes]
+            lrs = [[cfg.lr_at(r, k // (n // min(cfg.batch_size, n))) for k in range(cfg.steps)]
+                   for n, r in zip(sizes, rounds)]
         lr_sums = []
         for row in lrs:
             total = 0.0
@@ -409,11 +433,15 @@ class BatchedTrainer:
                 total += lr
             lr_sums.append(total)
         wd = cfg.weight_decay_at(round_index)
+        wds = [cfg.weight_decay_at(r) for r in rounds] if mixed else None
         self.model.train()
         done = 0
         for gi, group in enumerate(self.planner.plan(sizes)):
+            if wds is not None:  # the group's rows' weight decays, as the lrs below (acc dtype)
+                wd = torch.tensor([wds[r] for r in group.rows], dtype=torch.float64)
+                wd = wd.to(device=x_global.device, dtype=acc_dtype(x_global.dtype))
             self._train_group(group, gi, x_global, batches, sizes, step_lrs, lrs, wd, out, stats, clients, scaffold,
-                              round_index)
+                              rounds[group.rows[0]] if C else round_index, starts)
             if scaffold is not None:
                 for r in group.rows[:group.real]:
                     scaffold.client_update(clients[r], out[r], lr_sums[r])
@@ -423,14 +451,16 @@ class BatchedTrainer:
         return lr_sums
 
     def _train_group(self, group: Group, group_index: int, x_global, batches, sizes, step_lrs, lrs, wd, out, stats,
-                     clients, scaffold, round_index):
+                     clients, scaffold, round_index, starts=None):
         cfg = self.config
         device, dtype = x_global.device, x_global.dtype
         rows, c, B = group.rows, len(group.rows), group.batch
         contiguous = group.real == c and rows == list(range(rows[0], rows[0] + c))
+        # each row's start: x_global broadcast, or (FedBuff) the version its client pulled
+        x0 = x_global if starts is None else starts[torch.tensor(rows, device=starts.device)]
         # the group's parameters: the rows of `out` themselves when they are contiguous
         X = out[rows[0]:rows[0] + c] if contiguous else torch.empty(c, self.numel, device=device, dtype=dtype)
-        X.copy_(x_global.expand(c, -1))
+        X.copy_(x0.expand(c, -1))
         G = torch.empty_like(X)
         # [steps, c * B] sample indices; padding repeats the client's first sample of the batch
         idx = torch.empty(cfg.steps, c, B, dtype=torch.int64)
@@ -493,7 +523,7 @@ class BatchedTrainer:
                 with torch.no_grad():
                     self._gather(grads, G, G_parts, c, written=in_buffer)
                     if tmp is not None:  # FedProx: g += mu (x - x0)
-                        torch.sub(X, x_global, out=tmp)
+                        torch.sub(X, x0, out=tmp)
                         G.add_(tmp, alpha=cfg.prox_mu)
                     if corr is not None:  # SCAFFOLD: g += c - c_i
                         G.add_(corr)
@@ -523,10 +553,10 @@ class BatchedTrainer:
             stats.nonfinite += [(clients[r] if clients is not None else r, bad[j]) for j, r in enumerate(rows[:real])]
             X[:real].masked_fill_(bad[:, None], float("nan"))  # before D_i = x0 - x_end: NaN stays NaN
             if contiguous:
-                torch.sub(x_global, X, out=X)  # D_i = x0 - x_end, in place in the round's updates
+                torch.sub(x0, X, out=X)  # D_i = x0 - x_end, in place in the round's updates
             else:  # the real rows (padding dropped) into their places in the round's updates
                 ids = torch.tensor(rows[:real], device=device)
-                out.index_copy_(0, ids, torch.sub(x_global, X[:real]))
+                out.index_copy_(0, ids, torch.sub(x0 if x0.dim() == 1 else x0[:real], X[:real]))
 
     def _gather(self, grads, G, G_parts, c, *, written: bool = False) -> None:
         """The per-parameter gradients into the flat ``[c, N]`` buffer (frozen

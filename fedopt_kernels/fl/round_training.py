@@ -86,9 +86,11 @@ class RoundTraining:
         if C == 0:
             return stats
         base = self._progress_base
+        starts, rounds = self._client_starts(clients)
         self.batched.train_round(
             self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
-            seeds=[batch_seed(self.config.seed, round_number, cid) for cid in clients],
+            seeds=[batch_seed(self.config.seed, r, cid) for cid, r in zip(clients, rounds or [round_number] * C)],
+            starts=starts, round_indices=None if rounds is None else [r - 1 for r in rounds],
             out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold,
             on_group=(None if self.progress is None else lambda done: self._report_progress(round_number, base + done)))
         if self._has_buffers:  # buffers the batched engine allows are not changed by training
@@ -108,11 +110,26 @@ class RoundTraining:
                              "'exclude' leaves them out of their rounds)")
         return [(cid, "no_data", "holds no samples") for cid in empty]
 
-    def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
+    def _train_clients(self, round_number: int, clients: List[int], *, starts: Optional[torch.Tensor] = None,
+                       round_numbers: Optional[List[int]] = None) -> RoundStats:
         """Train the round's ``clients``; the ones that take part write their rows
         ``[:len(self._round_kept)]`` of :attr:`updates` (and :attr:`buffer_rows`) in
         order, the others are listed in ``self._round_bad`` (``(client, reason,
-        detail)``, in the order of ``clients``)."""
+        detail)``, in the order of ``clients``).
+
+        ``starts`` (``[len(clients), N]``) and ``round_numbers``: each client trains from
+        its own start row, seeded and annealed as its own round (FedBuff's clients on the
+        versions they pulled, :mod:`.clocked`); ``D_i`` is then ``starts[i] - x_end_i``.
+        Not with ``memory_budget`` or SCAFFOLD."""
+        self._starts = None
+        if starts is not None or round_numbers is not None:
+            if starts is None or round_numbers is None or len(round_numbers) != len(clients) \
+                    or starts.shape != (len(clients), self.numel):
+                raise ValueError(f"starts ([{len(clients)}, {self.numel}]) and round_numbers ({len(clients)} ints) "
+                                 "come together, one row and one round per client")
+            if self._chunk is not None or self.scaffold is not None:
+                raise ValueError("per-client starts are not supported with memory_budget or SCAFFOLD")
+            self._starts = {cid: (starts[i], int(round_numbers[i])) for i, cid in enumerate(clients)}
         bad = self._screen_clients(clients)
         skip = {cid for cid, _, _ in bad}
         todo = [cid for cid in clients if cid not in skip]
@@ -130,6 +147,7 @@ class RoundTraining:
             stats = self._train_round_clients(round_number, clients, todo, bad)
         finally:
             self._progress_base = 0
+            self._starts = None  # the start rows are the caller's: hold none past the call
             if self._lazy:
                 self._round_data(None)
         self._report_progress(round_number, len(clients))
@@ -220,6 +238,16 @@ class RoundTraining:
             self.buffer_rows = torch.empty(rows, self._buffers_layout.numel, device=self.device,
                                            dtype=self._buffers_layout.dtype)
 
+    def _grow_rows(self, rows: int) -> None:
+        """At least ``rows`` rows of :attr:`updates` (and :attr:`buffer_rows`): FedBuff
+        trains every client in flight at once, ``concurrency`` of them, perhaps more
+        than a round's."""
+        if self._chunk is not None or self.updates.shape[0] >= rows:
+            return
+        self.updates = self.updates.new_empty(rows, self.updates.shape[1])
+        if self._has_buffers:
+            self.buffer_rows = self.buffer_rows.new_empty(rows, self.buffer_rows.shape[1])
+
     def _train_chunked(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
         """The round's ``todo`` clients trained ``_chunk`` at a time (see
         :meth:`_allocate_rounds`); each chunk folded into :attr:`_fold`, or written to
@@ -268,6 +296,15 @@ class RoundTraining:
         self._round_kept = kept
         return stats
 
+    _starts: Optional[dict] = None  # client -> (start row, round number) of per-client starts (FedBuff)
+
+    def _client_starts(self, clients: List[int]):
+        """``(starts [C, N], round numbers)`` of ``clients`` under per-client starts, else
+        ``(None, None)``."""
+        if self._starts is None:
+            return None, None
+        return (torch.stack([self._starts[c][0] for c in clients]), [self._starts[c][1] for c in clients])
+
     def _client_rows(self, cid: int) -> torch.Tensor:
         """Client ``cid``'s sample indices into what the engines train on: the training
         set, or (lazy datasets) the round's own rows."""
@@ -315,10 +352,11 @@ class RoundTraining:
             if i:
                 self._report_progress(round_number, self._progress_base + i)
             saved = _snapshot(stats) if exclude else None
+            start, rn = (self.x_global, round_number) if self._starts is None else self._starts[cid]
             try:
                 self.trainer.train(
-                    self.x_global, self._client_rows(cid), round_index=round_number - 1,
-                    seed=batch_seed(self.config.seed, round_number, cid), out_update=self.updates[self._rows_at + row],
+                    start, self._client_rows(cid), round_index=rn - 1,
+                    seed=batch_seed(self.config.seed, rn, cid), out_update=self.updates[self._rows_at + row],
                     stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
                     out_buffers=self.buffer_rows[self._rows_at + row] if self._has_buffers else None)
             except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out

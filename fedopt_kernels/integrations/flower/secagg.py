@@ -71,6 +71,7 @@ from flwr.app.message_type import MessageType
 from flwr.clientapp import ClientApp
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
@@ -163,7 +164,8 @@ class SecAggPlusFusedStrategy(Strategy):
                 if topk_fraction is None:
                     raise ValueError("codec='topk' needs topk_fraction, the fraction of values each client keeps")
                 check_real(topk_fraction, "topk_fraction", low=0.0, low_open=True, high=1.0)
-            elif isinstance(codec_block, bool) or not isinstance(codec_block, int) or codec_block <= 0 or codec_block % 32:
+            elif (isinstance(codec_block, bool) or not isinstance(codec_block, int) or codec_block <= 0
+                  or codec_block % 32):
                 raise ValueError(f"codec_block must be a positive multiple of 32, got {codec_block!r}")
             if dp is not None:
                 raise ValueError(f"codec={codec!r} cannot run with central DP under secure aggregation: "
@@ -301,6 +303,12 @@ class _ScreeningGrid:
             reason = None
             node = msg.metadata.src_node_id
             original = sent.get(msg.metadata.reply_to_message_id)
+            if node == SUPERLINK_NODE_ID and node not in to_node:
+                # the SuperLink's own reply in place of a node's (through a deployment: a node
+                # that stopped its heartbeats); the node's missing reply is its dropout
+                why = f"error {msg.error.code}: {msg.error.reason}" if msg.has_error() else "no error"
+                self._workflow.rejected.append((node, f"the SuperLink answered in place of a node ({why})"))
+                continue
             if original is None or original.metadata.dst_node_id != node or node in answered:
                 # a reply to no message of this stage (replayed from an earlier one), from
                 # another node than the one asked, or a second reply: never summed

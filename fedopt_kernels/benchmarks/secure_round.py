@@ -16,7 +16,8 @@ Reported per case: the round's wall time, the bytes sent to the nodes and back, 
 their ratios to the plain round of the same run.  TLS is measured on a real deployment
 (:mod:`.flower_run` with :class:`~.flower_run.Security`), not here: loopback TLS costs
 the encryption of the same bytes.  ``python -m fedopt_kernels.benchmarks.secure_round
-[--params P] [--nodes 5,10,20] [--shares K]``.
+[--params P] [--nodes 5,10,20] [--shares K]``.  ``--deployed``: TLS and SecAgg+ together on
+a real deployment, the four combinations (:func:`deployed_rounds`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def _grid(app, tamper=None):
     return InProcessGrid(app, N_NODES, run_config=RUN_CONFIG, tamper=tamper)
 
 
-def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, dp=None, **wf):
+def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, dp=None, codec=None, **wf):
     from flwr.app import Context, RecordDict
     from flwr.server import LegacyContext, ServerConfig
 
@@ -57,7 +57,8 @@ def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, dp=No
 
     client = S.SecAggFedNARClient(_model, _data)
     model = _model()
-    strategy = S.SecAggPlusFusedStrategy(model, optimizer_factory(model), weighting=weighting, dp=dp)
+    strategy = S.SecAggPlusFusedStrategy(model, optimizer_factory(model), weighting=weighting, dp=dp,
+                                         **(codec or {}))
     if weighting == "data":
         wf.setdefault("max_weight", MAX_WEIGHT)
     grid = _grid(client.app(), tamper)
@@ -264,3 +265,47 @@ def test_the_secure_round_benchmark_counts_bytes_and_agrees_with_the_plain_round
     assert row["plain MB up"] > 3 * 5000 * 4 / 1e6  # three float32 replies went up
     assert row["secagg MB up"] > 3 * 5000 * 8 / 1e6  # three int64 masked vectors (and the key exchange)
     assert 1.9 < row["bytes up x"] < 2.5
+
+
+# ------------------------------------------------------------------ compression (item 3)
+@pytest.mark.parametrize("codec", [dict(codec="int8", codec_block=32), dict(codec="int4", codec_block=32),
+                                   dict(codec="fp8", codec_block=32), dict(codec="topk", topk_fraction=0.25)])
+def test_a_codec_before_masking_gives_decode_aggregate_of_the_codes_within_the_quantization_bound(codec):
+    """Each client sends decode(encode(D_i)) through SecAgg+: the unmasked mean is
+    ``decode_aggregate`` of the clients' codes (computed here from the plain updates)
+    within SecAgg+'s bound, and differs from the uncompressed mean by the codec's error."""
+    from fedopt_kernels import server as srv
+    from fedopt_kernels.ops import compressed
+
+    _, means, globals_, _ = _run(lambda m: srv.FedAvg(m.parameters(), lr=1.0), rounds=1, codec=codec)
+    D, _ = _plain_updates(globals_[0], 1)
+    kw = dict(fraction=codec["topk_fraction"]) if codec["codec"] == "topk" else dict(block=codec["codec_block"])
+    codes = [compressed.encode(d.float(), codec["codec"], **kw) for d in D]
+    oracle, _ = compressed.decode_aggregate(codes, [1.0 / N_NODES] * N_NODES, backend="reference")
+    # the float64 oracle of the same codes: decode each in float64, average
+    oracle64 = torch.stack([compressed.decode(c).double() for c in codes]).mean(0)
+    err = (means[0] - oracle64).abs().max().item()
+    bound = STEP  # each client's value off by < one step; uniform weights
+    assert err <= bound, (codec, err, bound)
+    assert (oracle.double() - oracle64).abs().max().item() <= 1e-6 * oracle64.abs().max().item()
+    # the codec was applied: the plain mean is further away than the quantization bound
+    assert (means[0] - D.mean(0)).abs().max().item() > 10 * bound
+
+
+def test_combinations_that_cannot_compress_under_secure_aggregation_are_refused_before_the_run():
+    from fedopt_kernels import server as srv
+    from fedopt_kernels.integrations.flower import secagg as S
+
+    model = _model()
+    opt = lambda: srv.FedAvg(model.parameters(), lr=1.0)  # noqa: E731
+    dp = S.SecureDP(clip=1.0, noise_multiplier=1.0, expected_clients=3)
+    with pytest.raises(ValueError, match="sensitivity would no longer be dp.clip"):
+        S.SecAggPlusFusedStrategy(model, opt(), dp=dp, codec="int8")
+    with pytest.raises(ValueError, match="codec must be None or one of"):
+        S.SecAggPlusFusedStrategy(model, opt(), codec="int2")
+    with pytest.raises(ValueError, match="topk_fraction"):
+        S.SecAggPlusFusedStrategy(model, opt(), codec="topk")
+    with pytest.raises(ValueError, match="codec_block must be a positive multiple of 32"):
+        S.SecAggPlusFusedStrategy(model, opt(), codec="int8", codec_block=48)
+    with pytest.raises(ValueError, match="topk_fraction is for codec='topk'"):
+        S.SecAggPlusFusedStrategy(model, opt(), topk_fraction=0.5)

@@ -16,7 +16,8 @@ Reported per case: the round's wall time, the bytes sent to the nodes and back, 
 their ratios to the plain round of the same run.  TLS is measured on a real deployment
 (:mod:`.flower_run` with :class:`~.flower_run.Security`), not here: loopback TLS costs
 the encryption of the same bytes.  ``python -m fedopt_kernels.benchmarks.secure_round
-[--params P] [--nodes 5,10,20] [--shares K]``.
+[--params P] [--nodes 5,10,20] [--shares K]``.  ``--deployed``: TLS and SecAgg+ together on
+a real deployment, the four combinations (:func:`deployed_rounds`).
 """
 
 from __future__ import annotations
@@ -227,6 +228,66 @@ def tls_rounds(*, nodes: int = 5, hidden: int = 3400, rounds: int = 2, workdir=N
     return rows
 
 
+SECAGG_APP = "examples/flower_secagg_app"
+
+
+def deployed_rounds(*, nodes: int = 3, width: int = 974_126, rounds: int = 2, timeout: float = 600.0,
+                    workdir=None) -> List[dict]:
+    """The four combinations on a real deployment (a SuperLink and ``nodes`` SuperNodes as
+    processes on loopback, ``flwr run examples/flower_secagg_app``, FedNAR clients and
+    FedAvg's fused step): insecure or TLS + SuperNode authentication, each without and
+    with SecAgg+ (the app's ``secure-aggregation``).  ``width=974126``: an MLP of 11.69M
+    parameters, a ResNet-18-sized update.  Rows: each round's seconds (the ServerApp's
+    clock, from the start of its workflow to the end of each round's step) and the
+    final global model's distance to the insecure plain run's."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from . import flower_run as FR
+    from .pki import make_security
+
+    app = FR.REPO / SECAGG_APP
+    rows, ref = [], None
+    with tempfile.TemporaryDirectory(prefix="fedopt-secdeploy-", dir=workdir) as tmp:
+        for tls in (False, True):
+            for sec in (False, True):
+                name = ("tls+node-auth" if tls else "insecure") + (" + secagg+" if sec else "")
+                root = Path(tmp) / name.replace(" ", "").replace("+", "_")
+                root.mkdir()
+                security, keys = make_security(root / "pki", nodes) if tls else (None, None)
+                link = FR.start_superlink(root, simulation=False, security=security)
+                procs = []
+                try:
+                    if tls:
+                        for _, public in keys:
+                            FR.register_supernode(link, public)
+                    procs = FR.start_supernodes(link, nodes, root, private_keys=[k for k, _ in keys] if tls else None)
+                    config = (f"num-server-rounds={rounds} num-nodes={nodes} width={width} timeout={timeout} "
+                              f"secure-aggregation={'true' if sec else 'false'} save-path='{root / 'out'}'")
+                    proc = subprocess.run([link.flwr, "run", str(app), link.connection, "--stream", "--run-config",
+                                           config], capture_output=True, text=True, env=link.env, cwd=root,
+                                          timeout=3600)
+                finally:
+                    for p in procs:
+                        FR.stop_process(p)
+                    link.stop()
+                saved_path = root / "out" / "secagg.pt"
+                if proc.returncode != 0 or not saved_path.exists():
+                    raise RuntimeError(f"{name}: the run failed (rc={proc.returncode}):\n"
+                                       f"{(proc.stdout + proc.stderr)[-3000:]}")
+                saved = torch.load(saved_path, weights_only=False)
+                stamps = saved["stamps"]
+                x = saved["globals"][-1]
+                ref = x if ref is None else ref
+                rows.append({"benchmark": "secure_deployment", "security": name, "nodes": nodes,
+                             "params": 12 * width + 3,
+                             "round s": [b - a for a, b in zip(stamps, stamps[1:])],
+                             "clients per round": [h["clients"] for h in saved["history"]],
+                             "max |x - x_insecure_plain|": float((x - ref).abs().max())})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=int, default=1_000_000, help="parameters per reply (ResNet-18: 11689512)")
@@ -236,9 +297,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--tls", action="store_true", help="instead: a deployment round, insecure vs TLS (--nodes: one count)")
     ap.add_argument("--hidden", type=int, default=3400, help="--tls: the MLP's width (3400: 11.8M parameters)")
+    ap.add_argument("--deployed", action="store_true",
+                    help="instead: a deployment round, insecure/TLS x plain/SecAgg+ (--nodes: one count; --width)")
+    ap.add_argument("--width", type=int, default=974_126, help="--deployed: the MLP's width (974126: 11.69M params)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.tls:
+    if args.deployed:
+        rows = deployed_rounds(nodes=int(args.nodes.split(",")[0]), width=args.width, rounds=args.rounds)
+        for r in rows:
+            print(f"{r['security']}: {r['nodes']} nodes, {r['params']:,} params: rounds "
+                  f"{', '.join(f'{t:.1f}' for t in r['round s'])} s; clients {r['clients per round']}; "
+                  f"max |x - x_plain| {r['max |x - x_insecure_plain|']:.2e}")
+    elif args.tls:
         rows = tls_rounds(nodes=int(args.nodes.split(",")[0]), hidden=args.hidden, rounds=2)
         for r in rows:
             print(f"{r['security']}: {r['nodes']} nodes, {r['params']:,} params: median round {r['median round s']:.2f} s, "

@@ -37,6 +37,18 @@ receives differs from the plain float mean by that quantization, not by masking
 (the masks cancel exactly, modulo 2^32).  Client weights (``num_examples``) travel in
 clear in Flower's ``FitRes``; with ``weighting="uniform"`` every client says 1.
 
+Compression under SecAgg+ (``codec=``): a masked value is a dense field element whatever
+a client encoded, and codes on per-client scales (int8/int4/fp8 per block) or on
+per-client coordinates (top-k) do not sum to anything under masks -- only values on ONE
+shared grid do, which is what SecAgg+'s own quantization is.  So the codec runs on the
+client before masking: each client sends ``decode(encode(D_i))`` (the same lossy step,
+e.g. for error feedback), SecAgg+ quantizes it on its shared grid, and the unmasked mean
+is ``decode_aggregate`` of the clients' codes within SecAgg+'s quantization bound.  It
+saves no bytes on the wire (the masked vector is int64 whatever the codec).  Refused
+before the run: a codec with central DP (``decode(encode(D_i))`` of a clipped update can
+exceed the clip -- int8 rounds up to half a step per value -- so the sum's sensitivity
+would no longer be ``clip``).
+
 Central DP under secure aggregation (:class:`SecureDP`): each client clips its update to
 ``clip`` before masking it, and the server adds ``N(0, (z clip)^2)`` to the unmasked sum
 and divides by the expected number of clients (DP-FedAvg's fixed denominator, as
@@ -59,12 +71,14 @@ from flwr.app.message_type import MessageType
 from flwr.clientapp import ClientApp
 from flwr.client.mod import secaggplus_mod
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.server.strategy import Strategy
 from torch import nn
 
+from ...ops import compressed as codecs
 from ...ops.dp_noise import gaussian_noise_
 from ...ops.validation import check_real
 from ...server import LocalAggregator, SecureSumAggregator, ServerOptimizer
@@ -77,6 +91,9 @@ __all__ = ["SecAggPlusFusedStrategy", "SecAggFedNARClient", "secaggplus_workflow
 
 NORM_SLOTS_KEY = "fedopt-norm-slots"  # FitIns config: spread ||D_i||^2 over this many extra masked values
 WEIGHT_KEY = "fedopt-weighting"  # FitIns config: "data" (num_examples = samples) or "uniform" (1)
+CODEC_KEY = "fedopt-codec"  # FitIns config: the client sends decode(encode(D_i)) with this codec ("" = none)
+CODEC_BLOCK_KEY = "fedopt-codec-block"  # ... its block (int8, int4, fp8)
+CODEC_FRACTION_KEY = "fedopt-codec-fraction"  # ... top-k's fraction kept
 ROUND_KEY = "server-round"
 
 
@@ -129,13 +146,33 @@ class SecAggPlusFusedStrategy(Strategy):
     ``norm_slots``: how many masked values carry ``||D_i||^2 / norm_slots`` for FedExP and
     ASNES (each value must stay within SecAgg+'s clipping range: ``norm_slots *
     clipping_range`` bounds the squared norm it can carry).  ``evaluate_fn(model, round)
-    -> (loss, metrics)``: central evaluation after each round (optional).
+    -> (loss, metrics)``: central evaluation after each round (optional).  ``codec`` (one
+    of :data:`fedopt_kernels.ops.compressed.CODECS`, with ``codec_block`` for the block
+    codecs or ``topk_fraction`` for top-k): each client sends ``decode(encode(D_i))``
+    through SecAgg+ (see the module); refused with ``dp``.
     """
 
     def __init__(self, model: nn.Module, optimizer, *, fraction_train: float = 1.0, min_train_nodes: int = 2,
                  weighting: str = "uniform", norm_slots: int = 16, dp: Optional[SecureDP] = None,
-                 evaluate_fn: Optional[Callable[[nn.Module, int], Tuple[float, Dict]]] = None):
+                 evaluate_fn: Optional[Callable[[nn.Module, int], Tuple[float, Dict]]] = None,
+                 codec: Optional[str] = None, codec_block: int = 256, topk_fraction: Optional[float] = None):
         refuse_under_secure_aggregation(optimizer)
+        if codec is not None:
+            if codec not in codecs.CODECS:
+                raise ValueError(f"codec must be None or one of {codecs.CODECS}, got {codec!r}")
+            if codec == "topk":
+                if topk_fraction is None:
+                    raise ValueError("codec='topk' needs topk_fraction, the fraction of values each client keeps")
+                check_real(topk_fraction, "topk_fraction", low=0.0, low_open=True, high=1.0)
+            elif (isinstance(codec_block, bool) or not isinstance(codec_block, int) or codec_block <= 0
+                  or codec_block % 32):
+                raise ValueError(f"codec_block must be a positive multiple of 32, got {codec_block!r}")
+            if dp is not None:
+                raise ValueError(f"codec={codec!r} cannot run with central DP under secure aggregation: "
+                                 "decode(encode(D_i)) of a clipped update can exceed the clip, so the sum's "
+                                 "sensitivity would no longer be dp.clip; compress without DP, or DP without a codec")
+        elif topk_fraction is not None:
+            raise ValueError("topk_fraction is for codec='topk'")
         if dp is not None:
             if not isinstance(dp, SecureDP):
                 raise TypeError(f"dp must be a SecureDP, got {type(dp).__name__}")
@@ -156,6 +193,7 @@ class SecAggPlusFusedStrategy(Strategy):
         self.fraction_train, self.min_train_nodes = fraction_train, min_train_nodes
         self.weighting, self.evaluate_fn, self.dp = weighting, evaluate_fn, dp
         self.norm_slots = norm_slots if optimizer.needs_client_sq_norms else 0
+        self.codec, self.codec_block, self.topk_fraction = codec, codec_block, topk_fraction
         self.history: List[dict] = []
         self.last_mean: Optional[torch.Tensor] = None  # what the last step took (float64): the unmasked mean, noised under dp
 
@@ -173,6 +211,11 @@ class SecAggPlusFusedStrategy(Strategy):
         config = {ROUND_KEY: server_round, WEIGHT_KEY: self.weighting, NORM_SLOTS_KEY: self.norm_slots}
         if self.dp is not None:  # the clients clip to a hair under the clip, as DPAggregator's client mode
             config[DP_CLIP_KEY] = float(self.dp.clip) * (1 - 1e-5)
+        if self.codec is not None:
+            config[CODEC_KEY] = self.codec
+            config[CODEC_BLOCK_KEY] = self.codec_block
+            if self.codec == "topk":
+                config[CODEC_FRACTION_KEY] = float(self.topk_fraction)
         return [(c, FitIns(parameters, dict(config))) for c in clients]
 
     def aggregate_fit(self, server_round, results, failures):  # noqa: D102
@@ -260,6 +303,12 @@ class _ScreeningGrid:
             reason = None
             node = msg.metadata.src_node_id
             original = sent.get(msg.metadata.reply_to_message_id)
+            if node == SUPERLINK_NODE_ID and node not in to_node:
+                # the SuperLink's own reply in place of a node's (through a deployment: a node
+                # that stopped its heartbeats); the node's missing reply is its dropout
+                why = f"error {msg.error.code}: {msg.error.reason}" if msg.has_error() else "no error"
+                self._workflow.rejected.append((node, f"the SuperLink answered in place of a node ({why})"))
+                continue
             if original is None or original.metadata.dst_node_id != node or node in answered:
                 # a reply to no message of this stage (replayed from an earlier one), from
                 # another node than the one asked, or a second reply: never summed
@@ -354,6 +403,8 @@ class SecAggFedNARClient:
         trained = reply.content["arrays"]
         update = [(a.astype(np.float64) - trained[n].numpy().astype(np.float64)).astype(np.float32)
                   for n, a in zip(names, arrays)]
+        if config.get(CODEC_KEY, ""):
+            update = _encode_decode(update, config)
         slots = int(config.get(NORM_SLOTS_KEY, 0))
         if slots:
             q = float(sum(float(np.dot(u.reshape(-1).astype(np.float64), u.reshape(-1).astype(np.float64)))
@@ -364,3 +415,21 @@ class SecAggFedNARClient:
         fitres = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(update), n,
                         {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isnan(v)})
         return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+
+def _encode_decode(update: List[np.ndarray], config) -> List[np.ndarray]:
+    """``decode(encode(D))`` of the whole update (the arrays concatenated in the model's
+    order, as the server's mean is), split back into the arrays: what a compressing client
+    sends through SecAgg+."""
+    flat = torch.from_numpy(np.concatenate([u.reshape(-1) for u in update]))
+    codec = str(config[CODEC_KEY])
+    if codec == "topk":
+        code = codecs.encode(flat, codec, fraction=float(config[CODEC_FRACTION_KEY]))
+    else:
+        code = codecs.encode(flat, codec, block=int(config[CODEC_BLOCK_KEY]))
+    dense = codecs.decode(code).numpy()
+    out, at = [], 0
+    for u in update:
+        out.append(dense[at:at + u.size].reshape(u.shape).astype(np.float32))
+        at += u.size
+    return out

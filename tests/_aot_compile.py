@@ -257,6 +257,53 @@ def compile_one(v, cc: int) -> dict:
     return rec
 
 
+def compile_archs(v) -> dict:
+    """``sm_XX`` -> :func:`compile_one` for every arch, or ``{"error": ...}`` where the
+    compile raised (reported: the test fails on it, naming the variant)."""
+    archs = {}
+    for cc in ARCHS:
+        try:
+            archs[f"sm_{cc}"] = compile_one(v, cc)
+        except Exception as exc:
+            archs[f"sm_{cc}"] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
+    return archs
+
+
+def report(named) -> dict:
+    """The JSON report of ``named`` = ``[(entry, variant)]``: each entry (a dict naming the
+    variant) with ``archs`` from :func:`compile_archs`; ``ptxas`` whether ptxas ran."""
+    return dict(ptxas=os.path.exists(PTXAS), results=[dict(entry, archs=compile_archs(v)) for entry, v in named])
+
+
+# ------------------------------------------------------------ the tests' side
+# (tests/test_robust_triton_aot.py, tests/test_compressed_triton_aot.py: a script that
+# builds its variants and prints report(...), run here without the interpreter)
+
+def run_script(script: str, timeout: int = 1500) -> dict:
+    """Runs ``script`` (python source; ``sys.argv[1:]`` = the repository root and tests/,
+    for its imports) in a subprocess with TRITON_INTERPRET unset (under the interpreter
+    ``triton.jit`` gives a function that cannot be compiled) and returns its JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script, ROOT, os.path.join(ROOT, "tests")], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def assert_compiled(rep: dict, name_of) -> None:
+    """Every entry of a :func:`report` compiled for every arch: no error, PTX and a cubin,
+    the arch's target (sm_90a for sm_90), and ptxas (where it ran) without a failure.
+    ``name_of(entry)`` names the variant in the messages."""
+    for e in rep["results"]:
+        for arch, r in e["archs"].items():
+            name = f"{name_of(e)} {arch}"
+            assert "error" not in r, f"{name}: {r.get('error')}"
+            assert r["ptx_bytes"] > 0 and r["cubin_bytes"] > 0, name
+            assert r["target"] == ("sm_90a" if arch == "sm_90" else "sm_80"), name
+            if rep["ptxas"]:
+                assert r["ptxas"]["rc"] == 0, (name, r["ptxas"]["log"])
+
+
 _QUICK = False
 
 
@@ -264,14 +311,8 @@ def run_variant(index: int) -> dict:
     v = variants(_QUICK)[index]
     entry = dict(kernel=v["kernel"].__name__, dtype=str(v["dtype"]).replace("torch.", ""),
                  layout=v["layout"], warps=v["warps"], options=v.get("options", {}),
-                 constexprs={k: (str(x) if isinstance(x, tl.dtype) else x) for k, x in v["cx"].items()},
-                 archs={})
-    for cc in ARCHS:
-        try:
-            entry["archs"][f"sm_{cc}"] = compile_one(v, cc)
-        except Exception as exc:  # reported, the test fails on it
-            entry["archs"][f"sm_{cc}"] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
-    return entry
+                 constexprs={k: (str(x) if isinstance(x, tl.dtype) else x) for k, x in v["cx"].items()})
+    return dict(entry, archs=compile_archs(v))
 
 
 def main():

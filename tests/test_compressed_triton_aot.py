@@ -8,29 +8,22 @@ subprocess with TRITON_INTERPRET unset, as tests/test_robust_triton_aot.py does.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from conftest import import_triton_module
 
 import_triton_module("triton")
 
-pytestmark = pytest.mark.slow  # 5 kernels x 2 archs through ptxas: about a minute on a loaded 2-core machine
+import _aot_compile as A  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.slow  # 5 kernels x 2 archs through ptxas: about a minute on a loaded 2-core machine
 
 SCRIPT = r"""
 import json, sys, importlib
-sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[1:3]
 import _aot_compile as A
 K = importlib.import_module("fedopt_kernels.backends.triton.compressed")
 from fedopt_kernels.backends.compressed import TRITON_BLOCK
-results = []
 block_types = dict(codes_ptr="*i8", scales_ptr="*fp32", w_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32",
                    skip_ptr="*i1", gamma_ptr="*fp32", gamma_value="fp64", C="i64", N="i64", L="i64", NB="i64",
                    block="i64", nblk="i64")
@@ -54,25 +47,13 @@ for stochastic, int4 in ((False, False), (True, True)):
         cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128),
         types=dict(x_ptr="*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
                    key="i64", client="i64"), ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
-for name, v in variants:
-    entry = dict(name=name, archs={})
-    for cc in A.ARCHS:
-        try:
-            entry["archs"][f"sm_{cc}"] = A.compile_one(v, cc)
-        except Exception as exc:
-            entry["archs"][f"sm_{cc}"] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
-    results.append(entry)
-json.dump(dict(ptxas=A.os.path.exists(A.PTXAS), results=results), sys.stdout)
+json.dump(A.report([(dict(name=name), v) for name, v in variants]), sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, os.path.dirname(HERE), HERE], capture_output=True,
-                          text=True, env=env, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return A.run_script(SCRIPT)
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90(report):
@@ -80,14 +61,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(report):
                                                       "topk scatter", "topk finish",
                                                       "quantize stochastic=False int4=False",
                                                       "quantize stochastic=True int4=True"]
-    for e in report["results"]:
-        for arch, r in e["archs"].items():
-            name = f"{e['name']} {arch}"
-            assert "error" not in r, f"{name}: {r.get('error')}"
-            assert r["ptx_bytes"] > 0 and r["cubin_bytes"] > 0, name
-            assert r["target"] == ("sm_90a" if arch == "sm_90" else "sm_80"), name
-            if "ptxas" in r:
-                assert "error" not in r["ptxas"], (name, r["ptxas"])
+    A.assert_compiled(report, lambda e: e["name"])
 
 
 def test_codes_are_read_as_bytes_and_the_sums_are_not_contracted(report):

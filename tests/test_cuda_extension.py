@@ -33,7 +33,8 @@ import python_ref.aggregation as ref_agg
 from _contract import same_bits
 from fedopt_kernels.backends.hyper import split
 
-OPS = ("nar_step_", "nar_step_batched_", "aggregate", "add_noise_", "client_dots", "server_update_")
+OPS = ("nar_step_", "nar_step_batched_", "aggregate", "add_noise_", "client_dots", "server_update_",
+       "coordinate_select", "block_decode_aggregate", "topk_decode_aggregate", "block_quantize")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -5,7 +5,7 @@ says how) -- and the results are held to python_ref under the backend contract's
 for the CUDA backend (tests/_contract.py): values within torch's default tolerance of
 the dtype, norms within 2e-5, and bit for bit where the contract promises bits (the
 DP noise, the server update, a skipped step, the finalize pass, nar_apply_ after
-nar_sq_norm).
+nar_sq_norm, the codecs' decode-aggregate out and the client's int8/int4 encode).
 
 ``test_harness_builds`` runs wherever nvcc exists (CI has it): the harness compiles
 against the launchers alone (no torch header) and carries PTX for every requested arch.
@@ -14,6 +14,7 @@ Every other test needs a runtime with a device and skips, saying why, without on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,7 +30,10 @@ from _contract import (Backend, acc_of, assert_bitwise, assert_norms_close, asse
                        bits, ulp)
 from _server_update_oracle import server_update_exact
 
+from fedopt_kernels.backends import compressed as compressed_backend
 from fedopt_kernels.backends import reference as reference_backend
+from fedopt_kernels.ops import compressed as C_ops
+from python_ref import compression as codec_ref
 from python_ref import gaussian_noise as noise_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -55,7 +59,9 @@ def test_harness_builds(binary):
         if not a.startswith("sm_"):
             assert f".target sm_{a}".encode() in image, a
     kernels = (b"nar_norm_kernel", b"nar_update_kernel", b"nar_group_sum_kernel", b"rows_kernel",
-               b"finalize_rows_kernel", b"add_noise_kernel", b"server_update_kernel", b"coordinate_select_kernel")
+               b"finalize_rows_kernel", b"add_noise_kernel", b"server_update_kernel", b"coordinate_select_kernel",
+               b"block_decode_aggregate_kernel", b"topk_scatter_kernel", b"topk_finish_kernel",
+               b"codec_row_sums_kernel", b"block_quantize_kernel")
     for kernel in kernels if not H.split() else (b"add_noise_kernel",):
         assert kernel in image, kernel
     includes = re.findall(r"^#include\s*[<\"]([^>\"]+)", "".join(p.read_text() for p in H.DEPENDS), re.M)
@@ -405,7 +411,9 @@ def test_server_update_skip_and_tensor_hyper(run, dtype):
 def test_coordinate_select(run, dtype, mode):
     """The coordinate-wise trimmed mean / closest-to-median mean of the kept clients
     against the reference; a left-out client's Inf is ignored, a kept client's NaN
-    flagged; 40 clients take the 128-slot kernel, 5 the 32-slot one."""
+    flagged and ordered after every number (+inf included: python_ref's sort; the
+    insertion sort left it where it was inserted, found here on the PTX simulator, issue
+    40); 40 clients take the 128-slot kernel, 5 the 32-slot one."""
     acc = acc_of(dtype)
     ref_select = reference_backend.coordinate_select
     for C, N, count, out_acc in ((5, 1000, 1, False), (40, 777, 7, True)):
@@ -413,7 +421,11 @@ def test_coordinate_select(run, dtype, mode):
         keep = torch.ones(C, dtype=torch.bool)
         keep[2] = False
         X[2, 10] = float("inf")
-        X[3, 20] = float("nan")
+        X[3, 20] = float("nan")                  # one kept NaN
+        X[0, 21] = X[4, 21] = float("nan")       # two
+        X[1, 22] = float("nan")                  # a kept NaN above a kept +inf
+        X[4, 22] = float("inf")
+        X[2, 23] = float("nan")                  # a left-out NaN
         out_dtype = acc if out_acc else dtype
         got = run.run(dict(kernel="coordinate_select", dtype=name(dtype), C=C, N=N, mode=mode, out_acc=out_acc),
                       dict(X=X, keep=keep, count=torch.tensor([count]), out=torch.full((N,), 7.0, dtype=out_dtype)),
@@ -421,12 +433,139 @@ def test_coordinate_select(run, dtype, mode):
         want = torch.full((N,), 7.0, dtype=out_dtype)
         flags = ref_select(X, keep, torch.tensor([count]), mode, want, None)
         assert torch.equal(got["bad"] != 0, flags), (got["bad"], flags)
-        # column 20 holds a KEPT client's NaN: the op flags the client and its caller runs
-        # the rule again without it, so that column's value is not the contract's (the CUDA
-        # insertion sort leaves the NaN in place, python_ref's sort puts it last: found on
-        # the PTX simulator, issue 40's note); every other column is held to the reference
-        cols = torch.arange(N) != 20
-        assert_values_close(GPU, got["out"][cols], want[cols])
+        assert_values_close(GPU, got["out"], want)
+
+
+# ----------------------------------------------------------------------------- codecs
+
+def codec_run(run, replies, w, *, gamma=0.5, gamma_tensor=False, skip=None):
+    """One decode-aggregate case from python_ref-encoded replies (fp32 out starting at
+    7.0); returns the harness's out, q, total."""
+    C, N = len(replies), replies[0].numel
+    keys = dict(kernel="compressed", dtype="fp32", C=C, N=N, gamma=float(gamma))
+    ins = dict(w=w, out=torch.full((N,), 7.0))
+    if gamma_tensor:
+        ins["gamma_t"] = torch.tensor([gamma], dtype=torch.float32)
+        keys["gamma"] = 123.0  # the tensor wins
+    if skip is not None:
+        ins["skip"] = torch.tensor([skip])
+    if replies[0].codec == "topk":
+        keys.update(codec="topk", ks=[r.codes.numel() for r in replies])
+        ins.update(values=torch.cat([r.codes for r in replies]), indices=torch.cat([r.indices for r in replies]))
+    else:
+        keys.update(codec="block", block=replies[0].block, kind=compressed_backend.KINDS[replies[0].codec])
+        ins.update(codes=torch.stack([r.codes.view(torch.uint8) for r in replies]),
+                   scales=torch.stack([r.scales for r in replies]))
+    return run.run(keys, ins, dict(out=(torch.float32, (N,)), q=(torch.float32, (C,)),
+                                   total=(torch.float32, ())))
+
+
+def codec_reference(replies, w, gamma=0.5, skip=None):
+    """python_ref's decode-aggregate (the reference backend's op) on the same replies."""
+    N = replies[0].numel
+    out = torch.full((N,), 7.0)
+    sk = None if skip is None else torch.tensor([skip])
+    if replies[0].codec == "topk":
+        q, Q = compressed_backend.topk_decode_aggregate("reference")(
+            [r.codes for r in replies], [r.indices for r in replies], N, w, gamma, None, out, sk)
+    else:
+        # the codes as ops.compressed.decode_aggregate passes them (fp8 as its uint8 bits)
+        q, Q = compressed_backend.block_decode_aggregate("reference")(
+            [r.codes.view(torch.uint8) if r.codec == "fp8" else r.codes for r in replies], [r.scales for r in replies],
+            compressed_backend.KINDS[replies[0].codec], replies[0].block, N, w, gamma, None, out, sk)
+    return out, q, Q
+
+
+CODEC_CASES = [("int8", False), ("int8", True), ("int4", False), ("int4", True), ("fp8", False), ("topk", False)]
+
+
+@pytest.mark.parametrize("codec,stochastic", CODEC_CASES, ids=[f"{c}{'-sr' if s else ''}" for c, s in CODEC_CASES])
+def test_decode_aggregate(run, codec, stochastic):
+    """The codecs' fused decode-aggregate (int8/int4 nearest-even and stochastic, fp8,
+    top-k) against python_ref's, replies encoded by python_ref: 3 clients (one of weight
+    0), odd sizes (one tile with a masked tail; two tiles, the last block partial), out
+    bit for bit (both sum w_i * s_b q_ij in client order, rounding each operation),
+    the norms within the contract's tolerance (the kernel sums them in a tree).  A NaN
+    scale (block codecs; python_ref's validator refuses such a reply, the kernel must
+    still decode it as python_ref does) or a non-finite top-k value makes that client's
+    norm NaN and the columns it touches NaN."""
+    w = torch.tensor([0.75, 0.0, 1.5])
+    for N, block in ((37, 32), (1000 + 29, 64)):
+        xs = [randn((N,), torch.float32, 100 + i) * (i + 1) for i in range(3)]
+        if codec == "topk":
+            replies = [C_ops.encode(x, "topk", k=k, backend="reference") for x, k in zip(xs, (5, N // 3, 1))]
+        else:
+            replies = [C_ops.encode(x, codec, block=block, stochastic=stochastic, key=77, client=i,
+                                    backend="reference") for i, x in enumerate(xs)]
+        for gamma_tensor in (False, True):
+            got = codec_run(run, replies, w, gamma_tensor=gamma_tensor)
+            out, q, Q = codec_reference(replies, w)
+            assert_bitwise(got["out"], out, f"{codec} N={N} out")
+            assert_norms_close(GPU, got["q"], q, torch.float32)
+            assert_norms_close(GPU, got["total"], Q, torch.float32)
+    # a NaN scale / a NaN top-k value in client 2 (weight 1.5): NaN where it lands
+    bad = replies[2]
+    if codec == "topk":
+        v = bad.codes.clone()
+        v[0] = float("nan")
+        bad = dataclasses.replace(bad, codes=v)
+    else:
+        s = bad.scales.clone()
+        s[1] = float("nan")
+        bad = dataclasses.replace(bad, scales=s)
+    replies = [replies[0], replies[1], bad]
+    got = codec_run(run, replies, w)
+    out, q, Q = codec_reference(replies, w)
+    assert torch.isnan(out).any() and torch.isnan(q[2]) and not torch.isnan(q[:2]).any()
+    assert_bitwise(got["out"], out, f"{codec} with a NaN", nan_ok=True)
+    assert torch.equal(torch.isnan(got["q"]), torch.isnan(q)) and torch.isnan(got["total"])
+    assert_norms_close(GPU, got["q"][:2], q[:2], torch.float32)
+
+
+def test_decode_aggregate_skip(run):
+    """skip (read on the device): out untouched, zero norms."""
+    x = randn((300,), torch.float32, 5)
+    replies = [C_ops.encode(x, "int8", block=32, backend="reference"),
+               C_ops.encode(x, "int8", block=32, stochastic=True, key=3, client=1, backend="reference")]
+    w = torch.tensor([1.0, 2.0])
+    got = codec_run(run, replies, w, skip=True)
+    assert_bitwise(got["out"], torch.full((300,), 7.0), "skip: out untouched")
+    assert_bitwise([got["q"], got["total"]], [torch.zeros(2), torch.zeros(())], "skip: zero norms")
+    topk = [C_ops.encode(x, "topk", k=9, backend="reference")] * 2
+    got = codec_run(run, topk, w, skip=True)
+    assert_bitwise(got["out"], torch.full((300,), 7.0), "top-k skip: out untouched")
+    assert_bitwise([got["q"], got["total"]], [torch.zeros(2), torch.zeros(())], "top-k skip: zero norms")
+
+
+QUANT_CASES = [(bits, sr) for bits in ("int8", "int4") for sr in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits,stochastic", QUANT_CASES, ids=[f"{b}{'-sr' if s else ''}" for b, s in QUANT_CASES])
+def test_block_quantize(run, dtype, bits, stochastic):
+    """The client's CUDA encode against python_ref's quantize, bit for bit (codes and
+    scales): odd sizes (a partial last block, an odd int4 tail), a block of zeros
+    (scale 0: codes 0), a block holding a NaN (NaN scale, codes 0), exact ties (scale 1:
+    x.5 rounds half to even), a 64-bit key and the largest client id."""
+    for N, block, key, client in ((37, 32, 77, 0), (1000 + 29, 64, (1 << 62) + 5, (1 << 32) - 1), (0, 32, 1, 2)):
+        x = randn((N,), torch.float64, N + block, scale=3.0)
+        if N > 500:
+            x[64:128] = 0.0                                   # block 1: all zeros
+            x[200] = float("nan")                             # block 3: a NaN
+            x[256:320] = torch.arange(64, dtype=torch.float64) - 40.5 if bits == "int8" else 0.0
+            x[256] = 127.0 if bits == "int8" else 7.0         # block 4: scale exactly 1, ties at .5
+            if bits == "int4":
+                x[257:263] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -6.5], dtype=torch.float64)
+        x = x.to(dtype)
+        got = run.run(dict(kernel="quantize", dtype=name(dtype), N=N, block=block, int4=bits == "int4",
+                           stochastic=stochastic, key=key, client=client), dict(x=x),
+                      dict(codes=(torch.uint8, ((N + 1) // 2 if bits == "int4" else N,)),
+                           scales=(torch.float32, (-(-N // block),))))
+        codes, scales = codec_ref.quantize(x, bits, block, stochastic=stochastic, key=key, client=client)
+        assert_bitwise(got["codes"], codes.view(torch.uint8), f"{bits} N={N} codes")
+        assert_bitwise(got["scales"], scales, f"{bits} N={N} scales", nan_ok=True)
+        if N > 500:
+            assert torch.isnan(scales[3]) and scales[1] == 0 and scales[4] == 1
 
 
 # ----------------------------------------------------------------------------- compiled Triton

@@ -131,6 +131,71 @@ def test_nonfinite_clients_are_left_out(backend, dtype):
     assert torch.equal(out.cpu(), torch.zeros(N, dtype=dtype))
 
 
+def select_oracle(X, keep, count: int, mode: int) -> torch.Tensor:
+    """The backend op's value per column in float64, written from python_ref's order
+    (``torch.sort`` of the kept values: NaN after every number, +inf included): mode 0
+    the mean of ``v[k .. m-k)``, mode 1 the ``count`` values closest to the median,
+    dropping the farther end (the upper one on a tie)."""
+    v = torch.sort(X.double().cpu()[keep.cpu()], dim=0).values
+    m = v.shape[0]
+    out = torch.zeros(X.shape[1], dtype=torch.float64)
+    for j in range(X.shape[1]):
+        col = v[:, j].tolist()
+        if mode == 0:
+            k = min(count, (m - 1) // 2)
+            out[j] = sum(col[k:m - k]) / (m - 2 * k)
+        else:
+            beta = max(1, min(count, m))
+            med = col[(m - 1) // 2] if m % 2 else (col[m // 2 - 1] + col[m // 2]) / 2
+            lo, hi = 0, m - 1
+            while hi - lo + 1 > beta:
+                if abs(col[lo] - med) > abs(col[hi] - med):
+                    lo += 1
+                else:
+                    hi -= 1
+            out[j] = sum(col[lo:hi + 1]) / beta
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("mode,count", [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 4)])
+def test_a_kept_nan_sorts_after_every_number_in_the_backend_op(backend_impl, dtype, mode, count):
+    """The backend op itself (its first pass, before the ops layer runs the rule again
+    without the flagged clients): a KEPT client's NaN orders after every number, +inf
+    included, as python_ref's sort orders it -- on every backend the column is the
+    oracle's.  (The CUDA insertion sort and the CPU compare-exchanges left a NaN
+    unordered, Triton's bitonic sort too, and the reference sorted a left-out client's
+    +inf after it: issue 40, found on the PTX simulator.)"""
+    C, N = 8, 37  # m = 7 kept: an odd count, so no closest-to-median window is a tie
+    X = clients(C, N, dtype, backend_impl.device, seed=11)
+    keep = torch.tensor([True, True, False, True, True, True, True, True], device=backend_impl.device)
+    X[2, :] = float("inf")             # a left-out client's values never count
+    X[3, 1] = float("nan")             # one kept NaN
+    X[0, 2] = X[5, 2] = float("nan")   # two
+    X[4, 3] = float("nan")             # a kept NaN above a kept +inf
+    X[6, 3] = float("inf")
+    X[1, 4] = float("-inf")            # and below a -inf
+    X[3, 4] = float("nan")
+    X[2, 5] = float("nan")             # a left-out NaN
+    X[:, 6] = float("nan")             # every kept value NaN
+    out_dtype = acc_of(dtype)
+    out = torch.full((N,), 7.0, dtype=out_dtype, device=backend_impl.device)
+    flags = backend_impl.coordinate_select(X, keep, torch.tensor([count], device=backend_impl.device), mode, out,
+                                           None)
+    assert flags.cpu().tolist() == [True, True, False, True, True, True, True, True]
+    want = select_oracle(X, keep, count, mode)
+    got = out.double().cpu()
+    same_nonfinite = torch.isnan(got) == torch.isnan(want)
+    assert same_nonfinite.all(), f"NaN where the oracle has none or the reverse: columns " \
+                                 f"{(~same_nonfinite).nonzero().flatten().tolist()}, got {got}, want {want}"
+    fin = torch.isfinite(want)
+    assert torch.equal(got[~fin & ~torch.isnan(want)], want[~fin & ~torch.isnan(want)])  # the infinities
+    u_acc = torch.finfo(out_dtype).eps / 2
+    mass = torch.nan_to_num(X.double().cpu()[keep.cpu()], 0, 0, 0).abs().max(dim=0).values
+    err = (got[fin] - want[fin]).abs()
+    assert (err <= C * u_acc * mass[fin] + torch.finfo(out_dtype).tiny).all(), (got, want)
+
+
 def test_acc_dtype_out_and_determinism(backend):
     name, device = backend
     X = clients(6, 333, torch.float16, device, seed=9)

@@ -3,15 +3,10 @@
 mode, both skip flags and three tile shapes compiles to PTX and a cubin, its loads of the
 clients are global loads of the data dtype, and ptxas reports its registers (and no
 failure).  Runs tests/_aot_compile.py's compiler in a subprocess with TRITON_INTERPRET
-unset, as tests/test_triton_aot.py does for the other kernels.
+unset (``run_script``), as tests/test_triton_aot.py does for the other kernels.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -19,19 +14,18 @@ from conftest import import_triton_module
 
 import_triton_module("triton")
 
-pytestmark = pytest.mark.slow  # ~16 variants x 2 archs through ptxas: minutes on a loaded 2-core machine
+import _aot_compile as A  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.slow  # ~16 variants x 2 archs through ptxas: minutes on a loaded 2-core machine
 
 SCRIPT = r"""
 import json, sys, importlib
-sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[1:3]
 import torch
 import _aot_compile as A
 import fedopt_kernels.backends.triton as TB
 RB = importlib.import_module("fedopt_kernels.backends.triton.robust")
-results = []
+named = []
 for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
     acc = TB.acc_dtype(dt)
     # every dtype with each mode, each skip flag and three tile shapes (CP = 2, 32, 128)
@@ -42,24 +36,14 @@ for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         cx = dict(ACC=TB.TL_DTYPES[acc], CP=cp, BLOCK=block, MODE=mode, HAS_SKIP=skip)
         v = dict(kernel=RB.coordinate_select_kernel, cx=cx, types=types, warps=4,
                  ptrs=["x_ptr", "keep_ptr", "count_ptr", "out_ptr", "bad_ptr", "skip_ptr"])
-        entry = dict(dtype=str(dt).replace("torch.", ""), C=C, mode=mode, skip=skip, archs={})
-        for cc in A.ARCHS:
-            try:
-                entry["archs"][f"sm_{cc}"] = A.compile_one(v, cc)
-            except Exception as exc:
-                entry["archs"][f"sm_{cc}"] = dict(error=f"{type(exc).__name__}: {exc}"[-3000:])
-        results.append(entry)
-json.dump(dict(ptxas=A.os.path.exists(A.PTXAS), results=results), sys.stdout)
+        named.append((dict(dtype=str(dt).replace("torch.", ""), C=C, mode=mode, skip=skip), v))
+json.dump(A.report(named), sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, os.path.dirname(HERE), HERE], capture_output=True,
-                          text=True, env=env, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return A.run_script(SCRIPT)
 
 
 def _scalar_load(dtype: str) -> str:
@@ -69,14 +53,10 @@ def _scalar_load(dtype: str) -> str:
 
 def test_every_variant_compiles_for_sm80_and_sm90(report):
     assert len(report["results"]) == 4 * 4
+    A.assert_compiled(report, lambda e: f"coordinate_select_kernel[{e['dtype']}, C={e['C']}, mode={e['mode']}, "
+                                        f"skip={e['skip']}]")
     for e in report["results"]:
         for arch, r in e["archs"].items():
-            name = f"coordinate_select_kernel[{e['dtype']}, C={e['C']}, mode={e['mode']}, skip={e['skip']}, {arch}]"
-            assert "error" not in r, f"{name}: {r.get('error')}"
-            assert r["ptx_bytes"] > 0 and r["cubin_bytes"] > 0, name
-            assert r["target"] == ("sm_90a" if arch == "sm_90" else "sm_80"), name
             loads = {k: n for k, n in r["mem"].items() if k.startswith("ld.global")}
             assert any(k.startswith(_scalar_load(e["dtype"])) or k.startswith(_scalar_load(e["dtype"])[:-3])
-                       for k in loads), (name, loads)
-            if report["ptxas"]:
-                assert r["ptxas"]["rc"] == 0, (name, r["ptxas"]["log"])
+                       for k in loads), (e, arch, loads)

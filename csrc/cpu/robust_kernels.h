@@ -192,7 +192,9 @@ void select_columns(const SelectArgs<acc_t>& a, const scalar_t* const* src, int6
     V* hi = lo + kVecsPerRow;
     for (int64_t q = 0; q < kVecsPerRow; ++q) {
       const V x = lo[q], y = hi[q];
-      const auto less = y < x;
+      // swap when y goes first: ascending with NaN after every number (torch.sort's
+      // order, python_ref/robust.py); a plain y < x leaves a NaN unordered
+      const auto less = (y < x) | ((x != x) & (y == y));
       lo[q] = less ? y : x;
       hi[q] = less ? x : y;
     }

@@ -183,9 +183,9 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
     return codes, scales
 
 
-# The client's fused encode (int8 / int4): C++ on the CPU, Triton; on the cuda backend
-# python_ref's torch code on the update's device (no CUDA C++ encode kernel yet).
-_QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _reference_quantize,
+# The client's fused encode (int8 / int4): C++ on the CPU and on CUDA
+# (csrc/cuda/kernels/compressed_encode.cuh), Triton.
+_QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _cpp_quantize,
              "triton": _triton_quantize}
 
 

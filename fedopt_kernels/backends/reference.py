@@ -112,8 +112,10 @@ def server_update_(params, updates, exp_avg, exp_avg_sq, rule, lr, lr_tensor, ga
 
 
 def coordinate_select(clients, keep, count, mode, out, skip):
-    """torch, in the acc dtype: ``sort`` along the clients (left-out clients as ``+inf``,
-    sorted last), then the same reductions as the kernels."""
+    """torch, in the acc dtype: ``sort`` along the clients (NaN after every number, as in
+    python_ref/robust.py; left-out clients as NaN, so they sort last and rows ``[0, m)``
+    are exactly the kept values in that order, a kept NaN last among them -- as ``+inf``
+    they sorted before a kept NaN), then the same reductions as the kernels."""
     X = clients if isinstance(clients, torch.Tensor) else torch.stack(list(clients))
     C, N = X.shape
     acc = acc_dtype(X.dtype)
@@ -122,7 +124,7 @@ def coordinate_select(clients, keep, count, mode, out, skip):
         return flags
     x = X.to(acc)
     flags = keep & ~torch.isfinite(x).all(dim=1) if N else flags
-    v = torch.where(keep[:, None], x, torch.full((), float("inf"), dtype=acc, device=X.device))
+    v = torch.where(keep[:, None], x, torch.full((), float("nan"), dtype=acc, device=X.device))
     v = torch.sort(v, dim=0).values
     m = int(keep.sum())
     c = int(count.reshape(()))

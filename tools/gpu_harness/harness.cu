@@ -14,7 +14,8 @@
 // (tests/_gpu_harness.py) computes the expected values with python_ref.
 //
 // Families (`kernel` key): nar, aggregate, client_dots, add_noise, server_update,
-// coordinate_select, and triton (a Triton kernel's AOT-compiled PTX, loaded with the
+// coordinate_select, compressed (the codecs' decode-aggregate, fp32), quantize (the
+// client's int8/int4 encode), and triton (a Triton kernel's AOT-compiled PTX, loaded with the
 // driver API's cuModuleLoadData and launched with cuLaunchKernel, both asked of the
 // runtime: no libcuda is linked, so a simulator's runtime is enough).
 //
@@ -24,6 +25,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -35,10 +37,13 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "fedopt/chunks.h"
 #include "kernels/aggregate.cuh"
+#include "kernels/compressed_aggregate.cuh"
+#include "kernels/compressed_encode.cuh"
 #include "kernels/nar_step.cuh"
 #include "kernels/robust_select.cuh"
 #include "kernels/server_update.cuh"
@@ -572,6 +577,88 @@ void run_coordinate_select(const Case& c, Arrays& A, cudaStream_t stream) {
   A.write_out("bad");
 }
 
+// The codecs' fused decode-aggregate (fp32 only: dtype fp32).  codec block: codes
+// [C, L] bytes (int8 kind 0 / int4 kind 1 / fp8 kind 2) and scales [C, NB]; codec topk:
+// values and indices, the clients' kept values one after another, `ks` per client.
+// w [C]; gamma a value, or the input gamma_t; skip optional.  Out: out [N], q [C], total.
+void run_compressed(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t C = c.i64("C"), N = c.i64("N");
+  const std::string codec = c.str("codec");
+  DevArray& w = A.in("w", static_cast<size_t>(C) * sizeof(float));
+  DevArray* skip = A.optional_in("skip", 1);
+  DevArray* gamma_t = A.optional_in("gamma_t", sizeof(float));
+  const float gamma = static_cast<float>(c.f64("gamma", 1.0));
+  DevArray& out = A.in("out", static_cast<size_t>(N) * sizeof(float));
+  DevArray& q = A.make("q", static_cast<size_t>(C) * sizeof(float));
+  DevArray& total = A.make("total", sizeof(float));
+  cudaError_t err;
+  if (codec == "block") {
+    const int64_t block = c.i64("block");
+    const int kind = static_cast<int>(c.i64("kind"));
+    if (block <= 0 || kind < 0 || kind > 2) throw CaseError("block > 0 and kind 0, 1 or 2");
+    const int64_t L = kind == 1 ? (N + 1) / 2 : N, NB = (N + block - 1) / block;
+    DevArray& codes = A.in("codes", static_cast<size_t>(C * L));
+    DevArray& scales = A.in("scales", static_cast<size_t>(C * NB) * sizeof(float));
+    DevArray& part = A.make("part", static_cast<size_t>((C + 1) * block_decode_parts(N)) * sizeof(float));
+    check(cudaMemset(part.data(), 0, part.bytes()), "zero part");
+    err = launch_block_decode_aggregate(ptr<const uint8_t>(codes), ptr<const float>(scales), ptr<const float>(w),
+                                        ptr<float>(out), ptr<float>(part), ptr<float>(q), ptr<float>(total),
+                                        ptr<const bool>(skip), ptr<const float>(gamma_t), gamma, C, N, block, kind,
+                                        stream);
+  } else if (codec == "topk") {
+    const std::vector<int64_t> ks = c.i64s("ks");
+    if (static_cast<int64_t>(ks.size()) != C) throw CaseError("ks must give one k per client");
+    int64_t K = 0, max_k = 0;
+    for (int64_t k : ks) {
+      if (k < 0) throw CaseError("ks must be >= 0");
+      K += k;
+      max_k = std::max(max_k, k);
+    }
+    DevArray& values = A.in("values", static_cast<size_t>(K) * sizeof(float));
+    DevArray& indices = A.in("indices", static_cast<size_t>(K) * sizeof(int64_t));
+    const int64_t nparts = topk_decode_parts(N, max_k);
+    DevArray& acc = A.make("acc", static_cast<size_t>(N) * sizeof(float));
+    DevArray& part = A.make("part", static_cast<size_t>((C + 1) * nparts) * sizeof(float));
+    check(cudaMemset(acc.data(), 0, acc.bytes()), "zero acc");
+    check(cudaMemset(part.data(), 0, part.bytes()), "zero part");
+    std::vector<const float*> vals(C);
+    std::vector<const int64_t*> idxs(C);
+    for (int64_t i = 0, at = 0; i < C; at += ks[i], ++i) {
+      vals[i] = ptr<const float>(values) + at;
+      idxs[i] = ptr<const int64_t>(indices) + at;
+    }
+    err = launch_topk_decode_aggregate(vals.data(), idxs.data(), ks.data(), ptr<const float>(w), ptr<float>(acc),
+                                       ptr<float>(out), ptr<float>(part), ptr<float>(q), ptr<float>(total),
+                                       ptr<const bool>(skip), ptr<const float>(gamma_t), gamma, C, N, nparts, stream);
+  } else {
+    throw CaseError("codec must be block or topk");
+  }
+  check(err, "launch_*_decode_aggregate");
+  check(cudaStreamSynchronize(stream), "decode_aggregate kernels");
+  A.write_out("out");
+  A.write_out("q");
+  A.write_out("total");
+}
+
+// The client's int8 / int4 encode: x [N] of the case's dtype; keys block, int4,
+// stochastic, key, client.  Out: codes (N or (N + 1) / 2 bytes), scales [ceil(N / block)].
+template <typename scalar_t>
+void run_quantize(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t N = c.i64("N"), block = c.i64("block");
+  if (block <= 0 || block % 32 != 0) throw CaseError("block must be a positive multiple of 32");
+  const bool int4 = c.i64("int4") != 0;
+  DevArray& x = A.in("x", static_cast<size_t>(N) * sizeof(scalar_t));
+  DevArray& codes = A.make("codes", static_cast<size_t>(int4 ? (N + 1) / 2 : N));
+  DevArray& scales = A.make("scales", static_cast<size_t>((N + block - 1) / block) * sizeof(float));
+  check(launch_block_quantize<scalar_t>(ptr<const scalar_t>(x), ptr<uint8_t>(codes), ptr<float>(scales), N, block,
+                                        int4, c.i64("stochastic") != 0, static_cast<uint64_t>(c.i64("key")),
+                                        static_cast<uint32_t>(c.i64("client")), stream),
+        "launch_block_quantize");
+  check(cudaStreamSynchronize(stream), "block_quantize kernel");
+  A.write_out("codes");
+  A.write_out("scales");
+}
+
 // ------------------------------------------------------------------------- Triton (driver API)
 
 // The few driver entry points the triton family needs, asked of the runtime
@@ -717,6 +804,10 @@ void run_family(const std::string& kernel, const Case& c, Arrays& A, cudaStream_
     if (kernel == "server_update") return run_server_update<scalar_t>(c, A, stream);
   if constexpr (FEDOPT_HARNESS_HAS("coordinate_select"))
     if (kernel == "coordinate_select") return run_coordinate_select<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("compressed") && std::is_same_v<scalar_t, float>)
+    if (kernel == "compressed") return run_compressed(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("quantize"))
+    if (kernel == "quantize") return run_quantize<scalar_t>(c, A, stream);
   throw CaseError("kernel family '" + kernel + "' is not built into this binary");
 }
 

@@ -5,7 +5,8 @@
 // One pass over the kept clients: thread j owns column j.  It reads the kept clients'
 // values of that column in client order (adjacent threads read adjacent columns of each
 // row: coalesced) and inserts each into a sorted array in local memory (an insertion
-// sort: stable, no comparisons across threads), then reduces the sorted values exactly
+// sort: stable, no comparisons across threads; NaN orders after every number, as
+// torch.sort and python_ref/robust.py order it), then reduces the sorted values exactly
 // as the CPU kernel does -- mode 0: the mean of v[k .. m-k) with k = min(count,
 // (m-1)/2); mode 1: the mean of the `count` values closest to the median, found by
 // dropping the farther end (the upper one on a tie).  Sums run in ascending order in
@@ -37,6 +38,15 @@ namespace cuda {
 
 constexpr int kSelectThreads = 256;
 
+// x goes before y: ascending, NaN after every number (+inf included).  A plain `x < y`
+// is false both ways for a NaN, so the insertion sort left a kept client's NaN where it
+// was inserted and the trimmed window differed from python_ref's (found on the PTX
+// simulator, issue 40).
+template <typename acc_t>
+__device__ __forceinline__ bool nan_last_less(acc_t x, acc_t y) {
+  return x < y || (y != y && x == x);
+}
+
 template <int MAXC, typename scalar_t, typename acc_t, typename out_t>
 __global__ void coordinate_select_kernel(const scalar_t* __restrict__ X, const bool* __restrict__ keep,
                                          const int64_t* __restrict__ count_ptr, int mode, int64_t C, int64_t N,
@@ -53,7 +63,7 @@ __global__ void coordinate_select_kernel(const scalar_t* __restrict__ X, const b
     const acc_t x = static_cast<acc_t>(X[i * N + j]);
     if (!(fabs(x) <= big)) atomicOr(bad + i, 1);
     int64_t p = m;
-    while (p > 0 && x < v[p - 1]) {
+    while (p > 0 && nan_last_less(x, v[p - 1])) {
       v[p] = v[p - 1];
       --p;
     }

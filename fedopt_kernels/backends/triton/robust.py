@@ -5,8 +5,10 @@ Bulyan's closest-to-median mean, one pass over the kept clients.
 Program ``p`` owns columns ``[p * BLOCK, (p + 1) * BLOCK)``.  It loads the ``[BLOCK, CP]``
 tile of all clients' values of those columns (``CP`` = C rounded up to a power of two;
 clients left out and the padding read as ``+inf``, so they sort last), sorts each
-column's ``CP`` values in registers (``tl.sort`` along the last axis, a bitonic network)
-and reduces the sorted values in the acc dtype:
+column's ``CP`` values in registers (``tl.sort`` along the last axis, a bitonic network;
+a kept NaN sorts as ``+inf`` and is put back as NaN at the top of the ``m`` kept ranks:
+NaN after every number, python_ref's order) and reduces the sorted values in the acc
+dtype:
 
 * ``MODE = 0`` (trim): the mean of ``v[k .. m-k)``, ``k = min(count, (m - 1) // 2)``;
 * ``MODE = 1`` (closest): the mean of the ``count`` values closest to the median, the
@@ -60,9 +62,15 @@ def coordinate_select_kernel(x_ptr, keep_ptr, count_ptr, out_ptr, bad_ptr, skip_
             big = tl.full((), 1.7976931348623157e308, ACC)
         nonfinite = (~(tl.abs(x) <= big)) & mask
         tl.store(bad_ptr + cidx.to(tl.int64) * nblk + pid, tl.max(nonfinite.to(tl.int8), axis=0), mask=in_c)
-        v = tl.sort(tl.where(keep[None, :], x, float("inf")), dim=1)
+        # NaN after every number (python_ref's torch.sort order): tl.sort leaves a NaN
+        # unordered, so the kept NaNs sort as +inf and the top n_nan of the m kept ranks
+        # are then made NaN again
+        isnan = (x != x) & keep[None, :]
+        v = tl.sort(tl.where(keep[None, :] & (x == x), x, float("inf")), dim=1)
+        n_nan = tl.sum(isnan.to(tl.int64), axis=1)
         count = tl.load(count_ptr)
         rank = cidx.to(tl.int64)[None, :]
+        v = tl.where((rank >= m - n_nan[:, None]) & (rank < m), float("nan"), v)
         if MODE == 0:
             k = tl.minimum(count, (m - 1) // 2)
             sel = (rank >= k) & (rank < m - k)

@@ -1,0 +1,134 @@
+// CUDA kernel (device code and host launcher, torch-free) of the client's fused encode
+// fedopt_C::block_quantize for int8 / int4 (schema: csrc/registration.cpp; oracle:
+// python_ref/compression.py quantize; the CPU twin: csrc/cpu/compressed_kernels.h
+// quantize_block, the Triton one: backends/triton/compressed.py block_quantize_kernel).
+//
+// One thread block per quantisation block b of `block` values (a multiple of 32):
+//   s_b = max|x_b| / qmax         (one rounding, __fdiv_rn; NaN if the block holds a NaN)
+//   t   = x / s_b                 (__fdiv_rn; 0 where s_b == 0)
+//   q   = rint(t)                 (round half to even: the default rounding mode)
+//         or, stochastic, floor(t) + [u < t - floor(t)], u = (x0 >> 8) 2^-24 with x0 the
+//         first word of Philox4x32-10(key, (j lo, j hi, client, 0x51))
+//   q   = 0 where NaN, clamped to [-qmax, qmax]; int8 as is, int4 two nibbles a byte
+//         (low = even element).
+// max is exact whatever the order, so the block's reduction (shared memory, a fixed
+// tree) is deterministic; every other step is elementwise: the bits are python_ref's.
+// A thread owns element PAIRS (2p, 2p + 1) of its block, so an int4 byte is written by
+// one thread and no two threads touch a byte.
+//
+// The Philox rounds are written out here, device-only, rather than shared with
+// fedopt/gaussian_noise.h (whose philox_x01 fixes the counter's words 2 and 3 at 0)
+// and the CPU's copy (compressed_kernels.h, compiled inside the ISA namespaces): the
+// same ten rounds, counter (j lo, j hi, client, stream).  A shared
+// philox4x32_10(key, j, c2, c3) in gaussian_noise.h is the mend for all three.
+//
+// This header includes no torch: csrc/cuda/compressed_aggregate.cu (the ATen binding)
+// and tools/gpu_harness both launch it through launch_block_quantize.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fedopt {
+namespace cuda {
+
+constexpr int kEncodeThreads = 128;
+constexpr uint32_t kStreamRounding = 0x51;  // python_ref/compression.py STREAM_ROUNDING
+
+__device__ __forceinline__ uint32_t philox_x0_words(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
+  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32);
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ k0;
+    const uint32_t n2 = hi0 ^ c3 ^ k1;
+    c1 = lo1;
+    c3 = lo0;
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// The code of x (as a float integer in [-qmax, qmax]) under scale s at element j.
+__device__ __forceinline__ float quantize_code(float x, float s, int64_t j, float qmax, bool stochastic,
+                                               uint64_t key, uint32_t client) {
+  const float t = s == 0.0f ? 0.0f : __fdiv_rn(x, s);
+  float q;
+  if (stochastic) {
+    const float f = floorf(t);
+    const uint32_t x0 = philox_x0_words(key, static_cast<uint64_t>(j), client, kStreamRounding);
+    const float u = __fmul_rn(static_cast<float>(static_cast<int32_t>(x0 >> 8)), 0x1p-24f);  // exact
+    q = __fadd_rn(f, u < __fsub_rn(t, f) ? 1.0f : 0.0f);
+  } else {
+    q = rintf(t);  // half to even
+  }
+  q = q == q ? q : 0.0f;  // NaN (a NaN value or scale: a reply the server refuses) codes 0
+  return fminf(fmaxf(q, -qmax), qmax);
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kEncodeThreads)
+    block_quantize_kernel(const scalar_t* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ scales,
+                          int64_t N, int64_t block, int int4, int stochastic, uint64_t key, uint32_t client) {
+  __shared__ float smax[kEncodeThreads];
+  __shared__ int snan[kEncodeThreads];
+  const int64_t b = blockIdx.x, j0 = b * block;
+  const int64_t len = N - j0 < block ? N - j0 : block;
+  const float qmax = int4 ? 7.0f : 127.0f;
+  float amax = 0.0f;
+  int nan = 0;
+  for (int64_t t = threadIdx.x; t < len; t += kEncodeThreads) {
+    const float v = static_cast<float>(x[j0 + t]);
+    nan |= v != v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  smax[threadIdx.x] = amax;
+  snan[threadIdx.x] = nan;
+  __syncthreads();
+  for (int h = kEncodeThreads / 2; h > 0; h >>= 1) {
+    if (threadIdx.x < h) {
+      smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + h]);
+      snan[threadIdx.x] |= snan[threadIdx.x + h];
+    }
+    __syncthreads();
+  }
+  const float s = snan[0] ? __int_as_float(0x7fc00000) : __fdiv_rn(smax[0], qmax);
+  if (threadIdx.x == 0) scales[b] = s;
+  const bool sr = stochastic != 0;
+  for (int64_t p = threadIdx.x; 2 * p < len; p += kEncodeThreads) {
+    const int64_t je = j0 + 2 * p, jo = je + 1;
+    const int qe = static_cast<int>(quantize_code(static_cast<float>(x[je]), s, je, qmax, sr, key, client));
+    const bool has_odd = 2 * p + 1 < len;
+    const int qo =
+        has_odd ? static_cast<int>(quantize_code(static_cast<float>(x[jo]), s, jo, qmax, sr, key, client)) : 0;
+    if (int4) {
+      codes[j0 / 2 + p] = static_cast<uint8_t>((qe & 0xF) | ((qo & 0xF) << 4));
+    } else {
+      codes[je] = static_cast<uint8_t>(static_cast<int8_t>(qe));
+      if (has_odd) codes[jo] = static_cast<uint8_t>(static_cast<int8_t>(qo));
+    }
+  }
+}
+
+// The host launcher: x [N] on the device (any float dtype, widened to fp32: fp16/bf16
+// exactly; fp64 is rounded once by the caller first), codes [N] (int8) or [(N + 1) / 2]
+// (int4) bytes, scales [ceil(N / block)] fp32.  block a positive multiple of 32 (so
+// every block starts at an even element); key < 2^63.  N == 0 launches nothing.
+template <typename scalar_t>
+cudaError_t launch_block_quantize(const scalar_t* x, uint8_t* codes, float* scales, int64_t N, int64_t block,
+                                  bool int4, bool stochastic, uint64_t key, uint32_t client, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const int64_t nb = (N + block - 1) / block;
+  block_quantize_kernel<scalar_t><<<nb, kEncodeThreads, 0, stream>>>(x, codes, scales, N, block, int4 ? 1 : 0,
+                                                                     stochastic ? 1 : 0, key, client);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace fedopt

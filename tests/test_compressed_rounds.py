@@ -271,18 +271,24 @@ def test_fused_decode_round_equals_the_round_on_decoded_rows(spec, server_cls):
     assert rec_fused == rec_rows
 
 
+def _trimmed():
+    return RobustAggregator("trimmed-mean", beta=0.2)
+
+
+def _dp():
+    return RoundPrivacy(clip=0.5, noise_multiplier=0.7, seed=3, clients=20, per_round=5, delta=1e-3)
+
+
 def test_robust_rule_and_dp_get_the_decoded_rows():
     """A robust rule reads the decoded rows; DP clips the decoded update and adds its
     noise to their sum: the rounds equal those on the decoded rows (rotation undone)."""
     codec = parse_codec("int8", block=64, rotation=256)
     rep = _replies(codec)
     rows = torch.stack([codec.decode(r, N, rep.key) for r in rep.replies])
-    for kw in (dict(aggregator=RobustAggregator("trimmed-mean", beta=0.2)),
-               dict(privacy=RoundPrivacy(clip=0.5, noise_multiplier=0.7, seed=3, clients=20, per_round=5, delta=1e-3))):
+    for kw in (dict(aggregator=_trimmed()), dict(privacy=_dp())):
         w = "uniform" if "privacy" in kw else "size"  # DP-FedAvg weighs its clients uniformly
         got = _round(FedAvg, rep, decoder=CompressedDecoder(rows=True), weighting=w, **kw)
-        kw2 = {k: (RobustAggregator("trimmed-mean", beta=0.2) if k == "aggregator"
-                   else RoundPrivacy(clip=0.5, noise_multiplier=0.7, seed=3, clients=20, per_round=5, delta=1e-3)) for k in kw}
+        kw2 = {k: (_trimmed() if k == "aggregator" else _dp()) for k in kw}  # fresh, same settings
         want = _round(FedAvg, rows, decoder=None, weighting=w, **kw2)
         assert torch.equal(bits(got[0]), bits(want[0]))
         assert got[1] == want[1]

@@ -80,7 +80,8 @@ def table(rows: List[dict]) -> str:
         part = [r for r in rows if r["dataset"] == ds]
         checks = [c for c in CHECKPOINTS if f"acc@{c}" in part[0]]
         out.append(f"**{ds}** ({part[0]['params']:,} parameters, {part[0]['rounds']} rounds, seed {part[0]['seed']})\n")
-        out.append("| codec | " + " | ".join(f"acc @ {c}" for c in checks) + " | bytes up / round | x fewer than fp32 |")
+        out.append("| codec | " + " | ".join(f"acc @ {c}" for c in checks)
+                   + " | bytes up / round | x fewer than fp32 |")
         out.append("|---|" + "---:|" * (len(checks) + 2))
         for r in part:
             cells = [f"{100 * r[f'acc@{c}']:.1f}" for c in checks]

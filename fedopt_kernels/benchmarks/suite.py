@@ -66,8 +66,8 @@ DILOCO_COLUMNS = (("case", "method"), ("params", "params"), ("tokens_per_worker"
 COMPRESSED_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
                       ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"))
 ACCURACY_COLUMNS = (("case", "case"), ("rounds", "rounds"), ("acc@1", "acc round 1"), ("acc@5", "acc round 5"),
-                    ("final_acc", "final acc"), ("bytes_up", "bytes up / round"), ("x fewer bytes", "fp32 bytes / bytes"),
-                    ("wall_s", "wall s"))
+                    ("final_acc", "final acc"), ("bytes_up", "bytes up / round"),
+                    ("x fewer bytes", "fp32 bytes / bytes"), ("wall_s", "wall s"))
 DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                   ("vs cpu", "x faster than the CPU"))
 
@@ -282,7 +282,8 @@ def _print_one(rows: list, columns, title: str) -> None:
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--only", choices=SUITES + EXTRA_SUITES, action="append",
-                        help="run only this suite (repeatable); scale, diloco and compressed_accuracy run only when named")
+                        help="run only this suite (repeatable); scale, diloco and compressed_accuracy run only "
+                             "when named")
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no torch.compile")

@@ -403,7 +403,8 @@ class SimulationConfig:
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 32:
             raise ConfigError(f"compress-block must be a positive multiple of 32, got {b!r}")
         if not isinstance(self.compress, str):
-            raise ConfigError(f"compress must be a string (none, int8, int4, fp8, topk:FRACTION), got {self.compress!r}")
+            raise ConfigError(f"compress must be a string (none, int8, int4, fp8, topk:FRACTION), got "
+                              f"{self.compress!r}")
         if self.compress == "none":
             for name in ("compress_stochastic", "compress_rotate", "error_feedback"):
                 if getattr(self, name):

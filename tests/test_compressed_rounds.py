@@ -123,6 +123,14 @@ def test_error_feedback_resumes_bit_for_bit(tmp_path):
     plain = Simulation(SimulationConfig(**dict(kw, error_feedback=False)))
     with pytest.raises(ValueError, match="error_feedback"):
         plain.load_state_dict(state)
+    # nor does a checkpoint made before --compress existed resume a compressed run
+    old = Simulation(SimulationConfig(**dict(kw, compress="none", error_feedback=False, compress_rotate=False)))
+    old_state = old.state_dict()
+    for key in ("compress", "compress_block", "compress_stochastic", "compress_rotate", "error_feedback"):
+        del old_state["config"][key]
+    with pytest.raises(ValueError, match="before the setting existed"):
+        resumed.load_state_dict(old_state)
+    old.load_state_dict(old_state)  # an fp32 run still resumes it
 
 
 def test_folded_compressed_round_equals_the_unchunked_round():

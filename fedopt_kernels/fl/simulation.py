@@ -95,6 +95,8 @@ from .server_side import BAD_CLIENT_REASONS, ServerSide
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
 STATE_VERSION = 1
+_COMPRESS_DEFAULTS = dict(compress="none", compress_block=256, compress_stochastic=False, compress_rotate=False,
+                          error_feedback=False)
 _log = logging.getLogger(__name__)
 
 
@@ -617,6 +619,10 @@ class Simulation(RoundTraining):
         for key, value in state["config"].items():
             if key not in self._RESUMABLE and mine.get(key) != value:
                 raise ValueError(f"the checkpoint was made with {key}={value!r}, this run has {mine.get(key)!r}")
+        for key, default in _COMPRESS_DEFAULTS.items():  # a checkpoint older than --compress ran without it
+            if key not in state["config"] and mine[key] != default:
+                raise ValueError(f"the checkpoint was made with {key}={default!r} (before the setting existed), "
+                                 f"this run has {mine[key]!r}")
         with torch.no_grad():
             self.x_global.copy_(state["x_global"])
             if self._has_buffers and state.get("buffers") is not None:

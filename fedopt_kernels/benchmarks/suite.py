@@ -27,7 +27,10 @@ memory against the population and the clients per round, each case in a fresh pr
 on the CPU; the sampling and partitions of 10^5 clients) runs only when named
 (``--only scale``): it takes minutes (``--quick``: seconds).  ``diloco`` (:mod:`.diloco`:
 DiLoCo, Streaming DiLoCo and DDP at equal tokens on a character-level GPT, 2 gloo worker
-processes) also runs only when named: minutes (``--quick``: 30 steps).
+processes) also runs only when named: minutes (``--quick``: 30 steps); so does
+``compressed_accuracy`` (:mod:`.compressed_accuracy`: test accuracy against rounds of each
+codec with and without error feedback, digits and synthetic, and the bytes up per round
+against fp32; ``--quick``: 5 rounds of digits).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from .startup import STARTUP_COLUMNS
 from .timing import measured_copy_bandwidth, peak_bandwidth
 
 SUITES = ("nar_step", "aggregate", "compressed", "server", "simulation", "device_vs_cpu", "startup")
-EXTRA_SUITES = ("scale", "diloco")  # run only when named with --only
+EXTRA_SUITES = ("scale", "diloco", "compressed_accuracy")  # run only when named with --only
 SCALE_COLUMNS = (("case", "case"), ("clients", "clients"), ("per_round", "per round"), ("chunk", "chunk"),
                  ("setup_s", "setup s"), ("first_round_s", "first round s"), ("round_s", "round s"),
                  ("peak_rss_mb", "peak RSS MB"))
@@ -62,6 +65,9 @@ DILOCO_COLUMNS = (("case", "method"), ("params", "params"), ("tokens_per_worker"
                   ("inner_step_ms", "inner step ms"), ("sync_s", "sync s"), ("wall_s", "wall s"))
 COMPRESSED_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
                       ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"))
+ACCURACY_COLUMNS = (("case", "case"), ("rounds", "rounds"), ("acc@1", "acc round 1"), ("acc@5", "acc round 5"),
+                    ("final_acc", "final acc"), ("bytes_up", "bytes up / round"),
+                    ("x fewer bytes", "fp32 bytes / bytes"), ("wall_s", "wall s"))
 DEVICE_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms / round"),
                   ("vs cpu", "x faster than the CPU"))
 
@@ -119,6 +125,11 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
         from . import diloco
 
         rows += diloco.run(steps=30 if quick else 300, eval_every=10 if quick else 50)
+    if "compressed_accuracy" in only:  # accuracy against rounds of each codec, +- error feedback (minutes)
+        from . import compressed_accuracy
+
+        rows += (compressed_accuracy.run(rounds=5, datasets=("digits",), codecs=compressed_accuracy.SHORT) if quick
+                 else compressed_accuracy.run(rounds=10, codecs=compressed_accuracy.SHORT))
     for count in deferred:
         count()
     return rows
@@ -231,7 +242,8 @@ def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
     scale = [r for r in rows if r.get("benchmark") == "scale" and r.get("case") != "sampling" and "error" not in r]
     started = [r for r in rows if r.get("benchmark") == "startup"]
     diloco = [r for r in rows if r.get("benchmark") == "diloco"]
-    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale", "startup", "diloco")]
+    accuracy = [r for r in rows if r.get("benchmark") == "compressed_accuracy"]
+    rows = [r for r in rows if r.get("benchmark") not in ("meta", "scale", "startup", "diloco", "compressed_accuracy")]
     rounds = [r for r in rows if "vs hand loop" in r]
     versus = [r for r in rows if "vs cpu" in r]
     compressed = [r for r in rows if "bytes/reply" in r]
@@ -242,8 +254,10 @@ def print_table(rows: list, title: str = "fedopt_kernels benchmarks") -> None:
                                 (versus, DEVICE_COLUMNS, f"{title}: batched engine, device vs CPU"),
                                 (scale, SCALE_COLUMNS, "cross-device scale (fresh process per case, CPU)"),
                                 (started, STARTUP_COLUMNS, "start-up of a one-round simulate (whole processes)"),
-                                (diloco, DILOCO_COLUMNS, "DiLoCo vs DDP, char GPT, equal tokens (gloo, CPU)")):
-        if part or (not rows and not scale and not started and not diloco and columns is KERNEL_COLUMNS):
+                                (diloco, DILOCO_COLUMNS, "DiLoCo vs DDP, char GPT, equal tokens (gloo, CPU)"),
+                                (accuracy, ACCURACY_COLUMNS, "compressed updates: accuracy and bytes up (FedAvg)")):
+        if part or (not rows and not scale and not started and not diloco and not accuracy
+                    and columns is KERNEL_COLUMNS):
             _print_one(part, columns, name)
 
 
@@ -268,7 +282,8 @@ def _print_one(rows: list, columns, title: str) -> None:
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--only", choices=SUITES + EXTRA_SUITES, action="append",
-                        help="run only this suite (repeatable); scale and diloco run only when named")
+                        help="run only this suite (repeatable); scale, diloco and compressed_accuracy run only "
+                             "when named")
     parser.add_argument("--backend", default=None, help="kernel backend of the fused candidates")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no torch.compile")

@@ -198,6 +198,17 @@ SIM_OPTIONS: List[tuple] = [
                              "(same result, bit for bit); default none: the whole round at once"),
     ("--client-state-dir", str, "keep per-client state in memory-mapped files in this directory instead of in "
                                 "memory (default: in memory)"),
+    # compressed client updates (fl/compressed_updates.py; docs/compression.md)
+    ("--compress", str, "codec of the clients' updates: none, int8, int4, fp8 (per-block scales) or topk:FRACTION "
+                        "(the largest FRACTION of the values); the server decodes them inside its aggregation "
+                        "(default {default})"),
+    ("--compress-block", int, "values per scale of int8 / int4 / fp8, a multiple of 32 (default {default})"),
+    ("--compress-stochastic", _bool, "int8 / int4: unbiased stochastic rounding instead of round-to-nearest "
+                                     "(default false)"),
+    ("--compress-rotate", _bool, "rotate every update by the round's randomized Hadamard transform (blocks of 1024) "
+                                 "before encoding; the server rotates the aggregate back (default false)"),
+    ("--error-feedback", _bool, "each client adds its residual (what its previous replies lost) to its update "
+                                "before encoding, kept in the per-client state and checkpoints (default false)"),
 ]
 
 

@@ -166,6 +166,8 @@ class ClockedRun:
             raise ValueError("mode fedbuff: SCAFFOLD's control variates assume one synchronous round's clients")
         if cfg.memory_budget:
             raise ValueError("mode fedbuff: a folded (chunked) round is not supported; leave out memory_budget")
+        if cfg.compress != "none":  # the buffer sums fp32 updates as they arrive
+            raise ValueError("mode fedbuff: compressed updates (compress) are not supported; use mode sync")
         if self.acfg.concurrency > len(sim.training_clients):
             raise ValueError(f"concurrency ({self.acfg.concurrency}) exceeds the {len(sim.training_clients)} "
                              "training clients")

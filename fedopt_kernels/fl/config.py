@@ -43,6 +43,7 @@ ROBUST_REFUSED_ALGOS = {
     "fedlaw": "it learns its own aggregation weights from every client's model on a proxy set",
     "scaffold": "its control variates average every client's correction, poisoned ones included",
 }
+COMPRESS_ROTATION = 1024  # values per block of --compress-rotate's Hadamard transform
 CLIENT_STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")  # fl/client_state.py's storage dtypes
 
 
@@ -204,6 +205,15 @@ class SimulationConfig:
     client_state_dir: Optional[str] = None
     # a round's memory bounded by a chunk (fl/chunked.py): "4G", "512M" or bytes; None: the whole round at once
     memory_budget: Optional[Any] = None
+    # compressed client updates (fl/compressed_updates.py, docs/compression.md): the codec of every
+    # reply ("none", "int8", "int4", "fp8", "topk:FRACTION"), the values per scale of the block codecs,
+    # unbiased stochastic rounding (int8/int4), the per-round randomized Hadamard rotation (blocks of
+    # COMPRESS_ROTATION values) and error feedback (each client's residual in the per-client state)
+    compress: str = "none"
+    compress_block: int = 256
+    compress_stochastic: bool = False
+    compress_rotate: bool = False
+    error_feedback: bool = False
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> Dict[str, Any]:
@@ -381,7 +391,44 @@ class SimulationConfig:
                 raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         self._validate_privacy_and_attacks(choice, real)
         self._validate_aggregator(choice, integer, real)
+        self._validate_compression()
         return self
+
+    def _validate_compression(self) -> None:
+        """The compression settings (one block: they move together)."""
+        for name in ("compress_stochastic", "compress_rotate", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name.replace('_', '-')} must be true or false, got {getattr(self, name)!r}")
+        b = self.compress_block
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % 32:
+            raise ConfigError(f"compress-block must be a positive multiple of 32, got {b!r}")
+        if not isinstance(self.compress, str):
+            raise ConfigError(f"compress must be a string (none, int8, int4, fp8, topk:FRACTION), got "
+                              f"{self.compress!r}")
+        if self.compress == "none":
+            for name in ("compress_stochastic", "compress_rotate", "error_feedback"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name.replace('_', '-')} needs --compress (int8, int4, fp8 or topk:FRACTION)")
+            return
+        try:
+            self.codec()
+        except ValueError as exc:
+            raise ConfigError(f"compress {self.compress!r}: {exc}") from None
+        if self.algo == "fedlaw":
+            raise ConfigError("compress cannot be used with algo fedlaw: it learns from every client's whole model, "
+                              "not from an update")
+        if self.dp_clip is not None and self.dp_mode == "client":
+            raise ConfigError("compress with dp-mode client: the server would sum decoded updates whose norms are "
+                              "not the clipped ones; use dp-mode server, which clips the decoded update")
+
+    def codec(self):
+        """The :class:`~fedopt_kernels.compression.Codec` of :attr:`compress` (None for "none")."""
+        if self.compress == "none":
+            return None
+        from ..compression import parse_codec
+
+        return parse_codec(self.compress, block=self.compress_block, stochastic=self.compress_stochastic,
+                           rotation=COMPRESS_ROTATION if self.compress_rotate else None)
 
     def _validate_aggregator(self, choice, integer, real) -> None:
         """The robust rule and its parameters: each parameter only with its rule, the

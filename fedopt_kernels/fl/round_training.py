@@ -163,6 +163,8 @@ class RoundTraining:
     _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
     _foldable = False  # chunks folded into a running sum (fl/chunked.py), else kept in `updates`
     _fold: Optional[RoundFold] = None  # the running sum of the round being trained
+    compression = None  # the clients' codec (fl/compressed_updates.py; None: fp32 updates)
+    _compressed_fold: Optional[tuple] = None  # a folded compressed round's replies so far, and those left out
     _buffer_fold: Optional[BufferAverage] = None  # ... and of its clients' floating buffers (BatchNorm statistics)
     _rows_at = 0  # the row of `updates` the clients being trained write first
     #: ``progress(round, clients_done, clients_in_round)`` as a round's clients train: at its
@@ -256,11 +258,15 @@ class RoundTraining:
         bad, kept = list(bad), []
         position = {cid: i for i, cid in enumerate(todo)}
         self._fold = self._buffer_fold = None
+        self._compressed_fold = None
         if self._foldable and todo:
             checked = self.server.round.weights(self.client_sizes[todo])  # the round's weights, formed once
             weights = None if checked is None else checked.values
-            self._fold = RoundFold(self.server.optimizer, checked, len(todo), self.numel, self.device,
-                                   self.x_global.dtype)
+            if self.compression is not None:  # each chunk encoded as it trains: the small replies are kept
+                self._compressed_fold = ([], [])  # (client, reply) screened in, (client, reason, detail) out
+            else:
+                self._fold = RoundFold(self.server.optimizer, checked, len(todo), self.numel, self.device,
+                                       self.x_global.dtype)
             if self._has_buffers and self.server.averages_buffers:
                 # the buffers with the same weights and the same exclusions as the updates
                 self._buffer_fold = BufferAverage(weights, len(todo), self._buffers_layout.numel, self.device,
@@ -277,7 +283,9 @@ class RoundTraining:
                 _add_stats(stats, part_stats)
                 got = list(self._round_kept)
                 bad += self._round_bad
-                if self._fold is not None:
+                if self._compressed_fold is not None:
+                    self._fold_compressed(round_number, got, [position[cid] for cid in got])
+                elif self._fold is not None:
                     where = [position[cid] for cid in got]
                     excluded = self._fold.add(self.updates[:len(got)], where)
                     if self._buffer_fold is not None:
@@ -304,6 +312,23 @@ class RoundTraining:
         if self._starts is None:
             return None, None
         return (torch.stack([self._starts[c][0] for c in clients]), [self._starts[c][1] for c in clients])
+
+    def _fold_compressed(self, round_number: int, got: List[int], where: List[int]) -> None:
+        """A folded round of compressed updates: the chunk's clients ``got`` (at
+        ``where`` in the round) encode their rows now, before the next chunk overwrites
+        them, and are screened as the unfolded round screens them
+        (:meth:`ClientCompression.encode` / ``screen``); their buffers and SCAFFOLD's
+        option II fold without the ones left out."""
+        replies, left_out = self.compression.encode(self.updates[:len(got)], got, round_number)
+        kept, malformed = self.compression.screen(replies)
+        self._compressed_fold[0].extend(kept)
+        self._compressed_fold[1].extend(left_out + malformed)
+        out = {cid for cid, _, _ in left_out + malformed}
+        excluded = torch.tensor([cid in out for cid in got], dtype=torch.bool, device=self.device)
+        if self._buffer_fold is not None:
+            self._buffer_fold.add(self.buffer_rows[:len(got)], where, excluded)
+        if self.scaffold is not None:
+            self.scaffold.fold_chunk(got, excluded)
 
     def _client_rows(self, cid: int) -> torch.Tensor:
         """Client ``cid``'s sample indices into what the engines train on: the training

@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = ["Purpose", "derive_seed", "init_seed", "sampling_seed", "batch_seed", "proxy_seed",
            "proxy_order_seed", "dropout_seed", "corrupt_seed", "corrupt_client_seed", "attack_seed",
-           "attack_noise_seed"]
+           "attack_noise_seed", "compress_key"]
 
 
 class Purpose(IntEnum):
@@ -30,6 +30,7 @@ class Purpose(IntEnum):
     CORRUPT = 7      # which clients are corrupted, and each one's label map or noise
     ATTACK = 8       # which clients attack (fl/attacks.py), and the noise of the gaussian attack
     DP_NOISE = 9     # the noise of differentially private aggregation (server/dp.py: dp_noise_seed)
+    COMPRESS = 10    # a round's key of compressed updates: Hadamard signs, stochastic rounding
 
 
 def derive_seed(*keys: int) -> int:
@@ -87,3 +88,10 @@ def attack_seed(seed: int) -> int:
 def attack_noise_seed(seed: int, round_number: int, client: int) -> int:
     """The seed of attacking client ``client``'s gaussian update in round ``round_number``."""
     return derive_seed(seed, Purpose.ATTACK, 1, round_number, client)
+
+
+def compress_key(seed: int, round_number: int) -> int:
+    """The key of round ``round_number``'s compressed updates (fl/compressed_updates.py):
+    the Hadamard rotation's signs, shared by the round's clients, and, with each client's
+    id, its stochastic rounding's uniforms."""
+    return derive_seed(seed, Purpose.COMPRESS, round_number)

@@ -38,6 +38,7 @@ from typing import Optional
 from torch import nn
 
 from .. import server as S
+from ..server.compressed import CompressedDecoder
 from ..server.robust_aggregator import RobustAggregator
 from .config import SimulationConfig
 from .privacy import privacy_of
@@ -82,8 +83,11 @@ class ServerSide:
         self.robust: Optional[RobustAggregator] = (RobustAggregator(config.aggregator, **config.aggregator_params)
                                                    if config.aggregator != "mean" else None)
         self.privacy = privacy_of(config)
+        # compressed replies (--compress) are decoded inside the aggregation, or into rows for a robust rule / DP
+        decoder = (CompressedDecoder(rows=self.robust is not None or self.privacy is not None)
+                   if config.compress != "none" else None)
         self.round = S.ServerRound(server, self.weighting, config.max_weight_share, aggregator=self.robust,
-                                   privacy=self.privacy, client_state=client_state, model=model)
+                                   privacy=self.privacy, client_state=client_state, model=model, decoder=decoder)
 
     @property
     def server(self):

@@ -78,6 +78,7 @@ from .batched import BatchedTrainer
 from .client import NONFINITE_TRAINING as _NONFINITE_TRAINING
 from .client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
 from .client_state import ClientStateStore
+from .compressed_updates import COMPRESSED_REASONS, ClientCompression
 from .config import ConfigError, SimulationConfig
 from .corruption import corrupt_client_data
 from .data import FederatedDataset, LazyFederatedDataset
@@ -94,6 +95,8 @@ from .server_side import BAD_CLIENT_REASONS, ServerSide
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
 STATE_VERSION = 1
+_COMPRESS_DEFAULTS = dict(compress="none", compress_block=256, compress_stochastic=False, compress_rotate=False,
+                          error_feedback=False)
 _log = logging.getLogger(__name__)
 
 
@@ -202,6 +205,11 @@ class Simulation(RoundTraining):
         if self.attack is not None:
             self.results.meta["attack"] = self.attack.to_dict()
         self.robust: Optional[RobustAggregator] = self.server.robust
+        # compressed updates (--compress): the clients' codec, error feedback's residuals in the store
+        codec = config.codec()
+        self.compression = (ClientCompression(codec, self.numel, config.seed, store=self.client_state,
+                                              error_feedback=config.error_feedback, backend=config.backend,
+                                              device=self.device) if codec is not None else None)
         if self.robust is not None:
             self.results.meta["aggregator"] = self.robust.to_dict()
         self.batched: Optional[BatchedTrainer] = None
@@ -493,6 +501,8 @@ class Simulation(RoundTraining):
         kept = self._round_kept
         buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
         common = dict(clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS, order=clients)
+        if self.compression is not None:
+            return self._compressed_replies(clients, buffer_fold)
         if not kept:  # no client left: the round is skipped, as when every update is NaN/Inf
             return RoundReplies(None, **common), {}
         if self._fold is not None:  # a folded chunked round: the running sums are the aggregation
@@ -508,6 +518,39 @@ class Simulation(RoundTraining):
             rows.neg_().add_(self.x_global)
         buffers = self.buffer_rows[:len(kept)] if self._has_buffers else None
         return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, **common), extra
+
+    def _compressed_replies(self, clients: List[int], buffer_fold) -> tuple:
+        """:meth:`_round_replies` of a round of compressed updates (fl/compressed_updates.py):
+        the attackers replace their updates, then every client encodes its own (with its
+        error-feedback residual), and the replies are screened as they arrive -- an update
+        holding NaN/Inf left out as ``nonfinite``, a malformed reply as ``malformed``.  The
+        server decodes the rest inside its aggregation; the record gets the bytes up."""
+        kept, r = self._round_kept, self.round + 1
+        extra = {}
+        folded, self._compressed_fold = self._compressed_fold, None
+        if folded is not None:  # a folded round: the chunks were encoded and screened as they trained
+            good, out = folded
+        else:
+            rows = self.updates[:len(kept)]
+            if self.privacy is not None:  # dp_mode server only (the config refuses client clipping)
+                self.privacy.clip_client_updates_(rows)
+            if self.attack is not None:
+                extra["attacked_clients"] = self.attack.apply_(rows, kept, r)
+            replies, nonfinite = self.compression.encode(rows, kept, r)
+            good, malformed = self.compression.screen(replies)
+            out = nonfinite + malformed
+        extra.update(self.compression.record(good))
+        position = {cid: i for i, cid in enumerate(kept)}
+        rows_in = [position[cid] for cid, _ in good]
+        common = dict(clients=[cid for cid, _ in good], left_out=list(self._round_bad) + out,
+                      reasons=COMPRESSED_REASONS, order=clients)
+        if not good:
+            return RoundReplies(None, **common), extra
+        buffers = buffer_fold
+        if buffers is None and self._has_buffers:
+            buffers = self.buffer_rows[:len(kept)][torch.tensor(rows_in, device=self.device)]
+        return RoundReplies(self.compression.round_replies(good, r), sizes=self.client_sizes[[cid for cid, _ in good]],
+                            buffers=buffers, **common), extra
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:
@@ -559,6 +602,8 @@ class Simulation(RoundTraining):
             "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
                                 for c, bufs in self.trainer.momentum_buffers.items()}
                                if self.trainer.momentum_buffers else None),
+            # --error-feedback: each client's residual (what its replies lost so far)
+            "error_feedback": self.compression.state_dict() if self.compression is not None else None,
         }
 
     _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client",
@@ -574,6 +619,10 @@ class Simulation(RoundTraining):
         for key, value in state["config"].items():
             if key not in self._RESUMABLE and mine.get(key) != value:
                 raise ValueError(f"the checkpoint was made with {key}={value!r}, this run has {mine.get(key)!r}")
+        for key, default in _COMPRESS_DEFAULTS.items():  # a checkpoint older than --compress ran without it
+            if key not in state["config"] and mine[key] != default:
+                raise ValueError(f"the checkpoint was made with {key}={default!r} (before the setting existed), "
+                                 f"this run has {mine[key]!r}")
         with torch.no_grad():
             self.x_global.copy_(state["x_global"])
             if self._has_buffers and state.get("buffers") is not None:
@@ -588,6 +637,8 @@ class Simulation(RoundTraining):
         if state.get("local_momentum"):
             self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
                                              for c, bufs in state["local_momentum"].items()}
+        if self.compression is not None:
+            self.compression.load_state_dict(state.get("error_feedback"))
         self.round = int(state["round"])
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])

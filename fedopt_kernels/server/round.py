@@ -26,7 +26,9 @@ re-implements a part of it.  In order, a round:
    by value, capped under ``max_weight_share``); the step, the buffers and every layer
    below take them as :class:`~.aggregation.CheckedWeights` and only normalise;
 3. aggregates through one composed pipeline: *decode* (the ``decoder`` slot: compressed
-   replies become updates here; identity today), then the *rule* -- the optimizer's
+   replies, :class:`~.compressed.CompressedReplies`, are aggregated by the fused
+   decode-aggregate or decoded into rows for a robust rule or DP: :mod:`.compressed`),
+   then the *rule* -- the optimizer's
    weighted mean, a robust ``aggregator`` (:class:`~.robust_aggregator.RobustAggregator`)
    or, with ``privacy`` (:class:`~.privacy.RoundPrivacy`), DP-FedAvg's clipped noisy
    mean -- made the server optimizer's aggregation seam (:mod:`.aggregation`); replies
@@ -53,6 +55,7 @@ import torch
 
 from ..utils.flat import buffers_to_vector, vector_to_buffers
 from .aggregation import CheckedWeights, RunningAggregate, check_round_weights
+from .compressed import DecodeAggregate
 from .robust_aggregator import refuse_robust_statistics
 from .round_stats import ServerRoundStats, read_metrics
 from .weighting import BufferAverage, average_buffers, cap_weight_shares, client_weights
@@ -286,7 +289,11 @@ class ServerRound:
         return round_weights(self.weighting, sizes, self.max_weight_share)
 
     def step(self, results, weights: Optional[CheckedWeights]) -> ServerRoundStats:
-        """The server step alone on the clients' ``results`` with the round's ``weights``."""
+        """The server step alone on the clients' ``results`` with the round's ``weights``
+        (decoded compressed replies, :class:`~.compressed.DecodeAggregate`: aggregated by
+        their fused decode-aggregate)."""
+        if isinstance(results, DecodeAggregate):
+            return self._server.round(results.replies, weights, aggregator=results)
         return self._server.round(results, weights)
 
     def buffers(self, rows: torch.Tensor, weights: Optional[CheckedWeights], current: torch.Tensor,

@@ -39,6 +39,10 @@ constexpr int64_t kTileVecs = 2;  // 4 ymm
 constexpr int64_t kTileVecs = 1;  // 4 xmm of SSE's 16
 #endif
 constexpr int64_t kTile = kTileVecs * kLanes;
+// Each client's codes are prefetched this many columns ahead of its tile: C interleaved
+// streams are more than the hardware prefetcher follows (measured on Zen 5, C = 20,
+// AVX-512, one thread: int8 ~1.6x faster with it; 256 to 2048 columns about the same).
+constexpr int64_t kPrefetchColumns = 512;
 
 // q (as floats) of the 16 codes of elements t .. t + 15 (t a multiple of 16).
 template <int kKind>
@@ -125,11 +129,13 @@ inline void decode_chunk_kind(int64_t C, const uint8_t* const* codes, const floa
   const int64_t nt = len / kTile;
   for (int64_t k = 0; k < nt; ++k) {
     const int64_t t0 = j0 + k * kTile;
+    const int64_t pf = t0 + kPrefetchColumns < j0 + len ? t0 + kPrefetchColumns : j0 + len - 1;  // in bounds
     int64_t sidx[kTileVecs];
     for (int64_t v = 0; v < kTileVecs; ++v) sidx[v] = (t0 + v * kLanes) / block;
     F32xL a[kTileVecs];
     for (int64_t v = 0; v < kTileVecs; ++v) a[v] = F32xL{} ;
     for (int64_t i = 0; i < C; ++i) {
+      __builtin_prefetch(codes[i] + (kKind == 1 ? pf / 2 : pf));
       F32xL ln;
       __builtin_memcpy(&ln, lanes + i * kLanes, sizeof(ln));
       if (w[i] != 0.0f) {

@@ -38,6 +38,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <fedopt/gaussian_noise.h>  // Philox4x32-10 (the codecs' stochastic rounding)
+
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define FEDOPT_CK_X86 1
 #else

@@ -237,25 +237,12 @@ inline void scale_into(float gamma, const float* acc, int64_t len, float* out) {
 // ---------------------------------------------------------------------------------------
 // The client's encode (block quantization to int8 / int4), one block at a time.
 
-// x0 of Philox4x32-10 under `key` at counter (j lo, j hi, c2, c3): python_ref's
-// philox4x32_10 step for step (gaussian_noise.h has the (j, 0, 0) form of the noise).
-inline uint32_t philox_x0(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
-  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32);
-  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-#pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
-    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
-    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
-    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
-    c1 = static_cast<uint32_t>(p1);
-    c3 = static_cast<uint32_t>(p0);
-    c0 = n0;
-    c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c0;
+// x0 of Philox4x32-10 under `key` at counter (j lo, j hi, c2, c3): gaussian_noise.h's
+// rounds (included before the target switches), inlined into this build.
+__attribute__((always_inline)) inline uint32_t philox_x0(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
+  uint32_t x0, x1;
+  noise::philox4x32_10(key, j, c2, c3, x0, x1);
+  return x0;
 }
 
 // Codes of the `len` values x[0, len) of one block starting at element j0: the block's

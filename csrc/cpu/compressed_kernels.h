@@ -26,8 +26,8 @@ constexpr int64_t kLanes = 16;
 // AVX-512); acc is never loaded or stored, out is written once.  The previous form (acc in
 // an L2-resident 64 Ki buffer, read and written once per client) and GCC 12's
 // __builtin_convertvector of int8 lanes (scalarised: a movsbl/vpinsrd per code) made it
-// instruction-bound at ~1x the fp32 floor.  fp8 still decodes through its 256-entry table
-// (scalar loads; no target for it).  The chunk starts at a block boundary and every block
+// instruction-bound at ~1x the fp32 floor.  fp8 decodes through its 256-entry table (a
+// gather on AVX2 / AVX-512; no target for it).  The chunk starts at a block boundary and every block
 // is a multiple of 32 values, so each 16-value vector lies in one block.
 typedef float F32xL __attribute__((vector_size(4 * kLanes)));
 
@@ -58,6 +58,10 @@ inline F32xL decode16(const uint8_t* __restrict__ codes, int64_t t, const float*
     const __m512i up = _mm512_set_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
     return (F32xL)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(x, up), 28));
   }
+  if (kKind == 2) {  // the 256-entry table, an L1-resident gather (scalar loads through a buffer stall)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + t));
+    return (F32xL)_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
+  }
 #elif FEDOPT_CK_ISA == 2
   if (kKind == 0 || kKind == 1) {
     __m256i h0, h1;
@@ -72,6 +76,15 @@ inline F32xL decode16(const uint8_t* __restrict__ codes, int64_t t, const float*
       h1 = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(d, 8)), up), 28);
     }
     const __m256 f[2] = {_mm256_cvtepi32_ps(h0), _mm256_cvtepi32_ps(h1)};
+    F32xL q;
+    __builtin_memcpy(&q, f, sizeof(q));
+    return q;
+  }
+  if (kKind == 2) {
+    const __m256 f[2] = {
+        _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t))), 4),
+        _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t + 8))),
+                            4)};
     F32xL q;
     __builtin_memcpy(&q, f, sizeof(q));
     return q;

@@ -160,6 +160,36 @@ def test_an_aggregation_that_drops_a_client_fails_aggregate_and_weighted_sum(cap
     assert "out " in report  # the failing comparison is named
 
 
+def test_a_codec_kernel_that_drops_a_client_or_rounds_wrong_fails_the_compressed_rows(capsys, tmp_path,
+                                                                                       monkeypatch):
+    """The codec rows compare real values: a CPU decode-aggregate that drops the last
+    client and a CPU encode whose scales are 1% off each fail their own row, on the CPU
+    backend only (the reference rows still pass)."""
+    require_backend("cpu")
+    from fedopt_kernels.backends import compressed as table
+
+    agg, quant = table._BLOCK["cpu"], table._QUANTIZE["cpu"]
+
+    def drops_the_last_client(codes, scales, kind, block, numel, weights, *rest):
+        weights = weights.clone()
+        weights[-1] = 0
+        return agg(codes, scales, kind, block, numel, weights, *rest)
+
+    def scales_off(*args):
+        codes, scales = quant(*args)
+        return codes, scales * 1.01
+
+    monkeypatch.setitem(table._BLOCK, "cpu", drops_the_last_client)
+    monkeypatch.setitem(table._QUANTIZE, "cpu", scales_off)
+    rc, doc, _, _ = _selftest(capsys, tmp_path, "--backends", "reference,cpu", "--quick")
+    assert rc == 1
+    assert _failing(doc) == {("compressed decode_aggregate", "cpu"), ("compressed encode", "cpu")}
+    errors = {r["op"]: r["errors"] for r in doc["results"] if r["status"] == "FAIL"}
+    assert any(e.startswith("out int8") and "vs fp64 decode" in e for e in errors["compressed decode_aggregate"])
+    assert any("vs python_ref" in e for e in errors["compressed encode"])
+    assert any("vs max|x|/qmax" in e for e in errors["compressed encode"])
+
+
 def test_a_wrong_python_ref_is_caught_by_the_fp64_formula(capsys, tmp_path, monkeypatch):
     """A python_ref bug fails the reference backend against the fp64 formula, and the
     correct kernels against python_ref only -- which says where the bug is."""

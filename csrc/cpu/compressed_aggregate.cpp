@@ -38,15 +38,25 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <fedopt/gaussian_noise.h>  // Philox4x32-10 (the codecs' stochastic rounding)
+
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define FEDOPT_CK_X86 1
 #else
 #define FEDOPT_CK_X86 0
 #endif
+#if FEDOPT_CK_X86
+#include <immintrin.h>  // before the target switches: GCC's intrinsics carry their own target attributes
+#endif
+
+// FEDOPT_CK_ISA tells compressed_kernels.h which intrinsics its decode may use (GCC 12
+// does not define __AVX512F__ under `#pragma GCC target`): 0 none, 2 AVX2, 512 AVX-512.
 
 namespace fedopt::cpu::compressed {
 namespace DEFAULT {
+#define FEDOPT_CK_ISA 0
 #include "compressed_kernels.h"
+#undef FEDOPT_CK_ISA
 }  // namespace DEFAULT
 }  // namespace fedopt::cpu::compressed
 
@@ -55,7 +65,9 @@ namespace DEFAULT {
 #pragma GCC target("avx2,fma,f16c")
 namespace fedopt::cpu::compressed {
 namespace AVX2 {
+#define FEDOPT_CK_ISA 2
 #include "compressed_kernels.h"
+#undef FEDOPT_CK_ISA
 }  // namespace AVX2
 }  // namespace fedopt::cpu::compressed
 #pragma GCC pop_options
@@ -63,7 +75,9 @@ namespace AVX2 {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace fedopt::cpu::compressed {
 namespace AVX512 {
+#define FEDOPT_CK_ISA 512
 #include "compressed_kernels.h"
+#undef FEDOPT_CK_ISA
 }  // namespace AVX512
 }  // namespace fedopt::cpu::compressed
 #pragma GCC pop_options
@@ -83,12 +97,14 @@ struct Loops {
   float (*sum_squares)(const float*, int64_t);
   void (*scale_into)(float, const float*, int64_t, float*);
   float (*quantize_block)(const float*, int64_t, float, bool, uint64_t, int64_t, uint32_t, uint32_t, int8_t*);
-  float (*decode_accumulate)(int, const uint8_t*, const float*, int64_t, int64_t, const float*, float, float*);
+  void (*decode_chunk)(int, int64_t, const uint8_t* const*, const float* const*, const float*, int64_t, int64_t,
+                       int64_t, const float*, float, float*, float*, float*, float*);
+  float (*add_lanes)(const float*);
 };
 
 #define FEDOPT_CK_LOOPS(NS) \
   Loops { &NS::scatter_axpy, &NS::sum_squares, &NS::scale_into, &NS::quantize_block, \
-        &NS::decode_accumulate }
+        &NS::decode_chunk, &NS::add_lanes }
 
 const Loops& loops() {
   static const Loops chosen = [] {
@@ -198,14 +214,12 @@ std::tuple<Tensor, Tensor> block_decode_aggregate_cpu(at::TensorList codes, at::
   float* o = out.data_ptr<float>();
   parallel_chunks(nc, cols, [&](int64_t c, float* acc, float*) {
     const int64_t j0 = c * cols, len = std::min(cols, N - j0);
-    std::fill(acc, acc + len, 0.0f);
-    for (int64_t i = 0; i < C; ++i) {
-      const uint8_t* q = cp[i] + (kind == 1 ? j0 / 2 : j0);
-      part[c * C + i] = L.decode_accumulate(static_cast<int>(kind), q, sp[i] + j0 / block, block, len, lut,
-                                            cm.w[i], acc);
-    }
-    total[c] = L.sum_squares(acc, len);
-    L.scale_into(cm.gamma, acc, len, o + j0);
+    std::vector<float> lanes((C + 1) * DEFAULT::kLanes, 0.0f);  // each client's, then acc's
+    float* tot = lanes.data() + C * DEFAULT::kLanes;
+    L.decode_chunk(static_cast<int>(kind), C, cp.data(), sp.data(), cm.w.data(), block, j0, len, lut, cm.gamma,
+                   lanes.data(), tot, acc, o + j0);
+    for (int64_t i = 0; i < C; ++i) part[c * C + i] = L.add_lanes(lanes.data() + i * DEFAULT::kLanes);
+    total[c] = L.add_lanes(tot);
   });
   return finish(part, total, nc, C);
 }

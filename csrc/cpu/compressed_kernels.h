@@ -12,89 +12,213 @@
 
 constexpr int64_t kLanes = 16;
 
-// One client's chunk in ONE pass: v = s_b * q decoded in registers, lanes[t mod kLanes] +=
-// v^2 and (w != 0) acc[t] = acc[t] + w * v; the same operations, lane layout and order as
-// a decode into a buffer, sum_squares of it and acc += w v (so the same bits), without the
-// buffer round trip.  Written with GCC vector types of kLanes floats: each lane is one
+// The decode-aggregate of one chunk [j0, j0 + len) of the columns, for all C clients, in
+// ONE pass: v = s_b * q decoded in registers, per client lanes_i[t mod kLanes] += v^2, and
+// acc[t] = acc[t] + w_i * v in client order (a client of weight 0 not added); then the
+// chunk's lanes of acc^2 and out = gamma * acc.  The same operations, lane layout and order
+// as a decode into a buffer, sum_squares of it and acc += w v (so the same bits), without
+// the buffer round trip.  Written with GCC vector types of kLanes floats: each lane is one
 // IEEE operation, so the DEFAULT build (four SSE registers per vector) and the AVX-512
-// build (one zmm) give the same bits.  (The plain loops were left scalar by GCC's SLP
-// vectoriser: 1.8 ns per value.)  The chunk starts at a block boundary and every block
-// but the chunk's last is whole (a multiple of 32 values): only the chunk's end is ragged.
+// build (one zmm) give the same bits.
+//
+// Why tiles: the accumulator of kTileVecs vectors stays in registers while every client's
+// codes of those columns are read (one 16-byte load, vpmovsxbd, vcvtdq2ps per 16 codes on
+// AVX-512); acc is never loaded or stored, out is written once.  The previous form (acc in
+// an L2-resident 64 Ki buffer, read and written once per client) and GCC 12's
+// __builtin_convertvector of int8 lanes (scalarised: a movsbl/vpinsrd per code) made it
+// instruction-bound at ~1x the fp32 floor.  fp8 decodes through its 256-entry table (a
+// gather on AVX2 / AVX-512; no target for it).  The chunk starts at a block boundary and every block
+// is a multiple of 32 values, so each 16-value vector lies in one block.
 typedef float F32xL __attribute__((vector_size(4 * kLanes)));
-typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
-typedef int8_t I8xL __attribute__((vector_size(kLanes)));
-typedef int8_t I8xH __attribute__((vector_size(kLanes / 2)));
 
+#if FEDOPT_CK_ISA == 512
+constexpr int64_t kTileVecs = 4;  // 4 zmm accumulators; more measured no faster
+#elif FEDOPT_CK_ISA == 2
+constexpr int64_t kTileVecs = 2;  // 4 ymm
+#else
+constexpr int64_t kTileVecs = 1;  // 4 xmm of SSE's 16
+#endif
+constexpr int64_t kTile = kTileVecs * kLanes;
+// Each client's codes are prefetched this many columns ahead of its tile: C interleaved
+// streams are more than the hardware prefetcher follows (measured on Zen 5, C = 20,
+// AVX-512, one thread: int8 ~1.6x faster with it; 256 to 2048 columns about the same).
+constexpr int64_t kPrefetchColumns = 512;
+
+// q (as floats) of the 16 codes of elements t .. t + 15 (t a multiple of 16).
+template <int kKind>
+inline F32xL decode16(const uint8_t* __restrict__ codes, int64_t t, const float* __restrict__ lut) {
+#if FEDOPT_CK_ISA == 512
+  if (kKind == 0) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + t));
+    return (F32xL)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+  if (kKind == 1) {  // byte m -> lanes 2m (low nibble) and 2m + 1 (high), sign-extended by shifts
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t / 2));
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(b, b));
+    const __m512i up = _mm512_set_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
+    return (F32xL)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(x, up), 28));
+  }
+  if (kKind == 2) {  // the 256-entry table, an L1-resident gather (scalar loads through a buffer stall)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + t));
+    return (F32xL)_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
+  }
+#elif FEDOPT_CK_ISA == 2
+  if (kKind == 0 || kKind == 1) {
+    __m256i h0, h1;
+    if (kKind == 0) {
+      h0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t)));
+      h1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t + 8)));
+    } else {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t / 2));
+      const __m128i d = _mm_unpacklo_epi8(b, b);
+      const __m256i up = _mm256_set_epi32(24, 28, 24, 28, 24, 28, 24, 28);
+      h0 = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_cvtepi8_epi32(d), up), 28);
+      h1 = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(d, 8)), up), 28);
+    }
+    const __m256 f[2] = {_mm256_cvtepi32_ps(h0), _mm256_cvtepi32_ps(h1)};
+    F32xL q;
+    __builtin_memcpy(&q, f, sizeof(q));
+    return q;
+  }
+  if (kKind == 2) {
+    const __m256 f[2] = {
+        _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t))), 4),
+        _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t + 8))),
+                            4)};
+    F32xL q;
+    __builtin_memcpy(&q, f, sizeof(q));
+    return q;
+  }
+#endif
+  float g[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    if (kKind == 0) {
+      g[l] = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[t + l]);
+    } else if (kKind == 1) {
+      const int8_t byte = static_cast<int8_t>(codes[(t + l) / 2]);
+      g[l] = static_cast<float>(l % 2 ? byte >> 4 : static_cast<int8_t>(byte << 4) >> 4);
+    } else {
+      g[l] = lut[codes[t + l]];
+    }
+  }
+  F32xL q;
+  __builtin_memcpy(&q, g, sizeof(q));
+  return q;
+}
+
+// q of element j, one at a time (the chunk's ragged end).
+template <int kKind>
+inline float decode1(const uint8_t* codes, int64_t j, const float* lut) {
+  if (kKind == 0) return static_cast<float>(reinterpret_cast<const int8_t*>(codes)[j]);
+  if (kKind == 1) {
+    const int8_t byte = static_cast<int8_t>(codes[j / 2]);
+    return static_cast<float>(j % 2 ? byte >> 4 : static_cast<int8_t>(byte << 4) >> 4);
+  }
+  return lut[codes[j]];
+}
+
+// lanes += x^2 and (kAdd) a[v] = a[v] + w x for the kTileVecs vectors of one client's tile.
 template <int kKind, bool kAdd>
-inline void decode_accumulate_kind(const uint8_t* __restrict__ codes, const float* __restrict__ s, int64_t block,
-                                   int64_t len, const float* __restrict__ lut, float w, float* __restrict__ acc,
-                                   float* __restrict__ lanes_out) {
-  F32xL lanes;
-  __builtin_memcpy(&lanes, lanes_out, sizeof(lanes));
-  for (int64_t b0 = 0; b0 < len; b0 += block) {
-    const float sb = s[b0 / block];
-    const int64_t e = b0 + block < len ? b0 + block : len;
-    int64_t t = b0;
-    for (; t + kLanes <= e; t += kLanes) {
-      F32xL q;
-      if (kKind == 0) {
-        I8xL c;
-        __builtin_memcpy(&c, codes + t, sizeof(c));
-        q = __builtin_convertvector(__builtin_convertvector(c, I32xL), F32xL);
-      } else if (kKind == 1) {
-        I8xH b;
-        __builtin_memcpy(&b, codes + t / 2, sizeof(b));
-        const I8xH lo = (b << 4) >> 4, hi = b >> 4;  // arithmetic shifts: signed nibbles
-        const I8xL c = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-        q = __builtin_convertvector(__builtin_convertvector(c, I32xL), F32xL);
+inline void tile_client(const uint8_t* __restrict__ c, const float* __restrict__ s, const int64_t* sidx, int64_t t0,
+                        float w, const float* __restrict__ lut, F32xL& lanes, F32xL* a) {
+#pragma GCC unroll 8
+  for (int64_t v = 0; v < kTileVecs; ++v) {
+    const F32xL x = s[sidx[v]] * decode16<kKind>(c, t0 + v * kLanes, lut);
+    lanes = lanes + x * x;
+    if (kAdd) a[v] = a[v] + w * x;
+  }
+}
+
+// The chunk [j0, j0 + len) of C clients (codes[i], scales[i]: the whole reply); lanes
+// [C][kLanes] (zero on entry) take each client's v^2, tot_lanes (zero on entry) acc^2;
+// acc: scratch of len floats; out: the chunk's output.
+template <int kKind>
+inline void decode_chunk_kind(int64_t C, const uint8_t* const* codes, const float* const* scales, const float* w,
+                              int64_t block, int64_t j0, int64_t len, const float* __restrict__ lut, float gamma,
+                              float* __restrict__ lanes, float* __restrict__ tot_lanes, float* __restrict__ acc,
+                              float* __restrict__ out) {
+  F32xL tot;
+  __builtin_memcpy(&tot, tot_lanes, sizeof(tot));
+  const int64_t nt = len / kTile;
+  for (int64_t k = 0; k < nt; ++k) {
+    const int64_t t0 = j0 + k * kTile;
+    const int64_t pf = t0 + kPrefetchColumns < j0 + len ? t0 + kPrefetchColumns : j0 + len - 1;  // in bounds
+    int64_t sidx[kTileVecs];
+    for (int64_t v = 0; v < kTileVecs; ++v) sidx[v] = (t0 + v * kLanes) / block;
+    F32xL a[kTileVecs];
+    for (int64_t v = 0; v < kTileVecs; ++v) a[v] = F32xL{} ;
+    for (int64_t i = 0; i < C; ++i) {
+      __builtin_prefetch(codes[i] + (kKind == 1 ? pf / 2 : pf));
+      F32xL ln;
+      __builtin_memcpy(&ln, lanes + i * kLanes, sizeof(ln));
+      if (w[i] != 0.0f) {
+        tile_client<kKind, true>(codes[i], scales[i], sidx, t0, w[i], lut, ln, a);
       } else {
-        float g[kLanes];
-        for (int64_t l = 0; l < kLanes; ++l) g[l] = lut[codes[t + l]];
-        __builtin_memcpy(&q, g, sizeof(q));
+        tile_client<kKind, false>(codes[i], scales[i], sidx, t0, w[i], lut, ln, a);
       }
-      const F32xL v = sb * q;
-      lanes = lanes + v * v;
-      if (kAdd) {
+      __builtin_memcpy(lanes + i * kLanes, &ln, sizeof(ln));
+    }
+    for (int64_t v = 0; v < kTileVecs; ++v) {
+      tot = tot + a[v] * a[v];
+      const F32xL o = gamma * a[v];
+      __builtin_memcpy(out + k * kTile + v * kLanes, &o, sizeof(o));
+    }
+  }
+  // The rest (< kTile columns): whole vectors, then the ragged end one value at a time
+  // (lanes 0, 1, ..., as sum_squares), through the scratch accumulator.
+  const int64_t r0 = nt * kTile, rv = r0 + (len - r0) / kLanes * kLanes;
+  for (int64_t t = r0; t < len; ++t) acc[t] = 0.0f;
+  for (int64_t i = 0; i < C; ++i) {
+    float* li = lanes + i * kLanes;
+    F32xL ln;
+    __builtin_memcpy(&ln, li, sizeof(ln));
+    for (int64_t t = r0; t < rv; t += kLanes) {
+      const F32xL x = scales[i][(j0 + t) / block] * decode16<kKind>(codes[i], j0 + t, lut);
+      ln = ln + x * x;
+      if (w[i] != 0.0f) {
         F32xL a;
         __builtin_memcpy(&a, acc + t, sizeof(a));
-        a = a + w * v;
+        a = a + w[i] * x;
         __builtin_memcpy(acc + t, &a, sizeof(a));
       }
     }
-    for (int64_t l = 0; t + l < e; ++l) {  // the chunk's ragged end: lanes 0, 1, ... as sum_squares
-      const int64_t j = t + l;
-      float q;
-      if (kKind == 0) {
-        q = static_cast<float>(reinterpret_cast<const int8_t*>(codes)[j]);
-      } else if (kKind == 1) {
-        const int8_t byte = static_cast<int8_t>(codes[j / 2]);
-        q = static_cast<float>(j % 2 ? byte >> 4 : static_cast<int8_t>(byte << 4) >> 4);
-      } else {
-        q = lut[codes[j]];
-      }
-      const float v = sb * q;
-      lanes[l] = lanes[l] + v * v;
-      if (kAdd) acc[j] = acc[j] + w * v;
+    __builtin_memcpy(li, &ln, sizeof(ln));
+    for (int64_t t = rv; t < len; ++t) {
+      const float x = scales[i][(j0 + t) / block] * decode1<kKind>(codes[i], j0 + t, lut);
+      li[t - rv] = li[t - rv] + x * x;
+      if (w[i] != 0.0f) acc[t] = acc[t] + w[i] * x;
     }
   }
-  __builtin_memcpy(lanes_out, &lanes, sizeof(lanes));
+  for (int64_t t = r0; t < rv; t += kLanes) {
+    F32xL a;
+    __builtin_memcpy(&a, acc + t, sizeof(a));
+    tot = tot + a * a;
+    const F32xL o = gamma * a;
+    __builtin_memcpy(out + t, &o, sizeof(o));
+  }
+  __builtin_memcpy(tot_lanes, &tot, sizeof(tot));
+  for (int64_t t = rv; t < len; ++t) {
+    tot_lanes[t - rv] = tot_lanes[t - rv] + acc[t] * acc[t];
+    out[t] = gamma * acc[t];
+  }
 }
 
-// Returns the chunk's sum of v^2 (the lanes added in sum_squares' fixed tree).
-inline float decode_accumulate(int kind, const uint8_t* codes, const float* s, int64_t block, int64_t len,
-                               const float* lut, float w, float* acc) {
-  float lanes[kLanes] = {};
-  const bool add = w != 0.0f;
+inline void decode_chunk(int kind, int64_t C, const uint8_t* const* codes, const float* const* scales,
+                         const float* w, int64_t block, int64_t j0, int64_t len, const float* lut, float gamma,
+                         float* lanes, float* tot_lanes, float* acc, float* out) {
   if (kind == 0) {
-    add ? decode_accumulate_kind<0, true>(codes, s, block, len, lut, w, acc, lanes)
-        : decode_accumulate_kind<0, false>(codes, s, block, len, lut, w, acc, lanes);
+    decode_chunk_kind<0>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out);
   } else if (kind == 1) {
-    add ? decode_accumulate_kind<1, true>(codes, s, block, len, lut, w, acc, lanes)
-        : decode_accumulate_kind<1, false>(codes, s, block, len, lut, w, acc, lanes);
+    decode_chunk_kind<1>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out);
   } else {
-    add ? decode_accumulate_kind<2, true>(codes, s, block, len, lut, w, acc, lanes)
-        : decode_accumulate_kind<2, false>(codes, s, block, len, lut, w, acc, lanes);
+    decode_chunk_kind<2>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out);
   }
+}
+
+// The fixed tree of sum_squares over kLanes lanes.
+inline float add_lanes(const float* in) {
+  float lanes[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = in[l];
   for (int64_t h = kLanes / 2; h >= 1; h /= 2)
     for (int64_t l = 0; l < h; ++l) lanes[l] = lanes[l] + lanes[l + h];
   return lanes[0];
@@ -126,25 +250,12 @@ inline void scale_into(float gamma, const float* acc, int64_t len, float* out) {
 // ---------------------------------------------------------------------------------------
 // The client's encode (block quantization to int8 / int4), one block at a time.
 
-// x0 of Philox4x32-10 under `key` at counter (j lo, j hi, c2, c3): python_ref's
-// philox4x32_10 step for step (gaussian_noise.h has the (j, 0, 0) form of the noise).
-inline uint32_t philox_x0(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
-  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32);
-  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-#pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
-    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
-    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
-    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
-    c1 = static_cast<uint32_t>(p1);
-    c3 = static_cast<uint32_t>(p0);
-    c0 = n0;
-    c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c0;
+// x0 of Philox4x32-10 under `key` at counter (j lo, j hi, c2, c3): gaussian_noise.h's
+// rounds (included before the target switches), inlined into this build.
+__attribute__((always_inline)) inline uint32_t philox_x0(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
+  uint32_t x0, x1;
+  noise::philox4x32_10(key, j, c2, c3, x0, x1);
+  return x0;
 }
 
 // Codes of the `len` values x[0, len) of one block starting at element j0: the block's

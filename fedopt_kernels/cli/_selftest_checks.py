@@ -506,6 +506,105 @@ def server_update_skip(ctx: Ctx, rec: Record) -> None:
                     rec.bitwise(f"{name}[{i}] {_dt(dtype)} rule {rule}", t, t0)
 
 
+# ------------------------------------------------------------------- compressed
+
+_QMAX = {"int8": 127.0, "int4": 7.0}
+
+
+def _decode64(reply) -> torch.Tensor:
+    """The float64 vector a reply stands for, from the codec's definition (not python_ref):
+    x_j = s[j // block] * q_j, q int8, a signed nibble (low first) or an e4m3 value; top-k
+    the values at their indices, 0 elsewhere."""
+    n = reply.numel
+    if reply.codec == "topk":
+        out = torch.zeros(n, dtype=torch.float64)
+        out[reply.indices.cpu()] = reply.codes.cpu().double()
+        return out
+    c = reply.codes.cpu()
+    if reply.codec == "int8":
+        q = c.double()
+    elif reply.codec == "int4":
+        b = c.view(torch.int8).to(torch.int64)
+        lo, hi = ((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8
+        q = torch.stack([lo, hi], 1).reshape(-1)[:n].double()
+    else:
+        q = c.view(torch.float8_e4m3fn).double()
+    s = reply.scales.cpu().double().repeat_interleave(reply.block)[:n]
+    return s * q
+
+
+@check("compressed encode", "int8/int4 (nearest, stochastic), fp8, top-k; N 0/1/33/1000, fp32/fp16/bf16")
+def compressed_encode(ctx: Ctx, rec: Record) -> None:
+    from ..ops import compressed as CM
+
+    data = _Data(ctx, 40)
+    sizes = (0, 1, 33, 1000)  # 1000: several blocks and a ragged one; no larger, Triton's interpreter
+    B = 128  # runs one program per block (~10 s for this row on 2 loaded cores)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for N in sizes:
+            x = data.randn((N,), dtype)
+            x64 = x.double().cpu()
+            for codec, stochastic in (("int8", False), ("int8", True), ("int4", False), ("int4", True),
+                                      ("fp8", False), ("topk", False)):
+                tag = f"{codec}{' stochastic' if stochastic else ''} {_dt(dtype)} N={N}"
+                kw = dict(fraction=0.25) if codec == "topk" else dict(block=B, stochastic=stochastic, key=9, client=3)
+                got = CM.encode(x, codec, backend=ctx.backend, **kw)
+                if ctx.backend != REFERENCE:
+                    ref = CM.encode(x, codec, backend=REFERENCE, **kw)
+                    rec.bitwise(f"codes {tag} vs python_ref", got.codes, ref.codes)
+                    if codec == "topk":
+                        rec.bitwise(f"indices {tag} vs python_ref", got.indices, ref.indices)
+                    else:
+                        rec.bitwise(f"scales {tag} vs python_ref", got.scales, ref.scales)
+                err = (_decode64(got) - x64).abs()
+                amax = torch.nn.functional.pad(x64.abs(), (0, -N % B)).reshape(-1, B).amax(1)
+                if codec in _QMAX:
+                    # s = max|x| / qmax per block; |x^ - x| <= s/2 (nearest), < s (stochastic), plus
+                    # x / s rounded once in fp32 (<= qmax 2^-24 s) and s q once (<= qmax 2^-24 s)
+                    qmax = _QMAX[codec]
+                    rec.close(f"scales {tag} vs max|x|/qmax", got.scales, amax / qmax, Tol(1e-6, 1e-30))
+                    s64 = got.scales.cpu().double().repeat_interleave(B)[:N]
+                    bound = s64 * ((1.0 if stochastic else 0.5) + qmax * 2.0 ** -23)
+                    rec.true(f"|x^ - x| {tag} within {'s' if stochastic else 's/2'}", bool((err <= bound).all()))
+                elif codec == "fp8":  # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the block's max
+                    bound = amax.repeat_interleave(B)[:N] * 2.0 ** -4
+                    rec.true(f"|x^ - x| {tag} within 2^-4 max|x|", bool((err <= bound * (1 + 1e-6)).all()))
+                else:  # the k largest |x|, ties to the lower index: every value kept is >= every value dropped
+                    kept = got.indices.cpu()
+                    mask = torch.ones(N, dtype=torch.bool)
+                    mask[kept] = False
+                    rec.true(f"top-k {tag} keeps the largest |x|",
+                             not N or not mask.any() or not kept.numel()
+                             or float(x64.abs()[kept].min()) >= float(x64.abs()[mask].max()))
+                    rec.bitwise(f"top-k values {tag} are x at the indices", got.codes.cpu(),
+                                x.float().cpu()[kept])
+
+
+@check("compressed decode_aggregate", "int8/int4/fp8/top-k, C=3 with a weight 0, N 1/33/4099, gamma 0.5")
+def compressed_decode_aggregate(ctx: Ctx, rec: Record) -> None:
+    from ..ops import compressed as CM
+
+    data = _Data(ctx, 41)
+    sizes = (1, 33, 1000) if ctx.quick else (1, 33, 1000, 4099)
+    w = torch.tensor([0.5, 0.0, 0.25], device=ctx.device)
+    for N in sizes:
+        xs = [data.randn((N,), torch.float32) for _ in range(3)]
+        for codec in ("int8", "int4", "fp8", "topk"):
+            kw = dict(fraction=0.3) if codec == "topk" else dict(block=32, key=4, client=0)
+            replies = [CM.encode(x, codec, **kw) for x in xs]
+            tag = f"{codec} N={N}"
+            out, st = CM.decode_aggregate(replies, w, gamma=0.5, nonfinite="propagate", backend=ctx.backend)
+            rows = [_decode64(r) for r in replies]
+            want = 0.5 * sum(float(wi) * r for wi, r in zip(w.cpu(), rows))
+            rec.close(f"out {tag} vs fp64 decode", out, want, data_tol(torch.float32))
+            rec.close(f"client_sq_norms {tag} vs fp64", st.client_sq_norms,
+                      torch.stack([r.pow(2).sum() for r in rows]), stat_tol(torch.float32))
+            rec.close(f"sq_norm {tag} vs fp64", st.sq_norm, (want / 0.5).pow(2).sum(), stat_tol(torch.float32))
+            if ctx.backend != REFERENCE:
+                ref, _ = CM.decode_aggregate(replies, w, gamma=0.5, nonfinite="propagate", backend=REFERENCE)
+                rec.bitwise(f"out {tag} vs python_ref", out, ref)
+
+
 # ---------------------------------------------------------- compile, CUDA graphs
 
 @check("torch.compile", "nar_step_ with a 0-d tensor lr, 3 values: one frame, equal to eager")

@@ -58,9 +58,13 @@ constexpr float kTwoPi = 0x1.921fb6p+2f;
 constexpr float kC2 = -0x1p-1f, kC4 = 0x1.555556p-5f, kC6 = -0x1.6c16c2p-10f, kC8 = 0x1.a01a02p-16f;
 constexpr float kS3 = -0x1.555556p-3f, kS5 = 0x1.111112p-7f, kS7 = -0x1.a01a02p-13f, kS9 = 0x1.71de3ap-19f;
 
-// The first two words of Philox4x32-10 of counter (j lo, j hi, 0, 0) under `key`.
-FEDOPT_HD void philox_x01(uint64_t key, uint64_t j, uint32_t& x0, uint32_t& x1) {
-  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32), c2 = 0, c3 = 0;
+// The first two words (x0, x1) of Philox4x32-10 of counter (j lo, j hi, c2, c3) under
+// `key` (python_ref's philox4x32_10).  The one copy of the rounds: the noise draws at
+// (j, 0, 0) (philox_x01), the codecs' stochastic rounding at (j, client, stream)
+// (csrc/cpu/compressed_kernels.h).  Callers compiled inside a target namespace get it
+// inlined (no fedopt::noise:: symbol in the library: tests/test_noise_cpu_isa.py).
+FEDOPT_HD void philox4x32_10(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3, uint32_t& x0, uint32_t& x1) {
+  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32);
   uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
 #if defined(__CUDACC__)  // nvcc, both passes: its host front end warns on GCC's pragma
 #pragma unroll
@@ -81,6 +85,11 @@ FEDOPT_HD void philox_x01(uint64_t key, uint64_t j, uint32_t& x0, uint32_t& x1) 
   }
   x0 = c0;
   x1 = c1;
+}
+
+// The noise's draw: counter (j lo, j hi, 0, 0).
+FEDOPT_HD void philox_x01(uint64_t key, uint64_t j, uint32_t& x0, uint32_t& x1) {
+  philox4x32_10(key, j, 0u, 0u, x0, x1);
 }
 
 // ((x >> 8) | 1) * 2^-24: exact, in (0, 1).

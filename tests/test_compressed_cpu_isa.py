@@ -1,0 +1,91 @@
+"""The C++ CPU decode-aggregate (``fedopt_C::block_decode_aggregate``) where the contract
+suite's sizes do not reach: a whole chunk of columns and a partial one, a block (96) that the register
+tile (16 / 32 / 64 columns) straddles, a ragged end, a client of weight 0 -- against
+independent oracles, and BIT FOR BIT the same under every instruction set it is built
+for (DEFAULT, AVX2, AVX-512: one subprocess per ``ATEN_CPU_CAPABILITY``,
+tests/_cpu_isa.py).
+
+Oracles: ``out`` is python_ref's aggregate over the decoded rows (the reference backend),
+bit for bit; the statistics are the kernel's documented order written here in numpy
+float32: per chunk of ``block * (65536 // block)`` columns, value t of the chunk into lane
+t mod 16 (a sequential add: ``np.add.accumulate``), the 16 lanes added in the fixed tree,
+the chunks' partials added in order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _cpu_isa import LEVELS, assert_level_agrees_with_default
+from fedopt_kernels import ops
+from fedopt_kernels.ops import compressed as C
+
+DTYPES = [torch.float32]
+CODECS = ("int8", "int4", "fp8")
+N, BLOCK = 65472 + 16 * 40 + 7, 96  # a whole chunk of 65472 columns, then 647: 40 vectors and 7
+W = [0.5, 0.0, 0.25, 1.0]
+
+pytestmark = pytest.mark.usefixtures("cpu_extension")
+
+
+def _replies(codec):
+    g = torch.Generator().manual_seed(7)
+    # exact in fp32 (torch.randn's bits differ between instruction sets)
+    xs = torch.randint(-(2 ** 22), 2 ** 22, (len(W), N), generator=g).float() / 2 ** 21
+    xs[2, 1000:1096] = 0.0  # a block of zeros: scale 0
+    return [C.encode(xs[i], codec, block=BLOCK, key=5, client=i) for i in range(len(W))]
+
+
+def cases(dtype):
+    """Every codec's (out, client_sq_norms, sq_norm) on the CPU backend."""
+    res = []
+    for codec in CODECS:
+        out, st = C.decode_aggregate(_replies(codec), torch.tensor(W, dtype=dtype), gamma=0.5,
+                                     nonfinite="propagate", backend="cpu")
+        res += [out, st.client_sq_norms, st.sq_norm]
+    return res
+
+
+def _lane_sum(v: np.ndarray) -> np.float32:
+    """The kernel's sum of squares of one chunk: lanes t mod 16, then the fixed tree."""
+    pad = np.zeros(-len(v) % 16, np.float32)
+    sq = np.concatenate([v * v, pad]).reshape(-1, 16)
+    lanes = np.add.accumulate(sq, axis=0, dtype=np.float32)[-1]
+    h = 8
+    while h >= 1:
+        lanes = lanes[:h] + lanes[h:2 * h]
+        h //= 2
+    return lanes[0]
+
+
+def _chunked(v: np.ndarray) -> np.float32:
+    cols = BLOCK * (65536 // BLOCK)
+    total = np.float32(0)
+    for j0 in range(0, len(v), cols):
+        total = np.float32(total + _lane_sum(v[j0:j0 + cols]))
+    return total
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_chunks_against_the_dense_aggregate_and_the_lane_order(codec):
+    replies = _replies(codec)
+    w = torch.tensor(W)
+    out, st = C.decode_aggregate(replies, w, gamma=0.5, nonfinite="propagate", backend="cpu")
+    rows = torch.stack([C.decode(r) for r in replies])
+    dense, _ = ops.aggregate(rows, w, gamma=0.5, nonfinite="propagate", backend="reference")
+    assert torch.equal(out, dense)
+    acc = np.zeros(N, np.float32)
+    for wi, row in zip(W, rows.numpy()):
+        if wi != 0.0:
+            acc = acc + np.float32(wi) * row
+    expect_q = [_chunked(row) for row in rows.numpy()]
+    assert st.client_sq_norms.tolist() == [float(q) for q in expect_q]
+    assert float(st.sq_norm) == float(_chunked(acc))
+    assert np.array_equal(out.numpy(), np.float32(0.5) * acc)
+
+
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "default"])
+def test_every_instruction_set_gives_default_s_bits(level):
+    assert_level_agrees_with_default("test_compressed_cpu_isa", "cases", level)

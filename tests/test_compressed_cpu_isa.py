@@ -38,9 +38,23 @@ def _replies(codec):
     return [C.encode(xs[i], codec, block=BLOCK, key=5, client=i) for i in range(len(W))]
 
 
+def _every_fp8_code():
+    """All 256 e4m3fn codes (zeros, subnormals, normals, both NaNs) in two blocks of 256,
+    scales 1 and 2^-3: the AVX2 / AVX-512 loops decode fp8 from its bits, not the table."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2).view(torch.float8_e4m3fn)
+    return C.CompressedUpdate("fp8", 512, codes, scales=torch.tensor([1.0, 0.125]), block=256)
+
+
+def _fp8_out_bits(backend):
+    out, _ = C.decode_aggregate([_every_fp8_code()], torch.tensor([1.0]), gamma=1.0,
+                                nonfinite="propagate", backend=backend)
+    return out.view(torch.int32)
+
+
 def cases(dtype):
-    """Every codec's (out, client_sq_norms, sq_norm) on the CPU backend."""
-    res = []
+    """Every codec's (out, client_sq_norms, sq_norm) on the CPU backend, and the bits of
+    every fp8 code decoded."""
+    res = [_fp8_out_bits("cpu")]
     for codec in CODECS:
         out, st = C.decode_aggregate(_replies(codec), torch.tensor(W, dtype=dtype), gamma=0.5,
                                      nonfinite="propagate", backend="cpu")
@@ -84,6 +98,16 @@ def test_chunks_against_the_dense_aggregate_and_the_lane_order(codec):
     assert st.client_sq_norms.tolist() == [float(q) for q in expect_q]
     assert float(st.sq_norm) == float(_chunked(acc))
     assert np.array_equal(out.numpy(), np.float32(0.5) * acc)
+
+
+def test_every_fp8_code_decodes_to_python_ref_s_bits():
+    got = _fp8_out_bits("cpu")
+    assert torch.equal(got, _fp8_out_bits("reference"))
+    # and to the codes' own float values (c10's conversion), NaN for 0x7F / 0xFF; a sum that
+    # starts at 0 turns the code -0.0 into +0.0
+    codes = _every_fp8_code().codes
+    expect = torch.cat([codes[:256].float(), codes[256:].float() * 0.125]) + 0.0
+    assert torch.equal(got, expect.view(torch.int32))
 
 
 @pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "default"])

@@ -26,8 +26,8 @@ constexpr int64_t kLanes = 16;
 // AVX-512); acc is never loaded or stored, out is written once.  The previous form (acc in
 // an L2-resident 64 Ki buffer, read and written once per client) and GCC 12's
 // __builtin_convertvector of int8 lanes (scalarised: a movsbl/vpinsrd per code) made it
-// instruction-bound at ~1x the fp32 floor.  fp8 decodes through its 256-entry table (a
-// gather on AVX2 / AVX-512; no target for it).  The chunk starts at a block boundary and every block
+// instruction-bound at ~1x the fp32 floor.  fp8 decodes from its bits on AVX2 / AVX-512
+// (fp8_bits_note), through its 256-entry table on DEFAULT.  The chunk starts at a block boundary and every block
 // is a multiple of 32 values, so each 16-value vector lies in one block.
 typedef float F32xL __attribute__((vector_size(4 * kLanes)));
 
@@ -44,6 +44,13 @@ constexpr int64_t kTile = kTileVecs * kLanes;
 // AVX-512, one thread: int8 ~1.6x faster with it; 256 to 2048 columns about the same).
 constexpr int64_t kPrefetchColumns = 512;
 
+// fp8_bits_note: an e4m3fn code b (sign s, v = b & 0x7F) decodes exactly, without the
+// table gather that made the tile loop slower than the fp32 floor (0.84x, Zen 5): v >= 8
+// (a normal number) is the fp32 with bits (v << 20) + (120 << 23) (the exponent rebiased
+// from 7 to 127); v < 8 (zero, subnormal) is v * 2^-9, exact in fp32 and computed from a
+// normal number, so flush-to-zero / denormals-are-zero modes cannot touch it; v == 0x7F is
+// NaN, taken from the table (c10's bits); then s << 31.  Every one of the 256 codes gives
+// the table's bits (tests/test_compressed_cpu_isa.py).
 // q (as floats) of the 16 codes of elements t .. t + 15 (t a multiple of 16).
 template <int kKind>
 inline F32xL decode16(const uint8_t* __restrict__ codes, int64_t t, const float* __restrict__ lut) {
@@ -58,9 +65,15 @@ inline F32xL decode16(const uint8_t* __restrict__ codes, int64_t t, const float*
     const __m512i up = _mm512_set_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
     return (F32xL)_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(x, up), 28));
   }
-  if (kKind == 2) {  // the 256-entry table, an L1-resident gather (scalar loads through a buffer stall)
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + t));
-    return (F32xL)_mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), lut, 4);
+  if (kKind == 2) {  // e4m3fn from its bits (fp8_bits_note below): no gather, no table but for NaN
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + t)));
+    const __m512i v = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(0x1p-9f));
+    __m512 mag = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(v, _mm512_set1_epi32(8)), normal, subnormal);
+    mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(0x7F)), mag, _mm512_set1_ps(lut[0x7F]));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    return (F32xL)_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
   }
 #elif FEDOPT_CK_ISA == 2
   if (kKind == 0 || kKind == 1) {
@@ -80,11 +93,19 @@ inline F32xL decode16(const uint8_t* __restrict__ codes, int64_t t, const float*
     __builtin_memcpy(&q, f, sizeof(q));
     return q;
   }
-  if (kKind == 2) {
-    const __m256 f[2] = {
-        _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t))), 4),
-        _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t + 8))),
-                            4)};
+  if (kKind == 2) {  // e4m3fn from its bits (fp8_bits_note below), 8 lanes at a time
+    const __m256 nan = _mm256_set1_ps(lut[0x7F]);
+    auto fp8x8 = [nan](const uint8_t* p) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m256i v = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+      const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(120 << 23)));
+      const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(0x1p-9f));
+      __m256 mag = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), v)));
+      mag = _mm256_blendv_ps(mag, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, _mm256_set1_epi32(0x7F))));
+      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+      return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+    };
+    const __m256 f[2] = {fp8x8(codes + t), fp8x8(codes + t + 8)};
     F32xL q;
     __builtin_memcpy(&q, f, sizeof(q));
     return q;

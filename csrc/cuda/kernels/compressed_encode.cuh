@@ -16,11 +16,8 @@
 // A thread owns element PAIRS (2p, 2p + 1) of its block, so an int4 byte is written by
 // one thread and no two threads touch a byte.
 //
-// The Philox rounds are written out here, device-only, rather than shared with
-// fedopt/gaussian_noise.h (whose philox_x01 fixes the counter's words 2 and 3 at 0)
-// and the CPU's copy (compressed_kernels.h, compiled inside the ISA namespaces): the
-// same ten rounds, counter (j lo, j hi, client, stream).  A shared
-// philox4x32_10(key, j, c2, c3) in gaussian_noise.h is the mend for all three.
+// The Philox rounds are gaussian_noise.h's philox4x32_10 (the one copy, shared with the
+// noise and the CPU codec), at counter (j lo, j hi, client, stream).
 //
 // This header includes no torch: csrc/cuda/compressed_aggregate.cu (the ATen binding)
 // and tools/gpu_harness both launch it through launch_block_quantize.
@@ -30,30 +27,13 @@
 
 #include <cstdint>
 
+#include "fedopt/gaussian_noise.h"  // philox4x32_10
+
 namespace fedopt {
 namespace cuda {
 
 constexpr int kEncodeThreads = 128;
 constexpr uint32_t kStreamRounding = 0x51;  // python_ref/compression.py STREAM_ROUNDING
-
-__device__ __forceinline__ uint32_t philox_x0_words(uint64_t key, uint64_t j, uint32_t c2, uint32_t c3) {
-  uint32_t c0 = static_cast<uint32_t>(j), c1 = static_cast<uint32_t>(j >> 32);
-  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-#pragma unroll
-  for (int r = 0; r < 10; ++r) {
-    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-    const uint32_t n0 = hi1 ^ c1 ^ k0;
-    const uint32_t n2 = hi0 ^ c3 ^ k1;
-    c1 = lo1;
-    c3 = lo0;
-    c0 = n0;
-    c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c0;
-}
 
 // The code of x (as a float integer in [-qmax, qmax]) under scale s at element j.
 __device__ __forceinline__ float quantize_code(float x, float s, int64_t j, float qmax, bool stochastic,
@@ -62,7 +42,8 @@ __device__ __forceinline__ float quantize_code(float x, float s, int64_t j, floa
   float q;
   if (stochastic) {
     const float f = floorf(t);
-    const uint32_t x0 = philox_x0_words(key, static_cast<uint64_t>(j), client, kStreamRounding);
+    uint32_t x0, x1;
+    noise::philox4x32_10(key, static_cast<uint64_t>(j), client, kStreamRounding, x0, x1);
     const float u = __fmul_rn(static_cast<float>(static_cast<int32_t>(x0 >> 8)), 0x1p-24f);  // exact
     q = __fadd_rn(f, u < __fsub_rn(t, f) ? 1.0f : 0.0f);
   } else {

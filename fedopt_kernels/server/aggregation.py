@@ -141,8 +141,11 @@ class LocalAggregator:
     def __call__(self, optimizer: AggregatingOptimizer, updates, weights, out: torch.Tensor) -> RoundAggregate:
         rows, C = optimizer.check_updates(updates)
         p, valid = normalize_weights(weights, C, out.device, out.dtype)
+        # p comes from normalize_weights, which checked the values (or they were checked where
+        # they entered: CheckedWeights) -- on the CPU the op would read them a second time.
         _, stats, factors = aggregate_bounded(rows, p, out=out, nonfinite=optimizer.nonfinite,
-                                              max_client_norm=optimizer.max_client_norm, backend=optimizer.backend)
+                                              max_client_norm=optimizer.max_client_norm, backend=optimizer.backend,
+                                              weights_checked=True)
         return RoundAggregate.of(p, stats, valid, optimizer.max_client_norm, factors)
 
     def __repr__(self) -> str:

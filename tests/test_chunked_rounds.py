@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.chunked import FOLDABLE, RoundFold, chunk_clients, parse_bytes
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl.engine.chunked import FOLDABLE, RoundFold, chunk_clients, parse_bytes
+from fedopt_kernels.fl.run.config import ConfigError
 from fedopt_kernels.ops import aggregate
 from fedopt_kernels.server import FedAvg
 from _asserts import bits

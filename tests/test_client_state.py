@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import SimulationConfig, Simulation
-from fedopt_kernels.fl.client import ScaffoldState
-from fedopt_kernels.fl.client_state import ClientStateStore
+from fedopt_kernels.fl.engine.client import ScaffoldState
+from fedopt_kernels.fl.engine.client_state import ClientStateStore
 from _asserts import bits
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.clocked import AsyncConfig, ClockConfig, ClockedRun
+from fedopt_kernels.fl.run.clocked import AsyncConfig, ClockConfig, ClockedRun
 from fedopt_kernels.server.fedbuff import staleness_weight
 
 BASE = dict(dataset="digits", clients=10, per_round=4, rounds=3, local_steps=2, batch_size=8, algo="fedavg",

@@ -170,7 +170,7 @@ def _scenario_robust_errors(rank, world):
         got["fedexp"] = None
     except Exception as exc:  # noqa: BLE001
         got["fedexp"] = (type(exc).__name__, str(exc))
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
     from fedopt_kernels.fl import SimulationConfig
 
     try:
@@ -235,7 +235,7 @@ def sim_config(case):
 
 
 def _scenario_simulation(rank, world):
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     got = {}
     for case in SIM_CASES:

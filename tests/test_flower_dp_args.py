@@ -49,7 +49,7 @@ def _simulator_round(config_kw, x, client_models, rounds):
     the one ServerRound) on ``D_i = x - x_i``, ``rounds`` times; its x and records."""
     from fedopt_kernels import server as S
     from fedopt_kernels.fl import SimulationConfig
-    from fedopt_kernels.fl.privacy import RoundPrivacy
+    from fedopt_kernels.fl.run.privacy import RoundPrivacy
 
     cfg = SimulationConfig(algo="fedavg", weighting="uniform", **config_kw).validate()
     p = torch.nn.Parameter(x.clone())
@@ -251,7 +251,7 @@ def test_the_refusal_is_the_simulators_message_with_the_arguments_names(setting)
     its flag names (and clients / per-round) replaced by the strategy's arguments."""
     from fedopt_kernels.benchmarks.flower import ShapesModel
     from fedopt_kernels.fl import SimulationConfig
-    from fedopt_kernels.fl.dp_settings import CLI_NAMES, PYTHON_NAMES
+    from fedopt_kernels.fl.run.dp_settings import CLI_NAMES, PYTHON_NAMES
     from fedopt_kernels.integrations import flower as fk
 
     kw, _ = CLI_VS_STRATEGY[setting]

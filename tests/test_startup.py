@@ -42,10 +42,10 @@ def test_info_reads_versions_without_importing_sklearn_or_matplotlib():
 
 
 def test_digits_without_importing_sklearn_equal_load_digits():
-    assert _imported_after("from fedopt_kernels.fl import data\ndata.digits()") == []
+    assert _imported_after("from fedopt_kernels.fl.datasets import data\ndata.digits()") == []
     from sklearn.datasets import load_digits
 
-    from fedopt_kernels.fl import data
+    from fedopt_kernels.fl.datasets import data
 
     images, target = data._digits_arrays()
     bunch = load_digits()

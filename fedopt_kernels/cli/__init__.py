@@ -104,7 +104,7 @@ def _interrupted_status(exc: KeyboardInterrupt) -> int:
     """``128 + signum`` (130 for Ctrl-C): the simulator's ``exit_status``; without the
     sim extra nothing but Ctrl-C stops a command."""
     try:
-        from ..fl.interrupts import exit_status
+        from ..fl.run.interrupts import exit_status
     except ImportError:
         return 128 + int(signal.SIGINT)
     return exit_status(exc)

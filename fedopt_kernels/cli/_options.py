@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from ..fl.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
+from ..fl.run.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
                          SimulationConfig)
-from ..fl.config import AGGREGATORS, ATTACK_CHOICES, DP_MODES
-from ..fl.recipes import RECIPES
+from ..fl.run.config import AGGREGATORS, ATTACK_CHOICES, DP_MODES
+from ..fl.run.recipes import RECIPES
 from ._errors import CLIError
 
 RECIPE_NAMES = tuple(RECIPES)
@@ -79,8 +79,9 @@ _optional_int.__name__ = "int"
 
 # (flag, type, help); the dest is the flag with dashes -> underscores
 SIM_OPTIONS: List[tuple] = [
-    ("--recipe", str, f"start from a paper's training recipe: {', '.join(RECIPE_NAMES)} (fedopt_kernels.fl.recipes; "
-                      "each value's source is in results.json meta.recipe); flags and --config settings override it"),
+    ("--recipe", str, f"start from a paper's training recipe: {', '.join(RECIPE_NAMES)} "
+                      "(fedopt_kernels.fl.run.recipes; each value's source is in results.json meta.recipe); flags and "
+                      "--config settings override it"),
     ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
     ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
                    "(default {default})"),
@@ -313,7 +314,7 @@ def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> 
     explicit = {k: v for k, v in vars(args).items() if k not in ("config", "command", "quiet", "func", "resume")}
     recipe = explicit.get("recipe", toml.get("recipe"))
     if recipe is not None:
-        from ..fl.recipes import get as get_recipe
+        from ..fl.run.recipes import get as get_recipe
 
         try:
             values.update(get_recipe(recipe).values())

@@ -70,7 +70,7 @@ def dropout_seed(seed: int, round_number: int, group: int, first_client: int) ->
 
 
 def corrupt_seed(seed: int) -> int:
-    """The seed that picks the corrupted clients (:mod:`fedopt_kernels.fl.corruption`)."""
+    """The seed that picks the corrupted clients (:mod:`fedopt_kernels.fl.datasets.corruption`)."""
     return derive_seed(seed, Purpose.CORRUPT)
 
 
@@ -80,7 +80,7 @@ def corrupt_client_seed(seed: int, client: int) -> int:
 
 
 def attack_seed(seed: int) -> int:
-    """The seed that picks the attacking clients (:mod:`fedopt_kernels.fl.attacks`)."""
+    """The seed that picks the attacking clients (:mod:`fedopt_kernels.fl.datasets.attacks`)."""
     return derive_seed(seed, Purpose.ATTACK)
 
 

@@ -154,7 +154,7 @@ class LocalAggregator:
 
 class RunningAggregate:
     """A round's replies aggregated as they arrived, instead of rows held until the
-    step: a folded round's running weighted sum (:class:`fedopt_kernels.fl.chunked.RoundFold`);
+    step: a folded round's running weighted sum (:class:`fedopt_kernels.fl.engine.chunked.RoundFold`);
     the form an asynchronous buffer (FedBuff) or a secure-aggregation sum (where the
     server only ever sees the sum) takes too.  :class:`~fedopt_kernels.server.ServerRound`
     hands it to the step as it is, through :meth:`aggregator`."""

@@ -1,5 +1,5 @@
 """Which DP-FedAvg settings a run may use: the one set of refusals of ``fedopt simulate
---dp-*`` (:meth:`SimulationConfig.validate <fedopt_kernels.fl.config.SimulationConfig.validate>`)
+--dp-*`` (:meth:`SimulationConfig.validate <fedopt_kernels.fl.run.config.SimulationConfig.validate>`)
 and of the Flower strategies' ``dp_*`` arguments
 (:class:`~fedopt_kernels.integrations.flower.FusedStrategy` and its privacy concern).
 

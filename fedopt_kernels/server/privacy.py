@@ -7,7 +7,7 @@ server optimizer's aggregation, and a
 :class:`~fedopt_kernels.server.privacy_accountant.PrivacyAccountant` of the rounds run.
 ``per_round`` of ``clients`` are taken to be sampled uniformly without replacement each
 round (``"fixed"``; ``"all"`` when they are equal): the simulator's sampling
-(:func:`~fedopt_kernels.fl.simulation.sample_clients`) and Flower ``FedAvg``'s.
+(:func:`~fedopt_kernels.fl.run.simulation.sample_clients`) and Flower ``FedAvg``'s.
 Which settings would void the guarantee is decided before this is built, by
 :func:`~fedopt_kernels.server.dp_settings.check_dp_settings` (the simulator's config,
 the Flower privacy concern).

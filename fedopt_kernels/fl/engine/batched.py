@@ -19,14 +19,14 @@ after another.  The batched engine trains the round's ``C`` clients together:
   runs instead: the same ops, the same bits (tested), without the per-op cost of the
   transforms -- a third of a small model's step.  In padded groups on CPU its
   matrix products then run on each client's real samples only
-  (:func:`~fedopt_kernels.fl.graph_passes.ragged_products`; ``trainer.ragged =
+  (:func:`~fedopt_kernels.fl.engine.graph_passes.ragged_products`; ``trainer.ragged =
   False`` keeps the padded ``bmm``): half the arithmetic of the MLP on digits, the
   same values up to a GEMM's rounding, and a client's bits still its own (tested);
   the bias, ReLU and ReLU gradient around them run on the real rows too, in place
-  (:func:`~fedopt_kernels.fl.graph_passes.fused_epilogues`, ``trainer.fuse``; the same
+  (:func:`~fedopt_kernels.fl.engine.graph_passes.fused_epilogues`, ``trainer.fuse``; the same
   bits).
   The graph writes its gradients into ``G`` itself
-  (:func:`~fedopt_kernels.fl.graph_passes.gradients_into_buffer`: the weight
+  (:func:`~fedopt_kernels.fl.engine.graph_passes.gradients_into_buffer`: the weight
   gradients computed there, no fresh tensor and no concatenation; the same bits).
   ``trainer.trace = False``
   turns it off (a model whose Python ``forward`` changes with state outside its
@@ -58,7 +58,7 @@ from a ``reduction="none"`` copy; any other ``loss_fn`` is called as given under
 
 **Padded lengths, fixed shapes, groups.**  Which clients share a batched call, at
 which padded batch length and in how many rows is decided before any arithmetic by
-:class:`~fedopt_kernels.fl.round_plan.RoundPlanner` (see :mod:`~fedopt_kernels.fl.round_plan`):
+:class:`~fedopt_kernels.fl.engine.round_plan.RoundPlanner` (see :mod:`~fedopt_kernels.fl.engine.round_plan`):
 a few padded lengths ("levels") chosen once from ALL clients' sizes, so a client's
 padded length -- and with it all of its arithmetic -- depends on its own size alone,
 never on which clients share its round, its group or (``fl.distributed_simulation``)
@@ -93,15 +93,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..ops import nar_step_batched_
-from ..ops.ragged_bmm import ragged_bmm_uses_blas, ragged_graph_ops
-from ..ops.validation import acc_dtype
-from ..utils import parameters_layout
+from ...ops import nar_step_batched_
+from ...ops.ragged_bmm import ragged_bmm_uses_blas, ragged_graph_ops
+from ...ops.validation import acc_dtype
+from ...utils import parameters_layout
 from .client import LocalConfig, RoundStats, ScaffoldState
 from .graph_passes import (GRADIENT_BUFFER, RAGGED_LENGTHS, channels_last_pools, drop_identity_ops, fused_epilogues,
                            gradients_into_buffer, graph_signature, ragged_products, sample_dims)
 from .round_plan import Group, RoundPlanner
-from .seeds import dropout_seed
+from ..seeds import dropout_seed
 
 __all__ = ["BatchedTrainer", "BatchedUnsupported", "EngineFallbackWarning", "unsupported_reason",
            "per_sample_loss", "client_batches"]
@@ -209,7 +209,7 @@ class BatchedTrainer:
             simulator updates in place); None: the module's own.
         seed: the simulation's seed (random layers).
         client_batch, population_sizes, round_clients, call_cost_flops: how rounds are
-            cut into groups, see :class:`~fedopt_kernels.fl.round_plan.RoundPlanner`
+            cut into groups, see :class:`~fedopt_kernels.fl.engine.round_plan.RoundPlanner`
             (the trainer's :attr:`planner`).
     """
 
@@ -523,7 +523,7 @@ class BatchedTrainer:
         parameters get zero, as in the sequential engine, where they get no gradient),
         every step: the FedProx and SCAFFOLD terms are added to all of ``G``.
         ``written``: a traced graph already wrote the trainable parameters' parts
-        (:func:`~fedopt_kernels.fl.graph_passes.gradients_into_buffer`)."""
+        (:func:`~fedopt_kernels.fl.engine.graph_passes.gradients_into_buffer`)."""
         if not self._frozen:
             if not written:
                 torch.cat([grads[n].reshape(c, -1) for n, *_ in self._slots], dim=1, out=G)

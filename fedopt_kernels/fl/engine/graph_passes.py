@@ -1,6 +1,6 @@
 """Passes over the traced gradient graph of the batched engine.
 
-:class:`~fedopt_kernels.fl.batched.BatchedTrainer` traces a group's vmapped gradient
+:class:`~fedopt_kernels.fl.engine.batched.BatchedTrainer` traces a group's vmapped gradient
 into an FX graph of plain ATen ops (``make_fx``) and runs that graph in later rounds.
 These passes rewrite such a graph in place before it first runs, each for speed only:
 the values a client gets stay those of the eager transforms (each pass says how
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.ragged_bmm import RaggedGraphOps, ragged_bmm_uses_blas, ragged_graph_ops
+from ...ops.ragged_bmm import RaggedGraphOps, ragged_bmm_uses_blas, ragged_graph_ops
 
 __all__ = ["drop_identity_ops", "channels_last_pools", "graph_signature", "sample_dims", "ragged_products",
            "fused_epilogues", "RAGGED_LENGTHS", "gradients_into_buffer", "GRADIENT_BUFFER"]

@@ -15,7 +15,7 @@ from typing import Callable, List, Sequence
 import torch
 from torch import nn
 
-from .registry import Registry
+from ..registry import Registry
 
 __all__ = ["MLP", "SimpleCNN", "build_model", "register_model", "model_names"]
 

@@ -1,7 +1,7 @@
 """FLOPs of a model's forward pass on one sample: its linear layers and convolutions.
 
 The batched engine needs one rough total to weigh a batched call against the model's
-arithmetic (:meth:`~fedopt_kernels.fl.round_plan.RoundPlanner.levels`).  torch's
+arithmetic (:meth:`~fedopt_kernels.fl.engine.round_plan.RoundPlanner.levels`).  torch's
 ``FlopCounterMode`` counts every matrix product, but its dispatch mode and module
 tracker are wrapped by ``torch._disable_dynamo``, so entering it imports
 ``torch._dynamo`` (1-3 s of a command's start-up).  Forward hooks on ``nn.Linear`` and

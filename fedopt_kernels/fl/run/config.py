@@ -12,15 +12,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import defaults as D
-from ..lr_scheduler import KINDS as DECAY_KINDS
-from ..lr_scheduler import PER as DECAY_PER
-from ..ops import MODES as NAR_MODES
-from ..server.registry import WEIGHTINGS, resolve_weighting
-from ..server.robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS
-from .attacks import ATTACKS
-from .corruption import CORRUPT_KINDS
-from ..server.dp_settings import DP_MODES, DP_REFUSED_ALGOS, check_dp_settings, robust_with_dp_error  # noqa: F401
+from ... import defaults as D
+from ...lr_scheduler import KINDS as DECAY_KINDS
+from ...lr_scheduler import PER as DECAY_PER
+from ...ops import MODES as NAR_MODES
+from ...server.registry import WEIGHTINGS, resolve_weighting
+from ...server.robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS
+from ..datasets.attacks import ATTACKS
+from ..datasets.corruption import CORRUPT_KINDS
+from ...server.dp_settings import DP_MODES, DP_REFUSED_ALGOS, check_dp_settings, robust_with_dp_error  # noqa: F401
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
            "CORRUPT_KINDS", "BAD_CLIENT_POLICIES", "ATTACK_CHOICES", "DP_MODES", "AGGREGATORS"]
@@ -81,7 +81,7 @@ class SimulationConfig:
     the pooled training data, the test set untouched).
 
     ``engine``: ``"batched"`` trains a round's clients as one batched computation
-    (:mod:`fedopt_kernels.fl.batched`; models it cannot batch fall back to sequential
+    (:mod:`fedopt_kernels.fl.engine.batched`; models it cannot batch fall back to sequential
     with a notice), ``"sequential"`` one client after another (the oracle), ``"auto"``
     batched unless only one client trains per round.  ``client_batch``: the most
     clients the batched engine trains at once (0: chosen from the free memory); the
@@ -99,7 +99,7 @@ class SimulationConfig:
     :func:`fedopt_kernels.server.weighting.cap_weight_shares`).
 
     What the papers' authors do around the step (all off by default; the recipes of
-    :mod:`fedopt_kernels.fl.recipes` turn them on, ``recipe`` records which one the
+    :mod:`fedopt_kernels.fl.run.recipes` turn them on, ``recipe`` records which one the
     settings started from): ``fedexp_scale_eps`` (FedExP's ``M * eps``),
     ``fedexp_eps_decay`` (eps times this per round), ``eval_avg_last_two`` (each
     evaluation also scores the mean of the last two global models:
@@ -237,8 +237,8 @@ class SimulationConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "SimulationConfig":
         """Check every setting; raises :class:`ConfigError` naming the first bad one."""
-        from .data import dataset_names, unknown_dataset
-        from .models import model_names
+        from ..datasets.data import dataset_names, unknown_dataset
+        from ..engine.models import model_names
 
         def choice(name, options):
             value = getattr(self, name)
@@ -286,7 +286,7 @@ class SimulationConfig:
         choice("corrupt_kind", CORRUPT_KINDS)
         choice("on_bad_client", BAD_CLIENT_POLICIES)
         if self.memory_budget is not None:
-            from .chunked import parse_bytes
+            from ..engine.chunked import parse_bytes
 
             try:
                 parse_bytes(self.memory_budget)
@@ -375,7 +375,7 @@ class SimulationConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} was requested but CUDA is not available here")
         if self.backend is not None:
-            from ..backends import BACKENDS
+            from ...backends import BACKENDS
 
             if self.backend not in BACKENDS:
                 raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -456,7 +456,7 @@ class SimulationConfig:
         """:attr:`memory_budget` in bytes (None: no budget)."""
         if self.memory_budget is None:
             return None
-        from .chunked import parse_bytes
+        from ..engine.chunked import parse_bytes
 
         return parse_bytes(self.memory_budget)
 
@@ -471,10 +471,10 @@ class SimulationConfig:
         return resolve_weighting(self.weighting, self.algo)
 
     def local_config(self):
-        """The clients' :class:`~fedopt_kernels.fl.client.LocalConfig`: each field from
+        """The clients' :class:`~fedopt_kernels.fl.engine.client.LocalConfig`: each field from
         the setting :data:`LOCAL_FIELDS` names, FedProx's ``mu`` and SCAFFOLD's
         correction from :attr:`algo`."""
-        from .client import LocalConfig
+        from ..engine.client import LocalConfig
 
         return LocalConfig(**{field: getattr(self, name) for field, name in LOCAL_FIELDS.items()},
                            prox_mu=self.prox_mu if self.algo == "fedprox" else 0.0, scaffold=self.algo == "scaffold")

@@ -1,5 +1,5 @@
 """Error feedback for biased codecs, each client's residual kept in the run's
-:class:`~fedopt_kernels.fl.client_state.ClientStateStore`.
+:class:`~fedopt_kernels.fl.engine.client_state.ClientStateStore`.
 
 Seide et al. 2014 (1-bit SGD); Karimireddy et al., "Error Feedback Fixes SignSGD", ICML
 2019 (EF-SGD).  Client ``i`` keeps a residual ``e_i`` (zero before its first round); with
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compression import Codec
+from ...compression import Codec
 from .client_state import ClientStateStore
 
 __all__ = ["ErrorFeedback"]

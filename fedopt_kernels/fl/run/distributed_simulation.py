@@ -63,10 +63,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedServerOptimizer, RankInputError, comm
-from ..distributed.comm import Plan
-from .client import RoundStats
-from ..server import RoundReplies
+from ...distributed import DistributedServerOptimizer, RankInputError, comm
+from ...distributed.comm import Plan
+from ..engine.client import RoundStats
+from ...server import RoundReplies
 from .config import ConfigError, SimulationConfig
 from .server_side import BAD_CLIENT_REASONS
 from .simulation import Simulation

@@ -25,12 +25,12 @@ client schedule, and one dict per evaluated round (round 0 is the untrained mode
                        ``left_out``: ``[client, reason]`` pairs, in rounds with any
 ``server_skipped``     no client was left: the model and server state did not change
 ``dp_epsilon``         with ``dp_clip`` and noise: epsilon at ``dp_delta`` after the
-                       rounds so far (:mod:`fedopt_kernels.fl.privacy`); also
+                       rounds so far (:mod:`fedopt_kernels.fl.run.privacy`); also
                        ``dp_clip`` (the clip the round used), ``dp_noise_std`` (the
                        noise's std in the mean update) and, adaptive,
                        ``dp_unclipped_fraction`` (the privatised fraction unclipped)
 ``attacked_clients``   with ``attack``: the attackers among the round's clients
-                       (:mod:`fedopt_kernels.fl.attacks`; all of them in
+                       (:mod:`fedopt_kernels.fl.datasets.attacks`; all of them in
                        ``meta["attack"]``)
 ``clients``            the round's sampled client ids
 ``wall_time``          seconds since the start of the run

@@ -4,7 +4,7 @@ update arrives -- decided before any training.
 FedBuff (Nguyen et al., AISTATS 2022) keeps ``concurrency`` clients in flight; each pulls
 the current model version, trains, and reports when it finishes; every ``buffer``
 arrivals the server steps and the version advances.  When each client finishes depends
-on its device (:class:`~fedopt_kernels.fl.clock.DeviceClock`), not on the model's values,
+on its device (:class:`~fedopt_kernels.fl.run.clock.DeviceClock`), not on the model's values,
 so the whole timeline can be computed first (:func:`fedbuff_schedule`) and the training
 done after, in groups: every client that pulled version ``v`` trains from the same model,
 so the batched engine trains them as ONE group while ``v`` is the current version.  The

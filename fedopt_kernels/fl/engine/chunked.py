@@ -26,7 +26,7 @@ FedAdagrad, FedExP, ASNES (:data:`FOLDABLE`) -- folds each chunk into :class:`Ro
   ``|D_chunked - D| <= (C + 2) u sum_i |p'_i D_i|`` (``u = 2^-24`` in fp32, ``p'`` the
   rescaled weights; asserted by the tests).
 * **SCAFFOLD's control variates** are folded the same way
-  (:meth:`~fedopt_kernels.fl.client.ScaffoldState.fold_chunk`): each chunk's
+  (:meth:`~fedopt_kernels.fl.engine.client.ScaffoldState.fold_chunk`): each chunk's
   ``c_i^+`` are staged and ``sum dc_i`` accumulated in the round's client order, then
   committed with the round -- the same additions, the same bits.
 
@@ -56,9 +56,9 @@ from typing import Optional
 
 import torch
 
-from ..ops.aggregate import AggregateStats, aggregate_runner, robust_weights
-from ..ops.validation import acc_dtype
-from ..server.aggregation import RoundAggregate, RunningAggregate, normalize_weights
+from ...ops.aggregate import AggregateStats, aggregate_runner, robust_weights
+from ...ops.validation import acc_dtype
+from ...server.aggregation import RoundAggregate, RunningAggregate, normalize_weights
 
 __all__ = ["FOLDABLE", "RoundFold", "chunk_clients", "parse_bytes"]
 

@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .registry import Registry
+from ..registry import Registry
 
 __all__ = ["FederatedDataset", "LazyFederatedDataset", "load_dataset", "register_dataset", "dataset_names", "digits",
            "synthetic", "synthetic_lazy", "cifar10"]
@@ -52,7 +52,7 @@ class FederatedDataset:
     ``y_test``: int64 labels in ``[0, num_classes)``.  ``client_indices`` is the natural
     partition of the training set (one int64 index tensor per client) when the data come
     split by client (Synthetic, LEAF-style data), else None (partition it with
-    :mod:`fedopt_kernels.fl.partition`).
+    :mod:`fedopt_kernels.fl.datasets.partition`).
     """
 
     name: str
@@ -278,7 +278,7 @@ class LazyFederatedDataset:
     ``client_fn(client) -> (x [n_i, ...] float, y [n_i] int64)`` returns client
     ``client``'s training samples, the same values on every call (seeded per client,
     or read from a memory-mapped array).  The natural partition is "client after
-    client" (:func:`~fedopt_kernels.fl.partition.contiguous_partition`): client ``i``'s
+    client" (:func:`~fedopt_kernels.fl.datasets.partition.contiguous_partition`): client ``i``'s
     sample ``j`` is global sample ``offsets[i] + j``.  The test set is held as tensors
     (its size is the dataset's choice, not the population's).  The simulator gathers a
     round's clients with :meth:`gather` and trains on those rows only; training on the

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .seeds import corrupt_client_seed, corrupt_seed
+from ..seeds import corrupt_client_seed, corrupt_seed
 
 __all__ = ["CORRUPT_KINDS", "Corruption", "corrupted_clients", "corrupt_client_data", "label_map"]
 

@@ -249,7 +249,7 @@ def _chargru(input_shape, num_classes, hidden=(64,), **_):
 
 
 def _register() -> None:
-    from .models import model_names, register_model
+    from ..engine.models import model_names, register_model
 
     if "chargru" not in model_names():
         register_model("chargru", _chargru)

@@ -37,8 +37,8 @@ from typing import Optional
 
 from torch import nn
 
-from .. import server as S
-from ..server.robust_aggregator import RobustAggregator
+from ... import server as S
+from ...server.robust_aggregator import RobustAggregator
 from .config import SimulationConfig
 from .privacy import privacy_of
 

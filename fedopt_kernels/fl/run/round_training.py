@@ -1,4 +1,4 @@
-"""Training a round's clients: the part of :class:`~fedopt_kernels.fl.simulation.Simulation`
+"""Training a round's clients: the part of :class:`~fedopt_kernels.fl.run.simulation.Simulation`
 between sampling the round and its server step (:class:`RoundTraining`, the class it
 inherits from).
 
@@ -7,7 +7,7 @@ as one ``[C, N]`` tensor under ``torch.func.vmap`` with the row-wise fused FedNA
 drawing exactly the sequential engine's batches; ``"sequential"`` is the oracle it is
 tested against (same global model to fp32 rounding).  ``"auto"`` (the default) is
 batched unless one client trains per round.  A model ``vmap`` cannot batch falls back
-to sequential with an :class:`~fedopt_kernels.fl.batched.EngineFallbackWarning`;
+to sequential with an :class:`~fedopt_kernels.fl.engine.batched.EngineFallbackWarning`;
 ``results.meta["engine"]`` says which engine ran.
 
 Each client that takes part writes ``D_i = x_global - x_end_i`` into its row of
@@ -19,7 +19,7 @@ folded into the round's running weighted sum (its buffer rows into the running m
 round's tables.  ``progress(round, done, total)`` reports the clients done as they train.
 
 The class holds no state of its own beyond what it documents: it works on the
-attributes :class:`~fedopt_kernels.fl.simulation.Simulation` sets up (the trainers, the
+attributes :class:`~fedopt_kernels.fl.run.simulation.Simulation` sets up (the trainers, the
 data, the partition, the server side, the per-client state).
 """
 
@@ -31,23 +31,23 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..server.weighting import BufferAverage
-from ..utils import buffers_to_vector
-from .batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
-from .chunked import FOLDABLE, RoundFold, chunk_clients
-from .client import RoundStats
+from ...server.weighting import BufferAverage
+from ...utils import buffers_to_vector
+from ..engine.batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
+from ..engine.chunked import FOLDABLE, RoundFold, chunk_clients
+from ..engine.client import RoundStats
 from .config import ConfigError, MemoryBudgetWarning
-from .seeds import batch_seed
+from ..seeds import batch_seed
 
 __all__ = ["RoundTraining"]
 
-# the simulator's one logger (its warnings have always come from fedopt_kernels.fl.simulation)
-_log = logging.getLogger("fedopt_kernels.fl.simulation")
+# the simulator's one logger (its warnings have always come from fedopt_kernels.fl.run.simulation)
+_log = logging.getLogger("fedopt_kernels.fl.run.simulation")
 
 
 class RoundTraining:
     """The round's client training, chunking and folding (see the module docstring); a
-    base of :class:`~fedopt_kernels.fl.simulation.Simulation`."""
+    base of :class:`~fedopt_kernels.fl.run.simulation.Simulation`."""
 
     # ------------------------------------------------------------------ engines
     def _setup_engine(self) -> None:

@@ -1,7 +1,7 @@
 """How a round's clients are laid out for the batched engine: padded batch lengths,
 groups and their shapes -- decided before any arithmetic, by :class:`RoundPlanner`.
 
-The batched engine (:mod:`~fedopt_kernels.fl.batched`) trains a round's clients as a few
+The batched engine (:mod:`~fedopt_kernels.fl.engine.batched`) trains a round's clients as a few
 batched calls per local step; this module decides which clients share a call, at which
 padded batch length, in how many rows.  It only counts: sizes, memory and FLOPs.
 
@@ -25,7 +25,7 @@ up to a fixed ladder of counts (:func:`padded_count`: 2, 3, 4, 6, 8, 12, ...; or
 most clients the level can hold in a round), the padding rows being copies of the
 group's first client whose results are dropped.  So the shapes of a run come from a
 small fixed set -- a few per level -- and each is traced once (by the engine,
-:mod:`~fedopt_kernels.fl.batched`) and then serves
+:mod:`~fedopt_kernels.fl.engine.batched`) and then serves
 every round that meets it, whatever clients are drawn (``trace_counts`` records
 this; tracing costs a few eager rounds, once per shape).
 
@@ -145,7 +145,7 @@ def padded_count(n: int, limit: Optional[int] = None) -> int:
     ... (``2^k`` and ``3 * 2^(k-1)``: at most a third of the rows are padding) that
     holds ``n``, but no more than ``limit`` (the most clients the group can ever have
     in this run) when that still holds ``n`` -- never below 2 (a lone client is
-    computed beside a copy of itself, see :class:`~fedopt_kernels.fl.batched.BatchedTrainer`)."""
+    computed beside a copy of itself, see :class:`~fedopt_kernels.fl.engine.batched.BatchedTrainer`)."""
     if n < 1:
         raise ValueError(f"a group needs at least one client, got {n}")
     rows = 2
@@ -160,7 +160,7 @@ class Group:
     """Rows of the round trained together: ``rows`` (indices into the round's clients;
     the first ``real`` are distinct, the rest copies of the first, padding the group to
     :func:`padded_count` rows), the padded batch length and the loss form (``"soft"``,
-    ``"masked"`` or ``"plain"``, see :class:`~fedopt_kernels.fl.batched.BatchedTrainer`)."""
+    ``"masked"`` or ``"plain"``, see :class:`~fedopt_kernels.fl.engine.batched.BatchedTrainer`)."""
 
     __slots__ = ("rows", "real", "batch", "mode")
 
@@ -294,7 +294,7 @@ class RoundPlanner:
     def sample_flops(self) -> float:
         """FLOPs of one sample's local step: 3x the forward's (forward, and a backward
         of about twice that), counted once with torch's FLOP formulas on one training
-        sample (:func:`~fedopt_kernels.fl._flops.forward_flops`: matrix products and
+        sample (:func:`~fedopt_kernels.fl.engine._flops.forward_flops`: matrix products and
         convolutions; at least ``6 N`` for a model of ``N`` parameters)."""
         if self._sample_flops is None:
             from ._flops import forward_flops

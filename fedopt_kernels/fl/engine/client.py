@@ -28,11 +28,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import defaults as D
-from ..lr_scheduler import annealing_factor, within_round_factor
-from ..optim import FedNAR
-from ..server import scaffold_control_update_
-from ..utils import buffers_layout, flatten_parameters_
+from ... import defaults as D
+from ...lr_scheduler import annealing_factor, within_round_factor
+from ...optim import FedNAR
+from ...server import scaffold_control_update_
+from ...utils import buffers_layout, flatten_parameters_
 
 __all__ = ["LocalConfig", "LocalTrainer", "ScaffoldState", "RoundStats", "NonFiniteClientWarning"]
 
@@ -141,7 +141,7 @@ class ScaffoldState:
     """SCAFFOLD's control variates: the server's ``c`` and the clients' ``c_i`` (all
     start at zero), as flat vectors; option II update (Karimireddy et al. Algorithm 1).
 
-    The ``c_i`` live in a :class:`~fedopt_kernels.fl.client_state.ClientStateStore`
+    The ``c_i`` live in a :class:`~fedopt_kernels.fl.engine.client_state.ClientStateStore`
     (name ``"c_i"``): a row only for a client that has taken part, zeros for the others,
     so the state grows with participation, not with ``num_clients`` (``store_dtype``
     keeps the rows compactly, ``spill_dir`` in memory-mapped files; see there).
@@ -220,7 +220,7 @@ class ScaffoldState:
     _total: Optional[torch.Tensor] = None  # chunked rounds: sum dc_i so far, in the round's client order
 
     def fold_chunk(self, clients, excluded: torch.Tensor) -> None:
-        """A chunked round (:mod:`~fedopt_kernels.fl.chunked`): apply option II to the
+        """A chunked round (:mod:`~fedopt_kernels.fl.engine.chunked`): apply option II to the
         pending ``clients`` of a chunk now -- their updates are about to be overwritten --
         with ``excluded`` (``[k]`` bool, the aggregation's NaN/Inf mask for them).  The
         arithmetic of :func:`~fedopt_kernels.server.scaffold_control_update_`, term by

@@ -14,7 +14,7 @@ the simulator cannot do what the authors do, the recipe says so in
 
 Python::
 
-    from fedopt_kernels.fl import recipes
+    from fedopt_kernels.fl.run import recipes
     cfg = recipes.get("fedlaw").config(rounds=30, lr=0.05)   # explicit values override the recipe
 
 Command line: ``fedopt simulate --recipe fedexp --rounds 40`` (flags given on the

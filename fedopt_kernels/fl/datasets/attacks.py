@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .corruption import owned_samples
-from .seeds import attack_noise_seed, attack_seed
+from ..seeds import attack_noise_seed, attack_seed
 
 __all__ = ["ATTACKS", "UPDATE_ATTACKS", "Attack", "attacked_clients", "alie_z_max", "attack_updates_",
            "flip_labels"]

@@ -2,12 +2,12 @@
 
 One :class:`Simulation` owns the data (tensors on the device), the partition, the
 global model (its parameters are views of ONE flat vector ``x_global``), one local
-model for all clients (:class:`~fedopt_kernels.fl.client.LocalTrainer`), the server
-side (:class:`~fedopt_kernels.fl.server_side.ServerSide`) and the :class:`Results`.  A round:
+model for all clients (:class:`~fedopt_kernels.fl.engine.client.LocalTrainer`), the server
+side (:class:`~fedopt_kernels.fl.run.server_side.ServerSide`) and the :class:`Results`.  A round:
 
 1. sample ``per_round`` of the ``clients`` uniformly without replacement;
 2. train them (engine ``"batched"``: all together as one ``[C, N]`` computation,
-   :mod:`fedopt_kernels.fl.batched`; ``"sequential"``: one after another on the local
+   :mod:`fedopt_kernels.fl.engine.batched`; ``"sequential"``: one after another on the local
    model), each writing ``D_i = x_global - x_end_i`` into its row of a preallocated
    ``[C, N]`` tensor;
 3. the server round (:class:`fedopt_kernels.server.ServerRound`, the Flower strategies'
@@ -27,9 +27,9 @@ stop the run) is left out of its round -- its partial statistics undone, no row 
 server step, no SCAFFOLD update -- and the server step leaves out NaN/Inf updates
 (``nonfinite``).  The round's record counts them (``excluded_clients`` and
 ``excluded_<reason>`` for every reason of
-:data:`~fedopt_kernels.fl.server_side.BAD_CLIENT_REASONS`; ``left_out`` lists
+:data:`~fedopt_kernels.fl.run.server_side.BAD_CLIENT_REASONS`; ``left_out`` lists
 ``[client, reason]`` when any), one warning per round names them (logger
-``fedopt_kernels.fl.simulation``), and the round equals the same round without those
+``fedopt_kernels.fl.run.simulation``), and the round equals the same round without those
 clients.  A round in which no client could train at all raises ``RuntimeError``
 naming each client and why, and commits nothing (as Flower's ``AggregationError``: a
 failure that hits every client is rarely the clients' own, and a run of silently
@@ -53,9 +53,9 @@ same clients and the same batches (``fedopt compare``), and resuming from a
 
 The round's client training -- the engines (``"batched"``, ``"sequential"``, ``"auto"``),
 chunked rounds under ``memory_budget`` and the progress reports -- is
-:class:`~fedopt_kernels.fl.round_training.RoundTraining`, which :class:`Simulation`
+:class:`~fedopt_kernels.fl.run.round_training.RoundTraining`, which :class:`Simulation`
 inherits; the dataset, partition, sampling and proxy set of a config are
-:mod:`~fedopt_kernels.fl.population` (re-exported here).
+:mod:`~fedopt_kernels.fl.run.population` (re-exported here).
 """
 
 from __future__ import annotations
@@ -70,25 +70,25 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from .. import __version__
-from ..server import RobustAggregator, RoundReplies
-from ..utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
-from .attacks import Attack
-from .batched import BatchedTrainer
-from .client import NONFINITE_TRAINING as _NONFINITE_TRAINING
-from .client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
-from .client_state import ClientStateStore
+from ... import __version__
+from ...server import RobustAggregator, RoundReplies
+from ...utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
+from ..datasets.attacks import Attack
+from ..engine.batched import BatchedTrainer
+from ..engine.client import NONFINITE_TRAINING as _NONFINITE_TRAINING
+from ..engine.client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
+from ..engine.client_state import ClientStateStore
 from .config import ConfigError, SimulationConfig
-from .corruption import corrupt_client_data
-from .data import FederatedDataset, LazyFederatedDataset
+from ..datasets.corruption import corrupt_client_data
+from ..datasets.data import FederatedDataset, LazyFederatedDataset
 from .interrupts import deferred_interrupts
-from .models import build_model
-from .partition import CSRIndices, Partition
-# re-exported: fedopt_kernels.fl.simulation has always offered these
+from ..engine.models import build_model
+from ..datasets.partition import CSRIndices, Partition
+# re-exported: fedopt_kernels.fl.run.simulation has always offered these
 from .population import DeviceIndices, load_config_dataset, make_partition, proxy_split, sample_clients
 from .results import Results
 from .round_training import RoundTraining
-from .seeds import init_seed, proxy_order_seed, sampling_seed
+from ..seeds import init_seed, proxy_order_seed, sampling_seed
 from .server_side import BAD_CLIENT_REASONS, ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
@@ -280,7 +280,7 @@ class Simulation(RoundTraining):
         return torch.utils.data.DataLoader(data, batch_size=128, shuffle=True, generator=self._proxy_gen)
 
     def _meta(self) -> dict:
-        from .. import backends
+        from ... import backends
 
         try:
             backend = backends.resolve_name(self.config.backend, self.device.type)
@@ -366,11 +366,11 @@ class Simulation(RoundTraining):
     def run_round(self, clients: Optional[List[int]] = None) -> dict:
         """Run the next round; returns (and records) its record.  ``clients``: the round's
         clients instead of :meth:`sample_clients`'s (the virtual clock's synchronous rounds,
-        :mod:`~fedopt_kernels.fl.clocked`, keep only those that finished in time).
+        :mod:`~fedopt_kernels.fl.run.clocked`, keep only those that finished in time).
 
         Client training only writes scratch buffers; the round then commits (control
         variates, server step, evaluation, record) with Ctrl-C (and SIGTERM / SIGHUP
-        under :func:`~fedopt_kernels.fl.interrupts.stop_on_signals`) deferred to the end
+        under :func:`~fedopt_kernels.fl.run.interrupts.stop_on_signals`) deferred to the end
         of the commit.  So an interrupted run always stands at a completed round and its
         :meth:`state_dict` resumes exactly.
         """
@@ -488,7 +488,7 @@ class Simulation(RoundTraining):
         order), the ones left out before the step, their data sizes and buffer rows --
         or the folded round's running sums.  Before the round the simulated clients act:
         honest ones clip (``dp_mode="client"``), then the attackers replace their updates.
-        :class:`~fedopt_kernels.fl.distributed_simulation.DistributedSimulation` hands
+        :class:`~fedopt_kernels.fl.run.distributed_simulation.DistributedSimulation` hands
         over this rank's rows."""
         kept = self._round_kept
         buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
@@ -516,7 +516,7 @@ class Simulation(RoundTraining):
         Round 0 (the untrained model's test accuracy and loss) is recorded first.
         ``callback(record, simulation)`` is called after every round (and after round 0);
         a ``KeyboardInterrupt`` propagates with :attr:`results` holding every finished
-        round (wrap the call in :func:`~fedopt_kernels.fl.interrupts.stop_on_signals`
+        round (wrap the call in :func:`~fedopt_kernels.fl.run.interrupts.stop_on_signals`
         to have SIGTERM and SIGHUP stop it the same way, as ``fedopt simulate`` does).
         """
         target = self.config.rounds if rounds is None else int(rounds)

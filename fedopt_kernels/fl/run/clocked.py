@@ -2,13 +2,13 @@
 FedBuff's asynchronous rounds, on the simulator's engines.
 
 A :class:`ClockedRun` drives a :class:`~fedopt_kernels.fl.Simulation` whose clients are
-devices of a :class:`~fedopt_kernels.fl.clock.DeviceClock` (:class:`ClockConfig`: drawn
+devices of a :class:`~fedopt_kernels.fl.run.clock.DeviceClock` (:class:`ClockConfig`: drawn
 from a heterogeneity level, or read from a trace).  Each record gains ``virtual_time``
 (virtual seconds since the start) and ``round_virtual_s`` next to the wall time.
 
 * ``mode="sync"``: every round samples ``ceil(over_select * per_round)`` clients
-  (:func:`~fedopt_kernels.fl.population.sample_clients`, as a plain round), asks the
-  clock which of them finish (:func:`~fedopt_kernels.fl.clock.sync_round`: a
+  (:func:`~fedopt_kernels.fl.run.population.sample_clients`, as a plain round), asks the
+  clock which of them finish (:func:`~fedopt_kernels.fl.run.clock.sync_round`: a
   ``deadline``, the first ``per_round`` to finish when over-selecting, dropouts), and runs
   the simulator's round on those alone; the others are recorded as excluded with their
   reason (``excluded_deadline``, ``excluded_over_selected``, ``excluded_dropout``,
@@ -16,7 +16,7 @@ from a heterogeneity level, or read from a trace).  Each record gains ``virtual_
   given, the run is the plain run, bit for bit.
 * ``mode="fedbuff"``: FedBuff (Nguyen et al. 2022; :class:`~fedopt_kernels.server.fedbuff.
   FedBuffBuffer`).  Its timeline is computed first
-  (:func:`~fedopt_kernels.fl.fedbuff_schedule.fedbuff_schedule`); then, for each model
+  (:func:`~fedopt_kernels.fl.run.fedbuff_schedule.fedbuff_schedule`); then, for each model
   version ``v``, the clients that pulled ``v`` train from it as ONE group of the batched
   engine (seeded and annealed as round ``v + 1``), and their updates wait until they
   arrive; every ``buffer`` arrivals the simulator's server round (robust rules, DP and
@@ -37,8 +37,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..server.fedbuff import STALENESS, FedBuffBuffer
-from ..server.round import RoundReplies
+from ...server.fedbuff import STALENESS, FedBuffBuffer
+from ...server.round import RoundReplies
 from .clock import HETEROGENEITY, DeviceClock, sync_round
 from .fedbuff_schedule import fedbuff_schedule
 from .population import sample_clients

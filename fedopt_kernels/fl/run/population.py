@@ -13,9 +13,9 @@ from typing import List
 import torch
 
 from .config import ConfigError, SimulationConfig
-from .data import FederatedDataset, LazyFederatedDataset, load_dataset
-from .partition import Partition, dirichlet_partition, iid_partition, natural_partition
-from .seeds import proxy_seed, sampling_seed
+from ..datasets.data import FederatedDataset, LazyFederatedDataset, load_dataset
+from ..datasets.partition import Partition, dirichlet_partition, iid_partition, natural_partition
+from ..seeds import proxy_seed, sampling_seed
 
 __all__ = ["load_config_dataset", "make_partition", "sample_clients", "proxy_split", "DeviceIndices"]
 
@@ -101,7 +101,7 @@ def proxy_split(labels: torch.Tensor, size: int, seed: int, *, name: str = "the 
 
 class DeviceIndices:
     """A read-only sequence of index tensors moved to ``device`` on access (a
-    :class:`~fedopt_kernels.fl.partition.CSRIndices` population is never copied whole)."""
+    :class:`~fedopt_kernels.fl.datasets.partition.CSRIndices` population is never copied whole)."""
 
     def __init__(self, indices, device):
         self.indices, self.device = indices, device

@@ -9,7 +9,7 @@ it comes with the ``bench`` extra (``pip install fedopt_kernels[bench]``; today 
 sim extra's distributions, since its suites run the simulator and print rich's tables).  The Flower integration
 comes with ``flower`` (:data:`fedopt_kernels.integrations.INTEGRATIONS`), which brings
 ``sim`` too: its client trains as the simulator's clients do.  The privacy accountant of
-differentially private aggregation (:mod:`fedopt_kernels.server.privacy_accountant`)
+differentially private aggregation (:mod:`fedopt_kernels.server.differential_privacy.privacy_accountant`)
 comes with ``privacy`` (Google's ``dp-accounting``).
 
 Importing an optional part without its extra raises :class:`MissingExtraError`, an
@@ -33,7 +33,8 @@ EXTRAS: Dict[str, Tuple[Tuple[str, str], ...]] = {
             ("rich", "rich")),  # progress bars and tables of fedopt simulate, compare and bench
     # the benchmark lab (fedopt_kernels.benchmarks, fedopt bench): its suites run the simulator
     "bench": (("scikit-learn", "sklearn"), ("matplotlib", "matplotlib"), ("rich", "rich")),
-    # privacy accounting of DP aggregation (fedopt_kernels.server.privacy_accountant): Google's dp-accounting
+    # privacy accounting of DP aggregation (fedopt_kernels.server.differential_privacy.privacy_accountant):
+    # Google's dp-accounting
     "privacy": (("dp-accounting", "dp_accounting"),),
 }
 

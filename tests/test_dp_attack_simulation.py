@@ -61,7 +61,7 @@ def test_the_command_line_flags_reach_the_config_and_its_checks():
 
 
 def test_results_record_epsilon_and_the_attackers_of_every_round():
-    from fedopt_kernels.server.privacy_accountant import PrivacyAccountant
+    from fedopt_kernels.server.differential_privacy.privacy_accountant import PrivacyAccountant
 
     pytest.importorskip("dp_accounting", reason="needs the privacy extra: pip install fedopt_kernels[privacy]")
     cfg = SimulationConfig(**{**TINY, **DP, "attack": "signflip", "attack_fraction": 0.25})

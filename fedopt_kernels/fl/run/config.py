@@ -17,10 +17,11 @@ from ...lr_scheduler import KINDS as DECAY_KINDS
 from ...lr_scheduler import PER as DECAY_PER
 from ...ops import MODES as NAR_MODES
 from ...server.registry import WEIGHTINGS, resolve_weighting
-from ...server.robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS
+from ...server.robust_aggregation.robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS
 from ..datasets.attacks import ATTACKS
 from ..datasets.corruption import CORRUPT_KINDS
-from ...server.dp_settings import DP_MODES, DP_REFUSED_ALGOS, check_dp_settings, robust_with_dp_error  # noqa: F401
+from ...server.differential_privacy.dp_settings import (DP_MODES, DP_REFUSED_ALGOS, check_dp_settings,  # noqa: F401
+                                                       robust_with_dp_error)
 
 __all__ = ["SimulationConfig", "ConfigError", "ALGORITHMS", "PARTITIONS", "ENGINES", "WEIGHTINGS", "PROXY_SOURCES",
            "CORRUPT_KINDS", "BAD_CLIENT_POLICIES", "ATTACK_CHOICES", "DP_MODES", "AGGREGATORS"]

@@ -1,7 +1,7 @@
 """Differential privacy in the simulator: the settings of a run as the server round's
 privacy component.
 
-The mechanism and its accountant are :class:`fedopt_kernels.server.privacy.RoundPrivacy`
+The mechanism and its accountant are :class:`fedopt_kernels.server.differential_privacy.privacy.RoundPrivacy`
 (the component :class:`~fedopt_kernels.server.ServerRound` takes, the Flower privacy
 concern's too).  The simulator samples ``per_round`` of the ``clients`` uniformly
 without replacement (:func:`~fedopt_kernels.fl.run.simulation.sample_clients`): fixed-size
@@ -9,14 +9,14 @@ sampling, accounted as such (``"all"`` when every client takes part), the diviso
 ``m = per_round``, the noise seeded by ``--seed``.  Which settings would void the
 guarantee is decided once, by :meth:`SimulationConfig.validate
 <fedopt_kernels.fl.run.config.SimulationConfig.validate>`
-(:func:`~fedopt_kernels.server.dp_settings.check_dp_settings`).
+(:func:`~fedopt_kernels.server.differential_privacy.dp_settings.check_dp_settings`).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ...server.privacy import RoundPrivacy as _Mechanism
+from ...server.differential_privacy.privacy import RoundPrivacy as _Mechanism
 from .config import SimulationConfig
 
 __all__ = ["RoundPrivacy", "privacy_of"]

@@ -38,7 +38,7 @@ from typing import Optional
 from torch import nn
 
 from ... import server as S
-from ...server.robust_aggregator import RobustAggregator
+from ...server.robust_aggregation.robust_aggregator import RobustAggregator
 from .config import SimulationConfig
 from .privacy import privacy_of
 

@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from ..ops import aggregate as _aggregate
-from ..ops import robust_aggregate as R
+from ...ops import aggregate as _aggregate
+from ...ops import robust_aggregate as R
 
 __all__ = ["RULES", "RobustResult", "robust_aggregate"]
 

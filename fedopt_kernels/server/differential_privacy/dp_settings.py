@@ -72,7 +72,7 @@ def check_dp_settings(*, clip: Optional[float], noise_multiplier: float = 0.0, t
     algorithm's name (``fedopt simulate``'s); ``weighting`` as given and
     ``resolved_weighting`` (``"size"`` or ``"uniform"``); ``clip_lr`` and
     ``clip_count_stddev``: adaptive clipping's ``eta_C`` and ``sigma_b`` where the caller
-    offers them (None: :class:`~fedopt_kernels.server.dp.DPAggregator`'s defaults, 0.2
+    offers them (None: :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator`'s defaults, 0.2
     and ``m / 20``)."""
     n = names
     if mode not in DP_MODES:

@@ -43,7 +43,7 @@ round, with ``b_i = 1[||D_i|| <= C]`` (before clipping):
 
 The clip used by a round is the one before its update.  The privacy of ``T`` rounds is
 that of ``T`` sampled Gaussian mechanisms of multiplier ``z``:
-:class:`~fedopt_kernels.server.privacy_accountant.PrivacyAccountant`.
+:class:`~fedopt_kernels.server.differential_privacy.privacy_accountant.PrivacyAccountant`.
 
 **Client-side clipping** (``mode="client"``): the clients clip their own updates before
 sending them (:func:`~fedopt_kernels.ops.dp_noise.clip_updates_` with
@@ -73,13 +73,13 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from ..ops import validation as V
-from ..ops.aggregate import AggregateStats, host_to_device
-from ..ops.dp_noise import clipped_sum, gaussian_noise_
-from .aggregation import RoundAggregate, check_weight_tensor, refuse_dtensor, weight_numbers
+from ...ops import validation as V
+from ...ops.aggregate import AggregateStats, host_to_device
+from ...ops.dp_noise import clipped_sum, gaussian_noise_
+from ..aggregation import RoundAggregate, check_weight_tensor, refuse_dtensor, weight_numbers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._base import ServerOptimizer
+    from .._base import ServerOptimizer
 
 __all__ = ["DPAggregator", "DPRound", "MODES", "effective_noise_multiplier", "dp_noise_seed", "dp_noise_key",
            "refuse_client_statistics"]
@@ -127,8 +127,8 @@ def refuse_client_statistics(optimizer) -> None:
     """Refuse a server optimizer whose step reads the clients' individual norms: FedExP's
     step size and ASNES's gain ratio are functions of every ``||D_i||^2``, which the
     DP mechanism does not privatise."""
-    from .asnes import ASNES
-    from .fedexp import FedExP
+    from ..asnes import ASNES
+    from ..fedexp import FedExP
 
     if isinstance(optimizer, (FedExP, ASNES)):
         raise ValueError(f"{type(optimizer).__name__} cannot aggregate with differential privacy: its step size "

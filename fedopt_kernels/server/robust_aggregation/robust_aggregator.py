@@ -3,12 +3,12 @@ r"""Byzantine-robust aggregation as a choice of the aggregation seam.
 :class:`RobustAggregator` is an :class:`~fedopt_kernels.server.aggregation.Aggregator`:
 give it to a server optimizer (``FedAvg(params, aggregator=RobustAggregator("median"))``
 or ``optimizer.aggregator = ...``) and every ``step`` writes the round's robust
-aggregate (:func:`fedopt_kernels.server.robust.robust_aggregate`, one rule by name) into
+aggregate (:func:`fedopt_kernels.server.robust_aggregation.robust.robust_aggregate`, one rule by name) into
 ``D``; the optimizer's step then does with ``D`` what it does with the mean -- FedAvg
 moves the parameters by ``-lr D``, FedAdam feeds ``D`` to its moments, and so on
 (FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad).
 
-Rules and parameters (:data:`~fedopt_kernels.server.robust.RULES`)::
+Rules and parameters (:data:`~fedopt_kernels.server.robust_aggregation.robust.RULES`)::
 
     mean            (LocalAggregator: the optimizer's own weighted mean)
     median          --
@@ -57,12 +57,12 @@ from typing import Optional
 
 import torch
 
-from ..defaults import TRIM_BETA
-from ..ops import validation as V
-from .aggregation import LocalAggregator, RoundAggregate, normalize_weights
-from ..ops.aggregate import AggregateStats, aggregate_runner
-from ..ops.client_pieces import ClientPieces
-from ..ops.robust_aggregate import reads_pieces
+from ...defaults import TRIM_BETA
+from ...ops import validation as V
+from ..aggregation import LocalAggregator, RoundAggregate, normalize_weights
+from ...ops.aggregate import AggregateStats, aggregate_runner
+from ...ops.client_pieces import ClientPieces
+from ...ops.robust_aggregate import reads_pieces
 from .robust import _PARAMS, RULES, RobustResult, robust_aggregate
 
 __all__ = ["RobustAggregator", "WEIGHTED_RULES", "SELECTING_RULES", "refuse_robust_statistics", "AGGREGATORS",
@@ -90,8 +90,8 @@ _STATE_PARAMS = {"weights", "reference"}  # given by the round, not by the user
 def refuse_robust_statistics(optimizer, rule: str) -> None:
     """Refuse a server optimizer whose step size reads statistics that only hold for
     the weighted mean (FedExP, ASNES), and options that a robust rule replaces."""
-    from .asnes import ASNES
-    from .fedexp import FedExP
+    from ..asnes import ASNES
+    from ..fedexp import FedExP
 
     if isinstance(optimizer, (FedExP, ASNES)):
         raise ValueError(f"{type(optimizer).__name__} cannot aggregate with the robust rule {rule!r}: its step size "
@@ -174,13 +174,13 @@ class RobustAggregator:
     """Aggregate each round with the robust ``rule`` (see the module docstring).
 
     Args:
-        rule: one of :data:`~fedopt_kernels.server.robust.RULES`.
+        rule: one of :data:`~fedopt_kernels.server.robust_aggregation.robust.RULES`.
         params: the rule's parameters, by the names of
-            :func:`~fedopt_kernels.server.robust.robust_aggregate` (``beta``; ``f``,
+            :func:`~fedopt_kernels.server.robust_aggregation.robust.robust_aggregate` (``beta``; ``f``,
             ``m``; ``nu``, ``tol``, ``max_iter``; ``tau``, ``iterations``; ``radius``,
             ``median_factor``).
 
-    :attr:`last` is the last round's :class:`~fedopt_kernels.server.robust.RobustResult`
+    :attr:`last` is the last round's :class:`~fedopt_kernels.server.robust_aggregation.robust.RobustResult`
     (device tensors: which clients were selected and excluded).
     """
 

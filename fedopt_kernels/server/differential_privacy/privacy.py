@@ -1,15 +1,15 @@
 """DP-FedAvg as a component of the server round: the mechanism and its accountant.
 
 :class:`RoundPrivacy` is what :class:`~fedopt_kernels.server.ServerRound` takes as its
-``privacy``: a :class:`~fedopt_kernels.server.dp.DPAggregator` (clip every update, sum,
+``privacy``: a :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator` (clip every update, sum,
 add Gaussian noise, divide by the clients sampled per round ``m``) that becomes the
 server optimizer's aggregation, and a
-:class:`~fedopt_kernels.server.privacy_accountant.PrivacyAccountant` of the rounds run.
+:class:`~fedopt_kernels.server.differential_privacy.privacy_accountant.PrivacyAccountant` of the rounds run.
 ``per_round`` of ``clients`` are taken to be sampled uniformly without replacement each
 round (``"fixed"``; ``"all"`` when they are equal): the simulator's sampling
 (:func:`~fedopt_kernels.fl.run.simulation.sample_clients`) and Flower ``FedAvg``'s.
 Which settings would void the guarantee is decided before this is built, by
-:func:`~fedopt_kernels.server.dp_settings.check_dp_settings` (the simulator's config,
+:func:`~fedopt_kernels.server.differential_privacy.dp_settings.check_dp_settings` (the simulator's config,
 the Flower privacy concern).
 
 Per round it records ``dp_clip`` (the clip the round used), ``dp_noise_std`` (the
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..ops.dp_noise import clip_updates_
+from ...ops.dp_noise import clip_updates_
 from .dp import DPAggregator
 from .privacy_accountant import PrivacyAccountant
 
@@ -44,7 +44,7 @@ class RoundPrivacy:
         seed: the noise's seed.
         clients, per_round: ``n`` and ``m`` of the sampling the accountant models.
         clip_lr, clip_count_stddev: adaptive clipping's ``eta_C`` and ``sigma_b`` (None:
-            :class:`~fedopt_kernels.server.dp.DPAggregator`'s defaults).
+            :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator`'s defaults).
     """
 
     def __init__(self, *, clip: float, noise_multiplier: float = 0.0, target_quantile: Optional[float] = None,

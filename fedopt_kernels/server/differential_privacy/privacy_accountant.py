@@ -2,7 +2,7 @@
 
 The accounting is Google's ``dp-accounting`` (the ``privacy`` extra:
 ``pip install fedopt_kernels[privacy]``), its Renyi-DP accountant; nothing here is a
-hand-written bound.  One round of :class:`~fedopt_kernels.server.dp.DPAggregator` is a
+hand-written bound.  One round of :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator` is a
 sampled Gaussian mechanism of noise multiplier ``z`` (the std of the noise over the
 sensitivity of the clipped sum; with adaptive clipping ``z`` covers the update and the
 clip-count query together, Andrew et al. 2021, section 3.1), composed over rounds:
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from ..extras import require
+from ...extras import require
 
 __all__ = ["SAMPLINGS", "PrivacyAccountant", "check_sampling"]
 
@@ -81,7 +81,7 @@ class PrivacyAccountant:
         if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not (0 < delta < 1):
             raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
         check_sampling(sampling, num_clients, clients_per_round)
-        require("privacy", "privacy accounting (fedopt_kernels.server.privacy_accountant)")
+        require("privacy", "privacy accounting (fedopt_kernels.server.differential_privacy.privacy_accountant)")
         import dp_accounting
         from dp_accounting import dp_event, rdp
 

@@ -3,11 +3,13 @@
 ``pip install fedopt_kernels`` needs torch and numpy only: the kernels and ops, the
 optimizers, server optimizers and schedulers, ``fedopt selftest`` and ``fedopt info``.
 The simulator (:mod:`fedopt_kernels.fl`, ``fedopt simulate`` / ``compare`` and their
-plots) and the benchmarks (:mod:`fedopt_kernels.benchmarks`, ``fedopt bench``) come
-with the ``sim`` extra: ``pip install fedopt_kernels[sim]``.  The Flower integration
+plots) come with the ``sim`` extra: ``pip install fedopt_kernels[sim]``.  The benchmark
+lab (:mod:`fedopt_kernels.benchmarks`, ``fedopt bench``) is not part of the core either:
+it comes with the ``bench`` extra (``pip install fedopt_kernels[bench]``; today the
+sim extra's distributions, since its suites run the simulator and print rich's tables).  The Flower integration
 comes with ``flower`` (:data:`fedopt_kernels.integrations.INTEGRATIONS`), which brings
 ``sim`` too: its client trains as the simulator's clients do.  The privacy accountant of
-differentially private aggregation (:mod:`fedopt_kernels.server.privacy_accountant`)
+differentially private aggregation (:mod:`fedopt_kernels.server.differential_privacy.privacy_accountant`)
 comes with ``privacy`` (Google's ``dp-accounting``).
 
 Importing an optional part without its extra raises :class:`MissingExtraError`, an
@@ -29,7 +31,10 @@ EXTRAS: Dict[str, Tuple[Tuple[str, str], ...]] = {
     "sim": (("scikit-learn", "sklearn"),  # the digits dataset
             ("matplotlib", "matplotlib"),  # plots of the simulator
             ("rich", "rich")),  # progress bars and tables of fedopt simulate, compare and bench
-    # privacy accounting of DP aggregation (fedopt_kernels.server.privacy_accountant): Google's dp-accounting
+    # the benchmark lab (fedopt_kernels.benchmarks, fedopt bench): its suites run the simulator
+    "bench": (("scikit-learn", "sklearn"), ("matplotlib", "matplotlib"), ("rich", "rich")),
+    # privacy accounting of DP aggregation (fedopt_kernels.server.differential_privacy.privacy_accountant):
+    # Google's dp-accounting
     "privacy": (("dp-accounting", "dp_accounting"),),
 }
 

@@ -64,7 +64,7 @@ def launch(tmp: Path, world: int, body, *args, timeout_s: float = 300) -> list:
 def run_on_one_rank(tmp: Path, config):
     """``DistributedSimulation(config).run()`` in this process as the only rank of a gloo
     group (file store under ``tmp``); returns ``(simulation, results)``."""
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=0, world_size=1)
     try:

@@ -1,4 +1,4 @@
-"""fl/aten_trace.py: a function's ATen ops recorded into an FX graph without make_fx.
+"""fl/engine/aten_trace.py: a function's ATen ops recorded into an FX graph without make_fx.
 
 The oracle is ``make_fx`` itself: for the batched engine's vmapped gradients the
 recorded graph has make_fx's op sequence, and both graphs and the eager transforms
@@ -13,7 +13,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.aten_trace import drop_values, trace_aten
+from fedopt_kernels.fl.engine.aten_trace import drop_values, trace_aten
 
 
 def _ops(gm):

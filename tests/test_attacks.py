@@ -1,4 +1,4 @@
-"""Attacks for testing (fedopt_kernels.fl.attacks) on hand-computed cases."""
+"""Attacks for testing (fedopt_kernels.fl.datasets.attacks) on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fedopt_kernels.fl.attacks import Attack, alie_z_max, attack_updates_, attacked_clients, flip_labels
+from fedopt_kernels.fl.datasets.attacks import Attack, alie_z_max, attack_updates_, attacked_clients, flip_labels
 
 
 def test_attackers_are_a_seeded_rounded_prefix():

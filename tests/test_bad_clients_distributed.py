@@ -107,8 +107,8 @@ SIM = dict(dataset="digits", hidden=(32,), clients=10, per_round=5, rounds=3, lo
 def sim_partition():
     """digits split iid over 10 clients, the first client sampled in round 1 left without
     samples (it lands on rank 0)."""
-    from fedopt_kernels.fl.partition import Partition, iid_partition
-    from fedopt_kernels.fl.simulation import sample_clients
+    from fedopt_kernels.fl.datasets.partition import Partition, iid_partition
+    from fedopt_kernels.fl.run.simulation import sample_clients
 
     idx = [ix.clone() for ix in iid_partition(1437, 10, seed=0).client_indices]
     empty = sample_clients(0, 1, SIM["clients"], SIM["per_round"])[0]
@@ -120,7 +120,7 @@ def sim_partition():
 
 def failing_client():
     """The last client of round 2 (rank 1's block)."""
-    from fedopt_kernels.fl.simulation import sample_clients
+    from fedopt_kernels.fl.run.simulation import sample_clients
 
     return sample_clients(0, 2, SIM["clients"], SIM["per_round"])[-1]
 
@@ -138,7 +138,7 @@ def make_failing(sim, failing, round_number):
 
 def sim_run(config_kw, *, distributed, empty_client=True):
     from fedopt_kernels.fl import Simulation, SimulationConfig
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     part = sim_partition()[0] if empty_client else None
     cls = DistributedSimulation if distributed else Simulation

@@ -15,8 +15,8 @@ import torch
 
 from conftest import assert_same_tree
 from fedopt_kernels.fl import ConfigError, Simulation, SimulationConfig
-from fedopt_kernels.fl.partition import Partition, iid_partition
-from fedopt_kernels.fl.simulation import sample_clients
+from fedopt_kernels.fl.datasets.partition import Partition, iid_partition
+from fedopt_kernels.fl.run.simulation import sample_clients
 from fedopt_kernels.server.weighting import cap_weight_shares
 
 SMALL = dict(dataset="digits", hidden=(32,), clients=10, per_round=4, rounds=3, local_steps=6, batch_size=32,
@@ -80,7 +80,7 @@ def test_a_client_whose_training_raises_is_left_out_and_the_round_equals_the_rou
     bad = a.sample_clients(2)[1]
     _fail_in_training(a, bad, 2)
     _without(b, 2, [bad])
-    with caplog.at_level(logging.WARNING, logger="fedopt_kernels.fl.simulation"):
+    with caplog.at_level(logging.WARNING, logger="fedopt_kernels.fl.run.simulation"):
         a.run()
     b.run()
     _assert_same_run(a, b)

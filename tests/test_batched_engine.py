@@ -1,4 +1,4 @@
-"""The batched client engine (fl/batched.py) against the sequential engine (the oracle).
+"""The batched client engine (fl/engine/batched.py) against the sequential engine (the oracle).
 
 Tolerance.  Both engines draw the same clients and the same batches and add the same
 FedProx/SCAFFOLD terms; what differs is the arithmetic inside the model: under
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from fedopt_kernels.fl import ALGORITHMS, Simulation, SimulationConfig
-from fedopt_kernels.fl import batched as B
-from fedopt_kernels.fl import round_plan as P
-from fedopt_kernels.fl.client import LocalConfig, LocalTrainer
-from fedopt_kernels.fl.graph_passes import GRADIENT_BUFFER
+from fedopt_kernels.fl.engine import batched as B
+from fedopt_kernels.fl.engine import round_plan as P
+from fedopt_kernels.fl.engine.client import LocalConfig, LocalTrainer
+from fedopt_kernels.fl.engine.graph_passes import GRADIENT_BUFFER
 
 # 30 clients of digits with Dirichlet(0.3): several hold fewer than 32 samples, so the
 # padded/masked batches are exercised in every test.
@@ -380,10 +380,10 @@ def test_simulation_benchmark_runs():
 
 
 def test_a_clients_update_does_not_depend_on_the_other_clients_of_its_round():
-    """What lets a round be grouped for memory or split over ranks (fl/distributed_simulation.py)
+    """What lets a round be grouped for memory or split over ranks (fl/run/distributed_simulation.py)
     without changing a bit: padded lengths come from the whole population, a lone
     client is doubled."""
-    from fedopt_kernels.fl.client import RoundStats
+    from fedopt_kernels.fl.engine.client import RoundStats
     from fedopt_kernels.fl.seeds import batch_seed
 
     sim = _sim(engine="batched", clients=100, per_round=12, batch_size=16, momentum=0.9, algo="fedprox")
@@ -550,7 +550,7 @@ def test_real_run_batched_equals_sequential_with_new_clients():
 def test_forward_flops_equal_torchs_flop_counter(model):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fedopt_kernels.fl._flops import forward_flops
+    from fedopt_kernels.fl.engine._flops import forward_flops
 
     sim = _sim(engine="batched", model=model, hidden=(48, 24))
     net, x = sim.trainer.model, sim.train_x[:3]

@@ -69,7 +69,7 @@ def _simulator_buffers(states, cap):
     """The simulator's server round on the clients' updates and buffer rows."""
     from fedopt_kernels.fl import SimulationConfig
     from fedopt_kernels.server import RoundReplies
-    from fedopt_kernels.fl.server_side import ServerSide
+    from fedopt_kernels.fl.run.server_side import ServerSide
 
     model = _bn_net()
     x = parameters_to_vector(model.parameters())

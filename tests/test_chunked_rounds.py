@@ -1,4 +1,4 @@
-"""A round's memory bounded by a chunk (fl/chunked.py): clients trained K at a time,
+"""A round's memory bounded by a chunk (fl/engine/chunked.py): clients trained K at a time,
 each chunk folded into the running weighted sum -- the unchunked round's bits for every
 weighted-sum algorithm, a stated bound when clients are left out."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.chunked import FOLDABLE, RoundFold, chunk_clients, parse_bytes
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl.engine.chunked import FOLDABLE, RoundFold, chunk_clients, parse_bytes
+from fedopt_kernels.fl.run.config import ConfigError
 from fedopt_kernels.ops import aggregate
 from fedopt_kernels.server import FedAvg
 from _asserts import bits

@@ -157,7 +157,7 @@ def test_handlers_are_restored_after_an_in_process_run(tmp_path):
 
 
 def test_stop_on_signals_raises_interrupted_and_restores():
-    from fedopt_kernels.fl.interrupts import Interrupted, exit_status, stop_on_signals
+    from fedopt_kernels.fl.run.interrupts import Interrupted, exit_status, stop_on_signals
 
     previous = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as info:
@@ -171,7 +171,7 @@ def test_stop_on_signals_raises_interrupted_and_restores():
 
 def test_a_signal_during_the_commit_waits_for_it():
     """deferred_interrupts holds SIGTERM back until the block ends, then delivers it."""
-    from fedopt_kernels.fl.interrupts import Interrupted, deferred_interrupts, stop_on_signals
+    from fedopt_kernels.fl.run.interrupts import Interrupted, deferred_interrupts, stop_on_signals
 
     finished = []
     with pytest.raises(Interrupted):
@@ -185,7 +185,7 @@ def test_a_signal_during_the_commit_waits_for_it():
 
 def test_a_signal_started_ignored_stays_ignored():
     """nohup starts a process with SIGHUP ignored: stop_on_signals leaves it so."""
-    from fedopt_kernels.fl.interrupts import stop_on_signals
+    from fedopt_kernels.fl.run.interrupts import stop_on_signals
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

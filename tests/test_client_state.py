@@ -1,4 +1,4 @@
-"""The per-client state store (fl/client_state.py) and SCAFFOLD on it: rows only for
+"""The per-client state store (fl/engine/client_state.py) and SCAFFOLD on it: rows only for
 clients that took part, compact / spilled storage, checkpoints that resume bit for bit."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import SimulationConfig, Simulation
-from fedopt_kernels.fl.client import ScaffoldState
-from fedopt_kernels.fl.client_state import ClientStateStore
+from fedopt_kernels.fl.engine.client import ScaffoldState
+from fedopt_kernels.fl.engine.client_state import ClientStateStore
 from _asserts import bits
 
 

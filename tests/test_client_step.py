@@ -5,7 +5,7 @@ import torch
 from torch.func import functional_call
 
 from fedopt_kernels.fl import LocalConfig, LocalTrainer, ScaffoldState, digits
-from fedopt_kernels.fl.client import RoundStats
+from fedopt_kernels.fl.engine.client import RoundStats
 from fedopt_kernels.utils import parameters_layout
 from python_ref import fedprox_scaffold as ref
 

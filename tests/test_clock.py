@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fedopt_kernels.fl.clock import Device, DeviceClock, sync_round
+from fedopt_kernels.fl.run.clock import Device, DeviceClock, sync_round
 
 TRACE = """client,compute_s_per_sample,comm_s,available_from,available_until
 0,0.01,1,,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.clocked import AsyncConfig, ClockConfig, ClockedRun
+from fedopt_kernels.fl.run.clocked import AsyncConfig, ClockConfig, ClockedRun
 from fedopt_kernels.server.fedbuff import staleness_weight
 
 BASE = dict(dataset="digits", clients=10, per_round=4, rounds=3, local_steps=2, batch_size=8, algo="fedavg",
@@ -148,7 +148,7 @@ def test_clients_of_different_versions_train_as_one_group_with_their_own_bits(he
     current model, as a plain round of that version).  Grouping everyone in flight --
     each row from the version its client pulled, annealed as that version's round --
     gives the same model bit for bit, and did put versions together."""
-    from fedopt_kernels.fl.round_training import RoundTraining
+    from fedopt_kernels.fl.run.round_training import RoundTraining
 
     acfg = AsyncConfig(mode="fedbuff", concurrency=6, buffer=3, clock=ClockConfig(heterogeneity=het))
     mixed = []

@@ -13,12 +13,12 @@ import torch
 
 from fedopt_kernels.compression import Codec, parse_codec
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl.run.config import ConfigError
 from fedopt_kernels.fl.seeds import compress_key
 from fedopt_kernels.ops import compressed as C
 from fedopt_kernels.server import FedAdam, FedAvg, FedExP, RobustAggregator, RoundReplies, ServerRound
 from fedopt_kernels.server.compressed import CompressedDecoder, CompressedReplies
-from fedopt_kernels.server.privacy import RoundPrivacy
+from fedopt_kernels.server.differential_privacy.privacy import RoundPrivacy
 from _asserts import bits
 
 BASE = dict(dataset="synthetic", clients=12, per_round=5, rounds=2, local_steps=2, hidden=(16,), seed=3,

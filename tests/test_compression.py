@@ -11,8 +11,8 @@ import torch
 
 from fedopt_kernels import ops
 from fedopt_kernels.compression import Codec, parse_codec
-from fedopt_kernels.fl.client_state import ClientStateStore
-from fedopt_kernels.fl.error_feedback import ErrorFeedback
+from fedopt_kernels.fl.engine.client_state import ClientStateStore
+from fedopt_kernels.fl.engine.error_feedback import ErrorFeedback
 from fedopt_kernels.ops import compressed as C
 from python_ref import compression as P
 from python_ref.gaussian_noise import philox4x32_10

@@ -7,7 +7,7 @@ import torch
 
 from fedopt_kernels.cli import main
 from fedopt_kernels.fl import ConfigError, Partition, Simulation, SimulationConfig, digits
-from fedopt_kernels.fl.corruption import corrupted_clients, label_map
+from fedopt_kernels.fl.datasets.corruption import corrupted_clients, label_map
 
 SMALL = dict(dataset="digits", hidden=(32,), clients=10, per_round=4, rounds=1, local_steps=5, batch_size=32)
 

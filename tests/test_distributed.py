@@ -329,7 +329,7 @@ def _scenario_server_named(rank, world):
 
 
 def _scenario_simulation(rank, world):
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     got = {}
     for case in SIM_CASES:
@@ -639,7 +639,7 @@ def test_a_group_of_one_is_the_single_process_path(tmp_path):
 
 
 def test_rank_block_splits_contiguously_and_evenly():
-    from fedopt_kernels.fl.distributed_simulation import rank_block
+    from fedopt_kernels.fl.run.distributed_simulation import rank_block
 
     for n in range(0, 12):
         for world in range(1, 5):

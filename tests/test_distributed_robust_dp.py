@@ -93,13 +93,13 @@ def make_optimizer(name, params, aggregator, lr=None):
 
 
 def make_rule(rule):
-    from fedopt_kernels.server.robust_aggregator import RobustAggregator
+    from fedopt_kernels.server.robust_aggregation.robust_aggregator import RobustAggregator
 
     return RobustAggregator(rule, **RULES[rule])
 
 
 def make_dp(case):
-    from fedopt_kernels.server.dp import DPAggregator
+    from fedopt_kernels.server.differential_privacy.dp import DPAggregator
 
     return DPAggregator(seed=3, **DP_CASES[case]["mech"])
 
@@ -170,7 +170,7 @@ def _scenario_robust_errors(rank, world):
         got["fedexp"] = None
     except Exception as exc:  # noqa: BLE001
         got["fedexp"] = (type(exc).__name__, str(exc))
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
     from fedopt_kernels.fl import SimulationConfig
 
     try:
@@ -235,7 +235,7 @@ def sim_config(case):
 
 
 def _scenario_simulation(rank, world):
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     got = {}
     for case in SIM_CASES:
@@ -378,7 +378,7 @@ def test_dp_all_reduce_is_within_the_bound_with_the_same_clip_trajectory(ranks, 
 def test_the_dp_noise_is_in_the_parameters(ranks):
     """With noise, the parameters differ from the noiseless mechanism's by about the
     noise's size: the noise was added (once, not once per rank)."""
-    from fedopt_kernels.server.dp import DPAggregator
+    from fedopt_kernels.server.differential_privacy.dp import DPAggregator
 
     mech = DP_CASES["fixed_noise"]["mech"]
     params = make_params()

@@ -29,7 +29,7 @@ API_PAGES = {
     "fedopt_kernels.lr_scheduler": "lr_scheduler",
     "fedopt_kernels.utils": "utils",
     "fedopt_kernels.fl": "fl",
-    "fedopt_kernels.fl.interrupts": "fl-interrupts",
+    "fedopt_kernels.fl.run.interrupts": "fl-interrupts",
     "fedopt_kernels.integrations.flower": "flower",
     "fedopt_kernels.integrations.flower.secagg": "flower-secagg",
     "fedopt_kernels.distributed": "distributed",

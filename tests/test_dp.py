@@ -19,7 +19,7 @@ from fedopt_kernels.ops import aggregate
 from fedopt_kernels.ops.dp_noise import (CLIENT_CLIP_MARGIN, CLIP_EPS, clip_updates_, clipped_sum,
                                         gaussian_noise_)
 from fedopt_kernels.server import ASNES, FedAdam, FedAvg, FedExP
-from fedopt_kernels.server.dp import DPAggregator, dp_noise_key, effective_noise_multiplier
+from fedopt_kernels.server.differential_privacy.dp import DPAggregator, dp_noise_key, effective_noise_multiplier
 from python_ref import gaussian_noise as noise_ref
 from _asserts import assert_bitwise
 
@@ -415,8 +415,8 @@ def test_without_the_privacy_extra_the_accountant_says_what_to_install():
     code = textwrap.dedent("""
         import sys
         sys.modules["dp_accounting"] = None
-        from fedopt_kernels.server.dp import DPAggregator  # the mechanism needs no extra
-        from fedopt_kernels.server.privacy_accountant import PrivacyAccountant
+        from fedopt_kernels.server.differential_privacy.dp import DPAggregator  # the mechanism needs no extra
+        from fedopt_kernels.server.differential_privacy.privacy_accountant import PrivacyAccountant
         from fedopt_kernels.extras import MissingExtraError
         try:
             PrivacyAccountant(1.0, sampling="poisson", num_clients=10, clients_per_round=5, delta=1e-5)
@@ -426,5 +426,6 @@ def test_without_the_privacy_extra_the_accountant_says_what_to_install():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == ("privacy accounting (fedopt_kernels.server.privacy_accountant) needs dp-accounting, "
+    assert proc.stdout.strip() == ("privacy accounting (fedopt_kernels.server.differential_privacy.privacy_accountant) "
+                                   "needs dp-accounting, "
                                    "which is not installed: pip install fedopt_kernels[privacy]")

@@ -1,4 +1,4 @@
-"""The privacy accountant (fedopt_kernels.server.privacy_accountant) against
+"""The privacy accountant (fedopt_kernels.server.differential_privacy.privacy_accountant) against
 dp-accounting called directly, against Abadi et al.'s published moments-accountant
 example, and against the closed forms of the Gaussian mechanism; the samplings it
 refuses; what it says without the privacy extra is in test_dp.py."""
@@ -13,7 +13,7 @@ import pytest
 # the privacy extra is part of the test extra (make setup installs it)
 dp_accounting = pytest.importorskip("dp_accounting", reason="needs the privacy extra: pip install fedopt_kernels[privacy]")
 
-from fedopt_kernels.server.privacy_accountant import PrivacyAccountant  # noqa: E402
+from fedopt_kernels.server.differential_privacy.privacy_accountant import PrivacyAccountant  # noqa: E402
 
 
 def test_epsilon_equals_dp_accounting_called_directly():

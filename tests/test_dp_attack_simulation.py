@@ -12,8 +12,8 @@ from fedopt_kernels.cli import build_parser
 from fedopt_kernels.cli._errors import CLIError
 from fedopt_kernels.cli._options import build_settings
 from fedopt_kernels.fl import Simulation, SimulationConfig, sample_clients
-from fedopt_kernels.fl.attacks import attacked_clients
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl.datasets.attacks import attacked_clients
+from fedopt_kernels.fl.run.config import ConfigError
 
 TINY = dict(dataset="digits", hidden=(16,), clients=8, per_round=4, rounds=2, local_steps=2, batch_size=16,
             lr=0.05, seed=1, engine="sequential")
@@ -61,7 +61,7 @@ def test_the_command_line_flags_reach_the_config_and_its_checks():
 
 
 def test_results_record_epsilon_and_the_attackers_of_every_round():
-    from fedopt_kernels.server.privacy_accountant import PrivacyAccountant
+    from fedopt_kernels.server.differential_privacy.privacy_accountant import PrivacyAccountant
 
     pytest.importorskip("dp_accounting", reason="needs the privacy extra: pip install fedopt_kernels[privacy]")
     cfg = SimulationConfig(**{**TINY, **DP, "attack": "signflip", "attack_fraction": 0.25})
@@ -148,7 +148,7 @@ def test_distributed_simulation_on_one_rank_equals_the_simulator(tmp_path, setti
 def test_distributed_simulation_refuses_alie(tmp_path):
     import torch.distributed as dist
 
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedopt_kernels import server as srv
-from fedopt_kernels.fl.clock import Device, DeviceClock
-from fedopt_kernels.fl.fedbuff_schedule import fedbuff_schedule
+from fedopt_kernels.fl.run.clock import Device, DeviceClock
+from fedopt_kernels.fl.run.fedbuff_schedule import fedbuff_schedule
 from fedopt_kernels.server.fedbuff import FedBuffBuffer, staleness_weight
 
 

@@ -1,6 +1,6 @@
 """The Flower strategies' ``dp_*`` arguments (``fedopt simulate``'s ``--dp-*`` names):
 a strategy with them runs the simulator's DP-FedAvg round (its mechanism and
-accountant, fl/privacy.py), bit for bit, with and without noise; the round's metrics
+accountant, fl/run/privacy.py), bit for bit, with and without noise; the round's metrics
 carry epsilon as dp-accounting computes it; settings that void the guarantee are
 refused with the simulator's reasons, naming the argument."""
 
@@ -45,11 +45,11 @@ def _strategy(**dp):
 
 
 def _simulator_round(config_kw, x, client_models, rounds):
-    """The simulator's DP round (fl/privacy.py's RoundPrivacy on a FedAvg server through
+    """The simulator's DP round (fl/run/privacy.py's RoundPrivacy on a FedAvg server through
     the one ServerRound) on ``D_i = x - x_i``, ``rounds`` times; its x and records."""
     from fedopt_kernels import server as S
     from fedopt_kernels.fl import SimulationConfig
-    from fedopt_kernels.fl.privacy import RoundPrivacy
+    from fedopt_kernels.fl.run.privacy import RoundPrivacy
 
     cfg = SimulationConfig(algo="fedavg", weighting="uniform", **config_kw).validate()
     p = torch.nn.Parameter(x.clone())
@@ -251,7 +251,7 @@ def test_the_refusal_is_the_simulators_message_with_the_arguments_names(setting)
     its flag names (and clients / per-round) replaced by the strategy's arguments."""
     from fedopt_kernels.benchmarks.flower import ShapesModel
     from fedopt_kernels.fl import SimulationConfig
-    from fedopt_kernels.fl.dp_settings import CLI_NAMES, PYTHON_NAMES
+    from fedopt_kernels.fl.run.dp_settings import CLI_NAMES, PYTHON_NAMES
     from fedopt_kernels.integrations import flower as fk
 
     kw, _ = CLI_VS_STRATEGY[setting]

@@ -236,7 +236,7 @@ def test_central_dp_noise_is_added_to_the_unmasked_sum_of_clipped_updates():
     from fedopt_kernels import server as srv
     from fedopt_kernels.integrations.flower import secagg as S
     from fedopt_kernels.ops.dp_noise import gaussian_noise_
-    from fedopt_kernels.server.dp import dp_noise_key
+    from fedopt_kernels.server.differential_privacy.dp import dp_noise_key
 
     dp = S.SecureDP(clip=0.05, noise_multiplier=0.5, expected_clients=4.0, seed=11)
     strategy, means, globals_, _ = _run(lambda m: srv.FedAvg(m.parameters(), lr=1.0), rounds=1, dp=dp)

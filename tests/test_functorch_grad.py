@@ -1,4 +1,4 @@
-"""fl/functorch_grad.py: ``torch.func.grad(f, has_aux=True)`` without importing
+"""fl/engine/functorch_grad.py: ``torch.func.grad(f, has_aux=True)`` without importing
 torch._dynamo -- the same bits as torch's transform (the oracle), under ``vmap`` as the
 batched engine uses it, for the layers and losses of the engine's models.  That it
 imports no compiler is tested with a whole run (test_startup.py).  The tests call the
@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from fedopt_kernels.fl import functorch_grad as FG
-
+from fedopt_kernels.fl.engine import functorch_grad as FG
 MODELS = {
     "mlp": lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 33), nn.ReLU(), nn.Linear(33, 10)),
     "cnn": lambda: nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),

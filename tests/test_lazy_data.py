@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.config import ConfigError
-from fedopt_kernels.fl.data import LazyFederatedDataset, synthetic, synthetic_lazy
-from fedopt_kernels.fl.partition import CSRIndices, contiguous_partition, dirichlet_partition, iid_partition
+from fedopt_kernels.fl.run.config import ConfigError
+from fedopt_kernels.fl.datasets.data import LazyFederatedDataset, synthetic, synthetic_lazy
+from fedopt_kernels.fl.datasets.partition import CSRIndices, contiguous_partition, dirichlet_partition, iid_partition
 from _asserts import bits
 
 

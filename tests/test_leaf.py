@@ -1,4 +1,4 @@
-"""LEAF's JSON datasets (fl/leaf.py) from small files in LEAF's exact layout:
+"""LEAF's JSON datasets (fl/datasets/leaf.py) from small files in LEAF's exact layout:
 per-user partition, the memory-mapped conversion cache, Shakespeare's alphabet, and
 its character model on the batched engine."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.config import ConfigError
-from fedopt_kernels.fl.leaf import SHAKESPEARE_LETTERS, CharGRU, load_leaf
-from fedopt_kernels.fl.partition import CSRIndices
-from fedopt_kernels.fl.simulation import load_config_dataset
+from fedopt_kernels.fl.run.config import ConfigError
+from fedopt_kernels.fl.datasets.leaf import SHAKESPEARE_LETTERS, CharGRU, load_leaf
+from fedopt_kernels.fl.datasets.partition import CSRIndices
+from fedopt_kernels.fl.run.simulation import load_config_dataset
 
 # LEAF's language_utils.ALL_LETTERS, written out again as the oracle
 LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"

@@ -185,7 +185,7 @@ def test_a_model_with_the_wrong_number_of_outputs_is_refused():
 def test_package_module_function_is_found_in_the_current_directory(tmp_path, monkeypatch):
     import sys
 
-    from fedopt_kernels.fl.models import build_model
+    from fedopt_kernels.fl.engine.models import build_model
 
     pkg = tmp_path / "mypkg33"
     pkg.mkdir()

@@ -175,7 +175,7 @@ def test_compare_checkpoints_each_run_and_resumes_where_it_stopped(tmp_path, mon
     """A comparison stopped in its second run's round 2, then resumed: the same records
     (bit for bit) as one that ran through; the finished first run is not run again."""
     from fedopt_kernels.cli import main
-    from fedopt_kernels.fl.simulation import Simulation as Sim
+    from fedopt_kernels.fl.run.simulation import Simulation as Sim
 
     args = ["compare", *TINY, "--algos", "fedavg,fedadam", "--rounds", "2", "--no-plots"]
     assert main([*args, "--out", str(tmp_path / "through")]) == 0
@@ -275,7 +275,7 @@ def test_run_config_values_are_checked_naming_the_key(key, value, words):
 @pytest.fixture
 def saved_figures(monkeypatch):
     """Every figure the results module saves: {file name: figure}, drawn."""
-    from fedopt_kernels.fl import results as R
+    from fedopt_kernels.fl.run import results as R
 
     figures = {}
     real = R._save
@@ -395,7 +395,7 @@ def test_the_config_page_lists_every_setting_and_only_settings(tmp_path):
     from pathlib import Path
 
     from fedopt_kernels.cli._options import CLI_ONLY_KEYS, SIM_OPTIONS
-    from fedopt_kernels.fl.config import SimulationConfig
+    from fedopt_kernels.fl.run.config import SimulationConfig
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     listed = {m.group(1).replace("-", "_") for m in re.finditer(r"^\| `([a-z0-9-]+)` \|", text, re.M)}
@@ -468,7 +468,7 @@ def test_the_flower_docs_declare_every_run_config_key_the_client_reads(tmp_path)
 
     from flwr.common.config import get_fused_config_from_dir, parse_config_args
 
-    from fedopt_kernels.fl.client import LocalConfig
+    from fedopt_kernels.fl.engine.client import LocalConfig
     from fedopt_kernels.integrations.flower import RUN_CONFIG_KEYS, local_config_from_run_config
 
     block = re.search(r"```toml\n# pyproject.toml of your app.*?\n(\[tool\.flwr\.app\.config\]\n.*?)```",

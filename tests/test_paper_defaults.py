@@ -18,7 +18,7 @@ from torch import nn
 
 from fedopt_kernels import server as S
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.server_side import ServerSide
+from fedopt_kernels.fl.run.server_side import ServerSide
 
 try:
     import flwr  # noqa: F401

@@ -130,7 +130,7 @@ from test_lazy_data import _old_dirichlet  # noqa: E402 - the old retry loop, th
 
 import numpy as np  # noqa: E402
 
-from fedopt_kernels.fl import partition as partition_mod  # noqa: E402
+from fedopt_kernels.fl.datasets import partition as partition_mod  # noqa: E402
 
 
 def _count_draws(monkeypatch):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.graph_passes import GRADIENT_BUFFER, RAGGED_LENGTHS
+from fedopt_kernels.fl.engine.graph_passes import GRADIENT_BUFFER, RAGGED_LENGTHS
 from fedopt_kernels.ops.ragged_bmm import ragged_bmm, ragged_bmm_uses_blas
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -312,7 +312,7 @@ def test_sample_dimensions_are_found_once_per_padded_length(monkeypatch):
     """Graphs of one loss and padded length but different row counts share their
     products' sample dimensions: one second trace per (mode, batch), not per shape,
     and the same bits as every graph tracing its own."""
-    from fedopt_kernels.fl import batched as B
+    from fedopt_kernels.fl.engine import batched as B
 
     kw = dict(clients=100, per_round=25, rounds=6, local_steps=3)
     calls = []

@@ -1,4 +1,4 @@
-"""Issue 30: the papers' recipes (fl/recipes.py), FedExP as its authors run it (S * eps,
+"""Issue 30: the papers' recipes (fl/run/recipes.py), FedExP as its authors run it (S * eps,
 eps decay, the mean of the last two iterates), FedLAW's momentum carried across rounds
 and FedDecay's per-epoch rescaling of the parameter change.
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedopt_kernels.fl import FederatedDataset, LocalConfig, LocalTrainer, Simulation, SimulationConfig, recipes
-from fedopt_kernels.fl.client import RoundStats
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl import FederatedDataset, LocalConfig, LocalTrainer, Simulation, SimulationConfig
+from fedopt_kernels.fl.run import recipes
+from fedopt_kernels.fl.engine.client import RoundStats
+from fedopt_kernels.fl.run.config import ConfigError
 
 # (recipe, field, value, where the source string must point, the text at that place)
 SOURCES = [

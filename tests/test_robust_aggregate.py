@@ -18,7 +18,7 @@ import torch
 import python_ref.robust as O
 from fedopt_kernels import backends
 from fedopt_kernels.ops import robust_aggregate as R
-from fedopt_kernels.server.robust import RULES, robust_aggregate
+from fedopt_kernels.server.robust_aggregation.robust import RULES, robust_aggregate
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

@@ -13,8 +13,8 @@ import torch
 
 import python_ref.robust as O
 from fedopt_kernels.server import ASNES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedYogi
-from fedopt_kernels.server.robust import robust_aggregate
-from fedopt_kernels.server.robust_aggregator import RobustAggregator
+from fedopt_kernels.server.robust_aggregation.robust import robust_aggregate
+from fedopt_kernels.server.robust_aggregation.robust_aggregator import RobustAggregator
 
 BACKENDS = ["reference", "cpu"]
 

@@ -17,7 +17,7 @@ import torch
 import python_ref.robust as O
 from fedopt_kernels.ops import ClientPieces
 from fedopt_kernels.ops import robust_aggregate as R
-from fedopt_kernels.server.robust import robust_aggregate
+from fedopt_kernels.server.robust_aggregation.robust import robust_aggregate
 
 pytestmark = pytest.mark.usefixtures("cpu_extension")
 

@@ -13,7 +13,7 @@ import python_ref.robust as O
 from fedopt_kernels.cli import build_parser
 from fedopt_kernels.cli._options import build_settings
 from fedopt_kernels.fl import Simulation, SimulationConfig
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl.run.config import ConfigError
 
 
 TINY = dict(dataset="digits", hidden=(16,), clients=8, per_round=5, rounds=2, local_steps=2, batch_size=16,

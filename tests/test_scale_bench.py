@@ -11,7 +11,7 @@ import pytest
 
 from fedopt_kernels.benchmarks import scale, suite
 from fedopt_kernels.cli import main
-from fedopt_kernels.fl.data import synthetic_lazy
+from fedopt_kernels.fl.datasets.data import synthetic_lazy
 
 
 def test_scale_is_named_not_default():

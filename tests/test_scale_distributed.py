@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from fedopt_kernels.cli import main
 from fedopt_kernels.fl import SimulationConfig
-from fedopt_kernels.fl.config import ConfigError
+from fedopt_kernels.fl.run.config import ConfigError
 
 BASE = dict(dataset="synthetic-lazy", clients=50, per_round=6, rounds=1, local_steps=1, hidden=(8,),
             max_samples_per_client=40, seed=0)
@@ -24,7 +24,7 @@ def group_of_one(tmp_path):
 
 
 def test_distributed_simulation_refuses_a_memory_budget(group_of_one):
-    from fedopt_kernels.fl.distributed_simulation import DistributedSimulation
+    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
 
     with pytest.raises(ConfigError, match="memory-budget is not supported with --distributed"):
         DistributedSimulation(SimulationConfig(**BASE, memory_budget="1M"))

@@ -183,8 +183,8 @@ def test_the_kernel_gets_the_boundarys_normalised_weights_and_the_bound_factors_
     st = round_(S.RoundReplies(U.clone(), sizes=SIZES)).stats
 
     count = {k.rsplit(".", 2)[-2] + "." + k.rsplit(".", 1)[-1]: len(v) for k, v in calls.items()}
-    assert count == {"round.cap_weight_shares": 1, "aggregation.check_weight_values": 1,  # the boundary
-                     "aggregate.check_weight_values": 1,  # the raw op's own guard (reads host values)
+    # the values are read once, at the boundary: the op's own guard is skipped (weights_checked)
+    assert count == {"round.cap_weight_shares": 1, "aggregation.check_weight_values": 1,
                      "aggregation.normalize_weights": 1, "aggregation._normalize_host": 1,
                      "aggregate.norm_bound_factors": 1}, count
     p = calls["fedopt_kernels.server.aggregation.normalize_weights"][0][0]
@@ -274,3 +274,27 @@ def test_components_are_refused_where_they_cannot_serve():
         S.ServerRound(law, "size", privacy=priv)
     with pytest.raises(TypeError, match="a round takes RoundReplies"):
         S.ServerRound(S.FedAvg(model.parameters()), "size")(_updates(3))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_the_ops_weight_guard_stays_for_direct_users_and_weights_checked_skips_only_the_values(backend):
+    """``ops.aggregate_bounded`` still refuses bad host weights by itself (a direct user
+    of the op, nothing written); ``weights_checked=True`` (the server's promise) reads no
+    value again but still checks the form, and changes no bit."""
+    from fedopt_kernels.ops.aggregate import aggregate_bounded
+
+    U = _updates(7, C=3).float()
+    w = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float32)
+    for bad, why in [([1.0, -1.0, 1.0], "negative"), ([1.0, float("nan"), 1.0], "finite"), ([0.0, 0.0, 0.0], "zero")]:
+        out = torch.full((7,), 9.0)
+        with pytest.raises(ValueError, match="weights"):
+            aggregate_bounded(U, torch.tensor(bad), out=out, backend=backend)
+        assert (out == 9.0).all(), why  # nothing written
+    with pytest.raises(ValueError, match="weights"):  # the form is still checked
+        aggregate_bounded(U, w[:2], weights_checked=True, backend=backend)
+    a, sa, _ = aggregate_bounded(U, w, max_client_norm=0.1, backend=backend)
+    b, sb, _ = aggregate_bounded(U, w, max_client_norm=0.1, backend=backend, weights_checked=True)
+    assert_bitwise([a, sa.weights, sa.sq_norm], [b, sb.weights, sb.sq_norm], "weights_checked")
+    bound = torch.clamp(0.1 / (U.double().norm(dim=1) + 1e-6), max=1.0)  # float64 by hand
+    assert (bound < 1).all()
+    torch.testing.assert_close(a.double(), ((w.double() * bound)[:, None] * U.double()).sum(0), rtol=1e-5, atol=1e-7)

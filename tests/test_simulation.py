@@ -223,8 +223,8 @@ def test_the_clients_local_config_is_every_local_setting_of_the_run():
     correction from the algorithm -- the values the simulator used to copy by hand."""
     import dataclasses
 
-    from fedopt_kernels.fl.client import LocalConfig
-    from fedopt_kernels.fl.config import LOCAL_FIELDS
+    from fedopt_kernels.fl.engine.client import LocalConfig
+    from fedopt_kernels.fl.run.config import LOCAL_FIELDS
 
     assert set(LOCAL_FIELDS) | {"prox_mu", "scaffold"} == {f.name for f in dataclasses.fields(LocalConfig)}
     cfg = SimulationConfig(algo="fedprox", local_steps=7, batch_size=9, lr=0.3, lr_decay=0.9, weight_decay=0.02,

@@ -42,10 +42,10 @@ def test_info_reads_versions_without_importing_sklearn_or_matplotlib():
 
 
 def test_digits_without_importing_sklearn_equal_load_digits():
-    assert _imported_after("from fedopt_kernels.fl import data\ndata.digits()") == []
+    assert _imported_after("from fedopt_kernels.fl.datasets import data\ndata.digits()") == []
     from sklearn.datasets import load_digits
 
-    from fedopt_kernels.fl import data
+    from fedopt_kernels.fl.datasets import data
 
     images, target = data._digits_arrays()
     bunch = load_digits()
@@ -66,8 +66,8 @@ def test_a_sequential_run_with_a_checkpoint_imports_no_compiler(tmp_path):
 
 
 def test_a_short_batched_run_imports_no_compiler(tmp_path):
-    """Issue 48: the batched engine differentiates (fl/functorch_grad.py) and traces
-    (fl/aten_trace.py) its clients' gradients without torch._dynamo or torch._inductor,
+    """Issue 48: the batched engine differentiates (fl/engine/functorch_grad.py) and traces
+    (fl/engine/aten_trace.py) its clients' gradients without torch._dynamo or torch._inductor,
     which torch.func.grad and make_fx import (~0.75 s of a short run).  The run must
     really be batched and traced, or this would prove nothing."""
     code = ("import contextlib, io\nfrom fedopt_kernels.cli import main\nfrom fedopt_kernels.fl import Simulation\n"

@@ -1,10 +1,10 @@
 """The kernel and simulation benchmarks (``fedopt bench``: :mod:`.suite`).
 
-They come with the ``sim`` extra (``pip install fedopt_kernels[sim]``): the simulation
-suites run the simulator, the tables are rich's.  Without it, importing this package
-says so (:mod:`fedopt_kernels.extras`).
+The lab is not part of the installed core: it comes with the ``bench`` extra (``pip
+install fedopt_kernels[bench]``): the simulation suites run the simulator, the tables
+are rich's.  Without it, importing this package says so (:mod:`fedopt_kernels.extras`).
 """
 
 from ..extras import require
 
-require("sim", "fedopt_kernels.benchmarks (fedopt bench)")
+require("bench", "fedopt_kernels.benchmarks (fedopt bench)")

@@ -1,7 +1,7 @@
 """Synchronous rounds against FedBuff on the virtual clock: accuracy against virtual time
 and against client updates, under no, mild and heavy device heterogeneity.
 
-Each case is a ``fedopt_kernels.fl.clocked.ClockedRun`` of the same simulator settings
+Each case is a ``fedopt_kernels.fl.run.clocked.ClockedRun`` of the same simulator settings
 (digits or synthetic, FedAvg or FedAdam on the server, FedNAR clients): ``sync`` samples
 ``per_round`` clients a round and waits for the slowest; ``fedbuff`` keeps
 ``concurrency`` clients in flight and steps every ``buffer`` arrivals, with FedBuff's
@@ -30,7 +30,7 @@ __all__ = ["run", "summary", "main"]
 def _case(dataset: str, algo: str, mode: str, heterogeneity: str, *, rounds: int, clients: int, per_round: int,
           target: float, seed: int, grouping: str = "version") -> dict:
     from ..fl import Simulation, SimulationConfig
-    from ..fl.clocked import AsyncConfig, ClockConfig, ClockedRun
+    from ..fl.run.clocked import AsyncConfig, ClockConfig, ClockedRun
 
     cfg = SimulationConfig(dataset=dataset, algo=algo, clients=clients, per_round=per_round, rounds=rounds,
                            local_steps=10, weighting="uniform", seed=seed)

@@ -1,5 +1,5 @@
 """DP-FedAvg in Flower: the fused strategy with its ``dp_*`` arguments (the simulator's
-:class:`~fedopt_kernels.server.dp.DPAggregator` and accountant) against Flower's own
+:class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator` and accountant) against Flower's own
 server-side DP wrappers around its ``FedAvg`` (``DifferentialPrivacyServerSideFixedClipping``
 and ``...AdaptiveClipping``).
 
@@ -134,7 +134,7 @@ def agreement(shapes, C: int, z: float, clip: float, *, seed: int = 0, count_std
     one: see docs/privacy.md)."""
     import numpy as np
 
-    from ..server.dp import effective_noise_multiplier
+    from ..server.differential_privacy.dp import effective_noise_multiplier
 
     global_arrays, replies = equal_weight_replies(shapes, C, seed=seed)
     x0 = flat_arrays(global_arrays).double()

@@ -62,9 +62,9 @@ def sampling_and_partition(clients: int = 100_000, per_round: int = 1000, sample
     (10 classes) over the ``clients`` by Dirichlet(0.3) and IID."""
     import numpy as np
 
-    from ..fl.data import synthetic_lazy
-    from ..fl.partition import dirichlet_partition, iid_partition, natural_partition
-    from ..fl.simulation import sample_clients
+    from ..fl.datasets.data import synthetic_lazy
+    from ..fl.datasets.partition import dirichlet_partition, iid_partition, natural_partition
+    from ..fl.run.simulation import sample_clients
 
     t = time.perf_counter()
     ds = synthetic_lazy(num_clients=clients, seed=0, test_clients=1)

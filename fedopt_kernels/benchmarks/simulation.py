@@ -6,7 +6,7 @@ server averages.  Candidates, timed interleaved in the same run (``timing.interl
 milliseconds per round (medians):
 
 * ``batched engine``: :meth:`Simulation.run_round` with ``engine="batched"`` -- all
-  clients as one ``[C, N]`` computation (:mod:`fedopt_kernels.fl.batched`);
+  clients as one ``[C, N]`` computation (:mod:`fedopt_kernels.fl.engine.batched`);
 * ``sequential engine``: the same with ``engine="sequential"`` (one client after
   another, fused FedNAR step);
 * ``hand-written loop``: what an FL paper's code does -- the FedNAR authors' released

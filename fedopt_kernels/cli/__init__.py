@@ -12,9 +12,10 @@ Subcommands:
 ``fedopt selftest``  every op on every backend of this device against python_ref and fp64
                      formulas, torch.compile and CUDA graphs; exit 1 on any mismatch.
 
-``simulate``, ``compare`` and ``bench`` come with the ``sim`` extra (``pip install
-fedopt_kernels[sim]``); without it they say so (exit status 1), and ``info`` and
-``selftest`` run as they are (plain-text tables where rich is not installed).
+``simulate`` and ``compare`` come with the ``sim`` extra (``pip install
+fedopt_kernels[sim]``), ``bench`` with the ``bench`` extra (the benchmark lab, out of the
+core); without it they say so (exit status 1), and ``info`` and ``selftest`` run as they
+are (plain-text tables where rich is not installed).
 
 Errors (unknown names, impossible settings, malformed config files, unusable output
 directories) print one line ``fedopt: error: ...`` and exit with status 2 (1 for a
@@ -32,7 +33,8 @@ from ._errors import ArgumentParser, CLIError
 
 __all__ = ["main", "build_parser", "CLIError"]
 
-SIM_COMMANDS = ("simulate", "compare", "bench")  # they come with the sim extra
+SIM_COMMANDS = ("simulate", "compare", "bench")  # they come with an extra: COMMAND_EXTRA
+COMMAND_EXTRA = {"simulate": "sim", "compare": "sim", "bench": "bench"}
 
 
 def build_parser() -> ArgumentParser:
@@ -42,16 +44,19 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedopt_kernels {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{simulate,compare,bench,info,selftest}")
     if extras.missing("sim"):
-        for name, what in zip(SIM_COMMANDS, ("run one federated simulation",
-                                             "run several algorithms on the same partition and clients",
-                                             "run the kernel benchmark suite and print its table")):
-            _needs_sim(sub, name, what)
+        for name, what in zip(SIM_COMMANDS[:2], ("run one federated simulation",
+                                                 "run several algorithms on the same partition and clients")):
+            _needs_extra(sub, name, what)
     else:
-        from ..benchmarks import suite
         from .simulate import add_compare_parser, add_simulate_parser
 
         add_simulate_parser(sub)
         add_compare_parser(sub)
+    if extras.missing("bench"):
+        _needs_extra(sub, "bench", "run the kernel benchmark suite and print its table")
+    else:
+        from ..benchmarks import suite
+
         bench = sub.add_parser("bench", help="run the kernel benchmark suite and print its table",
                                description="Run the kernel benchmark suite (fedopt_kernels.benchmarks.suite).")
         suite.build_parser(bench)
@@ -68,17 +73,17 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _needs_sim(sub, name: str, what: str) -> None:
-    """Subcommand ``name`` of the sim extra, which is not installed: listed by --help;
-    running it says what to install (:func:`_refuse_without_sim`)."""
-    sub.add_parser(name, help=f"{what} (needs fedopt_kernels[sim])")
+def _needs_extra(sub, name: str, what: str) -> None:
+    """Subcommand ``name`` of an extra that is not installed: listed by --help; running
+    it says what to install (:func:`_refuse_without_extra`)."""
+    sub.add_parser(name, help=f"{what} (needs fedopt_kernels[{COMMAND_EXTRA[name]}])")
 
 
-def _refuse_without_sim(argv: Sequence[str]) -> None:
-    """``fedopt simulate|compare|bench ...`` without the sim extra: what to install
-    (before parsing: their options are not known without it)."""
+def _refuse_without_extra(argv: Sequence[str]) -> None:
+    """``fedopt simulate|compare|bench ...`` without its extra: what to install (before
+    parsing: their options are not known without it)."""
     if argv and argv[0] in SIM_COMMANDS:
-        text = extras.message("sim", f"fedopt {argv[0]}")
+        text = extras.message(COMMAND_EXTRA[argv[0]], f"fedopt {argv[0]}")
         if text is not None:
             raise CLIError(text, code=1)
 
@@ -99,7 +104,7 @@ def _interrupted_status(exc: KeyboardInterrupt) -> int:
     """``128 + signum`` (130 for Ctrl-C): the simulator's ``exit_status``; without the
     sim extra nothing but Ctrl-C stops a command."""
     try:
-        from ..fl.interrupts import exit_status
+        from ..fl.run.interrupts import exit_status
     except ImportError:
         return 128 + int(signal.SIGINT)
     return exit_status(exc)
@@ -110,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = build_parser()
-        _refuse_without_sim(argv)
+        _refuse_without_extra(argv)
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
             parser.print_help()

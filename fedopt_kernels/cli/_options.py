@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from ..fl.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
+from ..fl.run.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
                          SimulationConfig)
-from ..fl.config import AGGREGATORS, ATTACK_CHOICES, DP_MODES
-from ..fl.recipes import RECIPES
+from ..fl.run.config import AGGREGATORS, ATTACK_CHOICES, DP_MODES
+from ..fl.run.recipes import RECIPES
 from ._errors import CLIError
 
 RECIPE_NAMES = tuple(RECIPES)
@@ -79,8 +79,9 @@ _optional_int.__name__ = "int"
 
 # (flag, type, help); the dest is the flag with dashes -> underscores
 SIM_OPTIONS: List[tuple] = [
-    ("--recipe", str, f"start from a paper's training recipe: {', '.join(RECIPE_NAMES)} (fedopt_kernels.fl.recipes; "
-                      "each value's source is in results.json meta.recipe); flags and --config settings override it"),
+    ("--recipe", str, f"start from a paper's training recipe: {', '.join(RECIPE_NAMES)} "
+                      "(fedopt_kernels.fl.run.recipes; each value's source is in results.json meta.recipe); flags and "
+                      "--config settings override it"),
     ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
     ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
                    "(default {default})"),
@@ -152,7 +153,7 @@ SIM_OPTIONS: List[tuple] = [
                             "client (every label wrong), swap = FedLAW's two classes exchanged, noise = additive "
                             "Gaussian noise on the inputs (default {default})"),
     ("--corrupt-noise-std", float, "std of the input noise of --corrupt-kind noise (default {default})"),
-    # differential privacy (server/dp.py) and attacks for testing (fl/attacks.py)
+    # differential privacy (server/differential_privacy/dp.py) and attacks for testing (fl/datasets/attacks.py)
     ("--dp-clip", _optional_float, "DP-FedAvg: clip every client update to this norm, the initial clip with "
                                    "--dp-target-quantile (default none: no differential privacy)"),
     ("--dp-noise-multiplier", float, "DP-FedAvg: Gaussian noise of std z * clip on the sum of clipped updates; "
@@ -167,7 +168,7 @@ SIM_OPTIONS: List[tuple] = [
                       "alie = Baruch et al. 2019; recorded in results.json (default {default})"),
     ("--attack-fraction", float, "fraction of the clients (rounded, chosen by --seed) that attack "
                                  "(default {default})"),
-    # Byzantine-robust aggregation (server/robust_aggregator.py; docs/robustness.md)
+    # Byzantine-robust aggregation (server/robust_aggregation/robust_aggregator.py; docs/robustness.md)
     ("--aggregator", str, f"how the server aggregates the round's updates: {', '.join(AGGREGATORS)}; mean is the "
                           "weighted mean, the others are robust rules (default {default})"),
     ("--trim-beta", _optional_float, "trimmed-mean: fraction of the values dropped at each end of every "
@@ -198,7 +199,7 @@ SIM_OPTIONS: List[tuple] = [
                              "(same result, bit for bit); default none: the whole round at once"),
     ("--client-state-dir", str, "keep per-client state in memory-mapped files in this directory instead of in "
                                 "memory (default: in memory)"),
-    # compressed client updates (fl/compressed_updates.py; docs/compression.md)
+    # compressed client updates (fl/engine/compressed_updates.py; docs/compression.md)
     ("--compress", str, "codec of the clients' updates: none, int8, int4, fp8 (per-block scales) or topk:FRACTION "
                         "(the largest FRACTION of the values); the server decodes them inside its aggregation "
                         "(default {default})"),
@@ -324,7 +325,7 @@ def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> 
     explicit = {k: v for k, v in vars(args).items() if k not in ("config", "command", "quiet", "func", "resume")}
     recipe = explicit.get("recipe", toml.get("recipe"))
     if recipe is not None:
-        from ..fl.recipes import get as get_recipe
+        from ..fl.run.recipes import get as get_recipe
 
         try:
             values.update(get_recipe(recipe).values())

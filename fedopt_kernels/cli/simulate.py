@@ -15,9 +15,9 @@ from typing import List, Optional
 
 import torch
 
-from ..fl.config import ALGORITHMS, ConfigError, SimulationConfig
-from ..fl.interrupts import deferred_interrupts, exit_status, signal_name, stop_on_signals
-from ..fl.results import Results, comparison_rows, plot_comparison, write_atomic
+from ..fl.run.config import ALGORITHMS, ConfigError, SimulationConfig
+from ..fl.run.interrupts import deferred_interrupts, exit_status, signal_name, stop_on_signals
+from ..fl.run.results import Results, comparison_rows, plot_comparison, write_atomic
 from ._errors import CLIError
 from ._options import build_settings
 
@@ -35,7 +35,7 @@ def _with_notices(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from ..fl import MemoryBudgetWarning, NonFiniteClientWarning
-        from ..fl.batched import EngineFallbackWarning
+        from ..fl.engine.batched import EngineFallbackWarning
 
         previous = warnings.showwarning
 
@@ -229,9 +229,9 @@ class _Progress:
 
 def _build_simulation(config: SimulationConfig, *, distributed: bool = False, **kwargs):
     if distributed:
-        from ..fl.distributed_simulation import DistributedSimulation as Simulation
+        from ..fl.run.distributed_simulation import DistributedSimulation as Simulation
     else:
-        from ..fl.simulation import Simulation
+        from ..fl.run.simulation import Simulation
 
     try:
         return Simulation(config, **kwargs)
@@ -286,7 +286,7 @@ def _save_checkpoint(sim, out: Path) -> None:
     os.replace(tmp, out / CHECKPOINT)
 
 
-# the flags of rounds on a virtual clock (fedopt_kernels.fl.clocked): not settings of the
+# the flags of rounds on a virtual clock (fedopt_kernels.fl.run.clocked): not settings of the
 # simulation itself, so they are taken off the arguments before build_settings
 ASYNC_FLAGS = {"mode": "mode", "concurrency": "concurrency", "buffer": "buffer", "staleness": "staleness",
                "staleness_exponent": "staleness_a", "deadline": "deadline", "over_select": "over_select"}
@@ -320,7 +320,7 @@ def add_async_options(p) -> None:
 def _async_config(args, saved: Optional[dict] = None):
     """The AsyncConfig the flags ask for (taken off ``args``), or the checkpoint's
     (``saved``) with the flags over it; None when neither asks for one."""
-    from ..fl.clocked import AsyncConfig, ClockConfig
+    from ..fl.run.clocked import AsyncConfig, ClockConfig
 
     given = {ASYNC_FLAGS[k]: vars(args).pop(k) for k in list(ASYNC_FLAGS) if k in vars(args)}
     clock = {CLOCK_FLAGS[k]: vars(args).pop(k) for k in list(CLOCK_FLAGS) if k in vars(args)}
@@ -361,7 +361,7 @@ def run_simulate(args) -> int:
     # a run option, not a setting of the simulation (build_settings would reject it)
     if not vars(args).pop("distributed", False):
         return _run_simulate(args)
-    from ..fl.distributed_simulation import shutdown
+    from ..fl.run.distributed_simulation import shutdown
 
     try:
         code = _run_simulate(args, distributed=True)
@@ -375,7 +375,7 @@ def run_simulate(args) -> int:
 
 
 def _init_distributed(config: SimulationConfig) -> int:
-    from ..fl.distributed_simulation import init_from_env
+    from ..fl.run.distributed_simulation import init_from_env
 
     try:
         rank, _ = init_from_env(config.device)
@@ -415,7 +415,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
     sim = _build_simulation(config, distributed=distributed)
     runner = sim  # what runs the rounds and what a checkpoint saves
     if acfg is not None:
-        from ..fl.clocked import ClockedRun
+        from ..fl.run.clocked import ClockedRun
 
         try:
             runner = ClockedRun(sim, acfg)
@@ -527,7 +527,7 @@ def parse_runs(text, default_nar: str) -> List[tuple]:
 
 @_with_notices
 def run_compare(args) -> int:
-    from ..fl.simulation import load_config_dataset, make_partition
+    from ..fl.run.simulation import load_config_dataset, make_partition
 
     config, opts = build_settings(args)
     algos = opts.get("algos")

@@ -7,8 +7,8 @@ and is the decode stage of the round's aggregation (``aggregate(replies, weights
 the validator that leaves a malformed reply out with its reason (``check``).  With
 ``rotation`` set, updates are rotated by the round's randomized Hadamard transform before
 quantizing and the aggregate is rotated back once.  Error feedback, whose residuals live
-in the run's :class:`~fedopt_kernels.fl.client_state.ClientStateStore`, is
-:class:`fedopt_kernels.fl.error_feedback.ErrorFeedback`.
+in the run's :class:`~fedopt_kernels.fl.engine.client_state.ClientStateStore`, is
+:class:`fedopt_kernels.fl.engine.error_feedback.ErrorFeedback`.
 
 Layer: beside ``optim`` / ``server`` (it imports ``ops`` only).  The math:
 python_ref/compression.py; the page: docs/compression.md.

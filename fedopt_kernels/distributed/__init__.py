@@ -26,7 +26,7 @@ clients, then rank 1's, ...):
 gloo carries CPU tensors, NCCL CUDA tensors; the small host-side metadata exchange
 uses gloo (a gloo group over the same ranks is made for an NCCL-only group).  The
 simulator runs over ranks with ``torchrun ... -m fedopt_kernels simulate --distributed``
-(:mod:`fedopt_kernels.fl.distributed_simulation`).  See ``docs/distributed.md``.
+(:mod:`fedopt_kernels.fl.run.distributed_simulation`).  See ``docs/distributed.md``.
 """
 
 from .comm import RankInputError

@@ -1,6 +1,6 @@
 r"""``DistributedDPAggregator``: DP-FedAvg (fixed or adaptive clipping) over every rank's clients.
 
-DP-FedAvg's aggregate (:mod:`fedopt_kernels.server.dp`) is a SUM of per-client terms
+DP-FedAvg's aggregate (:mod:`fedopt_kernels.server.differential_privacy.dp`) is a SUM of per-client terms
 plus one noise draw::
 
     D = (1 / m) (sum_i w_i s_i D_i + N(0, (z_Delta C)^2 I)),   s_i = min(1, C / (||D_i|| + 1e-6))
@@ -22,14 +22,14 @@ clip ``C`` (the same on every rank).  So nothing but the sum crosses ranks:
    adaptive clipping's bits ``b_i = 1[||D_i|| <= C]``;
 4. the noise is added ONCE, on the last rank (the one that finishes the sum), after
    the sum (:func:`~fedopt_kernels.ops.dp_noise.gaussian_noise_`: the counter-based
-   noise of round ``t``'s key, :func:`~fedopt_kernels.server.dp.dp_noise_key`, the very
+   noise of round ``t``'s key, :func:`~fedopt_kernels.server.differential_privacy.dp.dp_noise_key`, the very
    values the single-process kernel draws inside its pass), with adaptive clipping's
    count noise from round ``t``'s generator; the noised ``D`` is broadcast with the
    privatised count ``b_bar`` and the next clip, so every rank holds the same ``D`` and
    clip.
 
 With ``mode="ordered"`` the aggregate, ``||D||^2``, the clip trajectory and the
-statistics are bitwise those of :class:`~fedopt_kernels.server.dp.DPAggregator` in one
+statistics are bitwise those of :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator` in one
 process with all the clients, so the accountant (a function of the noise multiplier,
 the sampling and the number of rounds, the same on every rank) records the same
 epsilon.
@@ -52,7 +52,7 @@ import torch
 from ..ops.aggregate import host_to_device, norm_bound_factors
 from ..ops.validation import acc_dtype
 from ..server.aggregation import RoundAggregate
-from ..server.dp import DPAggregator, refuse_client_statistics
+from ..server.differential_privacy.dp import DPAggregator, refuse_client_statistics
 from . import comm
 from .aggregate import _AllReduce, _Ordered
 from .aggregator import DistributedAggregator
@@ -61,8 +61,8 @@ __all__ = ["DistributedDPAggregator"]
 
 
 class DistributedDPAggregator(DistributedAggregator):
-    """The distributed form of ``mechanism`` (a :class:`~fedopt_kernels.server.dp.DPAggregator`,
-    whose state -- rounds, the clip, the last round's :class:`~fedopt_kernels.server.dp.DPRound`
+    """The distributed form of ``mechanism`` (a :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator`,
+    whose state -- rounds, the clip, the last round's :class:`~fedopt_kernels.server.differential_privacy.dp.DPRound`
     -- it advances on every rank, so its ``record()`` and the accountant read the same
     everywhere): see the module docstring.  ``mode``: ``"ordered"`` (bitwise the
     single-process round) or ``"all_reduce"``; ``group``, ``on_bad_client`` and

@@ -1,6 +1,6 @@
 r"""``DistributedRobustAggregator``: a Byzantine-robust rule over every rank's clients.
 
-The robust rules (:mod:`fedopt_kernels.server.robust`) are not sums: the coordinate-wise
+The robust rules (:mod:`fedopt_kernels.server.robust_aggregation.robust`) are not sums: the coordinate-wise
 median and trimmed mean need all ``C`` values of a coordinate, Krum, Multi-Krum and
 Bulyan the distances between every pair of clients (the ``[C, C]`` Gram matrix), the
 geometric median and centered clipping the distances of every client to an iterate.
@@ -9,7 +9,7 @@ the clients' rows in one place.  The design here:
 
 1. **gather to the root** -- rank ``r`` sends its ``[C_r, N]`` rows to rank 0
    (point-to-point, received straight into rank 0's ``[C, N]`` buffer, no padding);
-2. rank 0 runs the single-process :class:`~fedopt_kernels.server.robust_aggregator.RobustAggregator`
+2. rank 0 runs the single-process :class:`~fedopt_kernels.server.robust_aggregation.robust_aggregator.RobustAggregator`
    on the union, in the global client order (rank 0's clients first) -- the very call
    one process makes, so the aggregate and every statistic are bitwise its;
 3. **broadcast the result** -- the aggregate ``D`` (``N`` values) and one small packed
@@ -17,7 +17,7 @@ the clients' rows in one place.  The design here:
    selection; exact, every value is an fp32/fp64 number or a flag) from rank 0; every
    rank then hands its optimizer the same :class:`~fedopt_kernels.server.aggregation.RoundAggregate`
    and keeps the same rule state (centered clipping's reference point, the selection
-   :meth:`~fedopt_kernels.server.robust_aggregator.RobustAggregator.record` reports).
+   :meth:`~fedopt_kernels.server.robust_aggregation.robust_aggregator.RobustAggregator.record` reports).
 
 Traffic per round: ``(C - C_0) N`` into rank 0 and ``(W - 1) (N + 5C + 5)`` out of it,
 plus the round's host-side exchange (counts, host weights, errors) and one status word
@@ -52,8 +52,8 @@ import torch
 from ..ops import ClientPieces
 from ..ops.aggregate import AggregateStats
 from ..server.aggregation import RoundAggregate
-from ..server.robust import RobustResult
-from ..server.robust_aggregator import RobustAggregator, refuse_robust_statistics
+from ..server.robust_aggregation.robust import RobustResult
+from ..server.robust_aggregation.robust_aggregator import RobustAggregator, refuse_robust_statistics
 from . import comm
 from .aggregator import DistributedAggregator
 from .comm import RankInputError
@@ -64,7 +64,8 @@ ROOT = 0  # the rank that gathers the rows and runs the rule
 
 
 class DistributedRobustAggregator(DistributedAggregator):
-    """The distributed form of ``rule`` (a :class:`~fedopt_kernels.server.robust_aggregator.RobustAggregator`,
+    """The distributed form of ``rule`` (a
+    :class:`~fedopt_kernels.server.robust_aggregation.robust_aggregator.RobustAggregator`,
     whose state -- rounds, centered clipping's reference, the last selection -- it keeps
     up to date on every rank): see the module docstring.  ``group``, ``on_bad_client``
     and ``max_weight_share`` as :class:`~fedopt_kernels.distributed.DistributedAggregator`'s.

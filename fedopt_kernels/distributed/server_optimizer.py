@@ -20,15 +20,15 @@ def distributed_form(aggregator, group=None, *, mode: str = "ordered", on_bad_cl
     optimizer's :attr:`~fedopt_kernels.server.ServerOptimizer.aggregator`) does over one
     process's: the weighted mean (:class:`~fedopt_kernels.server.aggregation.LocalAggregator`,
     or the rule ``"mean"``) -> :class:`DistributedAggregator`; a robust rule
-    (:class:`~fedopt_kernels.server.robust_aggregator.RobustAggregator`) ->
+    (:class:`~fedopt_kernels.server.robust_aggregation.robust_aggregator.RobustAggregator`) ->
     :class:`~fedopt_kernels.distributed.robust.DistributedRobustAggregator` (rows
     gathered on rank 0, the result broadcast; ``mode`` does not apply); DP-FedAvg
-    (:class:`~fedopt_kernels.server.dp.DPAggregator`) ->
+    (:class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator`) ->
     :class:`~fedopt_kernels.distributed.dp.DistributedDPAggregator`.  Anything else has
     no distributed form: refused (it would be silently replaced by the mean)."""
     from ..server.aggregation import LocalAggregator
-    from ..server.dp import DPAggregator
-    from ..server.robust_aggregator import RobustAggregator
+    from ..server.differential_privacy.dp import DPAggregator
+    from ..server.robust_aggregation.robust_aggregator import RobustAggregator
     from .dp import DistributedDPAggregator
     from .robust import DistributedRobustAggregator
 
@@ -78,8 +78,8 @@ class DistributedServerOptimizer:
 
     The optimizer's own :attr:`~fedopt_kernels.server.ServerOptimizer.aggregator` (as
     set when the wrapper is made) decides the collective (:func:`distributed_form`):
-    the weighted mean, a :class:`~fedopt_kernels.server.robust_aggregator.RobustAggregator`
-    (gathered on rank 0, broadcast) or a :class:`~fedopt_kernels.server.dp.DPAggregator`
+    the weighted mean, a :class:`~fedopt_kernels.server.robust_aggregation.robust_aggregator.RobustAggregator`
+    (gathered on rank 0, broadcast) or a :class:`~fedopt_kernels.server.differential_privacy.dp.DPAggregator`
     (local clipping, one distributed sum, the noise drawn once), each bitwise the
     single-process round; any other aggregator is refused.
 

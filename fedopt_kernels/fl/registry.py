@@ -2,7 +2,7 @@
 
 A :class:`Registry` maps names to factories and resolves a spec -- a registered name,
 or ``"package.module:function"`` for a factory of your own that was never registered.
-:mod:`~fedopt_kernels.fl.data` keeps one of datasets, :mod:`~fedopt_kernels.fl.models`
+:mod:`~fedopt_kernels.fl.datasets.data` keeps one of datasets, :mod:`~fedopt_kernels.fl.engine.models`
 one of models.
 """
 

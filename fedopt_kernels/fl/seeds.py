@@ -28,8 +28,8 @@ class Purpose(IntEnum):
     PROXY_ORDER = 5  # the proxy set's batch order in a round
     DROPOUT = 6      # random layers of the batched engine
     CORRUPT = 7      # which clients are corrupted, and each one's label map or noise
-    ATTACK = 8       # which clients attack (fl/attacks.py), and the noise of the gaussian attack
-    DP_NOISE = 9     # the noise of differentially private aggregation (server/dp.py: dp_noise_seed)
+    ATTACK = 8       # which clients attack (fl/datasets/attacks.py), and the noise of the gaussian attack
+    DP_NOISE = 9     # the noise of differentially private aggregation (server/differential_privacy/dp.py)
     COMPRESS = 10    # a round's key of compressed updates: Hadamard signs, stochastic rounding
 
 
@@ -71,7 +71,7 @@ def dropout_seed(seed: int, round_number: int, group: int, first_client: int) ->
 
 
 def corrupt_seed(seed: int) -> int:
-    """The seed that picks the corrupted clients (:mod:`fedopt_kernels.fl.corruption`)."""
+    """The seed that picks the corrupted clients (:mod:`fedopt_kernels.fl.datasets.corruption`)."""
     return derive_seed(seed, Purpose.CORRUPT)
 
 
@@ -81,7 +81,7 @@ def corrupt_client_seed(seed: int, client: int) -> int:
 
 
 def attack_seed(seed: int) -> int:
-    """The seed that picks the attacking clients (:mod:`fedopt_kernels.fl.attacks`)."""
+    """The seed that picks the attacking clients (:mod:`fedopt_kernels.fl.datasets.attacks`)."""
     return derive_seed(seed, Purpose.ATTACK)
 
 
@@ -91,7 +91,7 @@ def attack_noise_seed(seed: int, round_number: int, client: int) -> int:
 
 
 def compress_key(seed: int, round_number: int) -> int:
-    """The key of round ``round_number``'s compressed updates (fl/compressed_updates.py):
+    """The key of round ``round_number``'s compressed updates (fl/engine/compressed_updates.py):
     the Hadamard rotation's signs, shared by the round's clients, and, with each client's
     id, its stochastic rounding's uniforms."""
     return derive_seed(seed, Purpose.COMPRESS, round_number)

@@ -89,17 +89,21 @@ def as_weight_tensor(weights, C: int, name: str = "weights") -> torch.Tensor:
     return weights
 
 
-def check_weights(weights, C: int, device, dtype, name: str = "weights") -> torch.Tensor:
+def check_weights(weights, C: int, device, dtype, name: str = "weights", *, values_checked: bool = False
+                  ) -> torch.Tensor:
     """``[C]`` weights (any form :func:`as_weight_tensor` takes) on ``device`` in ``dtype``.
 
     Weights that live on the CPU are also checked by value (no negative or non-finite
     weight, not all zero) and then copied to the clients' device without waiting for
     it.  Weights already on an accelerator are not read: that would synchronise the
-    host with the device, which a step never does.
+    host with the device, which a step never does.  ``values_checked``: the caller has
+    already checked the values (the server's round, whose weights are checked once where
+    they enter); only the form (length, dtype, device) is checked here.
     """
     weights = as_weight_tensor(weights, C, name)
     if weights.device.type == "cpu":
-        check_weight_values(weights, name)
+        if not values_checked:
+            check_weight_values(weights, name)
         return host_to_device(weights.to(dtype).contiguous(), device, name)
     if weights.device != device:
         raise ValueError(f"{name} is on {weights.device} but the clients are on {device}")
@@ -233,16 +237,21 @@ def aggregate(
 
 def aggregate_bounded(clients: Clients, weights: torch.Tensor, *, gamma=1.0, out: Optional[torch.Tensor] = None,
                       nonfinite: str = "exclude", max_client_norm: Optional[float] = None,
-                      backend: Optional[str] = None):
+                      backend: Optional[str] = None, weights_checked: bool = False):
     """:func:`aggregate` (the same checks, passes and bits), and the norm-bound factors
     it applied: ``(out, AggregateStats, bound)``, ``bound`` ``[C]`` each client's
     ``min(1, M / (||X_i|| + 1e-6))`` (1 for an excluded client), None without
     ``max_client_norm``.  For a caller that describes the round with them (the server's
     :class:`~fedopt_kernels.server.aggregation.LocalAggregator`) instead of computing
-    them a second time."""
+    them a second time.
+
+    ``weights_checked=True`` is that caller's promise that ``weights`` hold finite
+    numbers ``>= 0``, not all zero (it checked and normalised them itself): their values
+    are then not read a second time on the CPU.  Their form (``[C]``, dtype, device) is
+    still checked.  The default keeps the op's own guard for every direct user."""
     rows, C, N, dtype, device = check_clients(clients)
     acc = V.acc_dtype(dtype)
-    w = check_weights(weights, C, device, acc)
+    w = check_weights(weights, C, device, acc, values_checked=bool(weights_checked))
     gamma = check_gamma(gamma, device, acc)
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")

@@ -22,7 +22,7 @@ of the counter-based noise of key ``k`` (python_ref/gaussian_noise.py: Philox4x3
 ``(k, j)`` alone, so the kernel needs no generator state, the bits are the same on every
 backend and CPU instruction set, and a run is reproducible from its seed (the key of a
 round is a function of the run's seed and the round:
-:func:`fedopt_kernels.server.dp.dp_noise_key`).  :func:`gaussian_noise_` adds the same
+:func:`fedopt_kernels.server.differential_privacy.dp.dp_noise_key`).  :func:`gaussian_noise_` adds the same
 noise to a vector already summed: for an fp32/fp64 ``out`` the two forms give the same
 bits.  The noise goes into the pass that writes ``out`` last: the second pass when a
 client is clipped (the usual DP round), fused there; else, the second pass being a
@@ -102,7 +102,7 @@ def clipped_sum(clients: Clients, clip, *, weights=None, scale: float = 1.0, out
     vectors, or :class:`~fedopt_kernels.ops.ClientPieces`); ``clip`` ``C``: a number
     ``> 0`` or a one-element tensor on the clients' device; ``weights``: None (every
     client 1) or ``[C]`` numbers ``>= 0`` (a fixed bound on them is the caller's
-    guarantee: :mod:`fedopt_kernels.server.dp` checks it); ``scale``: a number ``> 0``
+    guarantee: :mod:`fedopt_kernels.server.differential_privacy.dp` checks it); ``scale``: a number ``> 0``
     (``1 / m``, the expected number of clients, for DP-FedAvg's mean);
     ``noise_key``: None (no noise) or an int in ``[0, 2^63)``, with ``noise_std`` a number
     ``>= 0`` or a one-element tensor on the clients' device (not read: no sync): the

@@ -57,7 +57,7 @@ def ragged_bmm_uses_blas(dtype: torch.dtype, device) -> bool:
 
 class RaggedGraphOps(NamedTuple):
     """The CPU backend's ragged kernels as the targets of graph nodes (op overloads),
-    for the batched engine's passes over its traced graphs (fl/graph_passes.py):
+    for the batched engine's passes over its traced graphs (fl/engine/graph_passes.py):
     ``bmm(a, b, lengths, dim, zero_fill)`` (:func:`ragged_bmm`), ``bmm_out`` (the same
     with ``out=``), ``bias_relu_(x, bias, lengths, relu)`` and
     ``relu_backward_(grad, output, lengths)`` (csrc/cpu/ragged_epilogues.cpp)."""

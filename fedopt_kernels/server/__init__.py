@@ -42,8 +42,8 @@ from .fedexp import FedExP
 from .fedlaw import FedLAW, FedLAWRound
 from .fedyogi import FedYogi
 from .registry import ALGORITHM_WEIGHTING, ALGORITHMS, WEIGHTINGS, Algorithm, algorithm, resolve_weighting
-from .privacy import RoundPrivacy
-from .robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS, RobustAggregator, robust_rule
+from .differential_privacy.privacy import RoundPrivacy
+from .robust_aggregation.robust_aggregator import AGGREGATOR_PARAMS, AGGREGATORS, RobustAggregator, robust_rule
 from .round import ClientStateRule, RoundOutcome, RoundReplies, ServerRound, ServerRoundStats, read_metrics, round_weights
 from .scaffold import ScaffoldControl, ScaffoldReplies, scaffold_control_update_
 from .secure_sum import SecureSumAggregator

@@ -141,8 +141,11 @@ class LocalAggregator:
     def __call__(self, optimizer: AggregatingOptimizer, updates, weights, out: torch.Tensor) -> RoundAggregate:
         rows, C = optimizer.check_updates(updates)
         p, valid = normalize_weights(weights, C, out.device, out.dtype)
+        # p comes from normalize_weights, which checked the values (or they were checked where
+        # they entered: CheckedWeights) -- on the CPU the op would read them a second time.
         _, stats, factors = aggregate_bounded(rows, p, out=out, nonfinite=optimizer.nonfinite,
-                                              max_client_norm=optimizer.max_client_norm, backend=optimizer.backend)
+                                              max_client_norm=optimizer.max_client_norm, backend=optimizer.backend,
+                                              weights_checked=True)
         return RoundAggregate.of(p, stats, valid, optimizer.max_client_norm, factors)
 
     def __repr__(self) -> str:
@@ -151,7 +154,7 @@ class LocalAggregator:
 
 class RunningAggregate:
     """A round's replies aggregated as they arrived, instead of rows held until the
-    step: a folded round's running weighted sum (:class:`fedopt_kernels.fl.chunked.RoundFold`);
+    step: a folded round's running weighted sum (:class:`fedopt_kernels.fl.engine.chunked.RoundFold`);
     the form an asynchronous buffer (FedBuff) or a secure-aggregation sum (where the
     server only ever sees the sum) takes too.  :class:`~fedopt_kernels.server.ServerRound`
     hands it to the step as it is, through :meth:`aggregator`."""

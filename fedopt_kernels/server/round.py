@@ -56,7 +56,7 @@ import torch
 from ..utils.flat import buffers_to_vector, vector_to_buffers
 from .aggregation import CheckedWeights, RunningAggregate, check_round_weights
 from .compressed import DecodeAggregate
-from .robust_aggregator import refuse_robust_statistics
+from .robust_aggregation.robust_aggregator import refuse_robust_statistics
 from .round_stats import ServerRoundStats, read_metrics
 from .weighting import BufferAverage, average_buffers, cap_weight_shares, client_weights
 

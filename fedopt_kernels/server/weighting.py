@@ -131,7 +131,7 @@ class BufferAverage:
     their dtype), ``w_i`` the weights divided by their largest, 0 for a client left out
     (its row zeroed, so a NaN cannot leak); :meth:`finish` divides by the kept weights'
     total, summed over the same ``[C]`` vector.  So a round whose clients' buffers are
-    folded chunk by chunk (:mod:`fedopt_kernels.fl.chunked`) gets exactly the bits of
+    folded chunk by chunk (:mod:`fedopt_kernels.fl.engine.chunked`) gets exactly the bits of
     :func:`average_buffers` on all of them.
 
     Args:

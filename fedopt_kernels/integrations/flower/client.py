@@ -55,7 +55,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from torch import nn
 
-from ...fl.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
+from ...fl.engine.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldState
 from ...fl.seeds import batch_seed, init_seed
 from ...ops.dp_noise import clip_updates_
 from ...utils.flat import parameters_layout

@@ -18,7 +18,7 @@ uniformly without replacement, which the accountant models (``"fixed"``; ``"all"
 nodes.  The round's metrics carry ``dp_clip``, ``dp_noise_std``,
 ``dp_unclipped_fraction`` (adaptive) and ``dp_epsilon`` (with noise), as results.json
 does.  Settings that would void the guarantee are refused, naming the argument, by the
-checks of ``fedopt simulate`` (:func:`~fedopt_kernels.server.dp_settings.check_dp_settings`):
+checks of ``fedopt simulate`` (:func:`~fedopt_kernels.server.differential_privacy.dp_settings.check_dp_settings`):
 data-size weighting (``weighting="uniform"`` is needed), SCAFFOLD, FedExP, ASNES, FedLAW,
 a robust aggregator, noise without ``delta``.
 """
@@ -31,7 +31,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from ...server import RoundPrivacy
-from ...server.dp_settings import PYTHON_NAMES, check_dp_settings, robust_with_dp_error
+from ...server.differential_privacy.dp_settings import PYTHON_NAMES, check_dp_settings, robust_with_dp_error
 from .concern import Concern, ConcernWrapper
 
 __all__ = ["DifferentialPrivacy", "PrivacyConcern", "DP_CLIP_KEY"]

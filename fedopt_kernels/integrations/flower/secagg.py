@@ -82,7 +82,7 @@ from ...ops import compressed as codecs
 from ...ops.dp_noise import gaussian_noise_
 from ...ops.validation import check_real
 from ...server import LocalAggregator, SecureSumAggregator, ServerOptimizer
-from ...server.dp import dp_noise_key, refuse_client_statistics
+from ...server.differential_privacy.dp import dp_noise_key, refuse_client_statistics
 from .client import FedNARClient
 from .strategy import DP_CLIP_KEY
 
@@ -102,10 +102,10 @@ class SecureDP:
     """Central DP of the secure sum (DP-FedAvg, McMahan et al. 2018, fixed denominator):
     clients clip ``D_i`` to ``clip``; the server computes ``(sum_i D_i + N(0, (z clip)^2
     I)) / expected_clients`` from the unmasked sum, the noise keyed by ``(seed, round)``
-    (:func:`fedopt_kernels.server.dp.dp_noise_key`).  Uniform weights only (each client's
+    (:func:`fedopt_kernels.server.differential_privacy.dp.dp_noise_key`).  Uniform weights only (each client's
     weight 1 keeps the sensitivity at ``clip``); FedExP and ASNES are refused (their step
     reads the clients' norms, which the mechanism does not privatise).  Account the rounds
-    with :class:`~fedopt_kernels.server.privacy_accountant.PrivacyAccountant`."""
+    with :class:`~fedopt_kernels.server.differential_privacy.privacy_accountant.PrivacyAccountant`."""
 
     clip: float
     noise_multiplier: float

@@ -60,7 +60,7 @@ from torch import nn
 from ... import server as S
 from ...server.weighting import check_max_weight_share
 from ...utils.flat import buffers_layout, flatten_parameters_, parameters_layout
-from ...server.dp_settings import PYTHON_NAMES, robust_with_dp_error
+from ...server.differential_privacy.dp_settings import PYTHON_NAMES, robust_with_dp_error
 from .concern import Concern
 from .privacy import DP_CLIP_KEY, PrivacyConcern  # noqa: F401 - DP_CLIP_KEY: importable here, as always
 from .robust import RobustConcern

@@ -1,0 +1,422 @@
+"""Training a round's clients: the part of :class:`~fedopt_kernels.fl.run.simulation.Simulation`
+between sampling the round and its server step (:class:`RoundTraining`, the class it
+inherits from).
+
+Engines (:meth:`RoundTraining._train_clients`): ``"batched"`` trains the round's clients
+as one ``[C, N]`` tensor under ``torch.func.vmap`` with the row-wise fused FedNAR step,
+drawing exactly the sequential engine's batches; ``"sequential"`` is the oracle it is
+tested against (same global model to fp32 rounding).  ``"auto"`` (the default) is
+batched unless one client trains per round.  A model ``vmap`` cannot batch falls back
+to sequential with an :class:`~fedopt_kernels.fl.engine.batched.EngineFallbackWarning`;
+``results.meta["engine"]`` says which engine ran.
+
+Each client that takes part writes ``D_i = x_global - x_end_i`` into its row of
+:attr:`updates`; one that cannot (no samples, or its training raised) is listed in
+``_round_bad`` instead (see the simulation module for how a round treats them).  With
+``memory_budget`` the round trains ``K`` clients at a time (:mod:`.chunked`): each chunk
+folded into the round's running weighted sum (its buffer rows into the running mean of
+:class:`~fedopt_kernels.server.weighting.BufferAverage`), or written to its rows of the
+round's tables.  ``progress(round, done, total)`` reports the clients done as they train.
+
+The class holds no state of its own beyond what it documents: it works on the
+attributes :class:`~fedopt_kernels.fl.run.simulation.Simulation` sets up (the trainers, the
+data, the partition, the server side, the per-client state).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable, List, Optional
+
+import torch
+
+from ...server.weighting import BufferAverage
+from ...utils import buffers_to_vector
+from ..engine.batched import BatchedTrainer, BatchedUnsupported, EngineFallbackWarning, unsupported_reason
+from ..engine.chunked import FOLDABLE, RoundFold, chunk_clients
+from ..engine.client import RoundStats
+from .config import ConfigError, MemoryBudgetWarning
+from ..seeds import batch_seed
+
+__all__ = ["RoundTraining"]
+
+# the simulator's one logger (its warnings have always come from fedopt_kernels.fl.run.simulation)
+_log = logging.getLogger("fedopt_kernels.fl.run.simulation")
+
+
+class RoundTraining:
+    """The round's client training, chunking and folding (see the module docstring); a
+    base of :class:`~fedopt_kernels.fl.run.simulation.Simulation`."""
+
+    # ------------------------------------------------------------------ engines
+    def _setup_engine(self) -> None:
+        """The client engine ``config.engine`` asks for (see :mod:`.batched`)."""
+        cfg = self.config
+        engine = cfg.engine
+        if engine == "auto":
+            engine = "batched" if cfg.per_round > 1 else "sequential"
+        self.results.meta["engine"] = engine
+        if engine != "batched":
+            return
+        if cfg.carry_momentum or cfg.decay_scales_change:  # per-client state / per-epoch rescaling: sequential only
+            self._fall_back("carry_momentum and decay_scales_change run on the sequential engine")
+            return
+        reason = unsupported_reason(self.global_model)
+        if reason is not None:
+            self._fall_back(reason)
+            return
+        self.batched = BatchedTrainer(self.trainer.model, self.loss_fn, self.train_x, self.train_y,
+                                      self.local, num_classes=self.dataset.num_classes,
+                                      buffers=dict(self.global_model.named_buffers()),
+                                      client_batch=cfg.client_batch, seed=cfg.seed,
+                                      population_sizes=self.partition.sizes, round_clients=cfg.per_round)
+
+    def _fall_back(self, reason: str) -> None:
+        """Use the sequential engine from now on, with a one-line notice."""
+        self.batched = None
+        self.results.meta["engine"] = "sequential"
+        self.results.meta["engine_fallback"] = reason
+        warnings.warn(f"the batched engine cannot train this model ({reason}); using the sequential engine",
+                      EngineFallbackWarning, stacklevel=4)
+
+    def _train_clients_batched(self, round_number: int, clients: List[int]) -> RoundStats:
+        stats = RoundStats(self.device)
+        C = len(clients)
+        if C == 0:
+            return stats
+        base = self._progress_base
+        starts, rounds = self._client_starts(clients)
+        self.batched.train_round(
+            self.x_global, [self._client_rows(cid) for cid in clients], round_index=round_number - 1,
+            seeds=[batch_seed(self.config.seed, r, cid) for cid, r in zip(clients, rounds or [round_number] * C)],
+            starts=starts, round_indices=None if rounds is None else [r - 1 for r in rounds],
+            out=self.updates[self._rows_at:self._rows_at + C], stats=stats, clients=clients, scaffold=self.scaffold,
+            on_group=(None if self.progress is None else lambda done: self._report_progress(round_number, base + done)))
+        if self._has_buffers:  # buffers the batched engine allows are not changed by training
+            rows = self.buffer_rows[self._rows_at:self._rows_at + C]
+            rows.copy_(buffers_to_vector(self.global_model).expand(C, -1))
+        self.results.meta.setdefault("client_batch_used", self.batched.planner.last_group_size)
+        if self.batched.trace_failure is not None:  # still correct, only slower: say why
+            self.results.meta["batched_trace_failure"] = self.batched.trace_failure
+        return stats
+
+    def _screen_clients(self, clients: List[int]) -> List[tuple]:
+        """``(client, "no_data", detail)`` for the round's clients without samples;
+        ``on_bad_client="raise"``: raises before anything trains."""
+        empty = [cid for cid in clients if self.client_indices[cid].numel() == 0]
+        if empty and self.config.on_bad_client == "raise":
+            raise ValueError(f"client(s) {empty} hold no samples and cannot train (on_bad_client='raise'; "
+                             "'exclude' leaves them out of their rounds)")
+        return [(cid, "no_data", "holds no samples") for cid in empty]
+
+    def _train_clients(self, round_number: int, clients: List[int], *, starts: Optional[torch.Tensor] = None,
+                       round_numbers: Optional[List[int]] = None) -> RoundStats:
+        """Train the round's ``clients``; the ones that take part write their rows
+        ``[:len(self._round_kept)]`` of :attr:`updates` (and :attr:`buffer_rows`) in
+        order, the others are listed in ``self._round_bad`` (``(client, reason,
+        detail)``, in the order of ``clients``).
+
+        ``starts`` (``[len(clients), N]``) and ``round_numbers``: each client trains from
+        its own start row, seeded and annealed as its own round (FedBuff's clients on the
+        versions they pulled, :mod:`.clocked`); ``D_i`` is then ``starts[i] - x_end_i``.
+        Not with ``memory_budget`` or SCAFFOLD."""
+        self._starts = None
+        if starts is not None or round_numbers is not None:
+            if starts is None or round_numbers is None or len(round_numbers) != len(clients) \
+                    or starts.shape != (len(clients), self.numel):
+                raise ValueError(f"starts ([{len(clients)}, {self.numel}]) and round_numbers ({len(clients)} ints) "
+                                 "come together, one row and one round per client")
+            if self._chunk is not None or self.scaffold is not None:
+                raise ValueError("per-client starts are not supported with memory_budget or SCAFFOLD")
+            self._starts = {cid: (starts[i], int(round_numbers[i])) for i, cid in enumerate(clients)}
+        bad = self._screen_clients(clients)
+        skip = {cid for cid, _, _ in bad}
+        todo = [cid for cid in clients if cid not in skip]
+        self._round_bad, self._round_kept = bad, todo
+        self._progress_total = len(clients)
+        self._report_progress(round_number, 0)
+        if self._chunk is not None:
+            stats = self._train_chunked(round_number, clients, todo, bad)
+            self._round_nonfinite = stats.nonfinite
+            return stats
+        if self._lazy:
+            self._round_data(todo)
+        try:
+            self._progress_base = len(bad)  # the clients screened out are done
+            stats = self._train_round_clients(round_number, clients, todo, bad)
+        finally:
+            self._progress_base = 0
+            self._starts = None  # the start rows are the caller's: hold none past the call
+            if self._lazy:
+                self._round_data(None)
+        self._report_progress(round_number, len(clients))
+        self._round_nonfinite = stats.nonfinite  # read by the record, only when clients were left out
+        return stats
+
+    def _report_progress(self, round_number: int, done: int) -> None:
+        """``progress(round, done, clients in the round)``, when someone listens."""
+        if self.progress is not None:
+            self.progress(round_number, done, self._progress_total)
+
+    # ------------------------------------------------------------------ chunked rounds (memory_budget)
+    _chunk: Optional[int] = None  # clients trained at once (None: the whole round)
+    _foldable = False  # chunks folded into a running sum (fl/engine/chunked.py), else kept in `updates`
+    _fold: Optional[RoundFold] = None  # the running sum of the round being trained
+    compression = None  # the clients' codec (fl/engine/compressed_updates.py; None: fp32 updates)
+    _compressed_fold: Optional[tuple] = None  # a folded compressed round's replies so far, and those left out
+    _buffer_fold: Optional[BufferAverage] = None  # ... and of its clients' floating buffers (BatchNorm statistics)
+    _rows_at = 0  # the row of `updates` the clients being trained write first
+    #: ``progress(round, clients_done, clients_in_round)`` as a round's clients train: at its
+    #: start (0), after each client (sequential engine), group of clients (batched) and chunk
+    #: (``memory_budget``), and at its end (``fedopt simulate`` shows it as a second progress
+    #: bar once a round runs long); None: not called.  It only reads counts: no host sync.
+    progress: Optional[Callable[[int, int, int], None]] = None
+    _progress_total = 0  # the clients of the round being trained
+    _progress_base = 0  # of them, the ones done before the piece being trained
+
+    def _allocate_rounds(self, distributed: bool = False) -> None:
+        """The rows a round's clients train into: ``[per_round, N]``, or with
+        ``memory_budget`` chunks of ``K`` clients (:mod:`.chunked`): a ``[K, N]`` buffer
+        folded into a running sum for the weighted-sum algorithms, else the round's
+        ``[per_round, N]`` table (memory-mapped under ``client_state_dir`` when set)
+        with the clients still trained ``K`` at a time.  ``distributed`` (a subclass that
+        spreads the server step over ranks): a budget is refused."""
+        cfg = self.config
+        dtype = self.x_global.dtype
+        rows = cfg.per_round
+        budget = cfg.memory_budget_bytes
+        if budget is not None and distributed:
+            # the distributed simulator spreads a round over ranks, each aggregating its block at once: a
+            # budget it silently ignored would promise a bound it does not keep
+            raise ConfigError("memory-budget is not supported with --distributed: each rank trains and aggregates "
+                              "its block of a round's clients at once (more ranks bound a rank's memory); drop "
+                              "memory-budget or run without --distributed")
+        if budget is not None:
+            itemsize = self.x_global.element_size()
+            per_client = self.numel * itemsize
+            if self._has_buffers:  # its buffer row
+                buffer_dtype = self._buffers_layout.dtype
+                per_client += self._buffers_layout.numel * torch.empty((), dtype=buffer_dtype).element_size()
+            if self.batched is not None:
+                per_client += self.batched.planner.client_bytes(cfg.batch_size)
+            fixed = 8 * self.numel * itemsize  # model, local copy, server state, the fold's two sums
+            chunk = min(cfg.per_round, chunk_clients(budget, per_client, fixed))
+            need = fixed + min(2, cfg.per_round) * per_client  # the smallest chunk: 2 clients
+            if budget < need:  # the bound cannot be kept: say so, with the numbers, and go on
+                self.results.meta["memory_budget_needed"] = need
+                warnings.warn(MemoryBudgetWarning(
+                    f"memory-budget {budget:,} bytes is below what the smallest chunk needs: {need:,} bytes (the "
+                    f"model's buffers {fixed:,} + {min(2, cfg.per_round)} clients x {per_client:,}); the run trains "
+                    f"{chunk} clients at a time, over the budget"), stacklevel=4)
+            if chunk < cfg.per_round:
+                self._chunk = chunk
+                # DP clips every row, an attack reads the honest ones and a robust rule compares
+                # them: all need the whole round's rows, which a running sum does not keep.  An
+                # fp16/bf16 model does not fold: the running sum enters the fused kernel as one
+                # more client, so it would be rounded to fp16 after every chunk where the
+                # unchunked round keeps it in fp32 (RoundFold).  Floating buffers (BatchNorm
+                # statistics) fold alongside (BufferAverage, the rule of the unchunked round).
+                self._foldable = (cfg.algo in FOLDABLE and self.server.optimizer is not None
+                                  and dtype in (torch.float32, torch.float64)
+                                  and self.privacy is None and self.attack is None and self.robust is None)
+                if self.batched is not None:
+                    planner = self.batched.planner
+                    planner.client_batch = min(planner.client_batch or chunk, chunk)
+                if self._foldable:
+                    rows = chunk
+            self.results.meta["memory_budget"] = budget
+            self.results.meta["round_chunk"] = self._chunk
+            self.results.meta["round_fold"] = self._foldable
+        if self._chunk is not None and not self._foldable and cfg.client_state_dir:
+            import os
+
+            os.makedirs(cfg.client_state_dir, exist_ok=True)
+            path = os.path.join(cfg.client_state_dir, "round_updates.bin")
+            self.updates = torch.from_file(path, shared=True, size=rows * self.numel, dtype=dtype).view(rows, -1)
+        else:
+            self.updates = torch.empty(rows, self.numel, device=self.device, dtype=dtype)
+        if self._has_buffers:  # the buffer rows follow the update rows (a folded round's: one chunk)
+            self.buffer_rows = torch.empty(rows, self._buffers_layout.numel, device=self.device,
+                                           dtype=self._buffers_layout.dtype)
+
+    def _grow_rows(self, rows: int) -> None:
+        """At least ``rows`` rows of :attr:`updates` (and :attr:`buffer_rows`): FedBuff
+        trains every client in flight at once, ``concurrency`` of them, perhaps more
+        than a round's."""
+        if self._chunk is not None or self.updates.shape[0] >= rows:
+            return
+        self.updates = self.updates.new_empty(rows, self.updates.shape[1])
+        if self._has_buffers:
+            self.buffer_rows = self.buffer_rows.new_empty(rows, self.buffer_rows.shape[1])
+
+    def _train_chunked(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
+        """The round's ``todo`` clients trained ``_chunk`` at a time (see
+        :meth:`_allocate_rounds`); each chunk folded into :attr:`_fold`, or written to
+        its rows of :attr:`updates`."""
+        stats = RoundStats(self.device)
+        bad, kept = list(bad), []
+        position = {cid: i for i, cid in enumerate(todo)}
+        self._fold = self._buffer_fold = None
+        self._compressed_fold = None
+        if self._foldable and todo:
+            checked = self.server.round.weights(self.client_sizes[todo])  # the round's weights, formed once
+            weights = None if checked is None else checked.values
+            if self.compression is not None:  # each chunk encoded as it trains: the small replies are kept
+                self._compressed_fold = ([], [])  # (client, reply) screened in, (client, reason, detail) out
+            else:
+                self._fold = RoundFold(self.server.optimizer, checked, len(todo), self.numel, self.device,
+                                       self.x_global.dtype)
+            if self._has_buffers and self.server.averages_buffers:
+                # the buffers with the same weights and the same exclusions as the updates
+                self._buffer_fold = BufferAverage(weights, len(todo), self._buffers_layout.numel, self.device,
+                                                  self._buffers_layout.dtype)
+        try:
+            for start in range(0, len(todo), self._chunk):
+                part = todo[start:start + self._chunk]
+                self._round_bad, self._round_kept = [], part
+                self._progress_base = len(kept) + len(bad)
+                self._rows_at = 0 if self._foldable else len(kept)
+                if self._lazy:
+                    self._round_data(part)
+                part_stats = self._train_round_clients(round_number, part, part, [])
+                _add_stats(stats, part_stats)
+                got = list(self._round_kept)
+                bad += self._round_bad
+                if self._compressed_fold is not None:
+                    self._fold_compressed(round_number, got, [position[cid] for cid in got])
+                elif self._fold is not None:
+                    where = [position[cid] for cid in got]
+                    excluded = self._fold.add(self.updates[:len(got)], where)
+                    if self._buffer_fold is not None:
+                        self._buffer_fold.add(self.buffer_rows[:len(got)], where, excluded)
+                    if self.scaffold is not None:
+                        self.scaffold.fold_chunk(got, excluded)
+                kept += got
+                self._report_progress(round_number, len(kept) + len(bad))
+        finally:
+            self._rows_at = 0
+            self._progress_base = 0
+            if self._lazy:
+                self._round_data(None)
+        order = {cid: i for i, cid in enumerate(clients)}
+        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
+        self._round_kept = kept
+        return stats
+
+    _starts: Optional[dict] = None  # client -> (start row, round number) of per-client starts (FedBuff)
+
+    def _client_starts(self, clients: List[int]):
+        """``(starts [C, N], round numbers)`` of ``clients`` under per-client starts, else
+        ``(None, None)``."""
+        if self._starts is None:
+            return None, None
+        return (torch.stack([self._starts[c][0] for c in clients]), [self._starts[c][1] for c in clients])
+
+    def _fold_compressed(self, round_number: int, got: List[int], where: List[int]) -> None:
+        """A folded round of compressed updates: the chunk's clients ``got`` (at
+        ``where`` in the round) encode their rows now, before the next chunk overwrites
+        them, and are screened as the unfolded round screens them
+        (:meth:`ClientCompression.encode` / ``screen``); their buffers and SCAFFOLD's
+        option II fold without the ones left out."""
+        replies, left_out = self.compression.encode(self.updates[:len(got)], got, round_number)
+        kept, malformed = self.compression.screen(replies)
+        self._compressed_fold[0].extend(kept)
+        self._compressed_fold[1].extend(left_out + malformed)
+        out = {cid for cid, _, _ in left_out + malformed}
+        excluded = torch.tensor([cid in out for cid in got], dtype=torch.bool, device=self.device)
+        if self._buffer_fold is not None:
+            self._buffer_fold.add(self.buffer_rows[:len(got)], where, excluded)
+        if self.scaffold is not None:
+            self.scaffold.fold_chunk(got, excluded)
+
+    def _client_rows(self, cid: int) -> torch.Tensor:
+        """Client ``cid``'s sample indices into what the engines train on: the training
+        set, or (lazy datasets) the round's own rows."""
+        return self.client_indices[cid] if self._round_index is None else self._round_index[cid]
+
+    def _round_data(self, clients: Optional[List[int]]) -> None:
+        """Lazy datasets: make the round's ``clients``' samples and point the engines at
+        them (None: drop them).  Client ``i``'s sample ``j`` is row ``start_i + j``,
+        so its batches (drawn from positions) pick the samples they pick in the
+        materialised dataset: the same bits."""
+        if clients is None:
+            x, y = self.dataset.x_test[:1], self.dataset.y_test[:1]
+            self._round_index = None
+        else:
+            x, y, starts = self.dataset.gather(clients)
+            sizes = self.partition.client_indices.sizes()
+            self._round_index = {cid: torch.arange(s, s + int(sizes[cid]), device=self.device)
+                                 for cid, s in zip(clients, starts)}
+        self.train_x, self.train_y = x, y
+        self.trainer.x_train, self.trainer.y_train = x, y
+        if self.batched is not None:
+            self.batched.x_train, self.batched.y_train = x, y
+
+    def _train_round_clients(self, round_number: int, clients: List[int], todo: List[int], bad: list) -> RoundStats:
+        if self.batched is not None:
+            try:
+                return self._train_clients_batched(round_number, todo)
+            except BatchedUnsupported as exc:  # the first batched round failed: redo it sequentially
+                if self.scaffold is not None:
+                    self.scaffold.discard_pending()
+                self._fall_back(str(exc))
+            except Exception as exc:  # noqa: BLE001 - a group failed: find the client(s) one by one
+                if self.config.on_bad_client == "raise":
+                    raise
+                if self.scaffold is not None:
+                    self.scaffold.discard_pending()
+                self.results.meta.setdefault("sequential_retrains", []).append(round_number)
+                _log.warning("round %d: the batched engine raised (%s: %s); retraining the round client by client "
+                             "to leave out the failing client(s)", round_number, type(exc).__name__, exc)
+        stats = RoundStats(self.device)
+        global_buffers = buffers_to_vector(self.global_model) if self._has_buffers else None
+        exclude = self.config.on_bad_client == "exclude"
+        kept, row = [], 0
+        for i, cid in enumerate(todo):
+            if i:
+                self._report_progress(round_number, self._progress_base + i)
+            saved = _snapshot(stats) if exclude else None
+            start, rn = (self.x_global, round_number) if self._starts is None else self._starts[cid]
+            try:
+                self.trainer.train(
+                    start, self._client_rows(cid), round_index=rn - 1,
+                    seed=batch_seed(self.config.seed, rn, cid), out_update=self.updates[self._rows_at + row],
+                    stats=stats, client=cid, scaffold=self.scaffold, global_buffers=global_buffers,
+                    out_buffers=self.buffer_rows[self._rows_at + row] if self._has_buffers else None)
+            except Exception as exc:  # noqa: BLE001 - on_bad_client="exclude": leave this client out
+                if not exclude:
+                    raise
+                _restore(stats, saved)  # its partial steps do not count
+                if self.scaffold is not None:
+                    self.scaffold._pending.pop(cid, None)
+                bad.append((cid, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+                continue
+            kept.append(cid)
+            row += 1
+        order = {cid: i for i, cid in enumerate(clients)}
+        self._round_bad = sorted(bad, key=lambda b: order[b[0]])
+        self._round_kept = kept
+        return stats
+
+
+def _add_stats(total: RoundStats, part: RoundStats) -> None:
+    """``part``'s sums into ``total`` (a chunked round's statistics)."""
+    for a, b in ((total.loss_sum, part.loss_sum), (total.clipped, part.clipped),
+                 (total.clipped_norm_sum, part.clipped_norm_sum), (total.skipped, part.skipped),
+                 (total.uncounted, part.uncounted)):
+        a += b
+    total.steps += part.steps
+    total.nonfinite += part.nonfinite
+
+
+def _snapshot(stats: RoundStats) -> tuple:
+    return (stats.loss_sum.clone(), stats.clipped.clone(), stats.clipped_norm_sum.clone(), stats.skipped.clone(),
+            stats.steps)
+
+
+def _restore(stats: RoundStats, saved: tuple) -> None:
+    """Undo the steps added since :func:`_snapshot` (the same values: bitwise)."""
+    for t, v in zip((stats.loss_sum, stats.clipped, stats.clipped_norm_sum, stats.skipped), saved[:4]):
+        t.copy_(v)
+    stats.steps = saved[4]

@@ -57,8 +57,7 @@ def _run(optimizer_factory, rounds=2, *, weighting="uniform", tamper=None, dp=No
 
     client = S.SecAggFedNARClient(_model, _data)
     model = _model()
-    strategy = S.SecAggPlusFusedStrategy(model, optimizer_factory(model), weighting=weighting, dp=dp,
-                                         **(codec or {}))
+    strategy = S.SecAggPlusFusedStrategy(model, optimizer_factory(model), weighting=weighting, dp=dp, codec=codec)
     if weighting == "data":
         wf.setdefault("max_weight", MAX_WEIGHT)
     grid = _grid(client.app(), tamper)
@@ -268,8 +267,8 @@ def test_the_secure_round_benchmark_counts_bytes_and_agrees_with_the_plain_round
 
 
 # ------------------------------------------------------------------ compression (item 3)
-@pytest.mark.parametrize("codec", [dict(codec="int8", codec_block=32), dict(codec="int4", codec_block=32),
-                                   dict(codec="fp8", codec_block=32), dict(codec="topk", topk_fraction=0.25)])
+@pytest.mark.parametrize("codec", [dict(name="int8", block=32), dict(name="int4", block=32),
+                                   dict(name="fp8", block=32), dict(name="topk", fraction=0.25)], ids=str)
 def test_a_codec_before_masking_gives_decode_aggregate_of_the_codes_within_the_quantization_bound(codec):
     """Each client sends decode(encode(D_i)) through SecAgg+: the unmasked mean is
     ``decode_aggregate`` of the clients' codes (computed here from the plain updates)
@@ -277,10 +276,12 @@ def test_a_codec_before_masking_gives_decode_aggregate_of_the_codes_within_the_q
     from fedopt_kernels import server as srv
     from fedopt_kernels.ops import compressed
 
-    _, means, globals_, _ = _run(lambda m: srv.FedAvg(m.parameters(), lr=1.0), rounds=1, codec=codec)
+    from fedopt_kernels.compression import Codec
+
+    _, means, globals_, _ = _run(lambda m: srv.FedAvg(m.parameters(), lr=1.0), rounds=1, codec=Codec(**codec))
     D, _ = _plain_updates(globals_[0], 1)
-    kw = dict(fraction=codec["topk_fraction"]) if codec["codec"] == "topk" else dict(block=codec["codec_block"])
-    codes = [compressed.encode(d.float(), codec["codec"], **kw) for d in D]
+    kw = dict(fraction=codec["fraction"]) if codec["name"] == "topk" else dict(block=codec["block"])
+    codes = [compressed.encode(d.float(), codec["name"], **kw) for d in D]
     oracle, _ = compressed.decode_aggregate(codes, [1.0 / N_NODES] * N_NODES, backend="reference")
     # the float64 oracle of the same codes: decode each in float64, average
     oracle64 = torch.stack([compressed.decode(c).double() for c in codes]).mean(0)
@@ -294,18 +295,20 @@ def test_a_codec_before_masking_gives_decode_aggregate_of_the_codes_within_the_q
 
 def test_combinations_that_cannot_compress_under_secure_aggregation_are_refused_before_the_run():
     from fedopt_kernels import server as srv
+    from fedopt_kernels.compression import Codec
     from fedopt_kernels.integrations.flower import secagg as S
 
     model = _model()
     opt = lambda: srv.FedAvg(model.parameters(), lr=1.0)  # noqa: E731
     dp = S.SecureDP(clip=1.0, noise_multiplier=1.0, expected_clients=3)
     with pytest.raises(ValueError, match="sensitivity would no longer be dp.clip"):
-        S.SecAggPlusFusedStrategy(model, opt(), dp=dp, codec="int8")
-    with pytest.raises(ValueError, match="codec must be None or one of"):
-        S.SecAggPlusFusedStrategy(model, opt(), codec="int2")
-    with pytest.raises(ValueError, match="topk_fraction"):
-        S.SecAggPlusFusedStrategy(model, opt(), codec="topk")
-    with pytest.raises(ValueError, match="codec_block must be a positive multiple of 32"):
-        S.SecAggPlusFusedStrategy(model, opt(), codec="int8", codec_block=48)
-    with pytest.raises(ValueError, match="topk_fraction is for codec='topk'"):
-        S.SecAggPlusFusedStrategy(model, opt(), topk_fraction=0.5)
+        S.SecAggPlusFusedStrategy(model, opt(), dp=dp, codec=Codec("int8"))
+    with pytest.raises(TypeError, match="codec must be None or a fedopt_kernels.compression.Codec"):
+        S.SecAggPlusFusedStrategy(model, opt(), codec="int8")
+    with pytest.raises(ValueError, match="rounds to nearest without a rotation"):
+        S.SecAggPlusFusedStrategy(model, opt(), codec=Codec("int8", stochastic=True))
+    with pytest.raises(ValueError, match="rounds to nearest without a rotation"):
+        S.SecAggPlusFusedStrategy(model, opt(), codec=Codec("int4", rotation=1024))
+    # the codec's own settings are checked where it is made
+    with pytest.raises(ValueError, match="block must be a positive multiple of 32"):
+        Codec("int8", block=48)

@@ -426,7 +426,7 @@ class SimulationConfig:
         """The :class:`~fedopt_kernels.compression.Codec` of :attr:`compress` (None for "none")."""
         if self.compress == "none":
             return None
-        from ..compression import parse_codec
+        from ...compression import parse_codec
 
         return parse_codec(self.compress, block=self.compress_block, stochastic=self.compress_stochastic,
                            rotation=COMPRESS_ROTATION if self.compress_rotate else None)

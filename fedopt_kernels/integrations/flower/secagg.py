@@ -78,6 +78,7 @@ from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 from flwr.server.strategy import Strategy
 from torch import nn
 
+from ...compression import Codec
 from ...ops import compressed as codecs
 from ...ops.dp_noise import gaussian_noise_
 from ...ops.validation import check_real
@@ -146,33 +147,28 @@ class SecAggPlusFusedStrategy(Strategy):
     ``norm_slots``: how many masked values carry ``||D_i||^2 / norm_slots`` for FedExP and
     ASNES (each value must stay within SecAgg+'s clipping range: ``norm_slots *
     clipping_range`` bounds the squared norm it can carry).  ``evaluate_fn(model, round)
-    -> (loss, metrics)``: central evaluation after each round (optional).  ``codec`` (one
-    of :data:`fedopt_kernels.ops.compressed.CODECS`, with ``codec_block`` for the block
-    codecs or ``topk_fraction`` for top-k): each client sends ``decode(encode(D_i))``
-    through SecAgg+ (see the module); refused with ``dp``.
+    -> (loss, metrics)``: central evaluation after each round (optional).  ``codec`` (a
+    :class:`fedopt_kernels.compression.Codec`: its name, block or top-k fraction; round to
+    nearest, no rotation): each client sends ``decode(encode(D_i))`` through SecAgg+ (see
+    the module); refused with ``dp``.
     """
 
     def __init__(self, model: nn.Module, optimizer, *, fraction_train: float = 1.0, min_train_nodes: int = 2,
                  weighting: str = "uniform", norm_slots: int = 16, dp: Optional[SecureDP] = None,
                  evaluate_fn: Optional[Callable[[nn.Module, int], Tuple[float, Dict]]] = None,
-                 codec: Optional[str] = None, codec_block: int = 256, topk_fraction: Optional[float] = None):
+                 codec: Optional[Codec] = None):
         refuse_under_secure_aggregation(optimizer)
         if codec is not None:
-            if codec not in codecs.CODECS:
-                raise ValueError(f"codec must be None or one of {codecs.CODECS}, got {codec!r}")
-            if codec == "topk":
-                if topk_fraction is None:
-                    raise ValueError("codec='topk' needs topk_fraction, the fraction of values each client keeps")
-                check_real(topk_fraction, "topk_fraction", low=0.0, low_open=True, high=1.0)
-            elif (isinstance(codec_block, bool) or not isinstance(codec_block, int) or codec_block <= 0
-                  or codec_block % 32):
-                raise ValueError(f"codec_block must be a positive multiple of 32, got {codec_block!r}")
+            if not isinstance(codec, Codec):
+                raise TypeError("codec must be None or a fedopt_kernels.compression.Codec (e.g. Codec('int8', "
+                                f"block=256), Codec('topk', fraction=0.1)), got {type(codec).__name__}")
+            if codec.stochastic or codec.rotation is not None:
+                raise ValueError(f"codec={codec!r}: under SecAgg+ the client's decode(encode(D_i)) rounds to nearest "
+                                 "without a rotation (stochastic=False, rotation=None)")
             if dp is not None:
-                raise ValueError(f"codec={codec!r} cannot run with central DP under secure aggregation: "
+                raise ValueError(f"codec={codec.name!r} cannot run with central DP under secure aggregation: "
                                  "decode(encode(D_i)) of a clipped update can exceed the clip, so the sum's "
                                  "sensitivity would no longer be dp.clip; compress without DP, or DP without a codec")
-        elif topk_fraction is not None:
-            raise ValueError("topk_fraction is for codec='topk'")
         if dp is not None:
             if not isinstance(dp, SecureDP):
                 raise TypeError(f"dp must be a SecureDP, got {type(dp).__name__}")
@@ -193,7 +189,7 @@ class SecAggPlusFusedStrategy(Strategy):
         self.fraction_train, self.min_train_nodes = fraction_train, min_train_nodes
         self.weighting, self.evaluate_fn, self.dp = weighting, evaluate_fn, dp
         self.norm_slots = norm_slots if optimizer.needs_client_sq_norms else 0
-        self.codec, self.codec_block, self.topk_fraction = codec, codec_block, topk_fraction
+        self.codec = codec
         self.history: List[dict] = []
         self.last_mean: Optional[torch.Tensor] = None  # what the last step took (float64): the unmasked mean, noised under dp
 
@@ -212,10 +208,10 @@ class SecAggPlusFusedStrategy(Strategy):
         if self.dp is not None:  # the clients clip to a hair under the clip, as DPAggregator's client mode
             config[DP_CLIP_KEY] = float(self.dp.clip) * (1 - 1e-5)
         if self.codec is not None:
-            config[CODEC_KEY] = self.codec
-            config[CODEC_BLOCK_KEY] = self.codec_block
-            if self.codec == "topk":
-                config[CODEC_FRACTION_KEY] = float(self.topk_fraction)
+            config[CODEC_KEY] = self.codec.name
+            config[CODEC_BLOCK_KEY] = self.codec.block
+            if self.codec.name == "topk":
+                config[CODEC_FRACTION_KEY] = float(self.codec.fraction)
         return [(c, FitIns(parameters, dict(config))) for c in clients]
 
     def aggregate_fit(self, server_round, results, failures):  # noqa: D102

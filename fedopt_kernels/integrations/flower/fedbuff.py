@@ -28,7 +28,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from ...server.fedbuff import FedBuffBuffer
 from ...utils.flat import FlatLayout

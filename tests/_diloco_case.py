@@ -37,7 +37,9 @@ def inner_step_fn(models, opts):
     return inner_step
 
 
-def reference(steps, weighted, world=2, **kw):
+def reference_workers(world):
+    """``world`` AdamW workers of the case's model for the python_ref loops: the models
+    and their inner step (the batch's backward, then the worker's optimizer step)."""
     models = [make_model() for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
     step = inner_step_fn(models, opts)
@@ -47,6 +49,11 @@ def reference(steps, weighted, world=2, **kw):
         opts[k].step()
         return n
 
+    return models, inner
+
+
+def reference(steps, weighted, world=2, **kw):
+    models, inner = reference_workers(world)
     theta, m = R.diloco_loop([list(mm.parameters()) for mm in models], inner, H=H, steps=steps, weighted=weighted,
                              **kw)
     return theta, m, [[p.detach().clone() for p in mm.parameters()] for mm in models]

@@ -34,7 +34,7 @@ from torch import nn
 
 import python_ref.diloco as R
 from _asserts import assert_bitwise
-from _diloco_case import H, STEPS, inner_step_fn, make_model, momentum_of, params_of, reference
+from _diloco_case import H, STEPS, inner_step_fn, make_model, momentum_of, params_of, reference, reference_workers
 from _gloo import launch
 
 QUANT_CODECS = ("fp8", "int4")
@@ -144,15 +144,7 @@ def streaming_resume(rank, *, tau=2, alpha=0.3, steps=11, H_s=4, stop=7, **kw):
 
 
 def streaming_reference(*, tau, alpha, weighted, steps=11, H_s=4, world=2, **kw):
-    models = [make_model() for _ in range(world)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
-    step = inner_step_fn(models, opts)
-
-    def inner(k, t):
-        n = step(k, t)
-        opts[k].step()
-        return n
-
+    models, inner = reference_workers(world)
     thetas, _ = R.streaming_diloco_loop([list(m.parameters()) for m in models], [[0, 1], [2, 3]], inner, H=H_s,
                                         steps=steps, tau=tau, alpha=alpha, weighted=weighted, **kw)
     return thetas, [[p.detach().clone() for p in m.parameters()] for m in models]

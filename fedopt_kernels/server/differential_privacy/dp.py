@@ -79,7 +79,7 @@ from ...ops.dp_noise import clipped_sum, gaussian_noise_
 from ..aggregation import CheckedWeights, RoundAggregate, check_weight_tensor, refuse_dtensor, weight_numbers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .._base import ServerOptimizer
+    from .. import ServerOptimizer
 
 __all__ = ["DPAggregator", "DPRound", "MODES", "effective_noise_multiplier", "dp_noise_seed", "dp_noise_key",
            "refuse_client_statistics"]

@@ -78,13 +78,16 @@ class DistributedAggregator:
         weights, errors: :func:`comm.exchange`) and return what every rule needs: this
         rank's rows (without the clients left out for a bad weight), the plan of the
         clients kept, the union's weights (None: uniform; a float64 CPU tensor of host
-        weights, capped by :attr:`max_weight_share`; or the gathered device weights) and
+        weights, capped by :attr:`max_weight_share` -- wrapped in
+        :class:`~fedopt_kernels.server.aggregation.CheckedWeights` when every rank passed
+        its share of the round's checked weights, so it is not checked again; or the
+        gathered device weights) and
         the aggregation kernel's runner.  Sets :attr:`last_left_out` / :attr:`last_kept`.
         Raises on every rank if any rank's inputs are wrong."""
         self.last_left_out, self.last_kept = (), None
         dtype, device = opt.param_dtype, out.device
         N = out.numel()
-        error, rows, C_r, kind, values, wdtype, bad, run = None, [], 0, None, None, None, [], None
+        error, rows, C_r, kind, values, wdtype, bad, run, checked = None, [], 0, None, None, None, [], None, False
         try:
             rows, C_r = opt.check_updates(updates, allow_empty=True)
             if isinstance(rows, torch.Tensor):
@@ -92,6 +95,7 @@ class DistributedAggregator:
             elif not isinstance(rows, ClientPieces):  # named updates stay pieces: read in place
                 rows = list(rows)
             kind, values, wdtype, bad = _weights_to_exchange(weights, C_r, device, self.on_bad_client == "exclude")
+            checked = isinstance(weights, CheckedWeights)
             self._check_local(opt, rows, C_r, kind)
             if bad:  # left out here, before anything is summed
                 rows = drop_clients(rows, {i for i, _ in bad})
@@ -100,7 +104,7 @@ class DistributedAggregator:
             error, bad = exc, []
         plan = comm.exchange(self.group, what=what, count=C_r, N=N, dtype=dtype,
                              device_type=device.type, error=error,
-                             extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad})
+                             extra={"kind": kind, "values": values, "dtype": wdtype, "bad": bad, "checked": checked})
         kinds = [(e["kind"], e["dtype"]) for e in plan.extras]
         if any(k != kinds[0] for k in kinds):
             raise ValueError("distributed server step: the ranks pass different kinds of weights (all None, "
@@ -125,9 +129,18 @@ class DistributedAggregator:
             global_w = torch.tensor([v for e in plan.extras for v in e["values"]], dtype=torch.float64)
         else:
             global_w = comm.gather_rows(values.reshape(-1, 1), plan, self.group).reshape(-1)
-        if self.max_weight_share is not None and global_w is not None:
+        # Every rank's share checked where the round's weights entered (CheckedWeights): the union
+        # is trusted as they are, only "not all zero" -- the union's own property -- is left to see.
+        trusted = kind == "host" and all(e["checked"] for e in plan.extras)
+        if trusted:
+            if global_w.numel() and not bool((global_w > 0).any()):
+                raise ValueError("weights must not all be zero (over every rank's clients)")
+        elif self.max_weight_share is not None and global_w is not None:
             check_weight_values(global_w, "weights")  # on_bad_client="raise": a bad weight raises here
+        if self.max_weight_share is not None and global_w is not None:
             global_w = cap_weight_shares(global_w, self.max_weight_share)  # shares of the union
+        if trusted:
+            global_w = CheckedWeights(global_w)  # normalised by the rule without a second check
         return GatheredRound(rows=rows, plan=plan, weights=global_w, run=run)
 
 
@@ -136,7 +149,7 @@ class GatheredRound(NamedTuple):
 
     rows: Union[list, ClientPieces]  # this rank's kept clients
     plan: Plan  # every rank's kept clients (global order: rank order)
-    weights: Optional[torch.Tensor]  # the union's weights (None: uniform)
+    weights: Union[None, torch.Tensor, CheckedWeights]  # the union's weights (None: uniform)
     run: Callable  # the fused aggregation kernel of the optimizer's backend
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-__all__ = ["INTEGRATIONS", "status"]
+__all__ = ["INTEGRATIONS", "status", "installed_version", "parse_version"]
 
 # name -> (distribution, supported versions "min,<max", module, install hint)
 INTEGRATIONS: Dict[str, dict] = {
@@ -29,7 +29,9 @@ INTEGRATIONS: Dict[str, dict] = {
 }
 
 
-def _parse(version: str):
+def parse_version(version: str):
+    """``"1.41.0"`` as ``(1, 41, 0)`` (each of the first three parts read by its digits
+    alone), for comparing with an integration's supported range."""
     parts = []
     for p in version.split(".")[:3]:
         digits = "".join(ch for ch in p if ch.isdigit())
@@ -37,7 +39,8 @@ def _parse(version: str):
     return tuple(parts)
 
 
-def _installed_version(distribution: str) -> Optional[str]:
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` (without importing it), or None."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -52,8 +55,8 @@ def status() -> Dict[str, dict]:
     ``summary``."""
     out = {}
     for name, spec in INTEGRATIONS.items():
-        version = _installed_version(spec["distribution"])
-        supported = version is not None and spec["min"] <= _parse(version)[:2] < spec["below"]
+        version = installed_version(spec["distribution"])
+        supported = version is not None and spec["min"] <= parse_version(version)[:2] < spec["below"]
         if version is None:
             summary = f"not installed: {spec['install']}"
         elif supported:

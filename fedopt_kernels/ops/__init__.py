@@ -10,6 +10,7 @@ it runs inside the engine's traced graphs).
 """
 
 from .aggregate import AggregateStats, aggregate, client_dots
+from .checked_weights import CheckedWeights
 from .client_pieces import ClientPieces
 from .nar_step import MODES, NarStats, nar_step_, nar_step_batched_
 from .nar_step_groups import NarGroup, nar_step_groups_
@@ -21,6 +22,6 @@ from .weighted_sum import weighted_sum
 
 __all__ = [
     "MODES", "NarStats", "NarGroup", "AggregateStats", "nar_step_", "nar_step_groups_", "nar_step_batched_",
-    "aggregate", "ClientPieces",
+    "aggregate", "ClientPieces", "CheckedWeights",
     "client_dots", "weighted_sum", "RULES", "server_update_", "ragged_bmm", "ragged_bmm_uses_blas",
 ]

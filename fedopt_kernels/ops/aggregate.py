@@ -8,6 +8,7 @@ import torch
 
 from ..backends.hyper import split
 from . import _dispatch, validation as V
+from .checked_weights import CheckedWeights
 from .client_pieces import ClientPieces
 
 Clients = Union[torch.Tensor, Sequence[torch.Tensor], ClientPieces]
@@ -91,15 +92,19 @@ def as_weight_tensor(weights, C: int, name: str = "weights") -> torch.Tensor:
 
 def check_weights(weights, C: int, device, dtype, name: str = "weights", *, values_checked: bool = False
                   ) -> torch.Tensor:
-    """``[C]`` weights (any form :func:`as_weight_tensor` takes) on ``device`` in ``dtype``.
+    """``[C]`` weights (any form :func:`as_weight_tensor` takes, or
+    :class:`~.checked_weights.CheckedWeights`) on ``device`` in ``dtype``.
 
     Weights that live on the CPU are also checked by value (no negative or non-finite
     weight, not all zero) and then copied to the clients' device without waiting for
     it.  Weights already on an accelerator are not read: that would synchronise the
-    host with the device, which a step never does.  ``values_checked``: the caller has
-    already checked the values (the server's round, whose weights are checked once where
-    they enter); only the form (length, dtype, device) is checked here.
+    host with the device, which a step never does.  :class:`CheckedWeights` (the
+    server's round, whose weights are checked once where they enter) or
+    ``values_checked``: the caller has already checked the values; only the form
+    (length, dtype, device) is checked here.
     """
+    if isinstance(weights, CheckedWeights):
+        weights, values_checked = weights.values, True
     weights = as_weight_tensor(weights, C, name)
     if weights.device.type == "cpu":
         if not values_checked:

@@ -18,7 +18,9 @@ Client weights are checked once, where they enter: a user's ``step(updates, weig
 by :func:`normalize_weights`; a round's data sizes (the simulator, the Flower
 strategies: :func:`fedopt_kernels.server.round.round_weights`) by
 :func:`check_round_weights`, whose :class:`CheckedWeights` the layers below trust and
-only normalise (the raw op :func:`~fedopt_kernels.ops.aggregate` keeps its own guard).
+only normalise.  The normalised weights go on to the ops as :class:`CheckedWeights`
+too (the weighted robust rules, DP's clipped sum, the compressed decode-aggregate), so
+no op reads them again; an op called with a raw tensor or list keeps its own guard.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Optional, Protocol, Tuple
 import torch
 
 from ..ops.aggregate import AggregateStats, aggregate_bounded, check_weight_values, host_to_device, norm_bound_factors
+from ..ops.checked_weights import CheckedWeights  # defined where the ops trust it; public here too
 from ..ops import validation as V
 
 __all__ = ["Aggregator", "AggregatingOptimizer", "LocalAggregator", "RoundAggregate", "CheckedWeights", "RunningAggregate",
@@ -50,20 +53,6 @@ class AggregatingOptimizer(Protocol):
 
     def check_updates(self, updates, *, allow_empty: bool = False):
         ...
-
-
-@dataclass(frozen=True)
-class CheckedWeights:
-    """A round's client weights, checked once where they entered
-    (:func:`check_round_weights`): ``values`` is a ``[C]`` float64 CPU tensor of finite
-    numbers ``>= 0`` (not all zero, unless they are one rank's share of a distributed
-    round).  :func:`normalize_weights`, :class:`~fedopt_kernels.server.FedLAW` and the
-    distributed aggregator take them without checking them again."""
-
-    values: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.values.numel()
 
 
 def check_round_weights(weights: torch.Tensor, *, share: bool = False) -> CheckedWeights:

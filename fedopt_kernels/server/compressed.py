@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from ..ops.aggregate import aggregate_runner
-from .aggregation import RoundAggregate, normalize_weights
+from .aggregation import CheckedWeights, RoundAggregate, normalize_weights
 
 __all__ = ["CompressedReplies", "CompressedDecoder", "DecodeAggregate"]
 
@@ -76,12 +76,13 @@ class DecodeAggregate:
         if out.numel() != rep.numel:
             raise ValueError(f"the replies describe {rep.numel} values but the server has {out.numel()} parameters")
         p, valid = normalize_weights(weights, C, out.device, out.dtype)
+        w = CheckedWeights(p)  # checked by normalize_weights (device weights: not read): the op trusts them
         kwargs = dict(nonfinite=optimizer.nonfinite, max_client_norm=optimizer.max_client_norm,
                       backend=optimizer.backend, checked=True)
         if getattr(rep.codec, "rotation", None) is None:  # straight into the step's buffer
-            _, stats = rep.codec.aggregate(list(rep.replies), p, rep.numel, rep.key, out=out, **kwargs)
+            _, stats = rep.codec.aggregate(list(rep.replies), w, rep.numel, rep.key, out=out, **kwargs)
         else:  # the rotated aggregate is padded to the rotation's blocks: rotated back once, then copied
-            mean, stats = rep.codec.aggregate(list(rep.replies), p, rep.numel, rep.key, **kwargs)
+            mean, stats = rep.codec.aggregate(list(rep.replies), w, rep.numel, rep.key, **kwargs)
             out.copy_(mean)
             # ||D||^2 of the update the step applies: the padding's share of the quantization
             # noise, which the rotation back drops, is not in it (one more pass over N values)

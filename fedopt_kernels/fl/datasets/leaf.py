@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .data import FederatedDataset
+from .federated_dataset import FederatedDataset
 
 __all__ = ["load_leaf", "femnist", "shakespeare", "SHAKESPEARE_LETTERS", "CharGRU"]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import warnings
 
 from ...extras import require
-from .. import INTEGRATIONS, _installed_version, _parse
+from .. import INTEGRATIONS, installed_version, parse_version
 
 _SPEC = INTEGRATIONS["flower"]
 try:
@@ -39,12 +39,12 @@ except ImportError as _exc:
     raise ImportError(
         "fedopt_kernels.integrations.flower needs Flower (flwr 1.41), which is not installed: "
         f"{_SPEC['install']}  (add flwr[simulation] to run Flower's simulation runtime)") from _exc
-_version = getattr(_flwr, "__version__", None) or _installed_version("flwr") or "0"
-if _parse(_version)[:2] < _SPEC["min"]:
+_version = getattr(_flwr, "__version__", None) or installed_version("flwr") or "0"
+if parse_version(_version)[:2] < _SPEC["min"]:
     raise ImportError(
         f"fedopt_kernels.integrations.flower needs {_SPEC['requirement']} (Flower's Message API of "
         f"flwr.serverapp.strategy), found flwr {_version}: {_SPEC['install']}")
-if _parse(_version)[:2] >= _SPEC["below"]:
+if parse_version(_version)[:2] >= _SPEC["below"]:
     warnings.warn(f"fedopt_kernels.integrations.flower is tested with {_SPEC['requirement']}, found flwr {_version}",
                   stacklevel=2)
 # Its client trains as the simulator's clients do (fedopt_kernels.fl): the flower extra brings sim's.

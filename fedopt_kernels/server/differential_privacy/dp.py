@@ -76,10 +76,10 @@ import torch
 from ...ops import validation as V
 from ...ops.aggregate import AggregateStats, host_to_device
 from ...ops.dp_noise import clipped_sum, gaussian_noise_
-from ..aggregation import RoundAggregate, check_weight_tensor, refuse_dtensor, weight_numbers
+from ..aggregation import CheckedWeights, RoundAggregate, check_weight_tensor, refuse_dtensor, weight_numbers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .._base import ServerOptimizer
+    from .. import ServerOptimizer
 
 __all__ = ["DPAggregator", "DPRound", "MODES", "effective_noise_multiplier", "dp_noise_seed", "dp_noise_key",
            "refuse_client_statistics"]
@@ -216,11 +216,17 @@ class DPAggregator:
 
     # ------------------------------------------------------------------ the round
     def check_weights(self, weights, C: int) -> Optional[torch.Tensor]:
-        """``None`` (every client 1) or ``[C]`` host weights in ``[0, 1]`` as float64."""
+        """``None`` (every client 1) or ``[C]`` host weights in ``[0, 1]`` as float64
+        (:class:`CheckedWeights`, the round's: their form and sign were checked where they
+        entered; the bound in ``[0, 1]``, DP's own, is checked here)."""
         if weights is None:
             return None
         refuse_dtensor(weights, "weights")
-        if isinstance(weights, torch.Tensor):
+        if isinstance(weights, CheckedWeights):
+            if len(weights) != C:
+                raise ValueError(f"weights has {len(weights)} entries but there are {C} clients")
+            w = weights.values.detach().to("cpu", torch.float64)
+        elif isinstance(weights, torch.Tensor):
             if weights.device.type != "cpu":
                 raise ValueError("weights under differential privacy must be host numbers (a list or a CPU tensor): "
                                  "their bound in [0, 1] is checked by value, which on a device would synchronise")
@@ -241,13 +247,16 @@ class DPAggregator:
         refuse_client_statistics(optimizer)
         rows, C = optimizer.check_updates(updates)
         w = self.check_weights(weights, C)
+        if w is not None and w.numel() and not bool((w > 0).any()):  # the rest of the op's check, which trusts w
+            raise ValueError("weights must not all be zero")
         device, acc = out.device, out.dtype
         m = self.expected_clients
         clip = self.clip_on(device)
         # the clip step and the update's noise: (1/m) sum_i w_i clip(D_i) + N(0, (z_Delta C / m)^2 I)
         # into out, every norm and factor
         key, std = self.update_noise(clip)
-        _, st = clipped_sum(rows, clip, weights=w, scale=1.0 / m, out=out, noise_key=key, noise_std=std,
+        checked = None if w is None else CheckedWeights(w)  # checked by value just above: the op trusts them
+        _, st = clipped_sum(rows, clip, weights=checked, scale=1.0 / m, out=out, noise_key=key, noise_std=std,
                             backend=optimizer.backend)
         b_bar, next_clip = self.privatise_count(st.unclipped, clip, out.device)
         base = torch.ones(C, dtype=acc, device=device) if w is None else host_to_device(w.to(acc), device, "weights")

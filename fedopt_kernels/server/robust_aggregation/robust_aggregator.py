@@ -59,7 +59,7 @@ import torch
 
 from ...defaults import TRIM_BETA
 from ...ops import validation as V
-from ..aggregation import LocalAggregator, RoundAggregate, normalize_weights
+from ..aggregation import CheckedWeights, LocalAggregator, RoundAggregate, normalize_weights
 from ...ops.aggregate import AggregateStats, aggregate_runner
 from ...ops.client_pieces import ClientPieces
 from ...ops.robust_aggregate import reads_pieces
@@ -217,8 +217,8 @@ class RobustAggregator:
             rows = self._stack(rows)  # the backend reads [C, N] rows: stacked once, into a kept buffer
             pieces = False
         params = dict(self.params)
-        if self.weighted:
-            params["weights"] = p_in
+        if self.weighted:  # checked (or, on a device, not read) by normalize_weights: the op trusts them
+            params["weights"] = CheckedWeights(p_in)
         if self.rule == "centered-clip" and self._reference is not None:
             ref = self._reference
             if ref.shape[0] != out.shape[0]:

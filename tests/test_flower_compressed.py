@@ -1,6 +1,6 @@
 """Compressed updates on Flower (issue 42 item 3): ``FusedStrategy(compress=Codec(...))``
-with :class:`FedNARClient` in this process (test_flower's ``LocalGrid``: replies come
-back in reverse order) equals the simulator's compressed run (``--compress``, same
+with :class:`FedNARClient` in this process (``InProcessGrid``: every message through
+Flower's protobuf and back) equals the simulator's compressed run (``--compress``, same
 seed, data and clients) round by round, and a hand loop (ops encode / decode, float64
 mean, FedAvg step); each malformed compressed reply is left out with its reason; the
 round's metrics count the bytes of the arrays actually sent."""
@@ -34,12 +34,12 @@ def _simulation(**changes):
 def _flower(sim, *, codec, error_feedback=False, tamper=None):
     """The simulator's federation through Flower's ``Strategy.start`` with compressed
     replies; ``tamper(reply_message)`` may break a reply on its way back.  Returns
-    ``(strategy, per-round x_global, per-round metrics, client contexts)``."""
+    ``(strategy, per-round x_global, per-round metrics, the grid)``."""
     from flwr.clientapp import ClientApp
 
     from fedopt_kernels.fl import build_model
     from fedopt_kernels.integrations import flower as fk
-    from test_flower import LocalGrid
+    from fedopt_kernels.integrations.flower.inprocess import InProcessGrid
 
     cfg, ds, part = sim.config, sim.dataset, sim.partition
 
@@ -60,7 +60,7 @@ def _flower(sim, *, codec, error_feedback=False, tamper=None):
         reply = client.train(msg, context)
         return tamper(reply) if tamper is not None else reply
 
-    grid = LocalGrid(app, cfg.clients)
+    grid = InProcessGrid(app, cfg.clients)
     model = model_fn()
     strategy = fk.make_strategy(cfg.algo, model, **sim.server.hyper, fraction_evaluate=0.0,
                                 min_available_nodes=cfg.clients, min_train_nodes=cfg.clients, compress=codec,
@@ -75,7 +75,7 @@ def _flower(sim, *, codec, error_feedback=False, tamper=None):
     result = strategy.start(grid=grid, initial_arrays=fk.model_to_arrayrecord(model), num_rounds=cfg.rounds,
                             evaluate_fn=evaluate_fn)
     metrics = [result.train_metrics_clientapp[r] for r in range(1, cfg.rounds + 1)]
-    return strategy, xs, metrics, grid.contexts
+    return strategy, xs, metrics, grid
 
 
 def _hand_loop(sim, codec, error_feedback):
@@ -106,7 +106,7 @@ def _hand_loop(sim, codec, error_feedback):
 def test_compressed_flower_round_equals_the_simulator_and_the_hand_loop(case):
     sim, sim_xs = _simulation(**case)
     codec, ef = sim.config.codec(), bool(case.get("error_feedback"))
-    strategy, fl_xs, metrics, contexts = _flower(sim, codec=codec, error_feedback=ef)
+    strategy, fl_xs, metrics, grid = _flower(sim, codec=codec, error_feedback=ef)
     for r, (a, b) in enumerate(zip(fl_xs, sim_xs), start=1):
         assert torch.equal(a, b), f"round {r}: differs by {(a - b).abs().max()}"
     hand, resid = _hand_loop(sim, codec, ef)
@@ -120,7 +120,10 @@ def test_compressed_flower_round_equals_the_simulator_and_the_hand_loop(case):
     from fedopt_kernels.integrations.flower.compression import EF_STATE_KEY
     from fedopt_kernels.integrations.flower.records import array_view
 
-    for ctx in contexts.values():  # error feedback's residual lives in the node's Context.state
+    # what went over the wire (Flower's protobuf): the arrays' bytes plus a small overhead per message
+    sent = sum(m["bytes_up"] for m in metrics)
+    assert sent < grid.bytes_up < sent + 2000 * SMALL["clients"] * SMALL["rounds"]
+    for ctx in grid.contexts.values():  # error feedback's residual lives in the node's Context.state
         cid = int(ctx.node_config["partition-id"])
         if ef:
             got = torch.from_numpy(array_view(ctx.state[EF_STATE_KEY]["residual"]).copy())

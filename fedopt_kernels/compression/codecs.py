@@ -81,8 +81,12 @@ class Codec:
     def aggregate(self, replies: Sequence[C.CompressedUpdate], weights, numel: int, key: int = 0, **kwargs):
         """``(out, AggregateStats)`` of ``sum_i w_i decode(reply_i)``: the fused decode-aggregate
         (``kwargs``: gamma, nonfinite, max_client_norm, backend, checked), rotated back once.  The
-        statistics are those of the decoded (rotated) updates: the rotation is orthogonal,
-        so norms agree up to rounding."""
+        statistics are those of the decoded ROTATED updates, padded to the rotation's blocks.
+        The rotation is orthogonal, but the padding's coordinates carry quantization noise
+        too, which rotating back drops: with a model whose length is not a multiple of the
+        rotation's block the clients' norms (and ``max_client_norm``'s test) include that
+        noise and ``||D||^2`` exceeds that of the returned mean.  A round that needs the
+        applied update's norm takes it again from ``out`` (server/compressed.py does)."""
         out, stats = C.decode_aggregate(list(replies), weights, **kwargs)
         if self.rotation is not None:
             out = C.hadamard_unrotate(out, key, self.rotation, numel)

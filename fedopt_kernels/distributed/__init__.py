@@ -35,9 +35,10 @@ from .aggregator import DistributedAggregator
 from .dp import DistributedDPAggregator
 from .robust import DistributedRobustAggregator
 from .server_optimizer import DistributedServerOptimizer, distributed_form
+from .compressed_exchange import all_gather_replies
 from .diloco import DiLoCo, SyncRecord
 from .streaming import StreamingDiLoCo, StreamRecord
 
-__all__ = ["all_aggregate", "DistributedAggregator", "DistributedServerOptimizer", "DistributedRobustAggregator",
+__all__ = ["all_gather_replies", "all_aggregate", "DistributedAggregator", "DistributedServerOptimizer", "DistributedRobustAggregator",
            "DistributedDPAggregator", "distributed_form", "RankInputError", "MODES", "DiLoCo", "SyncRecord",
            "StreamingDiLoCo", "StreamRecord"]

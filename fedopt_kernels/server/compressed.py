@@ -59,6 +59,11 @@ class CompressedReplies:
         """Bytes the replies carried (codes + scales + indices)."""
         return sum(r.nbytes() for r in self.replies)
 
+    def record(self) -> dict:
+        """The round's bytes up (the simulator's record names): ``bytes_up``, what the
+        replies carried, and ``bytes_up_fp32``, the same replies as fp32 updates."""
+        return {"bytes_up": self.nbytes(), "bytes_up_fp32": 4 * self.numel * len(self.replies)}
+
 
 class DecodeAggregate:
     """An :class:`~.aggregation.Aggregator` over compressed replies: the weighted mean of

@@ -203,7 +203,8 @@ class ServerRound:
         model: the global model whose floating buffers the round averages (None: the
             caller keeps them).
         decoder: the decoding stage of the pipeline, ``results -> results`` (None:
-            the replies are the updates; the slot where compressed replies are decoded).
+            the replies are the updates; the slot where compressed replies are decoded);
+            a decoder with a ``record()`` method adds its entries to the round's record.
     """
 
     def __init__(self, server, weighting: str, max_weight_share: Optional[float] = None, *, aggregator=None,
@@ -276,6 +277,8 @@ class ServerRound:
             self.client_state.commit(replies, stats.excluded)
         self._average_buffers(replies.buffers, weights, stats.excluded)
         records = []
+        if callable(getattr(self.decoder, "record", None)):  # what the decoder reports (the Flower codec: bytes up)
+            records.append(self.decoder.record)
         if self.privacy is not None:
             records.append(self.privacy.record)
         if self.aggregator is not None:

@@ -63,7 +63,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...distributed import DistributedServerOptimizer, RankInputError, comm
+from ...distributed import DistributedServerOptimizer, RankInputError, all_gather_replies, comm
 from ...distributed.comm import Plan
 from ..engine.client import RoundStats
 from ...server import RoundReplies
@@ -103,8 +103,11 @@ class DistributedSimulation(Simulation):
             raise ConfigError("attack alie is not supported with --distributed: its attackers send the mean and std "
                               "of every client's update of the round, which no rank holds (the other attacks, "
                               "robust rules and DP are)")
-        if config.compress != "none":  # the compressed exchange between ranks is not written yet (issue 42)
-            raise ConfigError("compress is not supported with --distributed yet: the ranks exchange fp32 updates")
+        if config.compress != "none" and (config.error_feedback or config.aggregator != "mean"
+                                          or config.dp_clip is not None):  # (issue 42: not written yet)
+            raise ConfigError("compress with --distributed takes the weighted mean alone: error-feedback (a client's "
+                              "residual would have to follow it between ranks), aggregator and dp-clip are not "
+                              "supported with it yet")
         self._check_same_config(config)
         super().__init__(config, **kwargs)
         if self.server.server.takes == "updates":  # the round's weights (capped once, over the round) stay its own
@@ -208,6 +211,8 @@ class DistributedSimulation(Simulation):
         SCAFFOLD's updates were gathered in :meth:`_train_clients`."""
         plan = self._kept_plan  # this round's clients that took part, per rank
         kept = self._round_kept
+        if self.compression is not None:  # every rank gets every reply: _compressed_replies
+            return super()._round_replies(clients)
         if not kept or self.server.server.takes == "models":  # FedLAW needs every client model on every rank
             if kept:
                 rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
@@ -228,6 +233,24 @@ class DistributedSimulation(Simulation):
         return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, share=slice(plan.start, plan.stop),
                             clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS,
                             order=clients), extra
+
+    def _compressed_replies(self, clients: List[int], buffer_fold) -> tuple:
+        """Each rank's clients are attacked, encoded and screened on their rank, then the
+        replies are all-gathered in rank order (:func:`~fedopt_kernels.distributed.all_gather_replies`),
+        and the single-process round is formed from them on every rank (the same replies,
+        the same order: bit for bit)."""
+        plan, kept, r = self._kept_plan, self._round_kept, self.round + 1
+        rows, mine = self.updates[:plan.stop - plan.start], kept[plan.start:plan.stop]
+        if self.attack is not None:
+            self.attack.apply_(rows, mine, r)
+        replies, nonfinite = self.compression.encode(rows, mine, r)
+        good, malformed = self.compression.screen(replies)
+        self._compressed_fold = all_gather_replies(good, nonfinite + malformed, self.compression.codec, self.numel,
+                                                   self.group, device=self.device)
+        out, extra = super()._compressed_replies(clients, buffer_fold)  # as a folded round's: encoded already
+        if self.attack is not None:
+            extra["attacked_clients"] = self.attack.round_attackers(kept)[1]
+        return out, extra
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:

@@ -53,6 +53,7 @@ require("sim", "fedopt_kernels.integrations.flower", install=_SPEC["install"])
 from .client import RUN_CONFIG_KEYS, FedNARClient, batch_seed, init_seed, local_config_from_run_config  # noqa: E402
 from .records import (arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord,  # noqa: E402
                       stack_arrayrecords, tensor_to_array, tensors_to_arrayrecord)
+from .compression import Compression  # noqa: E402
 from .concern import Concern, ConcernWrapper  # noqa: E402
 from .named import (ASNES, STRATEGIES, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedExP, FedLAW,  # noqa: E402
                     FedYogi, make_strategy)
@@ -65,7 +66,7 @@ __version_flwr__ = _version
 
 __all__ = [
     "FusedStrategy", "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedExP", "ASNES", "FedLAW",
-    "make_strategy", "STRATEGIES", "Scaffold", "RobustAggregation", "DifferentialPrivacy", "Concern",
+    "make_strategy", "STRATEGIES", "Scaffold", "RobustAggregation", "DifferentialPrivacy", "Compression", "Concern",
     "ConcernWrapper", "FedNARClient", "local_config_from_run_config", "RUN_CONFIG_KEYS", "batch_seed", "init_seed",
     "stack_arrayrecords", "arrayrecord_to_vector", "model_to_arrayrecord", "load_arrayrecord_",
     "tensor_to_array", "tensors_to_arrayrecord",

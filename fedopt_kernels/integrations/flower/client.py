@@ -59,7 +59,9 @@ from ...fl.engine.client import LocalConfig, LocalTrainer, RoundStats, ScaffoldS
 from ...fl.seeds import batch_seed, init_seed
 from ...ops.dp_noise import clip_updates_
 from ...utils.flat import parameters_layout
-from .records import arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord, tensors_to_arrayrecord
+from .compression import CODEC_KEY, EF_STATE_KEY, codec_from_config, codec_spec, reply_to_arrayrecord
+from .records import (array_view, arrayrecord_to_vector, load_arrayrecord_, model_to_arrayrecord,
+                      tensors_to_arrayrecord)
 from .screening import ROUND_KEY
 from .privacy import DP_CLIP_KEY
 from .scaffold import LR_SUM_KEY, SCAFFOLD_KEY
@@ -260,6 +262,11 @@ class FedNARClient:
                 if not bool(clip_updates_(update, float(config[DP_CLIP_KEY]))):  # an unclipped model keeps its bits
                     torch.sub(x_global, update, out=trainer.x)
 
+        coded = codec_from_config(config)  # the strategy's compress=: send the codes, not the model
+        if coded is not None:
+            arrays_out = self._encode(update, coded, cid, cfg.backend, context)
+        else:
+            arrays_out = model_to_arrayrecord(model, keys=list(arrays.keys()))
         summary = stats.summary()
         nan = float("nan")  # a training left out as non-finite has no loss of its own
         metrics = MetricRecord({
@@ -271,11 +278,28 @@ class FedNARClient:
             "num-examples": n,
         })
         reply = RecordDict({
-            self.arrayrecord_key: model_to_arrayrecord(model, keys=list(arrays.keys())),
+            self.arrayrecord_key: arrays_out,
             "metrics": metrics,
-            REPLY_CONFIG_KEY: ConfigRecord({ORDER_KEY: cid, ROUND_KEY: server_round}),
+            REPLY_CONFIG_KEY: ConfigRecord({ORDER_KEY: cid, ROUND_KEY: server_round,
+                                            **({} if coded is None else {CODEC_KEY: codec_spec(coded[0])})}),
         })
         return Message(content=reply, reply_to=msg)
+
+    @torch.no_grad()
+    def _encode(self, update: torch.Tensor, coded, cid: int, backend, context: Context) -> ArrayRecord:
+        """The compressed reply's arrays for ``update`` (:mod:`.compression`); with error
+        feedback ``a = e + D`` is encoded and ``e <- a - decode(C(a))`` kept in the
+        context's state.  A non-finite update keeps the residual (the server leaves the
+        reply out: a NaN/Inf scale, or the step's ``nonfinite``)."""
+        codec, key, error_feedback = coded
+        a = update.reshape(-1).to(torch.float32)
+        if error_feedback and EF_STATE_KEY in context.state:
+            a = torch.from_numpy(array_view(context.state[EF_STATE_KEY]["residual"]).copy()).to(a.device) + a
+        reply = codec.encode(a, key, cid, backend=backend)
+        if error_feedback and bool(torch.isfinite(a).all()):
+            residual = a - codec.decode(reply, a.numel(), key).to(a.device)
+            context.state[EF_STATE_KEY] = tensors_to_arrayrecord([("residual", residual)])
+        return reply_to_arrayrecord(reply)
 
     # ------------------------------------------------------------------ evaluate
     @torch.no_grad()

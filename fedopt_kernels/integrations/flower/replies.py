@@ -51,6 +51,8 @@ class ReplyReader:
         U = rows if on_cpu else rows.to(device, non_blocking=True)
         return torch.sub(self.x_global, U, out=U) if updates and not on_cpu else U
 
+    check = None  # screening checks the replies' arrays against the model's layout (.compression's reader: codes)
+
     def base(self) -> torch.Tensor:
         """What replies read in place are subtracted from: ``x_global`` itself, read by
         the aggregation before the step moves it; with ``keep_base`` a snapshot

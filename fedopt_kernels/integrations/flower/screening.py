@@ -9,7 +9,8 @@ be aggregated is left out with a reason, and the round goes on with the rest:
 ``duplicate_node``  a second reply of a node in the round (the first one counts)
 ``other_round``     the reply says it answers another round (``server-round``)
 ``malformed``       not exactly one ArrayRecord and one MetricRecord
-``bad_arrays``      a missing, unknown or misshapen array, or the wrong dtype
+``bad_arrays``      a missing, unknown or misshapen array, or the wrong dtype;
+                    a compressed reply that its codec's validator refuses
 ``bad_size``        ``num-examples`` (the ``weighted_by_key``) missing,
                     not a number, negative, NaN or infinite
 ``bad_lr_sum``      SCAFFOLD: ``lr_sum`` missing or not a positive finite number
@@ -27,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from flwr.app import Message
 
@@ -60,7 +61,7 @@ def _number(value) -> Optional[float]:
 
 
 def _why_bad(msg: Message, server_round: int, layout: FlatLayout, allow_extra: Sequence[str], weighted_by_key: str,
-             lr_sum_key: Optional[str]) -> Optional[Tuple[str, str]]:
+             lr_sum_key: Optional[str], check: Optional[Callable] = None) -> Optional[Tuple[str, str]]:
     content = msg.content
     for rec in content.config_records.values():
         if ROUND_KEY in rec:
@@ -81,6 +82,9 @@ def _why_bad(msg: Message, server_round: int, layout: FlatLayout, allow_extra: S
             shown = metrics[lr_sum_key] if lr_sum_key in metrics else "missing"
             return "bad_lr_sum", f"'{lr_sum_key}' is {shown!r}: expected a finite number > 0"
     record = next(iter(content.array_records.values()))
+    if check is not None:  # the arrays are not the model's (compressed replies: .compression)
+        why = check(msg, record)
+        return None if why is None else ("bad_arrays", why)
     try:
         check_arrayrecord(record, layout, "its ArrayRecord", allow_extra=allow_extra)
     except (ValueError, TypeError) as exc:
@@ -90,9 +94,11 @@ def _why_bad(msg: Message, server_round: int, layout: FlatLayout, allow_extra: S
 
 def screen_train_replies(replies: Iterable[Message], *, server_round: int, layout: FlatLayout,
                          allow_extra: Sequence[str] = (), weighted_by_key: str = "num-examples",
-                         lr_sum_key: Optional[str] = None) -> Screened:
+                         lr_sum_key: Optional[str] = None, check: Optional[Callable] = None) -> Screened:
     """Split ``replies`` into the ones to aggregate and the ones left out (see the
-    module docstring).  Reads only metadata, metrics and array headers: no copy."""
+    module docstring).  Reads only metadata, metrics and array headers: no copy.
+    ``check(msg, record)``: why a reply's ArrayRecord cannot be aggregated, or None, in
+    place of the model's layout check (compressed replies: their codec's validator)."""
     out = Screened()
     seen = set()
     for msg in replies:
@@ -103,7 +109,7 @@ def screen_train_replies(replies: Iterable[Message], *, server_round: int, layou
         if node in seen:
             out.excluded.append((node, "duplicate_node", "a second reply in this round"))
             continue
-        bad = _why_bad(msg, server_round, layout, allow_extra, weighted_by_key, lr_sum_key)
+        bad = _why_bad(msg, server_round, layout, allow_extra, weighted_by_key, lr_sum_key, check)
         if bad is not None and bad[0] == "other_round":
             out.excluded.append((node, *bad))  # not this round's: the node may still answer this one
             continue

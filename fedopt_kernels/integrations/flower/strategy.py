@@ -61,6 +61,7 @@ from ... import server as S
 from ...server.weighting import check_max_weight_share
 from ...utils.flat import buffers_layout, flatten_parameters_, parameters_layout
 from ...server.differential_privacy.dp_settings import PYTHON_NAMES, robust_with_dp_error
+from .compression import CompressionConcern
 from .concern import Concern
 from .privacy import DP_CLIP_KEY, PrivacyConcern  # noqa: F401 - DP_CLIP_KEY: importable here, as always
 from .robust import RobustConcern
@@ -244,7 +245,7 @@ class FusedStrategy(_FlowerFedAvg):
         self._check_and_log_replies(replies, is_train=True, validate=False)  # Flower's log of the round
         lr_sum_key = next((c.lr_sum_key for c in self.concerns if c.lr_sum_key), None)
         screened = screen_train_replies(replies, server_round=server_round, layout=self.layout,
-                                        allow_extra=list(self.model.state_dict().keys()),
+                                        allow_extra=list(self.model.state_dict().keys()), check=self.reader.check,
                                         weighted_by_key=self.weighted_by_key, lr_sum_key=lr_sum_key)
         if screened.excluded:
             listed = "; ".join(f"node {n}: {reason} ({detail})" for n, reason, detail in screened.excluded)
@@ -378,13 +379,18 @@ def concerns_from_keywords(kwargs: dict) -> List[Concern]:
     """The concerns a fused strategy's keyword arguments name, taken out of ``kwargs``
     (what is left is Flower ``FedAvg``'s): ``scaffold`` / ``scaffold_num_clients``;
     ``aggregator`` and its parameters by the names of ``fedopt simulate``'s flags
-    (``trim_beta``, ``byzantine_f``, ...); ``dp_clip`` and the other ``dp_*``.  Each is
+    (``trim_beta``, ``byzantine_f``, ...); ``dp_clip`` and the other ``dp_*``; ``compress``
+    (a :class:`~fedopt_kernels.compression.Codec`) with ``error_feedback`` and
+    ``compress_seed`` (:mod:`.compression`).  Each is
     checked as far as it can be without the server (a DP setting without ``dp_clip``,
     a robust rule with DP, a parameter of another rule: refused by name)."""
     rule = kwargs.pop("aggregator", "mean")
     robust = S.robust_rule(rule, **{k: kwargs.pop(k) for k in list(kwargs) if k in S.AGGREGATOR_PARAMS})
     dp = {k[3:]: kwargs.pop(k) for k in list(kwargs) if k.startswith("dp_")}
     scaffold, m = kwargs.pop("scaffold", False), kwargs.pop("scaffold_num_clients", None)
+    codec, ef, seed = kwargs.pop("compress", None), kwargs.pop("error_feedback", False), kwargs.pop("compress_seed", 0)
+    if codec is None and (ef or seed):
+        raise ValueError("error_feedback and compress_seed need compress (a fedopt_kernels.compression.Codec)")
     concerns: List[Concern] = []
     if scaffold or m is not None:
         concern = ScaffoldConcern(m)  # checks M even when SCAFFOLD is off, as always
@@ -398,4 +404,6 @@ def concerns_from_keywords(kwargs: dict) -> List[Concern]:
         if robust is not None:
             raise ValueError(robust_with_dp_error(rule, PYTHON_NAMES))
         concerns.append(PrivacyConcern(**dp))
+    if codec is not None:
+        concerns.append(CompressionConcern(codec, ef, seed))
     return concerns

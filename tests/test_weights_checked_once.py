@@ -97,6 +97,18 @@ def test_the_simulator_checks_the_weights_once_and_normalises_them_once(name):
     assert not torch.equal(sim.x_global, x0)  # a round was stepped
 
 
+def test_fedbuff_checks_each_steps_weights_once_and_normalises_them_once():
+    """Asynchronous rounds (FedBuff on the virtual clock): each server step on a full
+    buffer is one round of the server's round, data-size weights included."""
+    from fedopt_kernels.fl.run.clocked import AsyncConfig, ClockConfig, ClockedRun
+
+    sim = _sim(rounds=2, weighting="size")
+    run = ClockedRun(sim, AsyncConfig(mode="fedbuff", concurrency=4, buffer=2, clock=ClockConfig(heterogeneity="mild")))
+    calls = _count(run.run)
+    steps = len(run.schedule.steps)
+    assert steps == 2
+    assert calls == collections.Counter(values=steps, form=steps, normalise=steps), calls
+
 def _flower_round(make):
     pytest.importorskip("flwr", reason="the Flower strategies need flwr (the flower extra)")
     from test_flower import _net, _replies

@@ -60,7 +60,12 @@ if os.environ["TRITON_INTERPRET"] == "1":
 # few, long tests last, one worker alone with them while the other idled.
 LONGEST_FIRST = (  # measured 2026-11-27 (tests/ per-file sums of `make test`), longest first
     "test_oldest_torch.py",  # builds against torch 2.11, runs the contract suites there
-    "test_wheel.py", "test_flower_deployment.py", "test_selftest.py", "test_flower.py", "test_flower_run_bench.py",
+    "test_wheel.py", "test_flower_deployment.py",
+    # the other two Flower deployments (139 s and 52 s in the last full run, 2026-11-28), after the
+    # two builds: each mostly waits on Flower (heartbeats, a dropout's stage timeout,
+    # ClientApp start-ups), and its time-outs are better met beside one busy core than two
+    "test_flower_secagg_deployment.py", "test_flower_fedbuff.py",
+    "test_selftest.py", "test_flower.py", "test_flower_run_bench.py",
     "test_contract_nar_step.py", "test_contract_server_update.py", "test_contract_aggregate.py",
     "test_batched_engine.py", "test_contract_noise.py", "test_aggregate.py", "test_distributed.py",
     "test_triton_aot.py", "test_robust_aggregate.py", "test_device_check_script.py", "test_code_paths.py",

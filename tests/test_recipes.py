@@ -111,7 +111,7 @@ def test_the_table_covers_every_recipe_value_and_every_recipe():
 
 
 def test_recipe_config_applies_the_recipe_then_the_overrides():
-    cfg = recipes.get("fedlaw").config(lr=0.05, rounds=3)
+    cfg = SimulationConfig.from_recipe("fedlaw", lr=0.05, rounds=3)
     assert (cfg.algo, cfg.momentum, cfg.weight_decay, cfg.carry_momentum) == ("fedlaw", 0.9, 5e-4, True)
     assert (cfg.lr, cfg.rounds, cfg.recipe) == (0.05, 3, "fedlaw")
     assert cfg.clients == SimulationConfig().clients  # the scale is not the recipe's
@@ -156,7 +156,7 @@ def test_a_checkpoints_settings_are_not_overwritten_by_its_recorded_recipe():
 
     parser = argparse.ArgumentParser()
     add_simulation_options(parser)
-    base = recipes.get("fedlaw").config(lr=0.05).to_dict()
+    base = SimulationConfig.from_recipe("fedlaw", lr=0.05).to_dict()
     cfg, _ = build_settings(parser.parse_args(["--rounds", "7"]), base=base)
     assert (cfg.lr, cfg.rounds, cfg.recipe) == (0.05, 7, "fedlaw")
     # resumed with the recipe named again (a --config file holding it): the checkpoint's values stay

@@ -88,7 +88,7 @@ class HandWrittenLoop:
         self.clients = [ix.to(sim.device) for ix in sim.partition.client_indices]
         sizes = [ix.numel() for ix in self.clients]
         self.weights = [n / sum(sizes) for n in sizes]
-        self.steps, self.batch = cfg.local_steps, cfg.batch_size
+        self.steps, self.batch = cfg.local.steps, cfg.local.batch_size
         self.lr, self.wd, self.max_norm = cfg.lr, cfg.weight_decay, cfg.max_norm
         self.generator = torch.Generator().manual_seed(cfg.seed)
 

@@ -24,12 +24,11 @@ import argparse
 import dataclasses
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from ..fl.run.config import (ALGORITHMS, CORRUPT_KINDS, ENGINES, PARTITIONS, PROXY_SOURCES, WEIGHTINGS, ConfigError,
-                         SimulationConfig)
-from ..fl.run.config import AGGREGATORS, ATTACK_CHOICES, DP_MODES
+from ..fl.run.config import FLAG_OF, PARTS, ConfigError, SimulationConfig
 from ..fl.run.recipes import RECIPES
 from ._errors import CLIError
 
@@ -77,140 +76,48 @@ def _optional_int(text: str):
 
 _optional_int.__name__ = "int"
 
-# (flag, type, help); the dest is the flag with dashes -> underscores
-SIM_OPTIONS: List[tuple] = [
-    ("--recipe", str, f"start from a paper's training recipe: {', '.join(RECIPE_NAMES)} "
-                      "(fedopt_kernels.fl.run.recipes; each value's source is in results.json meta.recipe); flags and "
-                      "--config settings override it"),
-    ("--algo", str, f"algorithm: {', '.join(ALGORITHMS)} (default {{default}})"),
-    ("--nar", str, "local step: co (FedNAR co-clipping), grad (gradient clipping), none (plain SGD) "
-                   "(default {default})"),
-    ("--dataset", str, "digits, synthetic, synthetic-lazy (each client generated when sampled), cifar10 (needs "
-                       "torchvision and the data on disk), leaf-femnist:PATH or leaf-shakespeare:PATH (LEAF's files "
-                       "in PATH), a name registered with fedopt_kernels.fl.register_dataset, or "
-                       "package.module:function (your own dataset: docs/datasets.md) (default {default})"),
-    ("--model", str, "mlp, cnn (FedLAW's SimpleCNN), logreg, a registered name, or package.module:function "
-                     "called with (input_shape, num_classes) (default {default})"),
-    ("--hidden", _int_list, "hidden widths of the MLP, comma-separated (default {default})"),
-    ("--clients", int, "number of clients (default {default})"),
-    ("--per-round", int, "clients sampled per round (default {default})"),
-    ("--rounds", int, "communication rounds (default {default})"),
-    ("--partition", str, f"{', '.join(PARTITIONS)} (default auto: the dataset's own split, else dirichlet)"),
-    ("--alpha", float, "Dirichlet concentration of the label partition, > 0 (default {default})"),
-    ("--min-client-size", int, "fewest samples a client may hold (default min(10, n/(10*clients)), at least 1)"),
-    ("--weighting", str, f"server weights of the clients: {', '.join(WEIGHTINGS)} (default auto: each algorithm's "
-                         "own -- uniform for scaffold, fedexp, asnes; data size for the others; also the weights "
-                         "of BatchNorm statistics)"),
-    ("--local-steps", int, "local steps per round, tau (default {default})"),
-    ("--batch-size", int, "local mini-batch size (default {default})"),
-    ("--lr", float, "local learning rate (default {default})"),
-    ("--lr-decay", float, "per-round decay of the local lr, as FedNAR's 0.998 (default {default})"),
-    ("--weight-decay", float, "local weight decay, PyTorch-SGD sense (default {default})"),
-    ("--wd-decay", float, "extra per-round factor on the weight decay (default {default})"),
-    ("--max-norm", float, "clip threshold of FedNAR / gradient clipping (default {default})"),
-    ("--momentum", float, "local heavy-ball momentum (default {default})"),
-    ("--decay-beta", float, "FedDecay within-round decay beta in [0, 1]; 1 = off (default {default})"),
-    ("--decay-kind", str, "FedDecay: exponential or linear (default {default})"),
-    ("--decay-per", str, "FedDecay counts local steps or epochs: step or epoch (default {default})"),
-    ("--prox-mu", float, "FedProx's mu (default {default})"),
-    ("--server-lr", _optional_float, "server learning rate (default: the algorithm's own)"),
-    ("--server-momentum", _optional_float, "FedAvgM / ASNES momentum (default 0.9), FedAdagrad's beta1 (default 0)"),
-    ("--server-betas", _float_pair, "FedAdam / FedYogi betas, e.g. 0.9,0.99 (default {default})"),
-    ("--server-tau", float, "FedAdam / FedYogi / FedAdagrad tau (default {default})"),
-    ("--fedexp-eps", float, "FedExP's eps (default {default})"),
-    ("--fedexp-scale-eps", _bool, "FedExP: use M * eps, M the round's clients, as the authors' code (default false)"),
-    ("--fedexp-eps-decay", float, "FedExP: eps times this every round; the authors' code uses 0.998^2 "
-                                  "(default {default}: no decay)"),
-    ("--eval-avg-last-two", _bool, "also evaluate the mean of the last two global models, recorded as "
-                                   "test_accuracy_avg2 (FedExP's authors report it) (default false)"),
-    ("--carry-momentum", _bool, "each client keeps its local momentum buffers across its rounds, as FedLAW's code "
-                                "(sequential engine) (default false)"),
-    ("--decay-scales-change", _bool, "FedDecay with --decay-per epoch as its authors' code: each epoch at the full "
-                                     "lr, its parameter change then scaled by beta^j (sequential engine) "
-                                     "(default false: epoch j runs at lr * beta^j)"),
-    ("--holdout-clients", int, "clients never sampled for training; each evaluation also scores the global model "
-                               "on their data (holdout_accuracy), as [FedDecay] holds out 20%% of the users "
-                               "(default {default})"),
-    ("--fedlaw-learn", str, "FedLAW learns both, gamma or lambda (default {default})"),
-    ("--fedlaw-epochs", int, "FedLAW server epochs per round (default {default})"),
-    ("--fedlaw-lr", float, "FedLAW's Adam lr (default {default})"),
-    ("--max-weight-share", _optional_float, "largest share of a round's total weight one client may get under "
-                                            "size weighting, in (0, 1] (default none: no cap)"),
-    ("--on-bad-client", str, "a client without samples or whose training raises: exclude (left out, counted as "
-                             "excluded_<reason>; the round goes on) or raise (the run stops) (default {default})"),
-    ("--proxy-size", int, "FedLAW's class-balanced proxy set size (default {default})"),
-    ("--proxy-source", str, f"where FedLAW's proxy set comes from: {', '.join(PROXY_SOURCES)} (default test: held "
-                            "out of the test set, accuracy measured on the rest, as [FedLAW] D.2)"),
-    ("--synthetic-alpha", float, "Synthetic(alpha, beta): alpha (default {default})"),
-    ("--synthetic-beta", float, "Synthetic(alpha, beta): beta (default {default})"),
-    ("--synthetic-iid", _bool, "Synthetic: IID variant (default false)"),
-    ("--max-samples-per-client", int, "Synthetic: cap on a client's samples (default none)"),
-    ("--test-fraction", float, "held-out test fraction (default {default})"),
-    ("--data-root", str, "where cifar10 looks for its files (default $FEDOPT_DATA or ~/.cache/fedopt/data)"),
-    ("--corrupt-fraction", float, "fraction of the clients (rounded, chosen by --seed) whose training data are "
-                                  "corrupted; recorded in results.json meta.corruption (default {default})"),
-    ("--corrupt-kind", str, f"{', '.join(CORRUPT_KINDS)}: labels = a fixed random derangement of the classes per "
-                            "client (every label wrong), swap = FedLAW's two classes exchanged, noise = additive "
-                            "Gaussian noise on the inputs (default {default})"),
-    ("--corrupt-noise-std", float, "std of the input noise of --corrupt-kind noise (default {default})"),
-    # differential privacy (server/differential_privacy/dp.py) and attacks for testing (fl/datasets/attacks.py)
-    ("--dp-clip", _optional_float, "DP-FedAvg: clip every client update to this norm, the initial clip with "
-                                   "--dp-target-quantile (default none: no differential privacy)"),
-    ("--dp-noise-multiplier", float, "DP-FedAvg: Gaussian noise of std z * clip on the sum of clipped updates; "
-                                     "0 clips without noise, which is not private (default {default})"),
-    ("--dp-target-quantile", _optional_float, "adaptive clipping (Andrew et al. 2021): the clip tracks this "
-                                              "quantile of the update norms, e.g. 0.5 (default none: fixed clip)"),
-    ("--dp-delta", _optional_float, "delta at which epsilon is written into results.json every round; needed "
-                                    "with noise, below 1/clients (default none)"),
-    ("--dp-mode", str, f"who clips: {', '.join(DP_MODES)} (client: the clients clip, the server adds the noise) "
-                       "(default {default})"),
-    ("--attack", str, f"attack for testing by --attack-fraction of the clients: {', '.join(ATTACK_CHOICES)}; "
-                      "alie = Baruch et al. 2019; recorded in results.json (default {default})"),
-    ("--attack-fraction", float, "fraction of the clients (rounded, chosen by --seed) that attack "
-                                 "(default {default})"),
-    # Byzantine-robust aggregation (server/robust_aggregation/robust_aggregator.py; docs/robustness.md)
-    ("--aggregator", str, f"how the server aggregates the round's updates: {', '.join(AGGREGATORS)}; mean is the "
-                          "weighted mean, the others are robust rules (default {default})"),
-    ("--trim-beta", _optional_float, "trimmed-mean: fraction of the values dropped at each end of every "
-                                     "coordinate, in [0, 0.5) (default 0.1)"),
-    ("--byzantine-f", _optional_int, "krum, multi-krum, bulyan: the number f of Byzantine clients tolerated per "
-                                     "round; needs per-round >= 2f + 3 (bulyan: 4f + 3)"),
-    ("--krum-m", _optional_int, "multi-krum: how many clients with the lowest Krum scores are averaged "
-                                "(default per-round - f)"),
-    ("--geomed-iters", _optional_int, "geomed: most smoothed Weiszfeld iterations (default 4, as RFA)"),
-    ("--geomed-tol", _optional_float, "geomed: stop once the objective changes by at most tol times itself "
-                                      "(default 1e-5)"),
-    ("--cclip-tau", _optional_float, "centered-clip: the clipping radius tau around the previous aggregate"),
-    ("--cclip-iters", _optional_int, "centered-clip: clipping iterations per round (default 1)"),
-    ("--norm-bound-radius", _optional_float, "norm-bound: every update is scaled to at most this norm"),
-    ("--seed", int, "seed of everything random (default {default})"),
-    ("--eval-every", int, "evaluate every k rounds (default {default})"),
-    ("--device", str, "cpu or cuda (default {default})"),
-    ("--backend", str, "kernel backend: reference, cpu, triton, cuda (default automatic)"),
-    ("--engine", str, f"client engine: {', '.join(ENGINES)}; batched trains a round's clients as one vmapped "
-                      "computation, sequential one after another (default auto: batched unless --per-round 1)"),
-    ("--client-batch", int, "most clients the batched engine trains at once, to bound memory; the result does not "
-                            "depend on it (default 0: chosen from the free memory)"),
-    ("--client-state-dtype", str, "storage dtype of per-client state (SCAFFOLD's c_i): float32, float64, bfloat16, "
-                                  "float16 (default: the model's, bit for bit; a compact one rounds the stored "
-                                  "values)"),
-    ("--memory-budget", str, "bound a round's memory: its clients train in chunks that fit this size (4G, 512M, "
-                             "bytes), each chunk folded into the running aggregate for the weighted-sum algorithms "
-                             "(same result, bit for bit); default none: the whole round at once"),
-    ("--client-state-dir", str, "keep per-client state in memory-mapped files in this directory instead of in "
-                                "memory (default: in memory)"),
-    # compressed client updates (fl/engine/compressed_updates.py; docs/compression.md)
-    ("--compress", str, "codec of the clients' updates: none, int8, int4, fp8 (per-block scales) or topk:FRACTION "
-                        "(the largest FRACTION of the values); the server decodes them inside its aggregation "
-                        "(default {default})"),
-    ("--compress-block", int, "values per scale of int8 / int4 / fp8, a multiple of 32 (default {default})"),
-    ("--compress-stochastic", _bool, "int8 / int4: unbiased stochastic rounding instead of round-to-nearest "
-                                     "(default false)"),
-    ("--compress-rotate", _bool, "rotate every update by the round's randomized Hadamard transform (blocks of 1024) "
-                                 "before encoding; the server rotates the aggregate back (default false)"),
-    ("--error-feedback", _bool, "each client adds its residual (what its previous replies lost) to its update "
-                                "before encoding, kept in the per-client state and checkpoints (default false)"),
-]
+def _parser_of(hint, metadata) -> Any:
+    """The argparse ``type`` of a setting: its metadata's ``cli_type``, else the one its
+    annotation implies (an optional number also reads ``none`` / ``default``)."""
+    if "cli_type" in metadata:
+        return metadata["cli_type"]
+    if hint in (bool, int, float, str):
+        return {bool: _bool, int: int, float: float, str: str}[hint]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union:  # Optional[X]
+        inner = next(a for a in args if a is not type(None))
+        return {float: _optional_float, int: _optional_int}.get(inner, str)
+    if typing.get_origin(hint) is tuple:
+        return _float_pair if args == (float, float) else _int_list
+    raise TypeError(f"no command-line parser for a setting of type {hint!r}")
+
+
+def _generate_options() -> Dict[str, List[tuple]]:
+    """part -> ``[(flag, type, help, default)]``: every setting of every part of
+    :class:`SimulationConfig` (:data:`~fedopt_kernels.fl.run.config.PARTS`), its flag the
+    setting's flat name (:data:`~fedopt_kernels.fl.run.config.FLAG_OF`), its help text its
+    field's metadata."""
+    out = {}
+    for part, (cls, make_default) in PARTS.items():
+        hints = typing.get_type_hints(cls)
+        defaults = make_default()
+        rows = []
+        for f in dataclasses.fields(cls):
+            if (part, f.name) not in FLAG_OF:  # not a setting (LocalConfig.scaffold follows from algo)
+                continue
+            flag = "--" + FLAG_OF[(part, f.name)].replace("_", "-")
+            rows.append((flag, _parser_of(hints[f.name], f.metadata), f.metadata["help"],
+                         getattr(defaults, f.name)))
+        out[part] = rows
+    return out
+
+
+#: part -> its options, generated from the config (one row per setting, grouped as ``--help`` shows them)
+OPTIONS_BY_PART = _generate_options()
+# (flag, type, help) of every setting; the dest is the flag with dashes -> underscores
+SIM_OPTIONS: List[tuple] = [(flag, typ, help_) for rows in OPTIONS_BY_PART.values() for flag, typ, help_, _ in rows]
+_FIELD_DEFAULTS = {flag[2:].replace("-", "_"): default for rows in OPTIONS_BY_PART.values()
+                   for flag, _, _, default in rows}
 
 
 def fill_default(flag: str, help_: str) -> str:
@@ -228,15 +135,26 @@ def fill_default(flag: str, help_: str) -> str:
     return help_.replace("{default}", text)
 
 
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimulationConfig)}
+#: the title of each part's group in ``--help``
+GROUP_TITLES = {
+    "data": "simulation settings: data (flags override --config)",
+    "local": "simulation settings: local training",
+    "server": "simulation settings: server",
+    "privacy": "simulation settings: differential privacy",
+    "robustness": "simulation settings: robust aggregation",
+    "compression": "simulation settings: compressed updates",
+    "run": "simulation settings: run",
+}
 
 
 def add_simulation_options(parser: argparse.ArgumentParser, *, compare: bool = False) -> None:
-    group = parser.add_argument_group("simulation settings (flags override --config)")
-    for flag, typ, help_ in SIM_OPTIONS:
-        if compare and flag == "--algo":
-            continue
-        group.add_argument(flag, type=typ, default=argparse.SUPPRESS, help=fill_default(flag, help_))
+    """Every setting of :class:`SimulationConfig` as a flag, one argument group per part."""
+    for part, rows in OPTIONS_BY_PART.items():
+        group = parser.add_argument_group(GROUP_TITLES[part])
+        for flag, typ, help_, _ in rows:
+            if compare and flag == "--algo":
+                continue
+            group.add_argument(flag, type=typ, default=argparse.SUPPRESS, help=fill_default(flag, help_))
     run = parser.add_argument_group("running")
     run.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
     run.add_argument("--out", default=argparse.SUPPRESS, metavar="DIR", help="output directory (default results)")
@@ -354,3 +272,23 @@ def build_settings(args: argparse.Namespace, *, base: Dict[str, Any] = None) -> 
     if not isinstance(cli_only["out"], str) or not cli_only["out"]:
         raise CLIError(f"out must be a directory path, got {cli_only['out']!r}")
     return config, cli_only
+
+
+# the kind of value each parser reads, as docs/config.md's tables name it
+_KINDS = {int: "integer", _optional_int: "integer or omitted", float: "number", _optional_float: "number or omitted",
+          str: "string", _bool: "true / false", _int_list: "list of integers", _float_pair: "list of two numbers"}
+
+
+def settings_tables() -> str:
+    """docs/config.md's "Every setting": one markdown table per part of
+    :class:`SimulationConfig` under its ``--help`` group's name, a row per setting (key,
+    kind, the help text), generated from the same metadata as the flags
+    (``tests/test_config_parts.py`` checks the page against it)."""
+    out = []
+    for part, rows in OPTIONS_BY_PART.items():
+        title = GROUP_TITLES[part].split(": ", 1)[1].replace(" (flags override --config)", "")
+        out += [f"### {title[0].upper()}{title[1:]} (`{part}`)", "", "| key | kind | meaning |", "|---|---|---|"]
+        out += [f"| `{flag[2:]}` | {_KINDS[typ]} | {fill_default(flag, help_).replace('%%', '%')} |"
+                for flag, typ, help_, _ in rows]
+        out.append("")
+    return "\n".join(out)

@@ -269,8 +269,8 @@ def _resume_into(sim, state: dict, path: Path, *, done: Optional[int] = None) ->
     at the checkpoint's round and a later plain ``--resume`` would do nothing)."""
     done = int(state.get("round", 0)) if done is None else done
     config = sim.sim.config if hasattr(sim, "sim") else sim.config
-    if config.rounds < done:
-        raise CLIError(f"--resume: {path} has already run {done} rounds, more than --rounds {config.rounds}; "
+    if config.run.rounds < done:
+        raise CLIError(f"--resume: {path} has already run {done} rounds, more than --rounds {config.run.rounds}; "
                        f"give --rounds {done} or more to continue it (or a new --out for a shorter run)")
     try:
         sim.load_state_dict(state)
@@ -378,7 +378,7 @@ def _init_distributed(config: SimulationConfig) -> int:
     from ..fl.run.distributed_simulation import init_from_env
 
     try:
-        rank, _ = init_from_env(config.device)
+        rank, _ = init_from_env(config.run.device)
     except (RuntimeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     return rank
@@ -429,9 +429,9 @@ def _run_simulate(args, distributed: bool = False) -> int:
     console = _console(min_width=120)
     if not quiet:
         part = sim.partition.summary()
-        console.print(f"[bold]fedopt simulate[/]: {config.algo} (nar={config.nar}) on {sim.dataset.name}: "
-                      f"{config.clients} clients ({part['method']}, sizes {part['min']}-{part['max']}), "
-                      f"{config.per_round}/round, {config.local_steps} local steps, {sim.numel:,} parameters, "
+        console.print(f"[bold]fedopt simulate[/]: {config.server.algo} (nar={config.local.nar}) on {sim.dataset.name}: "
+                      f"{config.data.clients} clients ({part['method']}, sizes {part['min']}-{part['max']}), "
+                      f"{config.data.per_round}/round, {config.local.steps} local steps, {sim.numel:,} parameters, "
                       f"{sim.results.meta['engine']} engine, backend {sim.results.meta['backend']}, "
                       f"{torch.get_num_threads()} thread(s)")
     if distributed and not quiet:
@@ -448,7 +448,7 @@ def _run_simulate(args, distributed: bool = False) -> int:
     interrupted = None  # the KeyboardInterrupt / Interrupted that stopped the run
     with stop_on_signals():  # SIGTERM / SIGHUP stop the run as Ctrl-C does
         with _Progress(not quiet) as progress:
-            task = progress.add(f"{config.algo}", config.rounds, sim.round)
+            task = progress.add(f"{config.server.algo}", config.run.rounds, sim.round)
             sim.progress = progress.within_round if not quiet else None  # clients trained within a round
 
             def callback(record, s):
@@ -472,11 +472,11 @@ def _run_simulate(args, distributed: bool = False) -> int:
     files.append(out / CHECKPOINT)
     if opts["plots"] and results.records:
         files += results.plot(out)
-    print_summary([results], f"{config.algo} (nar={config.nar}) on {sim.dataset.name}")
+    print_summary([results], f"{config.server.algo} (nar={config.local.nar}) on {sim.dataset.name}")
     console.print("wrote " + ", ".join(str(f) for f in files))
     if interrupted is not None:
         by = results.meta["interrupted_by"]
-        console.print(f"[yellow]interrupted ({by}) after {sim.round} of {config.rounds} rounds[/]; the results so "
+        console.print(f"[yellow]interrupted ({by}) after {sim.round} of {config.run.rounds} rounds[/]; the results so "
                       f"far and {CHECKPOINT} are in {out}; continue with: fedopt simulate --resume --out {out}"
                       + (f" --config {args.config}" if args.config else ""))
         return exit_status(interrupted)
@@ -531,11 +531,11 @@ def run_compare(args) -> int:
 
     config, opts = build_settings(args)
     algos = opts.get("algos")
-    if algos is None and config.recipe is not None:  # --recipe alone: its own algorithm and local step
-        algos = config.algo
+    if algos is None and config.run.recipe is not None:  # --recipe alone: its own algorithm and local step
+        algos = config.server.algo
     if algos is None:  # not given; an empty --algos "" is an error, not the defaults
         algos = "fedavg,fedprox,scaffold,fedexp"
-    runs = parse_runs(algos, config.nar)
+    runs = parse_runs(algos, config.local.nar)
     configs = []
     for label, algo, nar in runs:
         try:
@@ -552,8 +552,8 @@ def run_compare(args) -> int:
     if not args.quiet:
         s = partition.summary()
         console.print(f"[bold]fedopt compare[/]: {', '.join(l for l, _ in configs)} on {dataset.name}: "
-                      f"{config.clients} clients ({s['method']}, sizes {s['min']}-{s['max']}), "
-                      f"{config.per_round}/round, {config.rounds} rounds, seed {config.seed} "
+                      f"{config.data.clients} clients ({s['method']}, sizes {s['min']}-{s['max']}), "
+                      f"{config.data.per_round}/round, {config.run.rounds} rounds, seed {config.run.seed} "
                       "(same partition, clients and batches for every run)")
     done: List[Results] = []
     interrupted = None
@@ -626,8 +626,8 @@ def run_compare(args) -> int:
     files = [out / "compare.json", out / "compare.csv"]
     if opts["plots"] and allres:
         files.append(plot_comparison(allres, out / "compare.png"))
-    print_summary(allres, f"compare on {config.dataset}: {config.clients} clients, {config.per_round}/round, "
-                          f"alpha {config.alpha}, seed {config.seed}")
+    print_summary(allres, f"compare on {config.data.dataset}: {config.data.clients} clients, "
+                          f"{config.data.per_round}/round, alpha {config.data.alpha}, seed {config.run.seed}")
     console.print("wrote " + ", ".join(str(f) for f in files) + f" (and each run's results in {out}/<run>/)")
     if interrupted is not None:
         by = signal_name(interrupted)

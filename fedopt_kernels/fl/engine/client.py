@@ -22,7 +22,7 @@ steps) accumulate in device tensors and are read once per round.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -44,31 +44,50 @@ class NonFiniteClientWarning(UserWarning):
     """A client trained to a non-finite loss or step and was left out of its round."""
 
 
+def _setting(default, help_: str):
+    """A field with its help text (``fedopt simulate``'s option is generated from it;
+    ``{default}`` is filled in with the field's default)."""
+    return field(default=default, metadata={"help": help_})
+
+
 @dataclass
 class LocalConfig:
     """Hyperparameters of local training (see the module docstring); the defaults are
-    :data:`fedopt_kernels.defaults.LOCAL`, the simulator's."""
+    :data:`fedopt_kernels.defaults.LOCAL`, the simulator's.
 
-    steps: int = D.LOCAL["steps"]
-    batch_size: int = D.LOCAL["batch_size"]
-    lr: float = D.LOCAL["lr"]
-    lr_decay: float = D.LOCAL["lr_decay"]
-    weight_decay: float = D.LOCAL["weight_decay"]
-    wd_decay: float = D.LOCAL["wd_decay"]
-    max_norm: float = D.LOCAL["max_norm"]
-    nar: str = D.LOCAL["nar"]
-    momentum: float = D.LOCAL["momentum"]
-    prox_mu: float = 0.0  # no proximal term unless the run is FedProx (its mu: defaults.FEDPROX_MU)
+    The simulator's settings hold one of these as their ``local`` part
+    (:class:`~fedopt_kernels.fl.SimulationConfig`), under the same names; there
+    ``prox_mu`` is FedProx's mu, applied only when the algorithm is FedProx, and
+    ``scaffold`` follows from the algorithm (``SimulationConfig.local_config``)."""
+
+    steps: int = _setting(D.LOCAL["steps"], "local steps per round, tau (default {default})")
+    batch_size: int = _setting(D.LOCAL["batch_size"], "local mini-batch size (default {default})")
+    lr: float = _setting(D.LOCAL["lr"], "local learning rate (default {default})")
+    lr_decay: float = _setting(D.LOCAL["lr_decay"], "per-round decay of the local lr, as FedNAR's 0.998 "
+                                                    "(default {default})")
+    weight_decay: float = _setting(D.LOCAL["weight_decay"], "local weight decay, PyTorch-SGD sense (default {default})")
+    wd_decay: float = _setting(D.LOCAL["wd_decay"], "extra per-round factor on the weight decay (default {default})")
+    max_norm: float = _setting(D.LOCAL["max_norm"], "clip threshold of FedNAR / gradient clipping (default {default})")
+    nar: str = _setting(D.LOCAL["nar"], "local step: co (FedNAR co-clipping), grad (gradient clipping), none "
+                                        "(plain SGD) (default {default})")
+    momentum: float = _setting(D.LOCAL["momentum"], "local heavy-ball momentum (default {default})")
+    # no proximal term unless the run is FedProx (its mu: defaults.FEDPROX_MU)
+    prox_mu: float = _setting(0.0, "FedProx's mu (default {default})")
     scaffold: bool = False
-    decay_beta: float = D.LOCAL["decay_beta"]
-    decay_kind: str = D.LOCAL["decay_kind"]
-    decay_per: str = D.LOCAL["decay_per"]
-    backend: Optional[str] = None
+    decay_beta: float = _setting(D.LOCAL["decay_beta"], "FedDecay within-round decay beta in [0, 1]; 1 = off "
+                                                        "(default {default})")
+    decay_kind: str = _setting(D.LOCAL["decay_kind"], "FedDecay: exponential or linear (default {default})")
+    decay_per: str = _setting(D.LOCAL["decay_per"], "FedDecay counts local steps or epochs: step or epoch "
+                                                    "(default {default})")
+    backend: Optional[str] = _setting(None, "kernel backend: reference, cpu, triton, cuda (default automatic)")
     # FedLAW's released code: each client's SGD momentum buffers carry over to its next round
-    carry_momentum: bool = False
+    carry_momentum: bool = _setting(False, "each client keeps its local momentum buffers across its rounds, as "
+                                           "FedLAW's code (sequential engine) (default false)")
     # FedDecay's released code (decay_per="epoch"): epoch j runs at the full lr, then its parameter
     # change is scaled by beta_j (trainer_decay.py:117-145), instead of running epoch j at lr * beta_j
-    decay_scales_change: bool = False
+    decay_scales_change: bool = _setting(False, "FedDecay with --decay-per epoch as its authors' code: each epoch "
+                                                "at the full lr, its parameter change then scaled by beta^j "
+                                                "(sequential engine) (default false: epoch j runs at lr * beta^j)")
 
     def lr_at(self, round_index: int, k: int) -> float:
         """The local lr of (0-based) decay index ``k`` in round ``round_index``."""

@@ -14,8 +14,11 @@ the simulator cannot do what the authors do, the recipe says so in
 
 Python::
 
-    from fedopt_kernels.fl.run import recipes
-    cfg = recipes.get("fedlaw").config(rounds=30, lr=0.05)   # explicit values override the recipe
+    from fedopt_kernels.fl import SimulationConfig
+    cfg = SimulationConfig.from_recipe("fedlaw", rounds=30, lr=0.05)   # explicit values override the recipe
+
+The recipes are data: this module imports nothing of the simulator, whose config
+reads them (``SimulationConfig.from_recipe``, the ``recipe`` setting's check).
 
 Command line: ``fedopt simulate --recipe fedexp --rounds 40`` (flags given on the
 command line override the recipe; a TOML file's settings too).  ``results.json``
@@ -63,16 +66,6 @@ class Recipe:
     def values(self) -> Dict[str, Any]:
         """``{field: value}`` of the recipe."""
         return {s.field: s.value for s in self.settings}
-
-    def config(self, **overrides):
-        """A validated :class:`SimulationConfig`: the simulator's defaults, then this
-        recipe, then ``overrides`` (any ``SimulationConfig`` field)."""
-        from .config import SimulationConfig
-
-        values = self.values()
-        values.update(overrides)
-        values["recipe"] = self.name
-        return SimulationConfig.from_dict(values, source=f"recipe {self.name}")
 
     def resolved(self, config) -> dict:
         """What ``results.json`` records: the recipe's name, paper, evaluation rule and

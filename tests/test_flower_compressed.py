@@ -191,8 +191,18 @@ def _reply_message(spec, numel=1000, seed=0):
     return codec, Message(content=content, dst_node_id=1, message_type="train")
 
 
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Flower's process-wide run / task / node ids, which building a Message reads (set
+    as a grid sets them, restored after)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
 @pytest.mark.parametrize("kind", sorted(REASONS))
-def test_each_malformed_compressed_reply_is_screened_with_its_reason(kind):
+def test_each_malformed_compressed_reply_is_screened_with_its_reason(kind, task_identity):
     """Screening (:func:`screen_train_replies` with the compressed reader's check), each
     reason alone on a reply that passes unbroken."""
     from fedopt_kernels.integrations.flower.compression import CompressedReader, CompressionConcern

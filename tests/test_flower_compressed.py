@@ -256,3 +256,37 @@ def test_compression_is_refused_where_it_cannot_apply():
         fk.FedAvg(torch.nn.Linear(3, 2), compress="int8")
     with pytest.raises(ValueError, match="unbiased"):
         fk.FedAvg(torch.nn.Linear(3, 2), compress=parse_codec("int8", stochastic=True), error_feedback=True)
+
+
+def test_a_nonfinite_update_keeps_the_residual_and_its_reply_is_screened_out(task_identity):
+    """FedNARClient's encode: a NaN update leaves the node's residual as it was, and the
+    reply it sends (a NaN/Inf scale) is left out as ``bad_arrays``."""
+    from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+    from fedopt_kernels.integrations import flower as fk
+    from fedopt_kernels.integrations.flower.compression import (EF_STATE_KEY, CompressedReader, CompressionConcern,
+                                                                codec_spec)
+    from fedopt_kernels.integrations.flower.records import array_view
+    from fedopt_kernels.integrations.flower.screening import screen_train_replies
+    from fedopt_kernels.utils.flat import parameters_layout
+
+    codec = parse_codec("int8", block=64)
+    client = fk.FedNARClient(lambda c: torch.nn.Linear(3, 2), lambda c: None)
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    good = torch.randn(8)
+    client._encode(good, (codec, 5, True), 0, None, ctx)
+    before = array_view(ctx.state[EF_STATE_KEY]["residual"]).copy()
+    assert torch.equal(torch.from_numpy(before), good - codec.decode(codec.encode(good, 5, 0), 8, 5))
+    bad = good.clone()
+    bad[3] = float("nan")
+    arrays = client._encode(bad, (codec, 5, True), 0, None, ctx)
+    assert (array_view(ctx.state[EF_STATE_KEY]["residual"]) == before).all()
+    msg = Message(content=RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 3}),
+                                      "fedopt": ConfigRecord({"server-round": 1, "codec": codec_spec(codec)})}),
+                  dst_node_id=1, message_type="train")
+    msg.metadata.__dict__.update(_src_node_id=4)
+    layout = parameters_layout(torch.nn.Linear(3, 2))
+    reader = CompressedReader(None, CompressionConcern(codec), layout.numel)
+    out = screen_train_replies([msg], server_round=1, layout=layout, check=reader.check)
+    [(node, reason, detail)] = out.excluded
+    assert node == 4 and reason == "bad_arrays" and "NaN/Inf scale" in detail

@@ -290,3 +290,21 @@ def test_a_nonfinite_update_keeps_the_residual_and_its_reply_is_screened_out(tas
     out = screen_train_replies([msg], server_round=1, layout=layout, check=reader.check)
     [(node, reason, detail)] = out.excluded
     assert node == 4 and reason == "bad_arrays" and "NaN/Inf scale" in detail
+
+
+def test_the_wrapper_builds_the_keywords_concern():
+    """``Compression(strategy, codec, ...)`` attaches the same concern as ``compress=``: the
+    compressed reader, the round's decoder, the settings it sends."""
+    from fedopt_kernels.integrations import flower as fk
+    from fedopt_kernels.integrations.flower.compression import (CompressedReader, CompressionConcern,
+                                                                codec_config, codec_from_config)
+
+    codec = parse_codec("topk:0.1", rotation=64)
+    wrapped = fk.Compression(fk.FedAdam(torch.nn.Linear(3, 2), lr=0.1), codec, error_feedback=True, seed=7)
+    kw = fk.FedAdam(torch.nn.Linear(3, 2), lr=0.1, compress=codec, error_feedback=True, compress_seed=7)
+    for s in (wrapped, kw):
+        [concern] = [c for c in s.concerns if isinstance(c, CompressionConcern)]
+        assert isinstance(s.reader, CompressedReader) and s.round.decoder is concern.decoder
+        assert (concern.codec, concern.error_feedback, concern.seed) == (codec, True, 7)
+    # what the clients read back is the codec the strategy decided
+    assert codec_from_config(codec_config(codec, 123, True)) == (codec, 123, True)

@@ -19,7 +19,8 @@ as one process, with each round's clients trained on W ranks at once:
   rank 0 over the gathered rows, its result broadcast; DP with each rank clipping its
   own clients, one distributed sum and the noise drawn once -- both the
   single-process round bit for bit, so ``dp_epsilon`` and ``robust_selected`` are
-  recorded alike.  Client-side clipping and the attacks other than ``alie`` are each
+  recorded alike (with ``--compress`` both run on every rank on the all-gathered
+  replies: :meth:`DistributedSimulation._compressed_replies`).  Client-side clipping and the attacks other than ``alie`` are each
   client's own and run on its rank (the attackers are a function of the seed, so every
   rank records all of a round's); ``alie``'s attackers send statistics of every
   client's update, which no rank holds, and it is refused;
@@ -103,14 +104,14 @@ class DistributedSimulation(Simulation):
             raise ConfigError("attack alie is not supported with --distributed: its attackers send the mean and std "
                               "of every client's update of the round, which no rank holds (the other attacks, "
                               "robust rules and DP are)")
-        if config.compress != "none" and (config.error_feedback or config.aggregator != "mean"
-                                          or config.dp_clip is not None):  # (issue 42: not written yet)
-            raise ConfigError("compress with --distributed takes the weighted mean alone: error-feedback (a client's "
-                              "residual would have to follow it between ranks), aggregator and dp-clip are not "
-                              "supported with it yet")
+        if config.compress != "none" and config.error_feedback:  # (issue 42: not written yet)
+            raise ConfigError("error-feedback is not supported with --compress and --distributed yet: a client's "
+                              "residual would have to follow it to the rank that trains it next")
         self._check_same_config(config)
         super().__init__(config, **kwargs)
-        if self.server.server.takes == "updates":  # the round's weights (capped once, over the round) stay its own
+        # the round's weights (capped once, over the round) stay its own; compressed replies are all-gathered to
+        # every rank (_compressed_replies), where the optimizer's own step -- its rule, DP included -- runs as one process's
+        if self.server.server.takes == "updates" and self.compression is None:
             self.server.server = DistributedServerOptimizer(self.server.server, group, mode=mode,
                                                             on_bad_client=config.on_bad_client)
         self._log_exclusions = self.rank == 0

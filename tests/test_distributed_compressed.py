@@ -2,8 +2,9 @@
 own clients' updates, the replies all-gathered in rank order and decoded inside the fused
 aggregation on every rank, equal the single-process compressed run bit for bit (global
 model and every round record, ``bytes_up`` included), for int8, int4 with stochastic
-rounding and the rotation (FedAdam) and top-k with an attack; the record's bytes against
-the codec's own count; what is not supported yet refused by name."""
+rounding and the rotation (FedAdam), top-k with an attack, and int8 with the median and
+with DP-FedAvg (noise), int8 with error feedback over 3 rounds (every rank's residuals
+equal one process's); the record's bytes against the codec's own count."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ WORLD = 2
 BASE = dict(dataset="synthetic", clients=9, per_round=5, rounds=2, local_steps=2, hidden=(16,), seed=4,
             partition="dirichlet", max_samples_per_client=40, batch_size=16, engine="sequential")
 CASES = {  # fp8 takes int4's path (codes as uint8 bytes, one array of scales); it passed too when run by hand
-    "int8": dict(compress="int8"),
+    "int8_error_feedback": dict(compress="int8", error_feedback=True, rounds=3),
     "int4_stochastic_rotated_fedadam": dict(compress="int4", compress_stochastic=True, compress_rotate=True,
                                             compress_block=64, algo="fedadam"),
     "topk_attack": dict(compress="topk:0.05", attack="signflip", attack_fraction=0.2),
+    "int8_median": dict(compress="int8", aggregator="median"),
+    "int8_dp": dict(compress="int8", weighting="uniform", dp_clip=0.05, dp_noise_multiplier=0.8, dp_delta=1e-3),
 }
 
 
@@ -41,7 +44,7 @@ def _scenario(rank, world):
     for case in CASES:
         sim = DistributedSimulation(config(case))
         res = sim.run()
-        got[case] = dict(x=sim.x_global.clone(), records=res.records)
+        got[case] = dict(x=sim.x_global.clone(), records=res.records, state=sim.client_state.state_dict())
     return got
 
 
@@ -51,7 +54,8 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_distributed_compressed_run_equals_one_process_bit_for_bit(ranks, case):
+def test_distributed_compressed_run_equals_one_process_bit_for_bit(ranks, case, one_thread):
+    """(one thread here, as each rank: the training's bits depend on the thread count)"""
     from fedopt_kernels.fl import Simulation
 
     sim = Simulation(config(case))
@@ -60,7 +64,7 @@ def test_distributed_compressed_run_equals_one_process_bit_for_bit(ranks, case):
     for r, got in enumerate(ranks):
         got = got[case]
         assert_bitwise(got["x"], sim.x_global, f"rank {r} global model")
-        assert len(got["records"]) == len(res.records) == BASE["rounds"] + 1
+        assert len(got["records"]) == len(res.records) == config(case).rounds + 1
         for mine, theirs in zip(got["records"][1:], res.records[1:]):
             mine, theirs = dict(mine), dict(theirs)
             for rec in (mine, theirs):
@@ -72,20 +76,11 @@ def test_distributed_compressed_run_equals_one_process_bit_for_bit(ranks, case):
             assert mine["bytes_up"] == len(mine["clients"]) * per_reply
             assert mine["bytes_up_fp32"] == len(mine["clients"]) * 4 * sim.numel
     assert all(rec["update_norm"] > 0 for rec in res.records[1:])  # the rounds moved the model
+    if "error_feedback" in case:  # every rank holds every residual, as one process does
+        want = sim.client_state.state_dict()["ef_residual"]
+        for r, got in enumerate(ranks):
+            mine = got[case]["state"]["ef_residual"]
+            assert torch.equal(mine["clients"], want["clients"]) and want["clients"].numel() > 0
+            assert_bitwise(mine["rows"], want["rows"], f"rank {r} residuals")
 
 
-@pytest.mark.parametrize("bad, match", [(dict(error_feedback=True), "error-feedback"),
-                                        (dict(aggregator="median"), "aggregator"),
-                                        (dict(dp_clip=1.0, weighting="uniform"), "dp-clip")])
-def test_what_is_not_supported_yet_is_refused_by_name(bad, match, tmp_path):
-    """Refused before any collective (a one-rank group here)."""
-    from fedopt_kernels.fl import SimulationConfig
-    from fedopt_kernels.fl.run.config import ConfigError
-    from fedopt_kernels.fl.run.distributed_simulation import DistributedSimulation
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        with pytest.raises(ConfigError, match=match):
-            DistributedSimulation(SimulationConfig(**{**BASE, "compress": "int8", **bad}))
-    finally:
-        dist.destroy_process_group()

@@ -31,7 +31,7 @@ def _simulation(**changes):
     return sim, per_round
 
 
-def _flower(sim, *, codec, error_feedback=False, tamper=None):
+def _flower(sim, *, codec, error_feedback=False, tamper=None, **concerns):
     """The simulator's federation through Flower's ``Strategy.start`` with compressed
     replies; ``tamper(reply_message)`` may break a reply on its way back.  Returns
     ``(strategy, per-round x_global, per-round metrics, the grid)``."""
@@ -64,7 +64,7 @@ def _flower(sim, *, codec, error_feedback=False, tamper=None):
     model = model_fn()
     strategy = fk.make_strategy(cfg.algo, model, **sim.server.hyper, fraction_evaluate=0.0,
                                 min_available_nodes=cfg.clients, min_train_nodes=cfg.clients, compress=codec,
-                                error_feedback=error_feedback, compress_seed=cfg.seed)
+                                error_feedback=error_feedback, compress_seed=cfg.seed, **concerns)
     xs = []
 
     def evaluate_fn(server_round, arrays):
@@ -133,6 +133,17 @@ def test_compressed_flower_round_equals_the_simulator_and_the_hand_loop(case):
             assert EF_STATE_KEY not in ctx.state
 
 
+def test_a_robust_rule_on_compressed_flower_replies_equals_the_simulator():
+    """Under a robust rule the strategy's decoder hands the rule the decoded rows, as the
+    simulator's does: the same model bit for bit, the rule's metrics alike."""
+    sim, sim_xs = _simulation(compress="int8", aggregator="trimmed-mean", trim_beta=0.25)
+    _, fl_xs, metrics, _ = _flower(sim, codec=sim.config.codec(), aggregator="trimmed-mean", trim_beta=0.25)
+    for a, b in zip(fl_xs, sim_xs):
+        assert torch.equal(a, b)
+    for m, rec in zip(metrics, sim.results.records[1:]):
+        assert m["bytes_up"] == rec["bytes_up"] and m["update_norm"] == pytest.approx(rec["update_norm"], rel=1e-6)
+
+
 def _break(kind):
     """A reply message's compressed arrays broken one way (the first reply of node 1)."""
     from fedopt_kernels.integrations.flower.records import array_view, tensors_to_arrayrecord
@@ -180,8 +191,18 @@ def _reply_message(spec, numel=1000, seed=0):
     return codec, Message(content=content, dst_node_id=1, message_type="train")
 
 
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Flower's process-wide run / task / node ids, which building a Message reads (set
+    as a grid sets them, restored after)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_task_id", 1), ("_node_id", 0)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
 @pytest.mark.parametrize("kind", sorted(REASONS))
-def test_each_malformed_compressed_reply_is_screened_with_its_reason(kind):
+def test_each_malformed_compressed_reply_is_screened_with_its_reason(kind, task_identity):
     """Screening (:func:`screen_train_replies` with the compressed reader's check), each
     reason alone on a reply that passes unbroken."""
     from fedopt_kernels.integrations.flower.compression import CompressedReader, CompressionConcern
@@ -235,3 +256,55 @@ def test_compression_is_refused_where_it_cannot_apply():
         fk.FedAvg(torch.nn.Linear(3, 2), compress="int8")
     with pytest.raises(ValueError, match="unbiased"):
         fk.FedAvg(torch.nn.Linear(3, 2), compress=parse_codec("int8", stochastic=True), error_feedback=True)
+
+
+def test_a_nonfinite_update_keeps_the_residual_and_its_reply_is_screened_out(task_identity):
+    """FedNARClient's encode: a NaN update leaves the node's residual as it was, and the
+    reply it sends (a NaN/Inf scale) is left out as ``bad_arrays``."""
+    from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+    from fedopt_kernels.integrations import flower as fk
+    from fedopt_kernels.integrations.flower.compression import (EF_STATE_KEY, CompressedReader, CompressionConcern,
+                                                                codec_spec)
+    from fedopt_kernels.integrations.flower.records import array_view
+    from fedopt_kernels.integrations.flower.screening import screen_train_replies
+    from fedopt_kernels.utils.flat import parameters_layout
+
+    codec = parse_codec("int8", block=64)
+    client = fk.FedNARClient(lambda c: torch.nn.Linear(3, 2), lambda c: None)
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    good = torch.randn(8)
+    client._encode(good, (codec, 5, True), 0, None, ctx)
+    before = array_view(ctx.state[EF_STATE_KEY]["residual"]).copy()
+    assert torch.equal(torch.from_numpy(before), good - codec.decode(codec.encode(good, 5, 0), 8, 5))
+    bad = good.clone()
+    bad[3] = float("nan")
+    arrays = client._encode(bad, (codec, 5, True), 0, None, ctx)
+    assert (array_view(ctx.state[EF_STATE_KEY]["residual"]) == before).all()
+    msg = Message(content=RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 3}),
+                                      "fedopt": ConfigRecord({"server-round": 1, "codec": codec_spec(codec)})}),
+                  dst_node_id=1, message_type="train")
+    msg.metadata.__dict__.update(_src_node_id=4)
+    layout = parameters_layout(torch.nn.Linear(3, 2))
+    reader = CompressedReader(None, CompressionConcern(codec), layout.numel)
+    out = screen_train_replies([msg], server_round=1, layout=layout, check=reader.check)
+    [(node, reason, detail)] = out.excluded
+    assert node == 4 and reason == "bad_arrays" and "NaN/Inf scale" in detail
+
+
+def test_the_wrapper_builds_the_keywords_concern():
+    """``Compression(strategy, codec, ...)`` attaches the same concern as ``compress=``: the
+    compressed reader, the round's decoder, the settings it sends."""
+    from fedopt_kernels.integrations import flower as fk
+    from fedopt_kernels.integrations.flower.compression import (CompressedReader, CompressionConcern,
+                                                                codec_config, codec_from_config)
+
+    codec = parse_codec("topk:0.1", rotation=64)
+    wrapped = fk.Compression(fk.FedAdam(torch.nn.Linear(3, 2), lr=0.1), codec, error_feedback=True, seed=7)
+    kw = fk.FedAdam(torch.nn.Linear(3, 2), lr=0.1, compress=codec, error_feedback=True, compress_seed=7)
+    for s in (wrapped, kw):
+        [concern] = [c for c in s.concerns if isinstance(c, CompressionConcern)]
+        assert isinstance(s.reader, CompressedReader) and s.round.decoder is concern.decoder
+        assert (concern.codec, concern.error_feedback, concern.seed) == (codec, True, 7)
+    # what the clients read back is the codec the strategy decided
+    assert codec_from_config(codec_config(codec, 123, True)) == (codec, 123, True)

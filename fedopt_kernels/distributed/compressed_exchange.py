@@ -11,8 +11,9 @@ clients it left out, with their reasons), then one padded all-gather per array
 model of ``numel`` values (``wire_numel`` codes, ``ceil(wire_numel / block)`` scales,
 ``k = topk_count(wire_numel, fraction)`` values and indices), and only screened replies
 travel, so the rows stack.  Each rank then forms the same round from the same replies
-in the same order: the fused decode-aggregate on every rank, bit for bit the
-single-process round (``ordered``), with no reduction between ranks.
+in the same order -- the fused decode-aggregate, or the decoded rows under a robust rule
+or DP -- with the server optimizer's own step: bit for bit the single-process round, with
+no reduction between ranks.
 
 Bytes between ranks: each rank receives the other ranks' replies, ``(W - 1) / W`` of the
 round's ``bytes_up`` each, padded to the largest rank's count.

@@ -129,14 +129,9 @@ class DistributedServerOptimizer:
     keeps_buffers = False
     weights_are_a_share = True  # this rank's clients' weights: "not all zero" holds for the union
 
-    def round(self, updates, weights=None, *, aggregator=None) -> ServerRoundStats:
+    def round(self, updates, weights=None) -> ServerRoundStats:
         """One round of :mod:`fedopt_kernels.server.round` over every rank's clients
-        (collective): :meth:`step`, and its statistics by their record names.  With an
-        ``aggregator`` of the round's own (compressed replies, already all-gathered to
-        every rank: :mod:`.compressed_exchange`) every rank runs the wrapped optimizer's
-        single-process round on them, with no collective."""
-        if aggregator is not None:
-            return self.optimizer.round(updates, weights, aggregator=aggregator)
+        (collective): :meth:`step`, and its statistics by their record names."""
         return self.optimizer.round_stats(self.step(updates, weights))
 
     @torch.no_grad()

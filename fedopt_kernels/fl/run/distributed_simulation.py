@@ -19,7 +19,8 @@ as one process, with each round's clients trained on W ranks at once:
   rank 0 over the gathered rows, its result broadcast; DP with each rank clipping its
   own clients, one distributed sum and the noise drawn once -- both the
   single-process round bit for bit, so ``dp_epsilon`` and ``robust_selected`` are
-  recorded alike.  Client-side clipping and the attacks other than ``alie`` are each
+  recorded alike (with ``--compress`` both run on every rank on the all-gathered
+  replies: :meth:`DistributedSimulation._compressed_replies`).  Client-side clipping and the attacks other than ``alie`` are each
   client's own and run on its rank (the attackers are a function of the seed, so every
   rank records all of a round's); ``alie``'s attackers send statistics of every
   client's update, which no rank holds, and it is refused;
@@ -103,14 +104,11 @@ class DistributedSimulation(Simulation):
             raise ConfigError("attack alie is not supported with --distributed: its attackers send the mean and std "
                               "of every client's update of the round, which no rank holds (the other attacks, "
                               "robust rules and DP are)")
-        if config.compress != "none" and (config.error_feedback or config.aggregator != "mean"
-                                          or config.dp_clip is not None):  # (issue 42: not written yet)
-            raise ConfigError("compress with --distributed takes the weighted mean alone: error-feedback (a client's "
-                              "residual would have to follow it between ranks), aggregator and dp-clip are not "
-                              "supported with it yet")
         self._check_same_config(config)
         super().__init__(config, **kwargs)
-        if self.server.server.takes == "updates":  # the round's weights (capped once, over the round) stay its own
+        # the round's weights (capped once, over the round) stay its own; compressed replies are all-gathered to
+        # every rank (_compressed_replies), where the optimizer's own step -- its rule, DP included -- runs as one process's
+        if self.server.server.takes == "updates" and self.compression is None:
             self.server.server = DistributedServerOptimizer(self.server.server, group, mode=mode,
                                                             on_bad_client=config.on_bad_client)
         self._log_exclusions = self.rank == 0
@@ -244,6 +242,8 @@ class DistributedSimulation(Simulation):
         if self.attack is not None:
             self.attack.apply_(rows, mine, r)
         replies, nonfinite = self.compression.encode(rows, mine, r)
+        if self.compression.ef is not None:
+            self._share_residuals([cid for cid, _ in replies])
         good, malformed = self.compression.screen(replies)
         self._compressed_fold = all_gather_replies(good, nonfinite + malformed, self.compression.codec, self.numel,
                                                    self.group, device=self.device)
@@ -251,6 +251,25 @@ class DistributedSimulation(Simulation):
         if self.attack is not None:
             extra["attacked_clients"] = self.attack.round_attackers(kept)[1]
         return out, extra
+
+    def _share_residuals(self, encoded: List[int]) -> None:
+        """Error feedback: the residuals this rank's clients just left (``encoded``) on
+        every rank, so that whichever rank trains a client next holds its residual, and
+        every rank's store -- rank 0's checkpoint -- is one process's.  Dense fp32 rows
+        (``N`` values per encoded client) travel between ranks: the price of a client that
+        moves between ranks from round to round."""
+        ef = self.compression.ef
+        every: List[list] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(every, list(encoded), group=comm.object_group(self.group))
+        counts = tuple(len(part) for part in every)
+        if not sum(counts):
+            return
+        plan = Plan(rank=self.rank, world=self.world_size, counts=counts, N=self.numel, extras=())
+        local = (torch.stack([ef.residual(c) for c in encoded]) if encoded
+                 else torch.empty(0, self.numel, dtype=torch.float32, device=self.device))
+        rows = comm.gather_rows(local, plan, self.group)
+        for cid, row in zip([c for part in every for c in part], rows):
+            ef.store.put(ef.name, cid, row)
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:

@@ -9,7 +9,8 @@ Flower's Message API (``flwr.serverapp.strategy``, ``ServerApp`` / ``ClientApp``
   :class:`FedYogi`, :class:`FedAdagrad`, :class:`FedExP`, :class:`ASNES`,
   :class:`FedLAW` (server-side proxy set), or :func:`make_strategy` by name; the
   concerns that compose around one, as Flower's DP wrappers do: :class:`Scaffold`,
-  :class:`RobustAggregation`, :class:`DifferentialPrivacy`.  Their ``aggregate_train``
+  :class:`RobustAggregation`, :class:`DifferentialPrivacy`, :class:`Compression`
+  (compressed updates, decoded inside the aggregation: :mod:`.compression`).  Their ``aggregate_train``
   hands the clients' ArrayRecords to the server round of :mod:`fedopt_kernels.server`
   (:class:`~fedopt_kernels.server.ServerRound`): on a CPU server it reads
   the replies' arrays in place (``read_in_place=True``, the default:

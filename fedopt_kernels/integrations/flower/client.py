@@ -289,8 +289,9 @@ class FedNARClient:
     def _encode(self, update: torch.Tensor, coded, cid: int, backend, context: Context) -> ArrayRecord:
         """The compressed reply's arrays for ``update`` (:mod:`.compression`); with error
         feedback ``a = e + D`` is encoded and ``e <- a - decode(C(a))`` kept in the
-        context's state.  A non-finite update keeps the residual (the server leaves the
-        reply out: a NaN/Inf scale, or the step's ``nonfinite``)."""
+        context's state.  A non-finite update keeps the residual; its reply holds a
+        NaN/Inf scale (top-k: a NaN/Inf value), which the server's screening leaves out
+        as ``bad_arrays`` (the simulator, which sees the update itself, says ``nonfinite``)."""
         codec, key, error_feedback = coded
         a = update.reshape(-1).to(torch.float32)
         if error_feedback and EF_STATE_KEY in context.state:

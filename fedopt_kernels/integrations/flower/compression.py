@@ -119,37 +119,31 @@ class CompressedReader:
 
     def __init__(self, reader, concern: "CompressionConcern", numel: int):
         self.reader, self.concern, self.numel = reader, concern, int(numel)
-        self._names: dict = {}  # id(record) -> the codec a reply said it used (from check)
 
     def __getattr__(self, name):
-        if name in ("reader", "concern", "numel", "_names"):
+        if name in ("reader", "concern", "numel"):
             raise AttributeError(name)
         return getattr(self.reader, name)
 
-    def _reply(self, record: ArrayRecord, name: Optional[str]) -> CompressedUpdate:
+    def _reply(self, record: ArrayRecord) -> CompressedUpdate:
         codec = self.concern.codec
-        name = codec.name if name is None else name
-        if name not in ("int8", "int4", "fp8", "topk"):
-            raise ValueError(f"unknown codec {name!r}")
-        return _reply_from_arrayrecord(record, name, codec, codec.wire_numel(self.numel))
+        return _reply_from_arrayrecord(record, codec.name, codec, codec.wire_numel(self.numel))
 
     def check(self, msg: Message, record: ArrayRecord) -> Optional[str]:
         """Why ``msg``'s compressed ``record`` cannot be aggregated, or None."""
-        name = None
+        codec = self.concern.codec
         for rec in msg.content.config_records.values():
-            if CODEC_KEY in rec:
-                name = str(rec[CODEC_KEY]).partition(":")[0]
+            if CODEC_KEY in rec and str(rec[CODEC_KEY]) != codec_spec(codec):
+                return f"codec {rec[CODEC_KEY]!r} does not match the round's {codec_spec(codec)!r}"
         try:
-            reply = self._reply(record, name)
+            reply = self._reply(record)
         except (ValueError, TypeError, KeyError) as exc:
             return str(exc)
-        self._names[id(record)] = name
-        return self.concern.codec.check(reply, self.numel)
+        return codec.check(reply, self.numel)
 
     def results(self, records: List[ArrayRecord], names: List[str], updates: bool) -> CompressedReplies:
-        replies = [self._reply(r, self._names.pop(id(r), None)) for r in records]
-        self._names.clear()
-        return CompressedReplies(replies, self.concern.codec, self.numel, self.concern.key)
+        """The screened replies as the round's results (views of their bytes)."""
+        return CompressedReplies([self._reply(r) for r in records], self.concern.codec, self.numel, self.concern.key)
 
     def buffers(self, records: List[ArrayRecord]) -> None:
         return None  # a compressed reply carries no buffers: the server keeps its own

@@ -126,6 +126,9 @@ class _Launcher:
                         if target is not None and target is not s:  # (a table passed twice: once)
                             relocs[(s.name, first + i)] = (s, first + i, target)
                             tables.add(s.name)
+                        # a host address of a storage not given (sizes and flags are small)
+                        assert target is not None or not 1 << 32 <= w < 1 << 56, \
+                            f"{fn.__name__}: {n} holds an address outside the given tensors"
             else:
                 ann = str(params[n].annotation).replace("'", "")
                 ty, arg = SCALAR[ann]  # KeyError: a scalar parameter without an annotation

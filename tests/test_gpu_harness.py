@@ -971,3 +971,60 @@ def test_triton_coordinate_select_compiled(run, dtype):
             fin = torch.isfinite(out) & torch.isfinite(interp)
             excess = (out.double() - interp.double()).abs()[fin] - tol[fin]
             assert float(excess.max()) <= 0, float(excess.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton_tables_variants_compiled(run, dtype):
+    """The other compiled variants of the table-driven kernels: the list aggregation with
+    DP noise (std a tensor, a 63-bit key: the noiseless compiled sum in the acc dtype plus
+    python_ref's noise, rounded once, bit for bit, the norms unchanged) and with skip
+    (out untouched, zero norms); server_update_ with lr and gamma as tensors (the bits of
+    the same floats) and with skip (nothing written); nar_step_ over a list with a grad
+    scale read on the device (mode grad, against python_ref) and with found_inf (skipped,
+    nothing written)."""
+    from fedopt_kernels.backends.hyper import split
+
+    acc = acc_of(dtype)
+    C, N = 5, 4099
+    X = randn((C, N), dtype, 51)
+    clients = [X[i].clone() for i in range(C)]
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.75], dtype=acc)
+    key, std = (1 << 63) - 1, torch.tensor(0.6, dtype=acc)
+    n, sx, sd = 4100, randn((4100,), dtype, 52), randn((4100,), acc, 53, 0.3)
+    h = SERVER_HYPER
+    flat = nar_list_inputs(dtype, seed=5)
+    gs = torch.tensor(4.0, dtype=acc)
+    args = (0.1, NAR_HYPER["weight_decay"], NAR_HYPER["max_norm"], 1, 0.9)
+    ref = [t.clone() for t in flat]
+    st = REF.nar_step_(views(ref[0]), views(ref[1]), views(ref[2]), *args, gs, None)
+    for arch in triton_archs(run):
+        plain, noisy = torch.full((N,), 7.0, dtype=acc), torch.full((N,), 7.0, dtype=dtype)
+        skipped = torch.full((N,), 7.0, dtype=dtype)
+        fx, tx, kx = sx.clone(), sx.clone(), sx.clone()
+        got, held = [t.clone() for t in flat], [t.clone() for t in flat]
+        with _on_harness(run, arch, [*clients, *got, *held, fx, tx, kx, sd]) as log:
+            q0, Q0 = TRI.module.aggregate(clients, w, 0.9, None, plain, None)
+            q, Q = TRI.module.aggregate(clients, w, 0.9, None, noisy, None, key, *split(std))
+            qs, Qs = TRI.module.aggregate(clients, w, 0.9, None, skipped, torch.tensor(True))
+            TRI.server_update_([fx], [sd], [], [], 0, h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], False,
+                               None)
+            TRI.server_update_([tx], [sd], [], [], 0, torch.tensor(h["lr"], dtype=acc),
+                               torch.tensor(h["gamma"], dtype=acc), h["beta1"], h["beta2"], h["tau"], False, None)
+            TRI.server_update_([kx], [sd], [], [], 0, h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], False,
+                               torch.tensor(True))
+            gst = TRI.nar_step_(views(got[0]), views(got[1]), views(got[2]), *args, gs, None)
+            fst = TRI.nar_step_(views(held[0]), views(held[1]), views(held[2]), *args, None, torch.tensor(1.0))
+        assert len(log) == 3 * 2 + 3 + 2 * 2, log
+        want = (plain + std * noise_ref.noise(key, N).to(acc)).to(dtype)
+        assert_bitwise(noisy, want, f"sm_{arch} aggregate with noise")
+        assert_bitwise([q, Q], [q0, Q0], "norms with and without the noise")
+        assert_bitwise(skipped, torch.full((N,), 7.0, dtype=dtype), "skip: out untouched")
+        assert_bitwise([qs, Qs], [torch.zeros(C, dtype=acc), torch.zeros((), dtype=acc)], "skip: zero norms")
+        assert_bitwise(tx, fx, f"sm_{arch} tensor vs float lr and gamma")
+        assert not torch.equal(fx, sx)
+        assert_bitwise(kx, sx, "server update skipped")
+        assert_values_close(GPU, got[0], ref[0])
+        assert_values_close(GPU, got[2], ref[2])
+        assert_stats_close(GPU, _stats(gst), _stats(st), dtype)
+        assert bool(fst[2])
+        assert_bitwise(held, flat, "found_inf: nothing written")

@@ -973,7 +973,7 @@ def test_triton_coordinate_select_compiled(run, dtype):
             assert float(excess.max()) <= 0, float(excess.max())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_tables_variants_compiled(run, dtype):
     """The other compiled variants of the table-driven kernels: the list aggregation with
     DP noise (std a tensor, a 63-bit key: the noiseless compiled sum in the acc dtype plus

@@ -159,11 +159,11 @@ class Runner:
         self.seconds = 0.0
 
     def run(self, keys: dict, inputs: dict, outputs: dict, args: list | None = None, files: dict | None = None,
-            arrays: list | None = None):
+            arrays: list | None = None, relocs: list | None = None):
         """Runs one case.  ``keys``: case.txt entries (lists become space-separated);
         ``inputs``: name -> CPU tensor (written raw); ``outputs``: name -> (dtype, shape)
-        to read back; ``arrays`` and ``args``: the triton family's ``array`` and ``arg``
-        lines; ``files``: name -> bytes put in the case directory.  Returns name ->
+        to read back; ``arrays``, ``args`` and ``relocs``: the triton family's ``array``,
+        ``arg`` and ``reloc`` lines; ``files``: name -> bytes put in the case directory.  Returns name ->
         tensor."""
         self.count += 1
         d = self.root / f"case{self.count:04d}"
@@ -178,6 +178,8 @@ class Runner:
             lines.append("array " + " ".join(_fmt(x) for x in a))
         for a in args or []:
             lines.append("arg " + " ".join(_fmt(x) for x in a))
+        for a in relocs or []:
+            lines.append("reloc " + " ".join(_fmt(x) for x in a))
         (d / "case.txt").write_text("\n".join(lines) + "\n")
         for name, t in inputs.items():
             t = t.detach().cpu().contiguous()

@@ -749,3 +749,282 @@ def test_triton_aggregate_compiled(run, dtype):
 
 
 TRITON_TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+# ----------------------------------------------------------------------------- compiled Triton, table-driven
+#
+# The Triton backend's own wrappers (their chunk and client tables built by _tables.py,
+# their launch configurations, dummies and follow-up launches) with every kernel
+# compiled for the device and run by the harness, the tables' host addresses replaced by
+# device addresses (tests/_triton_on_harness.py says how).  Each result is held to
+# python_ref under the CUDA rules, bit for bit where the contract promises bits, and
+# against the interpreter's run of the same wrapper in ulps (reported).
+
+def _ulps_report(what, got, interp):
+    """The largest |compiled - interpreter| in ulps over the elements finite in both
+    (NaNs in the same places), written to FEDOPT_HARNESS_REPORT."""
+    got, interp = got.reshape(-1), interp.reshape(-1)
+    assert torch.equal(torch.isnan(got), torch.isnan(interp)), what
+    fin = torch.isfinite(got) & torch.isfinite(interp)
+    diff = ulps(got[fin], interp[fin]) if bool(fin.any()) else torch.zeros(1, dtype=torch.long)
+    worst, differ = int(diff.max()), int((diff > 0).sum())
+    report = os.environ.get("FEDOPT_HARNESS_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(f"{what}: compiled vs interpreter: max {worst} ulp, {differ} of {got.numel()} differ\n")
+    return worst
+
+
+def _on_harness(run, arch, tensors):
+    from _triton_on_harness import on_harness
+
+    return on_harness(run, arch, aot, tensors)
+
+
+TRI = Backend("triton", CPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_tables_nar_list_compiled(run, dtype, monkeypatch):
+    """nar_step_ over a list (one group of 7 chunks from the chunk table: views at odd
+    offsets, an empty tensor, a single element, masked tails; the gaps between the
+    views untouched) compiled: nar_norm_kernel + nar_update_kernel against python_ref;
+    with the group-sum pass forced (group_sum_kernel, FINALIZED) and as nar_sq_norm +
+    nar_apply_, bit for bit the plain step (the contract of every backend); each against
+    the interpreter in ulps."""
+    flat = nar_list_inputs(dtype)
+    ref = [t.clone() for t in flat]
+    args = (0.1, NAR_HYPER["weight_decay"], NAR_HYPER["max_norm"], 0, 0.9, None, None)
+    st = REF.nar_step_(views(ref[0]), views(ref[1]), views(ref[2]), *args)
+    interp = [t.clone() for t in flat]
+    ist = TRI.nar_step_(views(interp[0]), views(interp[1]), views(interp[2]), *args)
+    for arch in triton_archs(run):
+        got = [t.clone() for t in flat]
+        with _on_harness(run, arch, got) as log:
+            gst = TRI.nar_step_(views(got[0]), views(got[1]), views(got[2]), *args)
+        assert [k for k, _, _ in log] == ["nar_norm_kernel", "nar_update_kernel"], log
+        assert all(r == 7 * 3 for _, _, r in log), log  # 7 chunk rows of x, g, b addresses
+        assert_values_close(GPU, got[0], ref[0])
+        assert_values_close(GPU, got[2], ref[2])
+        assert_stats_close(GPU, _stats(gst), _stats(st), dtype)
+        assert_bitwise([got[1]], [flat[1]], "g untouched")
+        # The compiled update contracts b = mu b + (s g + wd x) and x - lr b into FMAs (the
+        # contract allows it on a GPU; the interpreter rounds every numpy op), so the two
+        # differ by rounding errors of the terms, not of the result: within 4 eps(acc) of
+        # them plus 1 ulp of the dtype (many ulps of a result that cancels to near 0).
+        acc = acc_of(dtype)
+        x0, g0, b0 = (t.to(acc).abs() for t in flat)
+        s = float(gst[1])
+        terms_b = 0.9 * b0 + s * g0 + NAR_HYPER["weight_decay"] * x0
+        for k, what, terms in ((0, "x", x0 + 0.1 * terms_b), (2, "b", terms_b)):
+            _ulps_report(f"nar_step_ list {what} {dtype} sm_{arch}", got[k], interp[k])
+            tol = 4 * torch.finfo(acc).eps * terms.double() + ulp(interp[k], dtype)
+            excess = (got[k].double() - interp[k].double()).abs() - tol
+            assert float(excess.max()) <= 0, (what, float(excess.max()))
+        _ulps_report(f"nar_step_ list norm {dtype} sm_{arch}", gst[0], ist[0])
+
+        monkeypatch.setenv("FEDOPT_MAX_REDUNDANT_PARTIALS", "0")
+        fin = [t.clone() for t in flat]
+        with _on_harness(run, arch, fin) as log:
+            fst = TRI.nar_step_(views(fin[0]), views(fin[1]), views(fin[2]), *args)
+        monkeypatch.delenv("FEDOPT_MAX_REDUNDANT_PARTIALS")
+        assert [k for k, _, _ in log] == ["nar_norm_kernel", "group_sum_kernel", "nar_update_kernel"], log
+        assert_bitwise([fin[0], fin[2], fst[0], fst[1]], [got[0], got[2], gst[0], gst[1]],
+                       f"sm_{arch} group-sum pass vs redundant combine")
+
+        two = [t.clone() for t in flat]
+        with _on_harness(run, arch, two) as log:
+            sq = TRI.nar_sq_norm(views(two[0]), views(two[1]), NAR_HYPER["weight_decay"], 0, None)
+            ast = TRI.nar_apply_(views(two[0]), views(two[1]), views(two[2]), sq, *args[:2], *args[2:])
+        assert [k for k, _, _ in log] == ["nar_norm_kernel", "group_sum_kernel", "nar_update_kernel"], log
+        assert_norms_close(GPU, sq, REF.nar_sq_norm(views(flat[0]), views(flat[1]), NAR_HYPER["weight_decay"], 0,
+                                                    None), dtype)
+        assert_bitwise([two[0], two[2], ast[0], ast[1]], [got[0], got[2], gst[0], gst[1]],
+                       f"sm_{arch} nar_apply_(nar_sq_norm) vs nar_step_")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_tables_server_update_compiled(run, dtype):
+    """server_update_ over a list (the 4-pointer chunk table: x, D, exp_avg, exp_avg_sq)
+    compiled, every rule, tensors alternately at 16-byte aligned and odd offsets (both
+    bodies in one launch): bit for bit the exact oracle (each op rounded once; the
+    wrapper compiles it without FMA contraction), hence the interpreter."""
+    acc = acc_of(dtype)
+    step_x = 16 // torch.empty((), dtype=dtype).element_size()
+    step_d = 16 // torch.empty((), dtype=acc).element_size()
+    offs, doffs, o, od = [], [], 0, 0
+    for k, n in enumerate(SERVER_SIZES):
+        if k % 2 == 0:
+            o, od = -(-o // step_x) * step_x, -(-od // step_d) * step_d
+        offs.append(o)
+        doffs.append(od)
+        o, od = o + n + 1, od + n + 1
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(o + 1, generator=g, dtype=torch.float64).to(dtype)
+    d = (torch.randn(od + 1, generator=g, dtype=torch.float64) * 0.3).to(acc)
+    m = (torch.randn(o + 1, generator=g, dtype=torch.float64) * 0.1).to(dtype)
+    v = (torch.rand(o + 1, generator=g, dtype=torch.float64) * 0.05 + 1e-4).to(dtype)
+    d[3::11] = 0.5
+    v[3::11] = 0.25
+
+    def vs(t, oo):
+        return [t[a:a + n] for a, n in zip(oo, SERVER_SIZES)]
+
+    h = SERVER_HYPER
+    for rule, (code, nesterov) in SERVER_RULES.items():
+        want = {"x": x.clone(), "m": m.clone(), "v": v.clone()}
+        for o_, od_, n in zip(offs, doffs, SERVER_SIZES):
+            xs, ms, vv = (t[o_:o_ + n].to(acc) for t in (x, m, v))
+            nx, nm, nv = server_update_exact(code, nesterov, xs, d[od_:od_ + n], ms if code >= 1 else None,
+                                             vv if code >= 2 else None, **h)
+            want["x"][o_:o_ + n] = nx.to(dtype)
+            if code >= 1:
+                want["m"][o_:o_ + n] = nm.to(dtype)
+            if code >= 2:
+                want["v"][o_:o_ + n] = nv.to(dtype)
+        interp = [x.clone(), m.clone(), v.clone()]
+        TRI.server_update_(vs(interp[0], offs), vs(d, doffs), vs(interp[1], offs), vs(interp[2], offs), code,
+                           h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], nesterov, None)
+        assert_bitwise(interp, [want["x"], want["m"], want["v"]], f"{rule} interpreter", nan_ok=True)
+        for arch in triton_archs(run):
+            got = [x.clone(), m.clone(), v.clone()]
+            with _on_harness(run, arch, [*got, d]) as log:
+                TRI.server_update_(vs(got[0], offs), vs(d, doffs), vs(got[1], offs), vs(got[2], offs), code,
+                                   h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], nesterov, None)
+            assert [k for k, _, _ in log] == ["server_update_kernel"], log
+            assert_bitwise(got, [want["x"], want["m"], want["v"]], f"{rule} {dtype} sm_{arch}", nan_ok=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_tables_clients_compiled(run, dtype):
+    """A list of clients (the client table: addresses and alignment flags, clients at
+    odd offsets and aligned ones) compiled: aggregate_kernel + row_sum_kernel (out, the
+    norms) and client_dots_kernel + row_sum_kernel, against python_ref under the CUDA
+    rules and against the interpreter in ulps; 4099 columns (two tiles, a masked tail)."""
+    acc = acc_of(dtype)
+    C, N = 5, 4099
+    buf = randn((C * (N + 1) + 1,), dtype, 41)
+    clients = [buf[1 + i * (N + 1):1 + i * (N + 1) + N] if i % 2 else buf[i * (N + 1):i * (N + 1) + N]
+               for i in range(C)]
+    clients[3] = randn((N,), dtype, 42)  # its own allocation
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.75], dtype=acc)
+    g = randn((N,), dtype, 43)
+    want = torch.full((N,), 7.0, dtype=dtype)
+    q, Q = REF.aggregate(clients, w, 0.9, want, None)
+    interp = torch.full((N,), 7.0, dtype=dtype)
+    iq, _ = TRI.aggregate(clients, w, 0.9, interp, None)
+    dots_ref, idots = REF.client_dots(clients, g), TRI.client_dots(clients, g)
+    for arch in triton_archs(run):
+        out = torch.full((N,), 7.0, dtype=dtype)
+        with _on_harness(run, arch, [buf, clients[3]]) as log:
+            gq, gQ = TRI.aggregate(clients, w, 0.9, out, None)
+            dots = TRI.client_dots(clients, g)
+        assert [k for k, _, _ in log] == ["aggregate_kernel", "row_sum_kernel", "client_dots_kernel",
+                                          "row_sum_kernel"], log
+        assert log[0][2] == C and log[2][2] == C, log  # one address per client
+        assert_values_close(GPU, out, want)
+        assert_norms_close(GPU, gq, q, dtype)
+        assert_norms_close(GPU, gQ, Q, dtype)
+        assert_norms_close(GPU, dots, dots_ref, dtype, atol=1e-5 * float(N) ** 0.5)
+        _ulps_report(f"aggregate list out {dtype} sm_{arch}", out, interp)
+        _ulps_report(f"aggregate list q {dtype} sm_{arch}", gq, iq)
+        _ulps_report(f"client_dots list {dtype} sm_{arch}", dots, idots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_coordinate_select_compiled(run, dtype):
+    """coordinate_select (trimmed mean and closest-to-median mean of the kept clients,
+    a left-out client's Inf and NaN, kept NaNs ordered after +inf) compiled, 5 clients
+    (the 32-slot tile) and 40 (128): flags equal and out against python_ref under the
+    CUDA rules; against the interpreter in ulps.  (On GPGPU-Sim it needed
+    ``redux.sync.max.s32`` and ``setp`` on .f16/.bf16, added beside the project.)"""
+    acc = acc_of(dtype)
+    for C, N, count, mode in ((5, 300, 1, 0), (40, 130, 7, 1)):
+        X = randn((C, N), dtype, C)
+        keep = torch.ones(C, dtype=torch.bool)
+        keep[2] = False
+        X[2, 10] = float("inf")
+        X[3, 20] = float("nan")
+        X[0, 21] = X[4, 21] = float("nan")
+        X[1, 22] = float("nan")
+        X[4, 22] = float("inf")
+        X[2, 23] = float("nan")
+        count_t = torch.tensor([count])
+        want = torch.full((N,), 7.0, dtype=acc)
+        flags = reference_backend.coordinate_select(X, keep, count_t, mode, want, None)
+        interp = torch.full((N,), 7.0, dtype=acc)
+        iflags = TRI.coordinate_select(X, keep, count_t, mode, interp, None)
+        assert torch.equal(iflags, flags)
+        for arch in triton_archs(run):
+            out = torch.full((N,), 7.0, dtype=acc)
+            with _on_harness(run, arch, []) as log:
+                got_flags = TRI.coordinate_select(X, keep, count_t, mode, out, None)
+            assert [k for k, _, _ in log] == ["coordinate_select_kernel"], log
+            assert torch.equal(got_flags, flags), (got_flags, flags)
+            assert_values_close(GPU, out, want)
+            _ulps_report(f"coordinate_select C={C} mode={mode} {dtype} sm_{arch}", out, interp)
+            # the selected values' sum is tl.sum's tree compiled and numpy's order
+            # interpreted: apart by rounding errors of the terms, at most max |x| of the
+            # column's kept values each (many ulps of a mean near 0)
+            kept = torch.where(keep[:, None] & torch.isfinite(X), X.double().abs(), 0.0).amax(0)
+            tol = 4 * torch.finfo(acc).eps * kept + ulp(interp, acc)
+            fin = torch.isfinite(out) & torch.isfinite(interp)
+            excess = (out.double() - interp.double()).abs()[fin] - tol[fin]
+            assert float(excess.max()) <= 0, float(excess.max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_tables_variants_compiled(run, dtype):
+    """The other compiled variants of the table-driven kernels: the list aggregation with
+    DP noise (std a tensor, a 63-bit key: the noiseless compiled sum in the acc dtype plus
+    python_ref's noise, rounded once, bit for bit, the norms unchanged) and with skip
+    (out untouched, zero norms); server_update_ with lr and gamma as tensors (the bits of
+    the same floats) and with skip (nothing written); nar_step_ over a list with a grad
+    scale read on the device (mode grad, against python_ref) and with found_inf (skipped,
+    nothing written)."""
+    from fedopt_kernels.backends.hyper import split
+
+    acc = acc_of(dtype)
+    C, N = 5, 4099
+    X = randn((C, N), dtype, 51)
+    clients = [X[i].clone() for i in range(C)]
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.75], dtype=acc)
+    key, std = (1 << 63) - 1, torch.tensor(0.6, dtype=acc)
+    n, sx, sd = 4100, randn((4100,), dtype, 52), randn((4100,), acc, 53, 0.3)
+    h = SERVER_HYPER
+    flat = nar_list_inputs(dtype, seed=5)
+    gs = torch.tensor(4.0, dtype=acc)
+    args = (0.1, NAR_HYPER["weight_decay"], NAR_HYPER["max_norm"], 1, 0.9)
+    ref = [t.clone() for t in flat]
+    st = REF.nar_step_(views(ref[0]), views(ref[1]), views(ref[2]), *args, gs, None)
+    for arch in triton_archs(run):
+        plain, noisy = torch.full((N,), 7.0, dtype=acc), torch.full((N,), 7.0, dtype=dtype)
+        skipped = torch.full((N,), 7.0, dtype=dtype)
+        fx, tx, kx = sx.clone(), sx.clone(), sx.clone()
+        got, held = [t.clone() for t in flat], [t.clone() for t in flat]
+        with _on_harness(run, arch, [*clients, *got, *held, fx, tx, kx, sd]) as log:
+            q0, Q0 = TRI.module.aggregate(clients, w, 0.9, None, plain, None)
+            q, Q = TRI.module.aggregate(clients, w, 0.9, None, noisy, None, key, *split(std))
+            qs, Qs = TRI.module.aggregate(clients, w, 0.9, None, skipped, torch.tensor(True))
+            TRI.server_update_([fx], [sd], [], [], 0, h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], False,
+                               None)
+            TRI.server_update_([tx], [sd], [], [], 0, torch.tensor(h["lr"], dtype=acc),
+                               torch.tensor(h["gamma"], dtype=acc), h["beta1"], h["beta2"], h["tau"], False, None)
+            TRI.server_update_([kx], [sd], [], [], 0, h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], False,
+                               torch.tensor(True))
+            gst = TRI.nar_step_(views(got[0]), views(got[1]), views(got[2]), *args, gs, None)
+            fst = TRI.nar_step_(views(held[0]), views(held[1]), views(held[2]), *args, None, torch.tensor(1.0))
+        assert len(log) == 3 * 2 + 3 + 2 * 2, log
+        want = (plain + std * noise_ref.noise(key, N).to(acc)).to(dtype)
+        assert_bitwise(noisy, want, f"sm_{arch} aggregate with noise")
+        assert_bitwise([q, Q], [q0, Q0], "norms with and without the noise")
+        assert_bitwise(skipped, torch.full((N,), 7.0, dtype=dtype), "skip: out untouched")
+        assert_bitwise([qs, Qs], [torch.zeros(C, dtype=acc), torch.zeros((), dtype=acc)], "skip: zero norms")
+        assert_bitwise(tx, fx, f"sm_{arch} tensor vs float lr and gamma")
+        assert not torch.equal(fx, sx)
+        assert_bitwise(kx, sx, "server update skipped")
+        assert_values_close(GPU, got[0], ref[0])
+        assert_values_close(GPU, got[2], ref[2])
+        assert_stats_close(GPU, _stats(gst), _stats(st), dtype)
+        assert bool(fst[2])
+        assert_bitwise(held, flat, "found_inf: nothing written")

@@ -88,6 +88,8 @@ class Case {
         args_.push_back(vals);
       else if (key == "array")
         arrays_.push_back(vals);
+      else if (key == "reloc")
+        relocs_.push_back(vals);
       else
         kv_[key] = vals;
     }
@@ -114,6 +116,7 @@ class Case {
   }
   const std::vector<std::vector<std::string>>& args() const { return args_; }
   const std::vector<std::vector<std::string>>& arrays() const { return arrays_; }
+  const std::vector<std::vector<std::string>>& relocs() const { return relocs_; }
   const std::string& dir() const { return dir_; }
 
   bool has_input(const std::string& name) const {
@@ -147,7 +150,7 @@ class Case {
  private:
   std::string dir_;
   std::map<std::string, std::vector<std::string>> kv_;
-  std::vector<std::vector<std::string>> args_, arrays_;
+  std::vector<std::vector<std::string>> args_, arrays_, relocs_;
 };
 
 // ------------------------------------------------------------------------- device arrays
@@ -700,13 +703,38 @@ struct Driver {
   }
 };
 
+// Device addresses in a table (the table-driven Triton kernels read per-tensor pointer
+// and size tables, backends/_chunks.py's rows and _tables.py's client table): each
+// `reloc TABLE WORD TARGET` line adds the device address of array TARGET to the int64
+// word WORD of array TABLE, whose file holds the byte offset into TARGET there; the
+// patched table is then uploaded again.  The writer builds the table with the same
+// code as the backend, from host addresses, and says which words are addresses.
+void relocate_tables(const Case& c, const std::map<std::string, DevArray*>& arrays) {
+  std::map<std::string, std::vector<char>> tables;
+  for (const auto& r : c.relocs()) {
+    if (r.size() != 3 || !arrays.count(r[0]) || !arrays.count(r[2]))
+      throw CaseError("reloc TABLE WORD TARGET: both arrays declared");
+    auto it = tables.find(r[0]);
+    if (it == tables.end()) it = tables.emplace(r[0], c.input(r[0])).first;
+    std::vector<char>& host = it->second;
+    const int64_t word = Case::parse_i64(r[1], "reloc");
+    if (word < 0 || static_cast<size_t>(word + 1) * 8 > host.size()) throw CaseError("reloc word outside " + r[0]);
+    int64_t v = 0;
+    std::memcpy(&v, host.data() + word * 8, 8);
+    v += addr(*arrays.at(r[2]));
+    std::memcpy(host.data() + word * 8, &v, 8);
+  }
+  for (auto& [name, host] : tables) arrays.at(name)->upload(host);
+}
+
 // `module FILE` (PTX text, relative to the case), `name`, `grid gx gy gz`, `block
 // threads`, `shared bytes`; `array NAME BYTES [PAD [out]]` lines declare the device
 // arrays (in_NAME.bin, at PAD bytes of misalignment; `out` writes them back), then one
 // `arg` line per kernel parameter in order: `arg ptr NAME` (the array's address as a
 // pointer), `arg addr NAME` (the same address as an i64: kernels that rebuild pointers
-// from integers), `arg i32 V`, `arg i64 V`, `arg f32 V`, `arg f64 V`, `arg null` (a null
-// pointer: Triton's scratch parameters when the kernel needs no scratch).
+// from integers), either with an optional byte OFFSET into the array (a view), `arg i32
+// V`, `arg i64 V`, `arg f32 V`, `arg f64 V`, `arg null` (a null pointer: Triton's
+// scratch parameters when the kernel needs no scratch); `reloc` lines: above.
 void run_triton(const Case& c, Arrays& A) {
   check(cudaFree(nullptr), "creating the runtime's context");  // the primary context, current
   const Driver drv;
@@ -733,9 +761,11 @@ void run_triton(const Case& c, Arrays& A) {
     if (a.size() > 3 && a[3] == "out") outs.push_back(a[0]);
   }
   auto array = [&](const std::vector<std::string>& a) -> DevArray& {
-    if (a.size() != 2 || !arrays.count(a[1])) throw CaseError("arg " + a[0] + " names no declared array");
+    if (a.size() < 2 || a.size() > 3 || !arrays.count(a[1]))
+      throw CaseError("arg " + a[0] + " names no declared array");
     return *arrays[a[1]];
   };
+  relocate_tables(c, arrays);
   // Parameter storage: one 8-byte slot per argument (the driver copies the size each
   // parameter has from the slot's start).
   const auto& args = c.args();
@@ -746,8 +776,9 @@ void run_triton(const Case& c, Arrays& A) {
     if (a.empty()) throw CaseError("empty arg line");
     const std::string& kind = a[0];
     void* slot = &slots[i];
-    if (kind == "ptr" || kind == "addr") {
-      const uint64_t p = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(array(a).data()));
+    if (kind == "ptr" || kind == "addr") {  // [OFFSET]: bytes into the array (a view)
+      const uint64_t p = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(array(a).data())) +
+                         (a.size() > 2 ? static_cast<uint64_t>(Case::parse_i64(a[2], "arg")) : 0);
       std::memcpy(slot, &p, 8);
     } else if (kind == "null") {
     } else if (kind == "i32") {

@@ -331,24 +331,12 @@ class RoundTraining:
             self.scaffold.fold_chunk(got, excluded)
 
     def _client_rows(self, cid: int) -> torch.Tensor:
-        """Client ``cid``'s sample indices into what the engines train on: the training
-        set, or (lazy datasets) the round's own rows."""
-        return self.client_indices[cid] if self._round_index is None else self._round_index[cid]
+        return self.population.client_rows(cid)
 
     def _round_data(self, clients: Optional[List[int]]) -> None:
-        """Lazy datasets: make the round's ``clients``' samples and point the engines at
-        them (None: drop them).  Client ``i``'s sample ``j`` is row ``start_i + j``,
-        so its batches (drawn from positions) pick the samples they pick in the
-        materialised dataset: the same bits."""
-        if clients is None:
-            x, y = self.dataset.x_test[:1], self.dataset.y_test[:1]
-            self._round_index = None
-        else:
-            x, y, starts = self.dataset.gather(clients)
-            sizes = self.partition.client_indices.sizes()
-            self._round_index = {cid: torch.arange(s, s + int(sizes[cid]), device=self.device)
-                                 for cid, s in zip(clients, starts)}
-        self.train_x, self.train_y = x, y
+        """Lazy datasets: the round's ``clients``' samples (:meth:`Population.round_data`;
+        None: drop them), and the engines pointed at them."""
+        x, y = self.population.round_data(clients)
         self.trainer.x_train, self.trainer.y_train = x, y
         if self.batched is not None:
             self.batched.x_train, self.batched.y_train = x, y

@@ -73,23 +73,21 @@ from torch import nn
 from ... import __version__
 from ...server import RobustAggregator, RoundReplies
 from ...utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
-from ..datasets.attacks import Attack
 from ..engine.batched import BatchedTrainer
 from ..engine.client import NONFINITE_TRAINING as _NONFINITE_TRAINING
 from ..engine.client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
 from ..engine.client_state import ClientStateStore
 from ..engine.compressed_updates import COMPRESSED_REASONS, ClientCompression
 from .config import ConfigError, SimulationConfig
-from ..datasets.corruption import corrupt_client_data
-from ..datasets.data import FederatedDataset, LazyFederatedDataset
+from ..datasets.data import FederatedDataset
 from .interrupts import deferred_interrupts
 from ..engine.models import build_model
-from ..datasets.partition import CSRIndices, Partition
+from ..datasets.partition import Partition
 # re-exported: fedopt_kernels.fl.run.simulation has always offered these
-from .population import DeviceIndices, load_config_dataset, make_partition, proxy_split, sample_clients
+from .population import Population, load_config_dataset, make_partition, proxy_split, sample_clients
 from .results import Results
 from .round_training import RoundTraining
-from ..seeds import init_seed, proxy_order_seed, sampling_seed
+from ..seeds import init_seed
 from .server_side import BAD_CLIENT_REASONS, ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
@@ -98,6 +96,17 @@ STATE_VERSION = 1
 _COMPRESS_DEFAULTS = dict(compress="none", compress_block=256, compress_stochastic=False, compress_rotate=False,
                           error_feedback=False)
 _log = logging.getLogger(__name__)
+
+
+def _delegate(part: str, name: str, doc: Optional[str] = None) -> property:
+    """A property of :class:`Simulation` that reads (and writes) ``name`` of its part
+    ``part``: the names the simulator has always offered, now owned by its parts."""
+    def get(self):
+        return getattr(getattr(self, part), name)
+
+    def put(self, value):
+        setattr(getattr(self, part), name, value)
+    return property(get, put, doc=doc or f"``{part}.{name}``")
 
 
 class Simulation(RoundTraining):
@@ -124,33 +133,9 @@ class Simulation(RoundTraining):
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
-        ds = dataset if dataset is not None else load_config_dataset(config)
-        self.partition = partition if partition is not None else make_partition(config, ds)
-        if self.partition.num_clients != config.clients:
-            raise ConfigError(f"the partition has {self.partition.num_clients} clients but clients is {config.clients}")
-        self.dataset = ds.to(self.device)
-        # a lazy dataset's clients are made when sampled (LazyFederatedDataset): each round
-        # trains on its own clients' rows (_round_data), the population costs index tables
-        self._lazy = isinstance(ds, LazyFederatedDataset)
-        if self._lazy and config.corrupt_fraction > 0:
-            raise ConfigError(f"corrupt-fraction needs the whole training set in memory; dataset {ds.name!r} is "
-                              "made client by client")
-        if self._lazy and config.needs_proxy and config.proxy_source == "train":
-            raise ConfigError(f"proxy-source train needs the whole training set in memory; dataset {ds.name!r} is "
-                              "made client by client (use proxy-source test)")
-        self._round_index: Optional[dict] = None  # client -> its rows of the round's data (lazy datasets)
-        parts = self.partition.client_indices
-        self.client_indices = (DeviceIndices(parts, self.device) if isinstance(parts, CSRIndices)
-                               else [ix.to(self.device) for ix in parts])
-        self.client_sizes = torch.tensor(self.partition.sizes, dtype=torch.float64)
-        # what the clients train on: the training set with the corrupted clients' samples
-        # damaged (config.corrupt_*); self.dataset itself (test set, proxy set) stays clean
-        self.train_x, self.train_y, self.corruption = self._corrupt()
-        # attacks for testing (fl/datasets/attacks.py); labelflip's attackers train on flipped labels
-        self.attack = (Attack.build(config.attack, config.attack_fraction, config.clients, config.seed)
-                       if config.attack != "none" else None)
-        if self.attack is not None:
-            self.train_y = self.attack.poison_labels(self.train_y, self.client_indices, ds.num_classes)
+        # the data part: dataset, partition, sampling, hold-out, corruption, attack, proxy set
+        self.population = Population(config, self.device, dataset=dataset, partition=partition,
+                                     hold_out_proxy=hold_out_proxy)
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
         global_model = self._make_model(model).to(self.device)
@@ -174,17 +159,7 @@ class Simulation(RoundTraining):
         self._has_buffers = len(self._buffers_layout) > 0
         self.buffer_rows: Optional[torch.Tensor] = None  # the clients' buffer rows, beside updates (_allocate_rounds)
 
-        self._proxy_gen = torch.Generator()
-        self.proxy_indices: Optional[torch.Tensor] = None  # into the train or test set (proxy_source)
-        self.eval_indices: Optional[torch.Tensor] = None  # test examples evaluated (None: all)
-        hold_out = config.needs_proxy if hold_out_proxy is None else bool(hold_out_proxy)
-        if config.proxy_source == "test" and (hold_out or config.needs_proxy):
-            self.proxy_indices, self.eval_indices = proxy_split(self.dataset.y_test, config.proxy_size, config.seed,
-                                                                name="the test set")
-        elif config.needs_proxy:
-            self.proxy_indices, _ = proxy_split(self.dataset.y_train, config.proxy_size, config.seed,
-                                                name="the training set", need_rest=False)
-        proxy_loader = self._proxy_loader() if config.needs_proxy else None
+        proxy_loader = self.population.proxy_loader() if config.needs_proxy else None
         # the server and its round, with the run's components: the robust rule, DP-FedAvg, SCAFFOLD's state
         self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn,
                                  client_state=self.scaffold)
@@ -260,33 +235,6 @@ class Simulation(RoundTraining):
                               f"{self.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
                               "loss_fn= for a loss that is not cross-entropy over the classes)")
 
-    def _corrupt(self):
-        """``(x_train, y_train, Corruption or None)`` the clients train on."""
-        cfg, ds = self.config, self.dataset
-        if self._lazy:  # placeholders of the right kind; a round trains on its clients' rows
-            return ds.x_test[:1], ds.y_test[:1], None
-        if cfg.corrupt_fraction == 0:
-            return ds.x_train, ds.y_train, None
-        try:
-            x, y, record = corrupt_client_data(ds.x_train, ds.y_train, self.client_indices,
-                                               fraction=cfg.corrupt_fraction, kind=cfg.corrupt_kind, seed=cfg.seed,
-                                               num_classes=ds.num_classes, noise_std=cfg.corrupt_noise_std)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return x, y, record
-
-    def _proxy_loader(self):
-        """FedLAW's proxy set (:attr:`proxy_indices`, drawn by :func:`proxy_split`): from
-        the test set (``proxy_source="test"``, [FedLAW] appendix D.2) or the pooled
-        training data (``"train"``); batches of 128 in a per-round seeded order."""
-        ds = self.dataset
-        idx = self.proxy_indices.to(self.device)
-        if self.config.proxy_source == "test":
-            data = torch.utils.data.TensorDataset(ds.x_test[idx], ds.y_test[idx])
-        else:
-            data = torch.utils.data.TensorDataset(ds.x_train[idx], ds.y_train[idx])
-        return torch.utils.data.DataLoader(data, batch_size=128, shuffle=True, generator=self._proxy_gen)
-
     def _meta(self) -> dict:
         from ... import backends
 
@@ -307,29 +255,8 @@ class Simulation(RoundTraining):
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, round_number: int) -> List[int]:
-        """The round's clients; with ``holdout_clients`` drawn from the others only (the
-        same draw, mapped onto the training clients: no hold-out gives the usual sample)."""
-        pool = self.training_clients
-        picked = sample_clients(self.config.seed, round_number, len(pool), self.config.per_round)
-        return [pool[i] for i in picked]
-
-    @property
-    def training_clients(self) -> List[int]:
-        """Every client but the held-out ones (sorted)."""
-        held = set(self.holdout_clients)
-        return [c for c in range(self.config.clients) if c not in held]
-
-    @property
-    def holdout_clients(self) -> List[int]:
-        """``config.holdout_clients`` clients drawn by the seed (round 0 of the sampling
-        stream, which no round uses), never sampled for training; :meth:`evaluate_holdout`
-        scores the global model on their data, as [FedDecay] section 4 holds out 20% of
-        the users to measure generalisation to new ones."""
-        h = self.config.holdout_clients
-        if not h:
-            return []
-        g = torch.Generator().manual_seed(sampling_seed(self.config.seed, 0))
-        return sorted(torch.randperm(self.config.clients, generator=g)[:h].tolist())
+        """The round's clients (:meth:`Population.sample_clients`)."""
+        return self.population.sample_clients(round_number)
 
     @torch.no_grad()
     def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
@@ -337,12 +264,6 @@ class Simulation(RoundTraining):
         (uncorrupted) training data: the sample-weighted mean of their accuracies."""
         idx = torch.cat([self.client_indices[c] for c in self.holdout_clients])
         return self._evaluate_on(self.dataset.x_train[idx], self.dataset.y_train[idx], batch_size)
-
-    @property
-    def num_eval(self) -> int:
-        """How many test examples :meth:`evaluate` uses (the test set, less FedLAW's
-        proxy set when it is held out of it)."""
-        return self.dataset.num_test if self.eval_indices is None else int(self.eval_indices.numel())
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:
@@ -400,7 +321,7 @@ class Simulation(RoundTraining):
                 self.scaffold.discard_round()
             raise
         with deferred_interrupts():
-            self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
+            self.population.seed_proxy_order(r)
             x_before = self.x_global.detach().clone() if cfg.eval_avg_last_two else None
             if self._round_kept:
                 self._schedule_server(r)
@@ -578,6 +499,23 @@ class Simulation(RoundTraining):
             if callback is not None:
                 callback(record, self)
         return self.results
+
+    # ------------------------------------------------------------------ the parts' names, kept
+    dataset = _delegate("population", "dataset")
+    partition = _delegate("population", "partition")
+    client_indices = _delegate("population", "client_indices")
+    client_sizes = _delegate("population", "client_sizes")
+    train_x = _delegate("population", "train_x")
+    train_y = _delegate("population", "train_y")
+    corruption = _delegate("population", "corruption")
+    attack = _delegate("population", "attack")
+    proxy_indices = _delegate("population", "proxy_indices")
+    eval_indices = _delegate("population", "eval_indices")
+    training_clients = _delegate("population", "training_clients")
+    holdout_clients = _delegate("population", "holdout_clients")
+    num_eval = _delegate("population", "num_eval")
+    _lazy = _delegate("population", "lazy")
+    _proxy_gen = _delegate("population", "proxy_gen")
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

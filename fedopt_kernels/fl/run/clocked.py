@@ -271,7 +271,7 @@ class ClockedRun:
         sim = self.sim
         replies = RoundReplies(rows, sizes=sim.client_sizes[clients], clients=clients, reasons=BAD_CLIENT_REASONS,
                                left_out=self._left_out)
-        sim._schedule_server(sim.round + 1)
+        sim.server.schedule(sim.round + 1)
         return sim.server.round(replies)
 
     def _fedbuff_step(self, stop_after: Optional[int]):

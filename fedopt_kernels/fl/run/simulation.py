@@ -78,6 +78,7 @@ from ..engine.client import NONFINITE_TRAINING as _NONFINITE_TRAINING
 from ..engine.client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
 from ..engine.client_state import ClientStateStore
 from ..engine.compressed_updates import COMPRESSED_REASONS, ClientCompression
+from .checkpoint import STATE_VERSION, check_resumable
 from .config import ConfigError, SimulationConfig
 from ..datasets.data import FederatedDataset
 from .interrupts import deferred_interrupts
@@ -92,9 +93,6 @@ from .server_side import BAD_CLIENT_REASONS, ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
-STATE_VERSION = 1
-_COMPRESS_DEFAULTS = dict(compress="none", compress_block=256, compress_stochastic=False, compress_rotate=False,
-                          error_feedback=False)
 _log = logging.getLogger(__name__)
 
 
@@ -324,7 +322,7 @@ class Simulation(RoundTraining):
             self.population.seed_proxy_order(r)
             x_before = self.x_global.detach().clone() if cfg.eval_avg_last_two else None
             if self._round_kept:
-                self._schedule_server(r)
+                self.server.schedule(r)
             # the round (fedopt_kernels.server.ServerRound): weights, aggregation, step, SCAFFOLD, buffers, record
             replies, extra = self._round_replies(clients)
             outcome = self.server.round(replies)
@@ -345,18 +343,6 @@ class Simulation(RoundTraining):
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
-
-    def _schedule_server(self, round_number: int) -> None:
-        """FedExP's per-round settings as its authors run it: ``eps * fedexp_eps_decay^(t)``
-        in round ``t + 1`` (released main.py:308 decays eps by 0.998^2 per round) and
-        ``M * eps`` when ``fedexp_scale_eps`` (main.py:404), written into the optimizer's
-        param groups -- a closed form of the round number, so a resumed run agrees."""
-        cfg = self.config
-        if cfg.algo != "fedexp" or self.server.optimizer is None:
-            return
-        for group in self.server.optimizer.param_groups:
-            group["eps"] = cfg.fedexp_eps * cfg.fedexp_eps_decay ** (round_number - 1)
-            group["scale_eps_by_clients"] = cfg.fedexp_scale_eps
 
     @torch.no_grad()
     def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
@@ -521,7 +507,9 @@ class Simulation(RoundTraining):
     def state_dict(self) -> dict:
         """Everything needed to continue this run: tensors and plain Python values only,
         so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it.  Its
-        tensors are copies: later rounds do not change a state dict kept in memory."""
+        tensors are copies: later rounds do not change a state dict kept in memory.  The
+        keys (:mod:`.checkpoint`) are those of every earlier version."""
+        server = self.server.checkpoint()  # the algorithm's, DP's and the robust rule's state
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
@@ -529,13 +517,12 @@ class Simulation(RoundTraining):
             "elapsed": self._elapsed,
             "x_global": self.x_global.detach().clone(),
             "buffers": buffers_to_vector(self.global_model) if self._has_buffers else None,
-            "server": _detached_copy(self.server.state_dict()),  # not the live optimizer state
+            "server": server["server"],
             "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
                          if self.scaffold is not None else None),
             "results": self.results.to_dict(),
-            "dp": self.privacy.state_dict() if self.privacy is not None else None,  # the DP clip and rounds so far
-            # the robust rule's rounds and centered clipping's reference point (the previous aggregate)
-            "robust": self.robust.state_dict() if self.robust is not None else None,
+            "dp": server["dp"],
+            "robust": server["robust"],
             # carry_momentum: each client's local momentum buffers (they carry into its next round)
             "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
                                 for c, bufs in self.trainer.momentum_buffers.items()}
@@ -544,34 +531,18 @@ class Simulation(RoundTraining):
             "error_feedback": self.compression.state_dict() if self.compression is not None else None,
         }
 
-    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client",
-                  "client_state_dir", "memory_budget")
-
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
         ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch``,
         ``on_bad_client``, ``client_state_dir`` and ``memory_budget`` may differ)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
-        mine = self.config.to_dict()
-        for key, value in state["config"].items():
-            if key not in self._RESUMABLE and mine.get(key) != value:
-                raise ValueError(f"the checkpoint was made with {key}={value!r}, this run has {mine.get(key)!r}")
-        for key, default in _COMPRESS_DEFAULTS.items():  # a checkpoint older than --compress ran without it
-            if key not in state["config"] and mine[key] != default:
-                raise ValueError(f"the checkpoint was made with {key}={default!r} (before the setting existed), "
-                                 f"this run has {mine[key]!r}")
+        check_resumable(state, self.config)
         with torch.no_grad():
             self.x_global.copy_(state["x_global"])
             if self._has_buffers and state.get("buffers") is not None:
                 vector_to_buffers(state["buffers"].to(self.device), self.global_model)
-        self.server.load_state_dict(state["server"])
+        self.server.load_checkpoint(state)
         if self.scaffold is not None:
             self.scaffold.load_state_dict(state["scaffold"])
-        if self.privacy is not None and state.get("dp") is not None:
-            self.privacy.load_state_dict(state["dp"])
-        if self.robust is not None and state.get("robust") is not None:
-            self.robust.load_state_dict(state["robust"])
         if state.get("local_momentum"):
             self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
                                              for c, bufs in state["local_momentum"].items()}
@@ -581,16 +552,3 @@ class Simulation(RoundTraining):
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
-
-
-def _detached_copy(value):
-    """``value`` with every tensor in it (nested dicts, lists, tuples) cloned: a state
-    dict that later rounds do not change under its holder."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _detached_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached_copy(v) for v in value)
-    return value
-

@@ -81,6 +81,7 @@ from ..engine.compressed_updates import COMPRESSED_REASONS, ClientCompression
 from .checkpoint import STATE_VERSION, check_resumable
 from .config import ConfigError, SimulationConfig
 from ..datasets.data import FederatedDataset
+from .evaluation import Evaluation
 from .interrupts import deferred_interrupts
 from ..engine.models import build_model
 from ..datasets.partition import Partition
@@ -161,6 +162,7 @@ class Simulation(RoundTraining):
         # the server and its round, with the run's components: the robust rule, DP-FedAvg, SCAFFOLD's state
         self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn,
                                  client_state=self.scaffold)
+        self.evaluation = Evaluation(global_model, self.x_global, self.loss_fn, self.population)
         self.updates: Optional[torch.Tensor] = None  # the rows clients train into (_allocate_rounds)
         self.round = 0
         self._elapsed = 0.0
@@ -256,39 +258,18 @@ class Simulation(RoundTraining):
         """The round's clients (:meth:`Population.sample_clients`)."""
         return self.population.sample_clients(round_number)
 
-    @torch.no_grad()
-    def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
-        """``(accuracy, mean loss)`` of the global model on the held-out clients' pooled
-        (uncorrupted) training data: the sample-weighted mean of their accuracies."""
-        idx = torch.cat([self.client_indices[c] for c in self.holdout_clients])
-        return self._evaluate_on(self.dataset.x_train[idx], self.dataset.y_train[idx], batch_size)
-
-    @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:
-        """``(accuracy, mean loss)`` of the global model on the test set (on
-        :attr:`eval_indices` when FedLAW's proxy set is held out of it)."""
-        ds = self.dataset
-        x_test, y_test = ds.x_test, ds.y_test
-        if self.eval_indices is not None:
-            idx = self.eval_indices.to(self.device)
-            x_test, y_test = x_test[idx], y_test[idx]
-        return self._evaluate_on(x_test, y_test, batch_size)
+        """``(accuracy, mean loss)`` of the global model on the test set (less FedLAW's
+        proxy set when it is held out of it): :meth:`Evaluation.evaluate`."""
+        return self.evaluation.evaluate(batch_size)
 
-    def _evaluate_on(self, x_test: torch.Tensor, y_test: torch.Tensor, batch_size: int) -> tuple:
-        model = self.global_model
-        n = y_test.shape[0]
-        was_training = model.training
-        model.eval()
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for start in range(0, n, batch_size):
-            x, y = x_test[start:start + batch_size], y_test[start:start + batch_size]
-            out = model(x)
-            loss += self.loss_fn(out, y).to(torch.float64) * y.numel()
-            correct += (out.argmax(dim=1) == y).sum()
-        model.train(was_training)
-        acc, total = torch.stack([correct.to(torch.float64), loss]).tolist()
-        return acc / n, total / n
+    def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
+        """``(accuracy, mean loss)`` of the global model on the held-out clients' data."""
+        return self.evaluation.evaluate_holdout(batch_size)
+
+    def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
+        """:meth:`evaluate` of the mean of the last two global iterates (FedExP's)."""
+        return self.evaluation.evaluate_average(x_before, round_number, self.evaluate)
 
     def run_round(self, clients: Optional[List[int]] = None) -> dict:
         """Run the next round; returns (and records) its record.  ``clients``: the round's
@@ -343,21 +324,6 @@ class Simulation(RoundTraining):
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
-
-    @torch.no_grad()
-    def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
-        """``(accuracy, loss)`` of ``(x_before + x_global) / 2``, the mean of the last two
-        global iterates, which FedExP's authors evaluate (released main.py:414-421 and
-        430-431: in their first round the last iterate alone).  The global model is left
-        as it was (bitwise)."""
-        if round_number == 1:
-            return self.evaluate()
-        current = self.x_global.detach().clone()
-        try:
-            self.x_global.add_(x_before).mul_(0.5)
-            return self.evaluate()
-        finally:
-            self.x_global.copy_(current)
 
     def _record_left_out(self, record: dict, left_out: list) -> None:
         """``left_out`` (``[client, reason]``, round order) into ``record`` when any

@@ -51,11 +51,26 @@ the same seed gives bit-identical results, two algorithms with the same seed see
 same clients and the same batches (``fedopt compare``), and resuming from a
 :meth:`Simulation.state_dict` needs no RNG state: the round number is enough.
 
-The round's client training -- the engines (``"batched"``, ``"sequential"``, ``"auto"``),
-chunked rounds under ``memory_budget`` and the progress reports -- is
-:class:`~fedopt_kernels.fl.run.round_training.RoundTraining`, which :class:`Simulation`
-inherits; the dataset, partition, sampling and proxy set of a config are
-:mod:`~fedopt_kernels.fl.run.population` (re-exported here).
+:class:`Simulation` coordinates parts that each own their state and their piece of
+the checkpoint:
+
+* :attr:`~Simulation.population` (:class:`~fedopt_kernels.fl.run.population.Population`):
+  the dataset, partition, sampling, held-out clients, corruption, attack and proxy set
+  (:func:`load_config_dataset`, :func:`make_partition`, :func:`sample_clients`,
+  :func:`proxy_split` are re-exported here);
+* :attr:`~Simulation.training` (:class:`~fedopt_kernels.fl.run.round_training.RoundTraining`):
+  the local model, the engines (``"batched"``, ``"sequential"``, ``"auto"``) and their
+  fallback, chunked rounds under ``memory_budget``, the progress reports, the clients'
+  state (SCAFFOLD's ``c_i``, error feedback, carried momentum) and the replies;
+* :attr:`~Simulation.server` (:class:`~fedopt_kernels.fl.run.server_side.ServerSide`): the
+  algorithm, its schedule, the round (:class:`~fedopt_kernels.server.ServerRound`) and
+  its components' state (DP, robust rule);
+* :attr:`~Simulation.evaluation` (:class:`~fedopt_kernels.fl.run.evaluation.Evaluation`);
+* the coordinator itself: the global model, the round number, the :class:`Results` and
+  the checkpoint (:mod:`~fedopt_kernels.fl.run.checkpoint`).
+
+The names the simulator has always offered (``sim.dataset``, ``sim.updates``,
+``sim.scaffold``, ...) read and write the part that owns them.
 """
 
 from __future__ import annotations
@@ -71,44 +86,40 @@ import torch
 from torch import nn
 
 from ... import __version__
-from ...server import RobustAggregator, RoundReplies
-from ...utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
-from ..engine.batched import BatchedTrainer
+from ...utils import buffers_to_vector, flatten_parameters_, vector_to_buffers
+from ..datasets.data import FederatedDataset
+from ..datasets.partition import Partition
 from ..engine.client import NONFINITE_TRAINING as _NONFINITE_TRAINING
-from ..engine.client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
-from ..engine.client_state import ClientStateStore
-from ..engine.compressed_updates import COMPRESSED_REASONS, ClientCompression
+from ..engine.client import NonFiniteClientWarning
+from ..engine.models import build_model
+from ..seeds import init_seed
 from .checkpoint import STATE_VERSION, check_resumable
 from .config import ConfigError, SimulationConfig
-from ..datasets.data import FederatedDataset
 from .evaluation import Evaluation
 from .interrupts import deferred_interrupts
-from ..engine.models import build_model
-from ..datasets.partition import Partition
 # re-exported: fedopt_kernels.fl.run.simulation has always offered these
 from .population import Population, load_config_dataset, make_partition, proxy_split, sample_clients
 from .results import Results
 from .round_training import RoundTraining
-from ..seeds import init_seed
-from .server_side import BAD_CLIENT_REASONS, ServerSide
+from .server_side import ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
 _log = logging.getLogger(__name__)
 
 
-def _delegate(part: str, name: str, doc: Optional[str] = None) -> property:
+def _delegate(part: str, name: str) -> property:
     """A property of :class:`Simulation` that reads (and writes) ``name`` of its part
-    ``part``: the names the simulator has always offered, now owned by its parts."""
+    ``part``: a name the simulator has always offered, now owned by that part."""
     def get(self):
         return getattr(getattr(self, part), name)
 
     def put(self, value):
         setattr(getattr(self, part), name, value)
-    return property(get, put, doc=doc or f"``{part}.{name}``")
+    return property(get, put, doc=f"``{part}.{name}``")
 
 
-class Simulation(RoundTraining):
+class Simulation:
     """A simulated federated training run (see the module docstring).
 
     Args:
@@ -132,38 +143,20 @@ class Simulation(RoundTraining):
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
-        # the data part: dataset, partition, sampling, hold-out, corruption, attack, proxy set
         self.population = Population(config, self.device, dataset=dataset, partition=partition,
                                      hold_out_proxy=hold_out_proxy)
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-
-        global_model = self._make_model(model).to(self.device)
+        self.global_model = _global_model(config, self.population, model).to(self.device)
         if loss_fn is None:  # cross-entropy over the dataset's classes: one output per class
-            self._check_outputs(global_model)
-        local_model = copy.deepcopy(global_model)
-        self.global_model = global_model
-        self.x_global = flatten_parameters_(global_model)
+            _check_outputs(self.global_model, self.population)
+        local_model = copy.deepcopy(self.global_model)  # before its parameters become views of x_global
+        self.x_global = flatten_parameters_(self.global_model)
         self.numel = self.x_global.numel()
-        self.local = config.local_config()
-        self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
-        # per-client state (fl/engine/client_state.py): rows only for clients that took part, one store for
-        # every kind of it (SCAFFOLD's c_i registers "c_i"; other per-client state registers its own name)
-        self.client_state = ClientStateStore(
-            dtype=getattr(torch, config.client_state_dtype) if config.client_state_dtype else None,
-            spill_dir=config.client_state_dir)
-        self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype,
-                                       store=self.client_state)
-                         if self.local.scaffold else None)
-        self._buffers_layout = buffers_layout(global_model)
-        self._has_buffers = len(self._buffers_layout) > 0
-        self.buffer_rows: Optional[torch.Tensor] = None  # the clients' buffer rows, beside updates (_allocate_rounds)
-
+        self.training = self._training_part(local_model)
         proxy_loader = self.population.proxy_loader() if config.needs_proxy else None
-        # the server and its round, with the run's components: the robust rule, DP-FedAvg, SCAFFOLD's state
-        self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn,
-                                 client_state=self.scaffold)
-        self.evaluation = Evaluation(global_model, self.x_global, self.loss_fn, self.population)
-        self.updates: Optional[torch.Tensor] = None  # the rows clients train into (_allocate_rounds)
+        self.server = ServerSide(config, self.global_model, self.x_global, proxy_loader=proxy_loader,
+                                 loss_fn=self.loss_fn, client_state=self.training.scaffold)
+        self.evaluation = Evaluation(self.global_model, self.x_global, self.loss_fn, self.population)
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
@@ -173,67 +166,16 @@ class Simulation(RoundTraining):
             self.results.meta["recipe"] = get_recipe(config.recipe).resolved(config)
         if self.corruption is not None:
             self.results.meta["corruption"] = self.corruption.to_dict()
-        # what is recorded of DP-FedAvg (fl/run/privacy.py), the attack and the robust rule
-        self.privacy = self.server.privacy
-        if self.privacy is not None:
-            self.results.meta["dp"] = self.privacy.meta()
-        if self.attack is not None:
-            self.results.meta["attack"] = self.attack.to_dict()
-        self.robust: Optional[RobustAggregator] = self.server.robust
-        # compressed updates (--compress): the clients' codec, error feedback's residuals in the store
-        codec = config.codec()
-        self.compression = (ClientCompression(codec, self.numel, config.seed, store=self.client_state,
-                                              error_feedback=config.error_feedback, backend=config.backend,
-                                              device=self.device) if codec is not None else None)
-        if self.robust is not None:
-            self.results.meta["aggregator"] = self.robust.to_dict()
-        self.batched: Optional[BatchedTrainer] = None
-        self._setup_engine()
-        # a subclass that spreads the server step over ranks (DistributedSimulation) refuses a budget
-        self._allocate_rounds(distributed=type(self)._round_replies is not Simulation._round_replies)
+        recorded = {**self.server.meta(), **({"attack": self.attack.to_dict()} if self.attack is not None else {})}
+        for key in ("dp", "attack", "aggregator"):  # DP-FedAvg, the attack, the robust rule: in the results' order
+            if key in recorded:
+                self.results.meta[key] = recorded[key]
+        self.training.setup(self.server, self.results.meta)
 
-    # ------------------------------------------------------------------ setup
-    def _make_model(self, model) -> nn.Module:
-        cfg = self.config
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(init_seed(cfg.seed))
-            if model is None:
-                opts = {"hidden": cfg.hidden} if cfg.model == "mlp" else {}
-                try:
-                    m = build_model(cfg.model, self.dataset.input_shape, self.dataset.num_classes, **opts)
-                except ValueError as exc:
-                    raise ConfigError(str(exc)) from None
-            elif isinstance(model, nn.Module):
-                m = model
-            elif callable(model):
-                m = model()
-            else:
-                raise TypeError(f"model must be an nn.Module or a callable returning one, got {type(model).__name__}")
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"the model factory returned {type(m).__name__}, not an nn.Module")
-        if not any(True for _ in m.parameters()):
-            raise ValueError("the model has no parameters")
-        return m
-
-    def _check_outputs(self, model: nn.Module) -> None:
-        """The model must give one score per class (``[batch, num_classes]``): a model
-        with more outputs trains under cross-entropy with classes that never occur, one
-        with fewer fails mid-round.  One forward of two training examples in eval mode
-        (no statistics change, no gradient)."""
-        k = self.dataset.num_classes
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = model((self.dataset.x_test if self._lazy else self.dataset.x_train)[:2])
-        except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
-            return
-        finally:
-            model.train(was_training)
-        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] != k:
-            raise ConfigError(f"the model gives {out.shape[1]} outputs per example but dataset "
-                              f"{self.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
-                              "loss_fn= for a loss that is not cross-entropy over the classes)")
+    def _training_part(self, local_model: nn.Module) -> RoundTraining:
+        """The local-training part (the distributed simulator's spreads rounds over ranks)."""
+        return RoundTraining(self.config, self.population, self.global_model, local_model, self.x_global,
+                             self.loss_fn)
 
     def _meta(self) -> dict:
         from ... import backends
@@ -242,16 +184,42 @@ class Simulation(RoundTraining):
             backend = backends.resolve_name(self.config.backend, self.device.type)
         except Exception as exc:  # noqa: BLE001 - reported, the step would raise the same
             backend = f"unavailable ({exc})"
+        ds, pop = self.dataset, self.population
         return {"fedopt_kernels": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
                 "device": str(self.device), "backend": backend, "threads": torch.get_num_threads(),
-                "num_parameters": self.numel, "dataset": self.dataset.name, "num_train": self.dataset.num_train,
-                "num_test": self.num_eval, "input_shape": list(self.dataset.input_shape),
-                "num_classes": self.dataset.num_classes, "model": type(self.global_model).__name__,
-                "server": self.server.hyper if hasattr(self, "server") else None,
+                "num_parameters": self.numel, "dataset": ds.name, "num_train": ds.num_train,
+                "num_test": pop.num_eval, "input_shape": list(ds.input_shape), "num_classes": ds.num_classes,
+                "model": type(self.global_model).__name__, "server": self.server.hyper,
                 "weighting": self.config.resolved_weighting,
-                "proxy": ({"source": self.config.proxy_source, "size": int(self.proxy_indices.numel()),
-                           "held_out_of_test": self.eval_indices is not None}
-                          if self.proxy_indices is not None else None)}
+                "proxy": ({"source": self.config.proxy_source, "size": int(pop.proxy_indices.numel()),
+                           "held_out_of_test": pop.eval_indices is not None}
+                          if pop.proxy_indices is not None else None)}
+
+    # ------------------------------------------------------------------ the parts' names, kept
+    dataset, partition = _delegate("population", "dataset"), _delegate("population", "partition")
+    client_indices = _delegate("population", "client_indices")
+    client_sizes = _delegate("population", "client_sizes")
+    train_x, train_y = _delegate("population", "train_x"), _delegate("population", "train_y")
+    corruption, attack = _delegate("population", "corruption"), _delegate("population", "attack")
+    proxy_indices, eval_indices = _delegate("population", "proxy_indices"), _delegate("population", "eval_indices")
+    training_clients = _delegate("population", "training_clients")
+    holdout_clients = _delegate("population", "holdout_clients")
+    num_eval, _lazy = _delegate("population", "num_eval"), _delegate("population", "lazy")
+    _proxy_gen = _delegate("population", "proxy_gen")
+    trainer, local, batched = _delegate("training", "trainer"), _delegate("training", "local"), _delegate(
+        "training", "batched")
+    updates, buffer_rows = _delegate("training", "updates"), _delegate("training", "buffer_rows")
+    scaffold, compression = _delegate("training", "scaffold"), _delegate("training", "compression")
+    client_state, progress = _delegate("training", "client_state"), _delegate("training", "progress")
+    _chunk, _foldable = _delegate("training", "_chunk"), _delegate("training", "_foldable")
+    _has_buffers = _delegate("training", "_has_buffers")
+    _round_kept, _round_bad = _delegate("training", "round_kept"), _delegate("training", "round_bad")
+    privacy, robust = _delegate("server", "privacy"), _delegate("server", "robust")
+
+    def _train_clients(self, round_number: int, clients: List[int], **kw):
+        """:meth:`RoundTraining.train_clients` (an instance attribute of this name
+        replaces it in tests that make a client fail)."""
+        return self.training.train_clients(round_number, clients, **kw)
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, round_number: int) -> List[int]:
@@ -260,7 +228,7 @@ class Simulation(RoundTraining):
 
     def evaluate(self, batch_size: int = 2048) -> tuple:
         """``(accuracy, mean loss)`` of the global model on the test set (less FedLAW's
-        proxy set when it is held out of it): :meth:`Evaluation.evaluate`."""
+        proxy set when it is held out of it)."""
         return self.evaluation.evaluate(batch_size)
 
     def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
@@ -296,8 +264,7 @@ class Simulation(RoundTraining):
                     "aggregate (a failure that hits every client is rarely the clients' own): "
                     + "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in self._round_bad))
         except BaseException:
-            if self.scaffold is not None:
-                self.scaffold.discard_round()
+            self.training.discard_round()
             raise
         with deferred_interrupts():
             self.population.seed_proxy_order(r)
@@ -305,7 +272,7 @@ class Simulation(RoundTraining):
             if self._round_kept:
                 self.server.schedule(r)
             # the round (fedopt_kernels.server.ServerRound): weights, aggregation, step, SCAFFOLD, buffers, record
-            replies, extra = self._round_replies(clients)
+            replies, extra = self.training.round_replies(clients, r)
             outcome = self.server.round(replies)
             record = {"round": r, "clients": clients}
             record.update(stats.summary())
@@ -345,7 +312,7 @@ class Simulation(RoundTraining):
         simulator's rank 0 knows this of its own clients only."""
         if not any(reason == "nonfinite" for _, reason, _ in left_out):
             return left_out
-        flagged = getattr(self, "_round_nonfinite", None) or []
+        flagged = self.training.round_nonfinite or []
         flags = torch.stack([flag for _, flag in flagged]).tolist() if flagged else []
         trained_bad = {cid for (cid, _), flag in zip(flagged, flags) if flag}
         self._warn_nonfinite_clients([cid for cid, reason, _ in left_out if reason == "nonfinite" and cid in trained_bad])
@@ -362,68 +329,6 @@ class Simulation(RoundTraining):
             warnings.warn(NonFiniteClientWarning(
                 f"client{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}: {_NONFINITE_TRAINING}; left out of "
                 "every round where this happens (excluded_nonfinite in the records), not averaged in"), stacklevel=3)
-
-    def _round_replies(self, clients: List[int]) -> tuple:
-        """The round's replies for the server round, and the record's extras: the rows of
-        the clients that took part (``self._round_kept``; ``clients``: the round's, in
-        order), the ones left out before the step, their data sizes and buffer rows --
-        or the folded round's running sums.  Before the round the simulated clients act:
-        honest ones clip (``dp_mode="client"``), then the attackers replace their updates.
-        :class:`~fedopt_kernels.fl.run.distributed_simulation.DistributedSimulation` hands
-        over this rank's rows."""
-        kept = self._round_kept
-        buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
-        common = dict(clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS, order=clients)
-        if self.compression is not None:
-            return self._compressed_replies(clients, buffer_fold)
-        if not kept:  # no client left: the round is skipped, as when every update is NaN/Inf
-            return RoundReplies(None, **common), {}
-        if self._fold is not None:  # a folded chunked round: the running sums are the aggregation
-            fold, self._fold = self._fold, None
-            return RoundReplies(fold, buffers=buffer_fold, **common), {}
-        rows = self.updates[:len(kept)]
-        extra = {}
-        if self.privacy is not None:
-            self.privacy.clip_client_updates_(rows)
-        if self.attack is not None:
-            extra["attacked_clients"] = self.attack.apply_(rows, kept, self.round + 1)
-        if self.server.server.takes == "models":  # client models w_i = x - D_i, in place
-            rows.neg_().add_(self.x_global)
-        buffers = self.buffer_rows[:len(kept)] if self._has_buffers else None
-        return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, **common), extra
-
-    def _compressed_replies(self, clients: List[int], buffer_fold) -> tuple:
-        """:meth:`_round_replies` of a round of compressed updates (fl/engine/compressed_updates.py):
-        the attackers replace their updates, then every client encodes its own (with its
-        error-feedback residual), and the replies are screened as they arrive -- an update
-        holding NaN/Inf left out as ``nonfinite``, a malformed reply as ``malformed``.  The
-        server decodes the rest inside its aggregation; the record gets the bytes up."""
-        kept, r = self._round_kept, self.round + 1
-        extra = {}
-        folded, self._compressed_fold = self._compressed_fold, None
-        if folded is not None:  # a folded round: the chunks were encoded and screened as they trained
-            good, out = folded
-        else:
-            rows = self.updates[:len(kept)]
-            if self.privacy is not None:  # dp_mode server only (the config refuses client clipping)
-                self.privacy.clip_client_updates_(rows)
-            if self.attack is not None:
-                extra["attacked_clients"] = self.attack.apply_(rows, kept, r)
-            replies, nonfinite = self.compression.encode(rows, kept, r)
-            good, malformed = self.compression.screen(replies)
-            out = nonfinite + malformed
-        extra.update(self.compression.record(good))
-        position = {cid: i for i, cid in enumerate(kept)}
-        rows_in = [position[cid] for cid, _ in good]
-        common = dict(clients=[cid for cid, _ in good], left_out=list(self._round_bad) + out,
-                      reasons=COMPRESSED_REASONS, order=clients)
-        if not good:
-            return RoundReplies(None, **common), extra
-        buffers = buffer_fold
-        if buffers is None and self._has_buffers:
-            buffers = self.buffer_rows[:len(kept)][torch.tensor(rows_in, device=self.device)]
-        return RoundReplies(self.compression.round_replies(good, r), sizes=self.client_sizes[[cid for cid, _ in good]],
-                            buffers=buffers, **common), extra
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:
@@ -475,7 +380,7 @@ class Simulation(RoundTraining):
         so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it.  Its
         tensors are copies: later rounds do not change a state dict kept in memory.  The
         keys (:mod:`.checkpoint`) are those of every earlier version."""
-        server = self.server.checkpoint()  # the algorithm's, DP's and the robust rule's state
+        server, clients = self.server.checkpoint(), self.training.state_dict()
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
@@ -484,17 +389,12 @@ class Simulation(RoundTraining):
             "x_global": self.x_global.detach().clone(),
             "buffers": buffers_to_vector(self.global_model) if self._has_buffers else None,
             "server": server["server"],
-            "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
-                         if self.scaffold is not None else None),
+            "scaffold": clients["scaffold"],
             "results": self.results.to_dict(),
             "dp": server["dp"],
             "robust": server["robust"],
-            # carry_momentum: each client's local momentum buffers (they carry into its next round)
-            "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
-                                for c, bufs in self.trainer.momentum_buffers.items()}
-                               if self.trainer.momentum_buffers else None),
-            # --error-feedback: each client's residual (what its replies lost so far)
-            "error_feedback": self.compression.state_dict() if self.compression is not None else None,
+            "local_momentum": clients["local_momentum"],
+            "error_feedback": clients["error_feedback"],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -507,14 +407,53 @@ class Simulation(RoundTraining):
             if self._has_buffers and state.get("buffers") is not None:
                 vector_to_buffers(state["buffers"].to(self.device), self.global_model)
         self.server.load_checkpoint(state)
-        if self.scaffold is not None:
-            self.scaffold.load_state_dict(state["scaffold"])
-        if state.get("local_momentum"):
-            self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
-                                             for c, bufs in state["local_momentum"].items()}
-        if self.compression is not None:
-            self.compression.load_state_dict(state.get("error_feedback"))
+        self.training.load_state_dict(state)
         self.round = int(state["round"])
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
+
+
+# ---------------------------------------------------------------------------- the global model
+def _global_model(cfg: SimulationConfig, population: Population, model) -> nn.Module:
+    """The global model: ``model`` (a module or a factory of one) or ``cfg.model``, made
+    under the seed's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed(cfg.seed))
+        if model is None:
+            opts = {"hidden": cfg.hidden} if cfg.model == "mlp" else {}
+            try:
+                m = build_model(cfg.model, population.dataset.input_shape, population.dataset.num_classes, **opts)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        elif isinstance(model, nn.Module):
+            m = model
+        elif callable(model):
+            m = model()
+        else:
+            raise TypeError(f"model must be an nn.Module or a callable returning one, got {type(model).__name__}")
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"the model factory returned {type(m).__name__}, not an nn.Module")
+    if not any(True for _ in m.parameters()):
+        raise ValueError("the model has no parameters")
+    return m
+
+def _check_outputs(model: nn.Module, population: Population) -> None:
+    """The model must give one score per class (``[batch, num_classes]``): a model
+    with more outputs trains under cross-entropy with classes that never occur, one
+    with fewer fails mid-round.  One forward of two training examples in eval mode
+    (no statistics change, no gradient)."""
+    k = population.dataset.num_classes
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model((population.dataset.x_test if population.lazy else population.dataset.x_train)[:2])
+    except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
+        return
+    finally:
+        model.train(was_training)
+    if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] != k:
+        raise ConfigError(f"the model gives {out.shape[1]} outputs per example but dataset "
+                          f"{population.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
+                          "loss_fn= for a loss that is not cross-entropy over the classes)")

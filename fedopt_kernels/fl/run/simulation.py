@@ -76,10 +76,8 @@ The names the simulator has always offered (``sim.dataset``, ``sim.updates``,
 from __future__ import annotations
 
 import copy
-import logging
 import platform
 import time
-import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -89,14 +87,13 @@ from ... import __version__
 from ...utils import buffers_to_vector, flatten_parameters_, vector_to_buffers
 from ..datasets.data import FederatedDataset
 from ..datasets.partition import Partition
-from ..engine.client import NONFINITE_TRAINING as _NONFINITE_TRAINING
-from ..engine.client import NonFiniteClientWarning
 from ..engine.models import build_model
 from ..seeds import init_seed
 from .checkpoint import STATE_VERSION, check_resumable
 from .config import ConfigError, SimulationConfig
 from .evaluation import Evaluation
 from .interrupts import deferred_interrupts
+from .left_out import LeftOutLog
 # re-exported: fedopt_kernels.fl.run.simulation has always offered these
 from .population import Population, load_config_dataset, make_partition, proxy_split, sample_clients
 from .results import Results
@@ -104,8 +101,6 @@ from .round_training import RoundTraining
 from .server_side import ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
-
-_log = logging.getLogger(__name__)
 
 
 def _delegate(part: str, name: str) -> property:
@@ -157,6 +152,7 @@ class Simulation:
         self.server = ServerSide(config, self.global_model, self.x_global, proxy_loader=proxy_loader,
                                  loss_fn=self.loss_fn, client_state=self.training.scaffold)
         self.evaluation = Evaluation(self.global_model, self.x_global, self.loss_fn, self.population)
+        self.left_out = LeftOutLog()  # the record's and the log's account of the clients left out
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
@@ -215,6 +211,7 @@ class Simulation:
     _has_buffers = _delegate("training", "_has_buffers")
     _round_kept, _round_bad = _delegate("training", "round_kept"), _delegate("training", "round_bad")
     privacy, robust = _delegate("server", "privacy"), _delegate("server", "robust")
+    _log_exclusions = _delegate("left_out", "enabled")  # the distributed simulator logs on rank 0 only
 
     def _train_clients(self, round_number: int, clients: List[int], **kw):
         """:meth:`RoundTraining.train_clients` (an instance attribute of this name
@@ -279,7 +276,7 @@ class Simulation:
             record["local_lr"] = self.local.lr_at(r - 1, 0)
             record["weight_decay"] = self.local.weight_decay_at(r - 1)
             record.update(outcome.record(extra))
-            self._record_left_out(record, self._explain_nonfinite(outcome.left_out))
+            self.left_out.record(record, outcome.left_out, self.training.round_nonfinite, bool(self._round_kept))
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
                 if x_before is not None:
@@ -291,44 +288,6 @@ class Simulation:
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
-
-    def _record_left_out(self, record: dict, left_out: list) -> None:
-        """``left_out`` (``[client, reason]``, round order) into ``record`` when any
-        client was, and one warning naming them."""
-        if not left_out:
-            return
-        record["left_out"] = [[cid, reason] for cid, reason, _ in left_out]
-        if self._log_exclusions:
-            _log.warning("round %d left out %d of %d client(s)%s: %s", record["round"], len(left_out),
-                         len(record["clients"]), "; round skipped" if not self._round_kept else "",
-                         "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in left_out))
-
-    _log_exclusions = True  # the distributed simulator logs on rank 0 only
-
-    def _explain_nonfinite(self, left_out: list) -> list:
-        """``left_out`` with the step's NaN/Inf exclusions of the clients that trained to a
-        non-finite loss or step (RoundStats.close_client) said so, instead of "NaN/Inf
-        update"; one :class:`NonFiniteClientWarning` names them.  The distributed
-        simulator's rank 0 knows this of its own clients only."""
-        if not any(reason == "nonfinite" for _, reason, _ in left_out):
-            return left_out
-        flagged = self.training.round_nonfinite or []
-        flags = torch.stack([flag for _, flag in flagged]).tolist() if flagged else []
-        trained_bad = {cid for (cid, _), flag in zip(flagged, flags) if flag}
-        self._warn_nonfinite_clients([cid for cid, reason, _ in left_out if reason == "nonfinite" and cid in trained_bad])
-        return [(cid, reason, _NONFINITE_TRAINING if reason == "nonfinite" and cid in trained_bad else detail)
-                for cid, reason, detail in left_out]
-
-    def _warn_nonfinite_clients(self, clients: List[int]) -> None:
-        """One :class:`NonFiniteClientWarning` per client, the first round it trains to a
-        non-finite loss or step (the per-round log line names it every round)."""
-        warned = self.__dict__.setdefault("_nonfinite_warned", set())
-        new = [cid for cid in clients if cid not in warned]
-        if new and self._log_exclusions:
-            warned.update(new)
-            warnings.warn(NonFiniteClientWarning(
-                f"client{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}: {_NONFINITE_TRAINING}; left out of "
-                "every round where this happens (excluded_nonfinite in the records), not averaged in"), stacklevel=3)
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:

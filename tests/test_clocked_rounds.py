@@ -152,14 +152,14 @@ def test_clients_of_different_versions_train_as_one_group_with_their_own_bits(he
 
     acfg = AsyncConfig(mode="fedbuff", concurrency=6, buffer=3, clock=ClockConfig(heterogeneity=het))
     mixed = []
-    train = RoundTraining._train_clients
+    train = RoundTraining.train_clients
 
     def spy(self, round_number, clients, **kw):
         if kw.get("round_numbers"):
             mixed.append(len(set(kw["round_numbers"])))
         return train(self, round_number, clients, **kw)
 
-    monkeypatch.setattr(RoundTraining, "_train_clients", spy)
+    monkeypatch.setattr(RoundTraining, "train_clients", spy)
     models = {}
     for grouping in ("version", "in_flight"):
         sim = Simulation(_cfg(rounds=6, local_steps=3, **kw))

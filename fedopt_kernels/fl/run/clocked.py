@@ -149,7 +149,7 @@ class ClockedRun:
             self.trained_version = -1  # grouping "version": the last version whose clients trained
             self.versions: Dict[int, torch.Tensor] = {}  # grouping "in_flight": past models clients still need
             if grouping == "in_flight":
-                sim._grow_rows(acfg.concurrency)  # a group of everyone in flight trains at once
+                sim.training.grow_rows(acfg.concurrency)  # a group of everyone in flight trains at once
             self._dispatch_order: Dict[Tuple[int, int], int] = {}
             arriving = {(a.client, a.version) for s in self.schedule.steps for a in s}
             self._lost = {(c, v) for c, v, _ in self.schedule.dropped} - arriving  # never report
@@ -224,14 +224,14 @@ class ClockedRun:
         self._group_stats = None
         if not group:
             return
-        rows = sim.updates.shape[0]  # a round's rows: the group trains in parts of that many
+        rows = sim.training.updates.shape[0]  # a round's rows: the group trains in parts of that many
         parts = []
         for start in range(0, len(group), rows):
             part = group[start:start + rows]
-            parts.append((len(part), sim._train_clients(v + 1, part).summary()))
-            for i, c in enumerate(sim._round_kept):
-                self.pending[(c, v)] = sim.updates[i].detach().clone()
-            for c, reason, detail in sim._round_bad:
+            parts.append((len(part), sim.training.train_clients(v + 1, part).summary()))
+            for i, c in enumerate(sim.training.round_kept):
+                self.pending[(c, v)] = sim.training.updates[i].detach().clone()
+            for c, reason, detail in sim.training.round_bad:
                 self.failed[(c, v)] = (reason, detail)
         self._group_stats = _merge_summaries(parts)
 
@@ -247,15 +247,15 @@ class ClockedRun:
             group = sorted({key for key in ahead if key[1] <= k and untrained(key)},
                            key=lambda key: (key[1], self._dispatch_order[key]))
             parts = []
-            for part in _split(group, sim.updates.shape[0]):
+            for part in _split(group, sim.training.updates.shape[0]):
                 starts = torch.stack([sim.x_global if v == k else self.versions[v] for _, v in part])
                 clients = [c for c, _ in part]
-                parts.append((len(part), sim._train_clients(k + 1, clients, starts=starts,
+                parts.append((len(part), sim.training.train_clients(k + 1, clients, starts=starts,
                                                             round_numbers=[v + 1 for _, v in part]).summary()))
                 version_of = dict(part)
-                for i, c in enumerate(sim._round_kept):
-                    self.pending[(c, version_of[c])] = sim.updates[i].detach().clone()
-                for c, reason, detail in sim._round_bad:
+                for i, c in enumerate(sim.training.round_kept):
+                    self.pending[(c, version_of[c])] = sim.training.updates[i].detach().clone()
+                for c, reason, detail in sim.training.round_bad:
                     self.failed[(c, version_of[c])] = (reason, detail)
             self._group_stats = _merge_summaries(parts)
         else:
@@ -271,7 +271,7 @@ class ClockedRun:
         sim = self.sim
         replies = RoundReplies(rows, sizes=sim.client_sizes[clients], clients=clients, reasons=BAD_CLIENT_REASONS,
                                left_out=self._left_out)
-        sim._schedule_server(sim.round + 1)
+        sim.server.schedule(sim.round + 1)
         return sim.server.round(replies)
 
     def _fedbuff_step(self, stop_after: Optional[int]):

@@ -20,7 +20,7 @@ as one process, with each round's clients trained on W ranks at once:
   own clients, one distributed sum and the noise drawn once -- both the
   single-process round bit for bit, so ``dp_epsilon`` and ``robust_selected`` are
   recorded alike (with ``--compress`` both run on every rank on the all-gathered
-  replies: :meth:`DistributedSimulation._compressed_replies`).  Client-side clipping and the attacks other than ``alie`` are each
+  replies: :meth:`DistributedRoundTraining._compressed_replies`).  Client-side clipping and the attacks other than ``alie`` are each
   client's own and run on its rank (the attackers are a function of the seed, so every
   rank records all of a round's); ``alie``'s attackers send statistics of every
   client's update, which no rank holds, and it is refused;
@@ -70,9 +70,10 @@ from ..engine.client import RoundStats
 from ...server import RoundReplies
 from .config import ConfigError, SimulationConfig
 from .server_side import BAD_CLIENT_REASONS
+from .round_training import RoundTraining
 from .simulation import Simulation
 
-__all__ = ["DistributedSimulation", "rank_block", "init_from_env", "shutdown"]
+__all__ = ["DistributedSimulation", "DistributedRoundTraining", "rank_block", "init_from_env", "shutdown"]
 
 
 def rank_block(num_clients: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -91,6 +92,11 @@ class DistributedSimulation(Simulation):
 
     ``mode``: the aggregation mode of the server step (``"ordered"``: bitwise the
     single-process run; ``"all_reduce"``: one all_reduce, within a tolerance).
+
+    It is the simulator with two of its parts in their distributed forms: the local
+    training (:class:`DistributedRoundTraining`: this rank's block of each round, the
+    gathers) and the server's algorithm
+    (:class:`~fedopt_kernels.distributed.DistributedServerOptimizer`); rank 0 evaluates.
     """
 
     def __init__(self, config: SimulationConfig, *, group=None, mode: str = "ordered", **kwargs):
@@ -116,6 +122,10 @@ class DistributedSimulation(Simulation):
             "world_size": self.world_size, "backend": str(dist.get_backend(group)), "mode": mode,
             "split": "contiguous blocks of the round's sorted clients"}
 
+    def _training_part(self, local_model) -> "DistributedRoundTraining":
+        return DistributedRoundTraining(self.config, self.population, self.global_model, local_model, self.x_global,
+                                        self.loss_fn, group=self.group)
+
     def _check_same_config(self, config: SimulationConfig) -> None:
         configs: List[dict] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(configs, config.to_dict(), group=comm.object_group(self.group))
@@ -125,25 +135,47 @@ class DistributedSimulation(Simulation):
                 raise ValueError(f"DistributedSimulation: rank {r} has a different config than rank 0 "
                                  f"({', '.join(diff)}); every rank must run the same settings")
 
-    # ------------------------------------------------------------------ rounds
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 2048) -> tuple:
+        """Rank 0: ``(accuracy, loss)`` of the global model; other ranks ``(None, None)``
+        (they hold the same model)."""
+        if self.rank != 0:
+            return None, None
+        return super().evaluate(batch_size)
+
+
+class DistributedRoundTraining(RoundTraining):
+    """The local-training part over the ranks of ``group``: this rank trains its block
+    of each round's clients, and what the round needs besides its rows (the clients left
+    out, the buffer rows, SCAFFOLD's updates; FedLAW's client models) is gathered in the
+    single-process order (see the module docstring)."""
+
+    spreads_over_ranks = True  # a memory budget is refused
+
+    def __init__(self, *args, group=None):
+        super().__init__(*args)
+        self.group = group
+        self.rank = comm.group_rank(group)
+        self.world_size = comm.group_size(group)
+
     def _plan(self, num_clients: int) -> Plan:
         counts = tuple(b - a for a, b in (rank_block(num_clients, self.world_size, r)
                                           for r in range(self.world_size)))
         return Plan(rank=self.rank, world=self.world_size, counts=counts, N=self.numel, extras=())
 
-    def _train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
+    def train_clients(self, round_number: int, clients: List[int]) -> RoundStats:
         plan = self._plan(len(clients))
         mine = clients[plan.start:plan.stop]
         error = None
         try:
             if mine:
-                stats = super()._train_clients(round_number, mine)
+                stats = super().train_clients(round_number, mine)
             else:
-                stats, self._round_bad, self._round_kept = RoundStats(self.device), [], []
+                stats, self.round_bad, self.round_kept = RoundStats(self.device), [], []
         except Exception as exc:  # noqa: BLE001 - on_bad_client="raise": every rank must stop, not wait
             error, stats = exc, RoundStats(self.device)
-            self._round_bad, self._round_kept = [], []
-        stats, bad_counts, failed = self._combine_stats(stats, plan, len(self._round_bad), error is not None)
+            self.round_bad, self.round_kept = [], []
+        stats, bad_counts, failed = self._combine_stats(stats, plan, len(self.round_bad), error is not None)
         if failed:
             if error is not None:
                 raise error
@@ -151,18 +183,18 @@ class DistributedSimulation(Simulation):
                                  "(on_bad_client='raise'); every rank stops")
         if any(bad_counts):  # rare: only then the lists travel
             lists: List[list] = [None] * self.world_size  # type: ignore[list-item]
-            dist.all_gather_object(lists, list(self._round_bad), group=comm.object_group(self.group))
-            self._round_bad = [tuple(b) for part in lists for b in part]  # rank order = the round's order
-            left = {cid for cid, _, _ in self._round_bad}
-            self._round_kept = [cid for cid in clients if cid not in left]
+            dist.all_gather_object(lists, list(self.round_bad), group=comm.object_group(self.group))
+            self.round_bad = [tuple(b) for part in lists for b in part]  # rank order = the round's order
+            left = {cid for cid, _, _ in self.round_bad}
+            self.round_kept = [cid for cid in clients if cid not in left]
         else:
-            self._round_kept = list(clients)
+            self.round_kept = list(clients)
         kept_counts = tuple(c - b for c, b in zip(plan.counts, bad_counts))
         self._kept_plan = kept_plan = Plan(rank=plan.rank, world=plan.world, counts=kept_counts, N=plan.N, extras=())
         if kept_plan.C == 0:
             return stats
         if self.scaffold is not None:
-            self._gather_scaffold(self._round_kept, kept_plan)
+            self._gather_scaffold(self.round_kept, kept_plan)
         if self._has_buffers:
             rows = comm.gather_rows(self.buffer_rows[:kept_plan.stop - kept_plan.start], kept_plan, self.group)
             self.buffer_rows[:kept_plan.C].copy_(rows)
@@ -202,20 +234,20 @@ class DistributedSimulation(Simulation):
         lr_sums = comm.gather_rows(local_lr, plan, self.group)[:, 0].tolist()
         sc._pending = {cid: (rows[i], lr_sums[i]) for i, cid in enumerate(clients)}
 
-    def _round_replies(self, clients: List[int]) -> tuple:
-        """As one process's replies (:meth:`Simulation._round_replies`), but this rank's
+    def round_replies(self, clients: List[int], round_number: int) -> tuple:
+        """As one process's replies (:meth:`RoundTraining.round_replies`), but this rank's
         rows: the round's weights are formed over all of its clients (the same on every
         rank), and the step takes this rank's ``share`` of them; the buffer rows and
-        SCAFFOLD's updates were gathered in :meth:`_train_clients`."""
+        SCAFFOLD's updates were gathered in :meth:`train_clients`."""
         plan = self._kept_plan  # this round's clients that took part, per rank
-        kept = self._round_kept
+        kept = self.round_kept
         if self.compression is not None:  # every rank gets every reply: _compressed_replies
-            return super()._round_replies(clients)
+            return super().round_replies(clients, round_number)
         if not kept or self.server.server.takes == "models":  # FedLAW needs every client model on every rank
             if kept:
                 rows = comm.gather_rows(self.updates[:plan.stop - plan.start], plan, self.group)
                 self.updates[:len(kept)].copy_(rows)
-            return super()._round_replies(clients)
+            return super().round_replies(clients, round_number)
         self._buffer_fold = None
         rows = self.updates[:plan.stop - plan.start]
         # as one process's round: honest clients clip (dp_mode "client"), then the attackers replace their
@@ -224,20 +256,20 @@ class DistributedSimulation(Simulation):
         if self.privacy is not None:
             self.privacy.clip_client_updates_(rows)
         if self.attack is not None:
-            self.attack.apply_(rows, kept[plan.start:plan.stop], self.round + 1)
+            self.attack.apply_(rows, kept[plan.start:plan.stop], round_number)
             # the attackers are a function of the seed alone: every rank names all of the round's
             extra["attacked_clients"] = self.attack.round_attackers(kept)[1]
         buffers = self.buffer_rows[:len(kept)] if self._has_buffers else None
-        return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, share=slice(plan.start, plan.stop),
-                            clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS,
-                            order=clients), extra
+        return RoundReplies(rows, sizes=self.population.client_sizes[kept], buffers=buffers,
+                            share=slice(plan.start, plan.stop), clients=kept, left_out=self.round_bad,
+                            reasons=BAD_CLIENT_REASONS, order=clients), extra
 
-    def _compressed_replies(self, clients: List[int], buffer_fold) -> tuple:
+    def _compressed_replies(self, clients: List[int], round_number: int, buffer_fold) -> tuple:
         """Each rank's clients are attacked, encoded and screened on their rank, then the
         replies are all-gathered in rank order (:func:`~fedopt_kernels.distributed.all_gather_replies`),
         and the single-process round is formed from them on every rank (the same replies,
         the same order: bit for bit)."""
-        plan, kept, r = self._kept_plan, self._round_kept, self.round + 1
+        plan, kept, r = self._kept_plan, self.round_kept, round_number
         rows, mine = self.updates[:plan.stop - plan.start], kept[plan.start:plan.stop]
         if self.attack is not None:
             self.attack.apply_(rows, mine, r)
@@ -247,7 +279,7 @@ class DistributedSimulation(Simulation):
         good, malformed = self.compression.screen(replies)
         self._compressed_fold = all_gather_replies(good, nonfinite + malformed, self.compression.codec, self.numel,
                                                    self.group, device=self.device)
-        out, extra = super()._compressed_replies(clients, buffer_fold)  # as a folded round's: encoded already
+        out, extra = super()._compressed_replies(clients, round_number, buffer_fold)  # as a folded round's
         if self.attack is not None:
             extra["attacked_clients"] = self.attack.round_attackers(kept)[1]
         return out, extra
@@ -270,14 +302,6 @@ class DistributedSimulation(Simulation):
         rows = comm.gather_rows(local, plan, self.group)
         for cid, row in zip([c for part in every for c in part], rows):
             ef.store.put(ef.name, cid, row)
-
-    @torch.no_grad()
-    def evaluate(self, batch_size: int = 2048) -> tuple:
-        """Rank 0: ``(accuracy, loss)`` of the global model; other ranks ``(None, None)``
-        (they hold the same model)."""
-        if self.rank != 0:
-            return None, None
-        return super().evaluate(batch_size)
 
 
 # ---------------------------------------------------------------------------- launching

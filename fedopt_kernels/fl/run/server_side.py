@@ -26,6 +26,10 @@ step (``no_data``, ``error``: :mod:`.simulation`) has no row, and is handed to t
 as screened out; the step itself leaves out NaN/Inf updates (``nonfinite``).  ``--max-weight-share`` caps a
 client's share of the round's weights (:func:`~fedopt_kernels.server.weighting.cap_weight_shares`).
 
+:class:`ServerSide` is the simulator's server part: it owns the algorithm, its state,
+its per-round schedule (:meth:`ServerSide.schedule`), the round's components (the robust
+rule, DP-FedAvg) and their pieces of the checkpoint (:meth:`ServerSide.checkpoint`).
+
 The local step is FedNAR in the mode ``--nar`` (``co``: FedNAR; ``grad``: gradient
 clipping, the papers' baselines; ``none``: plain SGD), so ``--algo fedadam --nar co``
 is "FedNAR + FedAdam" of [FedNAR] Table 1.
@@ -40,6 +44,7 @@ from torch import nn
 from ... import server as S
 from ...server.compressed import CompressedDecoder
 from ...server.robust_aggregation.robust_aggregator import RobustAggregator
+from .checkpoint import detached_copy
 from .config import SimulationConfig
 from .privacy import privacy_of
 
@@ -120,6 +125,29 @@ class ServerSide:
         server keeps its own: FedLAW's proxy-trained statistics)."""
         return not self.server.keeps_buffers
 
+    def schedule(self, round_number: int) -> None:
+        """The algorithm's per-round settings before round ``round_number``'s step.
+        FedExP's as its authors run it: ``eps * fedexp_eps_decay^(t)`` in round ``t + 1``
+        (released main.py:308 decays eps by 0.998^2 per round) and ``M * eps`` when
+        ``fedexp_scale_eps`` (main.py:404), written into the optimizer's param groups --
+        a closed form of the round number, so a resumed run agrees."""
+        cfg = self.config
+        if cfg.algo != "fedexp" or self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            group["eps"] = cfg.fedexp_eps * cfg.fedexp_eps_decay ** (round_number - 1)
+            group["scale_eps_by_clients"] = cfg.fedexp_scale_eps
+
+    def meta(self) -> dict:
+        """What the results record of the round's components: DP-FedAvg (``dp``) and the
+        robust rule (``aggregator``), those that are on."""
+        out = {}
+        if self.privacy is not None:
+            out["dp"] = self.privacy.meta()
+        if self.robust is not None:
+            out["aggregator"] = self.robust.to_dict()
+        return out
+
     def state_dict(self) -> dict:
         """The server's state (tensors and plain values only: ``torch.load(weights_only=True)``)."""
         if self.optimizer is None:
@@ -129,3 +157,20 @@ class ServerSide:
     def load_state_dict(self, state: dict) -> None:
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def checkpoint(self) -> dict:
+        """The server part's pieces of a simulation checkpoint, keyed as there: the
+        algorithm's state (``server``; copies, not the live optimizer state), DP-FedAvg's
+        clip and rounds so far (``dp``), the robust rule's rounds and centered clipping's
+        reference point (``robust``)."""
+        return {"server": detached_copy(self.state_dict()),
+                "dp": self.privacy.state_dict() if self.privacy is not None else None,
+                "robust": self.robust.state_dict() if self.robust is not None else None}
+
+    def load_checkpoint(self, state: dict) -> None:
+        """Continue from :meth:`checkpoint`'s pieces of a simulation checkpoint."""
+        self.load_state_dict(state["server"])
+        if self.privacy is not None and state.get("dp") is not None:
+            self.privacy.load_state_dict(state["dp"])
+        if self.robust is not None and state.get("robust") is not None:
+            self.robust.load_state_dict(state["robust"])

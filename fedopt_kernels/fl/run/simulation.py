@@ -51,56 +51,70 @@ the same seed gives bit-identical results, two algorithms with the same seed see
 same clients and the same batches (``fedopt compare``), and resuming from a
 :meth:`Simulation.state_dict` needs no RNG state: the round number is enough.
 
-The round's client training -- the engines (``"batched"``, ``"sequential"``, ``"auto"``),
-chunked rounds under ``memory_budget`` and the progress reports -- is
-:class:`~fedopt_kernels.fl.run.round_training.RoundTraining`, which :class:`Simulation`
-inherits; the dataset, partition, sampling and proxy set of a config are
-:mod:`~fedopt_kernels.fl.run.population` (re-exported here).
+:class:`Simulation` coordinates parts that each own their state and their piece of
+the checkpoint:
+
+* :attr:`~Simulation.population` (:class:`~fedopt_kernels.fl.run.population.Population`):
+  the dataset, partition, sampling, held-out clients, corruption, attack and proxy set
+  (:func:`load_config_dataset`, :func:`make_partition`, :func:`sample_clients`,
+  :func:`proxy_split` are re-exported here);
+* :attr:`~Simulation.training` (:class:`~fedopt_kernels.fl.run.round_training.RoundTraining`):
+  the local model, the engines (``"batched"``, ``"sequential"``, ``"auto"``) and their
+  fallback, chunked rounds under ``memory_budget``, the progress reports, the clients'
+  state (SCAFFOLD's ``c_i``, error feedback, carried momentum) and the replies;
+* :attr:`~Simulation.server` (:class:`~fedopt_kernels.fl.run.server_side.ServerSide`): the
+  algorithm, its schedule, the round (:class:`~fedopt_kernels.server.ServerRound`) and
+  its components' state (DP, robust rule);
+* :attr:`~Simulation.evaluation` (:class:`~fedopt_kernels.fl.run.evaluation.Evaluation`);
+* the coordinator itself: the global model, the round number, the :class:`Results` and
+  the checkpoint (:mod:`~fedopt_kernels.fl.run.checkpoint`).
+
+The names the simulator has always offered (``sim.dataset``, ``sim.updates``,
+``sim.scaffold``, ...) read and write the part that owns them.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import platform
 import time
-import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
 
 from ... import __version__
-from ...server import RobustAggregator, RoundReplies
-from ...utils import buffers_layout, buffers_to_vector, flatten_parameters_, vector_to_buffers
-from ..datasets.attacks import Attack
-from ..engine.batched import BatchedTrainer
-from ..engine.client import NONFINITE_TRAINING as _NONFINITE_TRAINING
-from ..engine.client import LocalTrainer, NonFiniteClientWarning, ScaffoldState
-from ..engine.client_state import ClientStateStore
-from ..engine.compressed_updates import COMPRESSED_REASONS, ClientCompression
-from .config import ConfigError, SimulationConfig
-from ..datasets.corruption import corrupt_client_data
-from ..datasets.data import FederatedDataset, LazyFederatedDataset
-from .interrupts import deferred_interrupts
+from ...utils import buffers_to_vector, flatten_parameters_, vector_to_buffers
+from ..datasets.data import FederatedDataset
+from ..datasets.partition import Partition
 from ..engine.models import build_model
-from ..datasets.partition import CSRIndices, Partition
+from ..seeds import init_seed
+from .checkpoint import STATE_VERSION, check_resumable
+from .config import ConfigError, SimulationConfig
+from .evaluation import Evaluation
+from .interrupts import deferred_interrupts
+from .left_out import LeftOutLog
 # re-exported: fedopt_kernels.fl.run.simulation has always offered these
-from .population import DeviceIndices, load_config_dataset, make_partition, proxy_split, sample_clients
+from .population import Population, load_config_dataset, make_partition, proxy_split, sample_clients
 from .results import Results
 from .round_training import RoundTraining
-from ..seeds import init_seed, proxy_order_seed, sampling_seed
-from .server_side import BAD_CLIENT_REASONS, ServerSide
+from .server_side import ServerSide
 
 __all__ = ["Simulation", "make_partition", "load_config_dataset", "sample_clients", "proxy_split"]
 
-STATE_VERSION = 1
-_COMPRESS_DEFAULTS = dict(compress="none", compress_block=256, compress_stochastic=False, compress_rotate=False,
-                          error_feedback=False)
-_log = logging.getLogger(__name__)
+
+def _delegate(part: str, name: str) -> property:
+    """A property of :class:`Simulation` that reads (and writes) ``name`` of its part
+    ``part``: a name the simulator has always offered, now owned by that part."""
+    def get(self):
+        return getattr(getattr(self, part), name)
+
+    def put(self, value):
+        setattr(getattr(self, part), name, value)
+    return property(get, put, doc=f"``{part}.{name}``")
 
 
-class Simulation(RoundTraining):
+class Simulation:
     """A simulated federated training run (see the module docstring).
 
     Args:
@@ -124,71 +138,21 @@ class Simulation(RoundTraining):
         config.validate()
         self.config = config
         self.device = torch.device(config.device)
-        ds = dataset if dataset is not None else load_config_dataset(config)
-        self.partition = partition if partition is not None else make_partition(config, ds)
-        if self.partition.num_clients != config.clients:
-            raise ConfigError(f"the partition has {self.partition.num_clients} clients but clients is {config.clients}")
-        self.dataset = ds.to(self.device)
-        # a lazy dataset's clients are made when sampled (LazyFederatedDataset): each round
-        # trains on its own clients' rows (_round_data), the population costs index tables
-        self._lazy = isinstance(ds, LazyFederatedDataset)
-        if self._lazy and config.corrupt_fraction > 0:
-            raise ConfigError(f"corrupt-fraction needs the whole training set in memory; dataset {ds.name!r} is "
-                              "made client by client")
-        if self._lazy and config.needs_proxy and config.proxy_source == "train":
-            raise ConfigError(f"proxy-source train needs the whole training set in memory; dataset {ds.name!r} is "
-                              "made client by client (use proxy-source test)")
-        self._round_index: Optional[dict] = None  # client -> its rows of the round's data (lazy datasets)
-        parts = self.partition.client_indices
-        self.client_indices = (DeviceIndices(parts, self.device) if isinstance(parts, CSRIndices)
-                               else [ix.to(self.device) for ix in parts])
-        self.client_sizes = torch.tensor(self.partition.sizes, dtype=torch.float64)
-        # what the clients train on: the training set with the corrupted clients' samples
-        # damaged (config.corrupt_*); self.dataset itself (test set, proxy set) stays clean
-        self.train_x, self.train_y, self.corruption = self._corrupt()
-        # attacks for testing (fl/datasets/attacks.py); labelflip's attackers train on flipped labels
-        self.attack = (Attack.build(config.attack, config.attack_fraction, config.clients, config.seed)
-                       if config.attack != "none" else None)
-        if self.attack is not None:
-            self.train_y = self.attack.poison_labels(self.train_y, self.client_indices, ds.num_classes)
+        self.population = Population(config, self.device, dataset=dataset, partition=partition,
+                                     hold_out_proxy=hold_out_proxy)
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-
-        global_model = self._make_model(model).to(self.device)
+        self.global_model = _global_model(config, self.population, model).to(self.device)
         if loss_fn is None:  # cross-entropy over the dataset's classes: one output per class
-            self._check_outputs(global_model)
-        local_model = copy.deepcopy(global_model)
-        self.global_model = global_model
-        self.x_global = flatten_parameters_(global_model)
+            _check_outputs(self.global_model, self.population)
+        local_model = copy.deepcopy(self.global_model)  # before its parameters become views of x_global
+        self.x_global = flatten_parameters_(self.global_model)
         self.numel = self.x_global.numel()
-        self.local = config.local_config()
-        self.trainer = LocalTrainer(local_model, self.loss_fn, self.train_x, self.train_y, self.local)
-        # per-client state (fl/engine/client_state.py): rows only for clients that took part, one store for
-        # every kind of it (SCAFFOLD's c_i registers "c_i"; other per-client state registers its own name)
-        self.client_state = ClientStateStore(
-            dtype=getattr(torch, config.client_state_dtype) if config.client_state_dtype else None,
-            spill_dir=config.client_state_dir)
-        self.scaffold = (ScaffoldState(config.clients, self.numel, device=self.device, dtype=self.x_global.dtype,
-                                       store=self.client_state)
-                         if self.local.scaffold else None)
-        self._buffers_layout = buffers_layout(global_model)
-        self._has_buffers = len(self._buffers_layout) > 0
-        self.buffer_rows: Optional[torch.Tensor] = None  # the clients' buffer rows, beside updates (_allocate_rounds)
-
-        self._proxy_gen = torch.Generator()
-        self.proxy_indices: Optional[torch.Tensor] = None  # into the train or test set (proxy_source)
-        self.eval_indices: Optional[torch.Tensor] = None  # test examples evaluated (None: all)
-        hold_out = config.needs_proxy if hold_out_proxy is None else bool(hold_out_proxy)
-        if config.proxy_source == "test" and (hold_out or config.needs_proxy):
-            self.proxy_indices, self.eval_indices = proxy_split(self.dataset.y_test, config.proxy_size, config.seed,
-                                                                name="the test set")
-        elif config.needs_proxy:
-            self.proxy_indices, _ = proxy_split(self.dataset.y_train, config.proxy_size, config.seed,
-                                                name="the training set", need_rest=False)
-        proxy_loader = self._proxy_loader() if config.needs_proxy else None
-        # the server and its round, with the run's components: the robust rule, DP-FedAvg, SCAFFOLD's state
-        self.server = ServerSide(config, global_model, self.x_global, proxy_loader=proxy_loader, loss_fn=self.loss_fn,
-                                 client_state=self.scaffold)
-        self.updates: Optional[torch.Tensor] = None  # the rows clients train into (_allocate_rounds)
+        self.training = self._training_part(local_model)
+        proxy_loader = self.population.proxy_loader() if config.needs_proxy else None
+        self.server = ServerSide(config, self.global_model, self.x_global, proxy_loader=proxy_loader,
+                                 loss_fn=self.loss_fn, client_state=self.training.scaffold)
+        self.evaluation = Evaluation(self.global_model, self.x_global, self.loss_fn, self.population)
+        self.left_out = LeftOutLog()  # the record's and the log's account of the clients left out
         self.round = 0
         self._elapsed = 0.0
         self.results = Results(config.to_dict(), self._meta(), self.partition.summary(), label=config.algo)
@@ -198,94 +162,16 @@ class Simulation(RoundTraining):
             self.results.meta["recipe"] = get_recipe(config.recipe).resolved(config)
         if self.corruption is not None:
             self.results.meta["corruption"] = self.corruption.to_dict()
-        # what is recorded of DP-FedAvg (fl/run/privacy.py), the attack and the robust rule
-        self.privacy = self.server.privacy
-        if self.privacy is not None:
-            self.results.meta["dp"] = self.privacy.meta()
-        if self.attack is not None:
-            self.results.meta["attack"] = self.attack.to_dict()
-        self.robust: Optional[RobustAggregator] = self.server.robust
-        # compressed updates (--compress): the clients' codec, error feedback's residuals in the store
-        codec = config.codec()
-        self.compression = (ClientCompression(codec, self.numel, config.seed, store=self.client_state,
-                                              error_feedback=config.error_feedback, backend=config.backend,
-                                              device=self.device) if codec is not None else None)
-        if self.robust is not None:
-            self.results.meta["aggregator"] = self.robust.to_dict()
-        self.batched: Optional[BatchedTrainer] = None
-        self._setup_engine()
-        # a subclass that spreads the server step over ranks (DistributedSimulation) refuses a budget
-        self._allocate_rounds(distributed=type(self)._round_replies is not Simulation._round_replies)
+        recorded = {**self.server.meta(), **({"attack": self.attack.to_dict()} if self.attack is not None else {})}
+        for key in ("dp", "attack", "aggregator"):  # DP-FedAvg, the attack, the robust rule: in the results' order
+            if key in recorded:
+                self.results.meta[key] = recorded[key]
+        self.training.setup(self.server, self.results.meta)
 
-    # ------------------------------------------------------------------ setup
-    def _make_model(self, model) -> nn.Module:
-        cfg = self.config
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(init_seed(cfg.seed))
-            if model is None:
-                opts = {"hidden": cfg.hidden} if cfg.model == "mlp" else {}
-                try:
-                    m = build_model(cfg.model, self.dataset.input_shape, self.dataset.num_classes, **opts)
-                except ValueError as exc:
-                    raise ConfigError(str(exc)) from None
-            elif isinstance(model, nn.Module):
-                m = model
-            elif callable(model):
-                m = model()
-            else:
-                raise TypeError(f"model must be an nn.Module or a callable returning one, got {type(model).__name__}")
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"the model factory returned {type(m).__name__}, not an nn.Module")
-        if not any(True for _ in m.parameters()):
-            raise ValueError("the model has no parameters")
-        return m
-
-    def _check_outputs(self, model: nn.Module) -> None:
-        """The model must give one score per class (``[batch, num_classes]``): a model
-        with more outputs trains under cross-entropy with classes that never occur, one
-        with fewer fails mid-round.  One forward of two training examples in eval mode
-        (no statistics change, no gradient)."""
-        k = self.dataset.num_classes
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = model((self.dataset.x_test if self._lazy else self.dataset.x_train)[:2])
-        except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
-            return
-        finally:
-            model.train(was_training)
-        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] != k:
-            raise ConfigError(f"the model gives {out.shape[1]} outputs per example but dataset "
-                              f"{self.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
-                              "loss_fn= for a loss that is not cross-entropy over the classes)")
-
-    def _corrupt(self):
-        """``(x_train, y_train, Corruption or None)`` the clients train on."""
-        cfg, ds = self.config, self.dataset
-        if self._lazy:  # placeholders of the right kind; a round trains on its clients' rows
-            return ds.x_test[:1], ds.y_test[:1], None
-        if cfg.corrupt_fraction == 0:
-            return ds.x_train, ds.y_train, None
-        try:
-            x, y, record = corrupt_client_data(ds.x_train, ds.y_train, self.client_indices,
-                                               fraction=cfg.corrupt_fraction, kind=cfg.corrupt_kind, seed=cfg.seed,
-                                               num_classes=ds.num_classes, noise_std=cfg.corrupt_noise_std)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return x, y, record
-
-    def _proxy_loader(self):
-        """FedLAW's proxy set (:attr:`proxy_indices`, drawn by :func:`proxy_split`): from
-        the test set (``proxy_source="test"``, [FedLAW] appendix D.2) or the pooled
-        training data (``"train"``); batches of 128 in a per-round seeded order."""
-        ds = self.dataset
-        idx = self.proxy_indices.to(self.device)
-        if self.config.proxy_source == "test":
-            data = torch.utils.data.TensorDataset(ds.x_test[idx], ds.y_test[idx])
-        else:
-            data = torch.utils.data.TensorDataset(ds.x_train[idx], ds.y_train[idx])
-        return torch.utils.data.DataLoader(data, batch_size=128, shuffle=True, generator=self._proxy_gen)
+    def _training_part(self, local_model: nn.Module) -> RoundTraining:
+        """The local-training part (the distributed simulator's spreads rounds over ranks)."""
+        return RoundTraining(self.config, self.population, self.global_model, local_model, self.x_global,
+                             self.loss_fn)
 
     def _meta(self) -> dict:
         from ... import backends
@@ -294,82 +180,61 @@ class Simulation(RoundTraining):
             backend = backends.resolve_name(self.config.backend, self.device.type)
         except Exception as exc:  # noqa: BLE001 - reported, the step would raise the same
             backend = f"unavailable ({exc})"
+        ds, pop = self.dataset, self.population
         return {"fedopt_kernels": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
                 "device": str(self.device), "backend": backend, "threads": torch.get_num_threads(),
-                "num_parameters": self.numel, "dataset": self.dataset.name, "num_train": self.dataset.num_train,
-                "num_test": self.num_eval, "input_shape": list(self.dataset.input_shape),
-                "num_classes": self.dataset.num_classes, "model": type(self.global_model).__name__,
-                "server": self.server.hyper if hasattr(self, "server") else None,
+                "num_parameters": self.numel, "dataset": ds.name, "num_train": ds.num_train,
+                "num_test": pop.num_eval, "input_shape": list(ds.input_shape), "num_classes": ds.num_classes,
+                "model": type(self.global_model).__name__, "server": self.server.hyper,
                 "weighting": self.config.resolved_weighting,
-                "proxy": ({"source": self.config.proxy_source, "size": int(self.proxy_indices.numel()),
-                           "held_out_of_test": self.eval_indices is not None}
-                          if self.proxy_indices is not None else None)}
+                "proxy": ({"source": self.config.proxy_source, "size": int(pop.proxy_indices.numel()),
+                           "held_out_of_test": pop.eval_indices is not None}
+                          if pop.proxy_indices is not None else None)}
+
+    # ------------------------------------------------------------------ the parts' names, kept
+    dataset, partition = _delegate("population", "dataset"), _delegate("population", "partition")
+    client_indices = _delegate("population", "client_indices")
+    client_sizes = _delegate("population", "client_sizes")
+    train_x, train_y = _delegate("population", "train_x"), _delegate("population", "train_y")
+    corruption, attack = _delegate("population", "corruption"), _delegate("population", "attack")
+    proxy_indices, eval_indices = _delegate("population", "proxy_indices"), _delegate("population", "eval_indices")
+    training_clients = _delegate("population", "training_clients")
+    holdout_clients = _delegate("population", "holdout_clients")
+    num_eval, _lazy = _delegate("population", "num_eval"), _delegate("population", "lazy")
+    _proxy_gen = _delegate("population", "proxy_gen")
+    trainer, local, batched = _delegate("training", "trainer"), _delegate("training", "local"), _delegate(
+        "training", "batched")
+    updates, buffer_rows = _delegate("training", "updates"), _delegate("training", "buffer_rows")
+    scaffold, compression = _delegate("training", "scaffold"), _delegate("training", "compression")
+    client_state, progress = _delegate("training", "client_state"), _delegate("training", "progress")
+    _chunk, _foldable = _delegate("training", "_chunk"), _delegate("training", "_foldable")
+    _has_buffers = _delegate("training", "_has_buffers")
+    _round_kept, _round_bad = _delegate("training", "round_kept"), _delegate("training", "round_bad")
+    privacy, robust = _delegate("server", "privacy"), _delegate("server", "robust")
+    _log_exclusions = _delegate("left_out", "enabled")  # the distributed simulator logs on rank 0 only
+
+    def _train_clients(self, round_number: int, clients: List[int], **kw):
+        """:meth:`RoundTraining.train_clients` (an instance attribute of this name
+        replaces it in tests that make a client fail)."""
+        return self.training.train_clients(round_number, clients, **kw)
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, round_number: int) -> List[int]:
-        """The round's clients; with ``holdout_clients`` drawn from the others only (the
-        same draw, mapped onto the training clients: no hold-out gives the usual sample)."""
-        pool = self.training_clients
-        picked = sample_clients(self.config.seed, round_number, len(pool), self.config.per_round)
-        return [pool[i] for i in picked]
+        """The round's clients (:meth:`Population.sample_clients`)."""
+        return self.population.sample_clients(round_number)
 
-    @property
-    def training_clients(self) -> List[int]:
-        """Every client but the held-out ones (sorted)."""
-        held = set(self.holdout_clients)
-        return [c for c in range(self.config.clients) if c not in held]
-
-    @property
-    def holdout_clients(self) -> List[int]:
-        """``config.holdout_clients`` clients drawn by the seed (round 0 of the sampling
-        stream, which no round uses), never sampled for training; :meth:`evaluate_holdout`
-        scores the global model on their data, as [FedDecay] section 4 holds out 20% of
-        the users to measure generalisation to new ones."""
-        h = self.config.holdout_clients
-        if not h:
-            return []
-        g = torch.Generator().manual_seed(sampling_seed(self.config.seed, 0))
-        return sorted(torch.randperm(self.config.clients, generator=g)[:h].tolist())
-
-    @torch.no_grad()
-    def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
-        """``(accuracy, mean loss)`` of the global model on the held-out clients' pooled
-        (uncorrupted) training data: the sample-weighted mean of their accuracies."""
-        idx = torch.cat([self.client_indices[c] for c in self.holdout_clients])
-        return self._evaluate_on(self.dataset.x_train[idx], self.dataset.y_train[idx], batch_size)
-
-    @property
-    def num_eval(self) -> int:
-        """How many test examples :meth:`evaluate` uses (the test set, less FedLAW's
-        proxy set when it is held out of it)."""
-        return self.dataset.num_test if self.eval_indices is None else int(self.eval_indices.numel())
-
-    @torch.no_grad()
     def evaluate(self, batch_size: int = 2048) -> tuple:
-        """``(accuracy, mean loss)`` of the global model on the test set (on
-        :attr:`eval_indices` when FedLAW's proxy set is held out of it)."""
-        ds = self.dataset
-        x_test, y_test = ds.x_test, ds.y_test
-        if self.eval_indices is not None:
-            idx = self.eval_indices.to(self.device)
-            x_test, y_test = x_test[idx], y_test[idx]
-        return self._evaluate_on(x_test, y_test, batch_size)
+        """``(accuracy, mean loss)`` of the global model on the test set (less FedLAW's
+        proxy set when it is held out of it)."""
+        return self.evaluation.evaluate(batch_size)
 
-    def _evaluate_on(self, x_test: torch.Tensor, y_test: torch.Tensor, batch_size: int) -> tuple:
-        model = self.global_model
-        n = y_test.shape[0]
-        was_training = model.training
-        model.eval()
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for start in range(0, n, batch_size):
-            x, y = x_test[start:start + batch_size], y_test[start:start + batch_size]
-            out = model(x)
-            loss += self.loss_fn(out, y).to(torch.float64) * y.numel()
-            correct += (out.argmax(dim=1) == y).sum()
-        model.train(was_training)
-        acc, total = torch.stack([correct.to(torch.float64), loss]).tolist()
-        return acc / n, total / n
+    def evaluate_holdout(self, batch_size: int = 2048) -> tuple:
+        """``(accuracy, mean loss)`` of the global model on the held-out clients' data."""
+        return self.evaluation.evaluate_holdout(batch_size)
+
+    def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
+        """:meth:`evaluate` of the mean of the last two global iterates (FedExP's)."""
+        return self.evaluation.evaluate_average(x_before, round_number, self.evaluate)
 
     def run_round(self, clients: Optional[List[int]] = None) -> dict:
         """Run the next round; returns (and records) its record.  ``clients``: the round's
@@ -396,23 +261,22 @@ class Simulation(RoundTraining):
                     "aggregate (a failure that hits every client is rarely the clients' own): "
                     + "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in self._round_bad))
         except BaseException:
-            if self.scaffold is not None:
-                self.scaffold.discard_round()
+            self.training.discard_round()
             raise
         with deferred_interrupts():
-            self._proxy_gen.manual_seed(proxy_order_seed(cfg.seed, r))
+            self.population.seed_proxy_order(r)
             x_before = self.x_global.detach().clone() if cfg.eval_avg_last_two else None
             if self._round_kept:
-                self._schedule_server(r)
+                self.server.schedule(r)
             # the round (fedopt_kernels.server.ServerRound): weights, aggregation, step, SCAFFOLD, buffers, record
-            replies, extra = self._round_replies(clients)
+            replies, extra = self.training.round_replies(clients, r)
             outcome = self.server.round(replies)
             record = {"round": r, "clients": clients}
             record.update(stats.summary())
             record["local_lr"] = self.local.lr_at(r - 1, 0)
             record["weight_decay"] = self.local.weight_decay_at(r - 1)
             record.update(outcome.record(extra))
-            self._record_left_out(record, self._explain_nonfinite(outcome.left_out))
+            self.left_out.record(record, outcome.left_out, self.training.round_nonfinite, bool(self._round_kept))
             if r % cfg.eval_every == 0 or r == cfg.rounds:
                 record["test_accuracy"], record["test_loss"] = self.evaluate()
                 if x_before is not None:
@@ -424,133 +288,6 @@ class Simulation(RoundTraining):
             record["wall_time"] = self._elapsed
             self.results.append(record)
         return self.results.records[-1]
-
-    def _schedule_server(self, round_number: int) -> None:
-        """FedExP's per-round settings as its authors run it: ``eps * fedexp_eps_decay^(t)``
-        in round ``t + 1`` (released main.py:308 decays eps by 0.998^2 per round) and
-        ``M * eps`` when ``fedexp_scale_eps`` (main.py:404), written into the optimizer's
-        param groups -- a closed form of the round number, so a resumed run agrees."""
-        cfg = self.config
-        if cfg.algo != "fedexp" or self.server.optimizer is None:
-            return
-        for group in self.server.optimizer.param_groups:
-            group["eps"] = cfg.fedexp_eps * cfg.fedexp_eps_decay ** (round_number - 1)
-            group["scale_eps_by_clients"] = cfg.fedexp_scale_eps
-
-    @torch.no_grad()
-    def evaluate_average(self, x_before: torch.Tensor, round_number: int) -> tuple:
-        """``(accuracy, loss)`` of ``(x_before + x_global) / 2``, the mean of the last two
-        global iterates, which FedExP's authors evaluate (released main.py:414-421 and
-        430-431: in their first round the last iterate alone).  The global model is left
-        as it was (bitwise)."""
-        if round_number == 1:
-            return self.evaluate()
-        current = self.x_global.detach().clone()
-        try:
-            self.x_global.add_(x_before).mul_(0.5)
-            return self.evaluate()
-        finally:
-            self.x_global.copy_(current)
-
-    def _record_left_out(self, record: dict, left_out: list) -> None:
-        """``left_out`` (``[client, reason]``, round order) into ``record`` when any
-        client was, and one warning naming them."""
-        if not left_out:
-            return
-        record["left_out"] = [[cid, reason] for cid, reason, _ in left_out]
-        if self._log_exclusions:
-            _log.warning("round %d left out %d of %d client(s)%s: %s", record["round"], len(left_out),
-                         len(record["clients"]), "; round skipped" if not self._round_kept else "",
-                         "; ".join(f"client {cid}: {reason} ({detail})" for cid, reason, detail in left_out))
-
-    _log_exclusions = True  # the distributed simulator logs on rank 0 only
-
-    def _explain_nonfinite(self, left_out: list) -> list:
-        """``left_out`` with the step's NaN/Inf exclusions of the clients that trained to a
-        non-finite loss or step (RoundStats.close_client) said so, instead of "NaN/Inf
-        update"; one :class:`NonFiniteClientWarning` names them.  The distributed
-        simulator's rank 0 knows this of its own clients only."""
-        if not any(reason == "nonfinite" for _, reason, _ in left_out):
-            return left_out
-        flagged = getattr(self, "_round_nonfinite", None) or []
-        flags = torch.stack([flag for _, flag in flagged]).tolist() if flagged else []
-        trained_bad = {cid for (cid, _), flag in zip(flagged, flags) if flag}
-        self._warn_nonfinite_clients([cid for cid, reason, _ in left_out if reason == "nonfinite" and cid in trained_bad])
-        return [(cid, reason, _NONFINITE_TRAINING if reason == "nonfinite" and cid in trained_bad else detail)
-                for cid, reason, detail in left_out]
-
-    def _warn_nonfinite_clients(self, clients: List[int]) -> None:
-        """One :class:`NonFiniteClientWarning` per client, the first round it trains to a
-        non-finite loss or step (the per-round log line names it every round)."""
-        warned = self.__dict__.setdefault("_nonfinite_warned", set())
-        new = [cid for cid in clients if cid not in warned]
-        if new and self._log_exclusions:
-            warned.update(new)
-            warnings.warn(NonFiniteClientWarning(
-                f"client{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}: {_NONFINITE_TRAINING}; left out of "
-                "every round where this happens (excluded_nonfinite in the records), not averaged in"), stacklevel=3)
-
-    def _round_replies(self, clients: List[int]) -> tuple:
-        """The round's replies for the server round, and the record's extras: the rows of
-        the clients that took part (``self._round_kept``; ``clients``: the round's, in
-        order), the ones left out before the step, their data sizes and buffer rows --
-        or the folded round's running sums.  Before the round the simulated clients act:
-        honest ones clip (``dp_mode="client"``), then the attackers replace their updates.
-        :class:`~fedopt_kernels.fl.run.distributed_simulation.DistributedSimulation` hands
-        over this rank's rows."""
-        kept = self._round_kept
-        buffer_fold, self._buffer_fold = self._buffer_fold, None  # a folded round's buffers
-        common = dict(clients=kept, left_out=self._round_bad, reasons=BAD_CLIENT_REASONS, order=clients)
-        if self.compression is not None:
-            return self._compressed_replies(clients, buffer_fold)
-        if not kept:  # no client left: the round is skipped, as when every update is NaN/Inf
-            return RoundReplies(None, **common), {}
-        if self._fold is not None:  # a folded chunked round: the running sums are the aggregation
-            fold, self._fold = self._fold, None
-            return RoundReplies(fold, buffers=buffer_fold, **common), {}
-        rows = self.updates[:len(kept)]
-        extra = {}
-        if self.privacy is not None:
-            self.privacy.clip_client_updates_(rows)
-        if self.attack is not None:
-            extra["attacked_clients"] = self.attack.apply_(rows, kept, self.round + 1)
-        if self.server.server.takes == "models":  # client models w_i = x - D_i, in place
-            rows.neg_().add_(self.x_global)
-        buffers = self.buffer_rows[:len(kept)] if self._has_buffers else None
-        return RoundReplies(rows, sizes=self.client_sizes[kept], buffers=buffers, **common), extra
-
-    def _compressed_replies(self, clients: List[int], buffer_fold) -> tuple:
-        """:meth:`_round_replies` of a round of compressed updates (fl/engine/compressed_updates.py):
-        the attackers replace their updates, then every client encodes its own (with its
-        error-feedback residual), and the replies are screened as they arrive -- an update
-        holding NaN/Inf left out as ``nonfinite``, a malformed reply as ``malformed``.  The
-        server decodes the rest inside its aggregation; the record gets the bytes up."""
-        kept, r = self._round_kept, self.round + 1
-        extra = {}
-        folded, self._compressed_fold = self._compressed_fold, None
-        if folded is not None:  # a folded round: the chunks were encoded and screened as they trained
-            good, out = folded
-        else:
-            rows = self.updates[:len(kept)]
-            if self.privacy is not None:  # dp_mode server only (the config refuses client clipping)
-                self.privacy.clip_client_updates_(rows)
-            if self.attack is not None:
-                extra["attacked_clients"] = self.attack.apply_(rows, kept, r)
-            replies, nonfinite = self.compression.encode(rows, kept, r)
-            good, malformed = self.compression.screen(replies)
-            out = nonfinite + malformed
-        extra.update(self.compression.record(good))
-        position = {cid: i for i, cid in enumerate(kept)}
-        rows_in = [position[cid] for cid, _ in good]
-        common = dict(clients=[cid for cid, _ in good], left_out=list(self._round_bad) + out,
-                      reasons=COMPRESSED_REASONS, order=clients)
-        if not good:
-            return RoundReplies(None, **common), extra
-        buffers = buffer_fold
-        if buffers is None and self._has_buffers:
-            buffers = self.buffer_rows[:len(kept)][torch.tensor(rows_in, device=self.device)]
-        return RoundReplies(self.compression.round_replies(good, r), sizes=self.client_sizes[[cid for cid, _ in good]],
-                            buffers=buffers, **common), extra
 
     def run(self, rounds: Optional[int] = None, *, callback: Optional[Callable[[dict, "Simulation"], None]] = None
             ) -> Results:
@@ -579,11 +316,30 @@ class Simulation(RoundTraining):
                 callback(record, self)
         return self.results
 
+    # ------------------------------------------------------------------ the parts' names, kept
+    dataset = _delegate("population", "dataset")
+    partition = _delegate("population", "partition")
+    client_indices = _delegate("population", "client_indices")
+    client_sizes = _delegate("population", "client_sizes")
+    train_x = _delegate("population", "train_x")
+    train_y = _delegate("population", "train_y")
+    corruption = _delegate("population", "corruption")
+    attack = _delegate("population", "attack")
+    proxy_indices = _delegate("population", "proxy_indices")
+    eval_indices = _delegate("population", "eval_indices")
+    training_clients = _delegate("population", "training_clients")
+    holdout_clients = _delegate("population", "holdout_clients")
+    num_eval = _delegate("population", "num_eval")
+    _lazy = _delegate("population", "lazy")
+    _proxy_gen = _delegate("population", "proxy_gen")
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything needed to continue this run: tensors and plain Python values only,
         so ``torch.save`` / ``torch.load(..., weights_only=True)`` round-trip it.  Its
-        tensors are copies: later rounds do not change a state dict kept in memory."""
+        tensors are copies: later rounds do not change a state dict kept in memory.  The
+        keys (:mod:`.checkpoint`) are those of every earlier version."""
+        server, clients = self.server.checkpoint(), self.training.state_dict()
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
@@ -591,68 +347,72 @@ class Simulation(RoundTraining):
             "elapsed": self._elapsed,
             "x_global": self.x_global.detach().clone(),
             "buffers": buffers_to_vector(self.global_model) if self._has_buffers else None,
-            "server": _detached_copy(self.server.state_dict()),  # not the live optimizer state
-            "scaffold": ({k: v.clone() for k, v in self.scaffold.state_dict().items()}
-                         if self.scaffold is not None else None),
+            "server": server["server"],
+            "scaffold": clients["scaffold"],
             "results": self.results.to_dict(),
-            "dp": self.privacy.state_dict() if self.privacy is not None else None,  # the DP clip and rounds so far
-            # the robust rule's rounds and centered clipping's reference point (the previous aggregate)
-            "robust": self.robust.state_dict() if self.robust is not None else None,
-            # carry_momentum: each client's local momentum buffers (they carry into its next round)
-            "local_momentum": ({int(c): [b.detach().clone() for b in bufs]
-                                for c, bufs in self.trainer.momentum_buffers.items()}
-                               if self.trainer.momentum_buffers else None),
-            # --error-feedback: each client's residual (what its replies lost so far)
-            "error_feedback": self.compression.state_dict() if self.compression is not None else None,
+            "dp": server["dp"],
+            "robust": server["robust"],
+            "local_momentum": clients["local_momentum"],
+            "error_feedback": clients["error_feedback"],
         }
-
-    _RESUMABLE = ("rounds", "eval_every", "device", "backend", "engine", "client_batch", "on_bad_client",
-                  "client_state_dir", "memory_budget")
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a run of the same settings; ``rounds``,
         ``eval_every``, ``device``, ``backend``, ``engine``, ``client_batch``,
         ``on_bad_client``, ``client_state_dir`` and ``memory_budget`` may differ)."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"checkpoint version {state.get('version')!r} is not {STATE_VERSION}")
-        mine = self.config.to_dict()
-        for key, value in state["config"].items():
-            if key not in self._RESUMABLE and mine.get(key) != value:
-                raise ValueError(f"the checkpoint was made with {key}={value!r}, this run has {mine.get(key)!r}")
-        for key, default in _COMPRESS_DEFAULTS.items():  # a checkpoint older than --compress ran without it
-            if key not in state["config"] and mine[key] != default:
-                raise ValueError(f"the checkpoint was made with {key}={default!r} (before the setting existed), "
-                                 f"this run has {mine[key]!r}")
+        check_resumable(state, self.config)
         with torch.no_grad():
             self.x_global.copy_(state["x_global"])
             if self._has_buffers and state.get("buffers") is not None:
                 vector_to_buffers(state["buffers"].to(self.device), self.global_model)
-        self.server.load_state_dict(state["server"])
-        if self.scaffold is not None:
-            self.scaffold.load_state_dict(state["scaffold"])
-        if self.privacy is not None and state.get("dp") is not None:
-            self.privacy.load_state_dict(state["dp"])
-        if self.robust is not None and state.get("robust") is not None:
-            self.robust.load_state_dict(state["robust"])
-        if state.get("local_momentum"):
-            self.trainer.momentum_buffers = {int(c): [b.to(self.device).clone() for b in bufs]
-                                             for c, bufs in state["local_momentum"].items()}
-        if self.compression is not None:
-            self.compression.load_state_dict(state.get("error_feedback"))
+        self.server.load_checkpoint(state)
+        self.training.load_state_dict(state)
         self.round = int(state["round"])
         self._elapsed = float(state.get("elapsed", 0.0))
         res = Results.from_dict(state["results"])
         self.results.records = [r for r in res.records if r["round"] <= self.round]
 
 
-def _detached_copy(value):
-    """``value`` with every tensor in it (nested dicts, lists, tuples) cloned: a state
-    dict that later rounds do not change under its holder."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _detached_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detached_copy(v) for v in value)
-    return value
+# ---------------------------------------------------------------------------- the global model
+def _global_model(cfg: SimulationConfig, population: Population, model) -> nn.Module:
+    """The global model: ``model`` (a module or a factory of one) or ``cfg.model``, made
+    under the seed's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed(cfg.seed))
+        if model is None:
+            opts = {"hidden": cfg.hidden} if cfg.model == "mlp" else {}
+            try:
+                m = build_model(cfg.model, population.dataset.input_shape, population.dataset.num_classes, **opts)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        elif isinstance(model, nn.Module):
+            m = model
+        elif callable(model):
+            m = model()
+        else:
+            raise TypeError(f"model must be an nn.Module or a callable returning one, got {type(model).__name__}")
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"the model factory returned {type(m).__name__}, not an nn.Module")
+    if not any(True for _ in m.parameters()):
+        raise ValueError("the model has no parameters")
+    return m
 
+def _check_outputs(model: nn.Module, population: Population) -> None:
+    """The model must give one score per class (``[batch, num_classes]``): a model
+    with more outputs trains under cross-entropy with classes that never occur, one
+    with fewer fails mid-round.  One forward of two training examples in eval mode
+    (no statistics change, no gradient)."""
+    k = population.dataset.num_classes
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model((population.dataset.x_test if population.lazy else population.dataset.x_train)[:2])
+    except Exception:  # noqa: BLE001 - the model's own error shows in the first round as before
+        return
+    finally:
+        model.train(was_training)
+    if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] != k:
+        raise ConfigError(f"the model gives {out.shape[1]} outputs per example but dataset "
+                          f"{population.dataset.name!r} has {k} classes: make its last layer {k} wide (or pass "
+                          "loss_fn= for a loss that is not cross-entropy over the classes)")

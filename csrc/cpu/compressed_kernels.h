@@ -32,7 +32,7 @@ constexpr int64_t kLanes = 16;
 typedef float F32xL __attribute__((vector_size(4 * kLanes)));
 
 #if FEDOPT_CK_ISA == 512
-constexpr int64_t kTileVecs = 4;  // 4 zmm accumulators; more measured no faster
+constexpr int64_t kTileVecs = 4;  // 4 zmm accumulators; 8 measured slower (int8 2.0-2.3x the floor against 3.1)
 #elif FEDOPT_CK_ISA == 2
 constexpr int64_t kTileVecs = 2;  // 4 ymm
 #else
@@ -41,8 +41,10 @@ constexpr int64_t kTileVecs = 1;  // 4 xmm of SSE's 16
 constexpr int64_t kTile = kTileVecs * kLanes;
 // Each client's codes are prefetched this many columns ahead of its tile: C interleaved
 // streams are more than the hardware prefetcher follows (measured on Zen 5, C = 20,
-// AVX-512, one thread: int8 ~1.6x faster with it; 256 to 2048 columns about the same).
-constexpr int64_t kPrefetchColumns = 512;
+// AVX-512, one thread: int8 ~1.6x faster with it).  1024 columns against 512: int8 at
+// 3.4-4.0x the fp32 floor against 3.1-3.2x in three paired runs, 2048 no better (loads
+// 13-21: a hint, not a measurement of the idle machine).
+constexpr int64_t kPrefetchColumns = 1024;
 
 // fp8_bits_note: an e4m3fn code b (sign s, v = b & 0x7F) decodes exactly, without the
 // table gather that made the tile loop slower than the fp32 floor (0.84x, Zen 5): v >= 8
@@ -156,7 +158,10 @@ constexpr bool kInt4Table = false;
 // block's table of s * q.
 template <int kKind>
 inline F32xL block_scale(float s) {
-  F32xL sv = F32xL{} + s;
+  // a broadcast, written out (0 + s would turn -0 into +0; a loop of lane stores went
+  // through the stack and made the tile loop 2x slower)
+  static_assert(kLanes == 16, "the broadcast below names 16 lanes");
+  F32xL sv = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
   if (kKind == 1 && kInt4Table) {
     const F32xL q = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, -8.0f, -7.0f, -6.0f, -5.0f, -4.0f, -3.0f, -2.0f, -1.0f};
     sv = sv * q;

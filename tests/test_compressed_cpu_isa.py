@@ -1,6 +1,7 @@
 """The C++ CPU decode-aggregate (``fedopt_C::block_decode_aggregate``) where the contract
 suite's sizes do not reach: a whole chunk of columns and a partial one, a block (96) that the register
-tile (16 / 32 / 64 columns) straddles, a ragged end, a client of weight 0 -- against
+tile (16 / 32 / 64 columns) straddles and one (256) that holds whole tiles (one scale per tile),
+a ragged end, a client of weight 0, every int4 and fp8 code -- against
 independent oracles, and BIT FOR BIT the same under every instruction set it is built
 for (DEFAULT, AVX2, AVX-512: one subprocess per ``ATEN_CPU_CAPABILITY``,
 tests/_cpu_isa.py).
@@ -30,12 +31,12 @@ W = [0.5, 0.0, 0.25, 1.0]
 pytestmark = pytest.mark.usefixtures("cpu_extension")
 
 
-def _replies(codec):
+def _replies(codec, block=BLOCK):
     g = torch.Generator().manual_seed(7)
     # exact in fp32 (torch.randn's bits differ between instruction sets)
     xs = torch.randint(-(2 ** 22), 2 ** 22, (len(W), N), generator=g).float() / 2 ** 21
-    xs[2, 1000:1096] = 0.0  # a block of zeros: scale 0
-    return [C.encode(xs[i], codec, block=BLOCK, key=5, client=i) for i in range(len(W))]
+    xs[2, 1056:1152] = 0.0  # a block of zeros (of 96; half of one of 256): scale 0
+    return [C.encode(xs[i], codec, block=block, key=5, client=i) for i in range(len(W))]
 
 
 def _every_fp8_code():
@@ -51,14 +52,30 @@ def _fp8_out_bits(backend):
     return out.view(torch.int32)
 
 
+def _every_int4_code():
+    """Every byte (so every pair of 4-bit codes, -8 included, which the encoder never
+    writes) twice, in four blocks of 128 with scales 1, 2^-3, 0.3 (inexact products) and a
+    subnormal one: the AVX-512 loop decodes int4 through a table of s * q per block."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2)
+    scales = torch.tensor([1.0, 0.125, 0.3, 1e-40])
+    return C.CompressedUpdate("int4", 1024, codes, scales=scales, block=256)
+
+
+def _int4_out_bits(backend):
+    out, st = C.decode_aggregate([_every_int4_code()], torch.tensor([1.0]), gamma=1.0,
+                                 nonfinite="propagate", backend=backend)
+    return out.view(torch.int32), st.client_sq_norms
+
+
 def cases(dtype):
     """Every codec's (out, client_sq_norms, sq_norm) on the CPU backend, and the bits of
     every fp8 code decoded."""
-    res = [_fp8_out_bits("cpu")]
+    res = [_fp8_out_bits("cpu"), *_int4_out_bits("cpu")]
     for codec in CODECS:
-        out, st = C.decode_aggregate(_replies(codec), torch.tensor(W, dtype=dtype), gamma=0.5,
-                                     nonfinite="propagate", backend="cpu")
-        res += [out, st.client_sq_norms, st.sq_norm]
+        for block in (BLOCK, 256):
+            out, st = C.decode_aggregate(_replies(codec, block), torch.tensor(W, dtype=dtype), gamma=0.5,
+                                         nonfinite="propagate", backend="cpu")
+            res += [out, st.client_sq_norms, st.sq_norm]
     return res
 
 
@@ -74,17 +91,18 @@ def _lane_sum(v: np.ndarray) -> np.float32:
     return lanes[0]
 
 
-def _chunked(v: np.ndarray) -> np.float32:
-    cols = BLOCK * (65536 // BLOCK)
+def _chunked(v: np.ndarray, block: int) -> np.float32:
+    cols = block * (65536 // block)
     total = np.float32(0)
     for j0 in range(0, len(v), cols):
         total = np.float32(total + _lane_sum(v[j0:j0 + cols]))
     return total
 
 
+@pytest.mark.parametrize("block", [BLOCK, 256])
 @pytest.mark.parametrize("codec", CODECS)
-def test_chunks_against_the_dense_aggregate_and_the_lane_order(codec):
-    replies = _replies(codec)
+def test_chunks_against_the_dense_aggregate_and_the_lane_order(codec, block):
+    replies = _replies(codec, block)
     w = torch.tensor(W)
     out, st = C.decode_aggregate(replies, w, gamma=0.5, nonfinite="propagate", backend="cpu")
     rows = torch.stack([C.decode(r) for r in replies])
@@ -94,9 +112,9 @@ def test_chunks_against_the_dense_aggregate_and_the_lane_order(codec):
     for wi, row in zip(W, rows.numpy()):
         if wi != 0.0:
             acc = acc + np.float32(wi) * row
-    expect_q = [_chunked(row) for row in rows.numpy()]
+    expect_q = [_chunked(row, block) for row in rows.numpy()]
     assert st.client_sq_norms.tolist() == [float(q) for q in expect_q]
-    assert float(st.sq_norm) == float(_chunked(acc))
+    assert float(st.sq_norm) == float(_chunked(acc, block))
     assert np.array_equal(out.numpy(), np.float32(0.5) * acc)
 
 
@@ -108,6 +126,20 @@ def test_every_fp8_code_decodes_to_python_ref_s_bits():
     codes = _every_fp8_code().codes
     expect = torch.cat([codes[:256].float(), codes[256:].float() * 0.125]) + 0.0
     assert torch.equal(got, expect.view(torch.int32))
+
+
+def test_every_int4_code_decodes_to_python_ref_s_bits():
+    got, q = _int4_out_bits("cpu")
+    ref, _ = _int4_out_bits("reference")
+    assert torch.equal(got, ref)
+    # and to the definition: byte m holds code 2m in its low nibble, 2m + 1 in its high one,
+    # each a signed 4-bit integer, times its block's scale (a sum from 0 makes -0.0 +0.0)
+    b = torch.arange(256).repeat(2)
+    q4 = torch.stack([b & 15, b >> 4], dim=1).reshape(-1)
+    q4 = torch.where(q4 >= 8, q4 - 16, q4).float()
+    expect = q4 * _every_int4_code().scales.repeat_interleave(256) + 0.0
+    assert torch.equal(got, expect.view(torch.int32))
+    assert q.tolist() == [float(_chunked(expect.numpy(), 256))]
 
 
 @pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "default"])

@@ -32,7 +32,7 @@ constexpr int64_t kLanes = 16;
 typedef float F32xL __attribute__((vector_size(4 * kLanes)));
 
 #if FEDOPT_CK_ISA == 512
-constexpr int64_t kTileVecs = 4;  // 4 zmm accumulators; more measured no faster
+constexpr int64_t kTileVecs = 4;  // 4 zmm accumulators; 8 measured slower (int8 2.0-2.3x the floor against 3.1)
 #elif FEDOPT_CK_ISA == 2
 constexpr int64_t kTileVecs = 2;  // 4 ymm
 #else
@@ -41,8 +41,10 @@ constexpr int64_t kTileVecs = 1;  // 4 xmm of SSE's 16
 constexpr int64_t kTile = kTileVecs * kLanes;
 // Each client's codes are prefetched this many columns ahead of its tile: C interleaved
 // streams are more than the hardware prefetcher follows (measured on Zen 5, C = 20,
-// AVX-512, one thread: int8 ~1.6x faster with it; 256 to 2048 columns about the same).
-constexpr int64_t kPrefetchColumns = 512;
+// AVX-512, one thread: int8 ~1.6x faster with it).  1024 columns against 512: int8 at
+// 3.4-4.0x the fp32 floor against 3.1-3.2x in three paired runs, 2048 no better (loads
+// 13-21: a hint, not a measurement of the idle machine).
+constexpr int64_t kPrefetchColumns = 1024;
 
 // fp8_bits_note: an e4m3fn code b (sign s, v = b & 0x7F) decodes exactly, without the
 // table gather that made the tile loop slower than the fp32 floor (0.84x, Zen 5): v >= 8
@@ -138,13 +140,56 @@ inline float decode1(const uint8_t* codes, int64_t j, const float* lut) {
   return lut[codes[j]];
 }
 
-// lanes += x^2 and (kAdd) a[v] = a[v] + w x for the kTileVecs vectors of one client's tile.
-template <int kKind, bool kAdd>
-inline void tile_client(const uint8_t* __restrict__ c, const float* __restrict__ s, const int64_t* sidx, int64_t t0,
-                        float w, const float* __restrict__ lut, F32xL& lanes, F32xL* a) {
+// int4_table_note: on AVX-512 a 4-bit code is decoded by a lookup, not a convert and a
+// multiply: the block's 16 values s * q (q = -8 .. 7, each one fp32 multiply, so the very
+// bits of s * float(q)) are one zmm, and vpermps picks lane q's value by the low 4 bits of
+// each dword.  The codes reach those bits with vpmovzxbq (byte m -> qword m) and one
+// vpmuludq by 2^28 + 1 (byte m at bits 0 and 28 of qword m: dword 2m holds the low nibble,
+// dword 2m + 1 the high one, in its low 4 bits): 3 instructions per 16 codes where the
+// shift-and-convert took 7 (perf annotate, Zen 5).  The rest of the element's arithmetic
+// (x^2, w x, the two adds) is unchanged.
+#if FEDOPT_CK_ISA == 512
+constexpr bool kInt4Table = true;
+#else
+constexpr bool kInt4Table = false;
+#endif
+
+// What x = s * q of a block needs per vector: s in every lane, or (int4_table_note) the
+// block's table of s * q.
+template <int kKind>
+inline F32xL block_scale(float s) {
+  // a broadcast, written out (0 + s would turn -0 into +0; a loop of lane stores went
+  // through the stack and made the tile loop 2x slower)
+  static_assert(kLanes == 16, "the broadcast below names 16 lanes");
+  F32xL sv = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+  if (kKind == 1 && kInt4Table) {
+    const F32xL q = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, -8.0f, -7.0f, -6.0f, -5.0f, -4.0f, -3.0f, -2.0f, -1.0f};
+    sv = sv * q;
+  }
+  return sv;
+}
+
+// x = s * q of the 16 codes of elements t .. t + 15, with sv = block_scale(s).
+template <int kKind>
+inline F32xL scaled16(const uint8_t* __restrict__ codes, int64_t t, F32xL sv, const float* __restrict__ lut) {
+#if FEDOPT_CK_ISA == 512
+  if (kKind == 1) {  // int4_table_note
+    const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + t / 2)));
+    const __m512i idx = _mm512_mul_epu32(b, _mm512_set1_epi64((int64_t(1) << 28) + 1));
+    return (F32xL)_mm512_permutexvar_ps(idx, (__m512)sv);
+  }
+#endif
+  return sv * decode16<kKind>(codes, t, lut);
+}
+
+// lanes += x^2 and (kAdd) a[v] = a[v] + w x for the kTileVecs vectors of one client's tile;
+// sv[v]: the scale of vector v's block (kOneScale: sv[0] for all).
+template <int kKind, bool kAdd, bool kOneScale>
+inline void tile_client(const uint8_t* __restrict__ c, const F32xL* sv, int64_t t0, float w,
+                        const float* __restrict__ lut, F32xL& lanes, F32xL* a) {
 #pragma GCC unroll 8
   for (int64_t v = 0; v < kTileVecs; ++v) {
-    const F32xL x = s[sidx[v]] * decode16<kKind>(c, t0 + v * kLanes, lut);
+    const F32xL x = scaled16<kKind>(c, t0 + v * kLanes, sv[kOneScale ? 0 : v], lut);
     lanes = lanes + x * x;
     if (kAdd) a[v] = a[v] + w * x;
   }
@@ -153,7 +198,7 @@ inline void tile_client(const uint8_t* __restrict__ c, const float* __restrict__
 // The chunk [j0, j0 + len) of C clients (codes[i], scales[i]: the whole reply); lanes
 // [C][kLanes] (zero on entry) take each client's v^2, tot_lanes (zero on entry) acc^2;
 // acc: scratch of len floats; out: the chunk's output.
-template <int kKind>
+template <int kKind, bool kOneScale>
 inline void decode_chunk_kind(int64_t C, const uint8_t* const* codes, const float* const* scales, const float* w,
                               int64_t block, int64_t j0, int64_t len, const float* __restrict__ lut, float gamma,
                               float* __restrict__ lanes, float* __restrict__ tot_lanes, float* __restrict__ acc,
@@ -164,18 +209,19 @@ inline void decode_chunk_kind(int64_t C, const uint8_t* const* codes, const floa
   for (int64_t k = 0; k < nt; ++k) {
     const int64_t t0 = j0 + k * kTile;
     const int64_t pf = t0 + kPrefetchColumns < j0 + len ? t0 + kPrefetchColumns : j0 + len - 1;  // in bounds
-    int64_t sidx[kTileVecs];
-    for (int64_t v = 0; v < kTileVecs; ++v) sidx[v] = (t0 + v * kLanes) / block;
     F32xL a[kTileVecs];
     for (int64_t v = 0; v < kTileVecs; ++v) a[v] = F32xL{} ;
     for (int64_t i = 0; i < C; ++i) {
       __builtin_prefetch(codes[i] + (kKind == 1 ? pf / 2 : pf));
+      F32xL sv[kOneScale ? 1 : kTileVecs];
+      for (int64_t v = 0; v < (kOneScale ? 1 : kTileVecs); ++v)
+        sv[v] = block_scale<kKind>(scales[i][(t0 + v * kLanes) / block]);
       F32xL ln;
       __builtin_memcpy(&ln, lanes + i * kLanes, sizeof(ln));
       if (w[i] != 0.0f) {
-        tile_client<kKind, true>(codes[i], scales[i], sidx, t0, w[i], lut, ln, a);
+        tile_client<kKind, true, kOneScale>(codes[i], sv, t0, w[i], lut, ln, a);
       } else {
-        tile_client<kKind, false>(codes[i], scales[i], sidx, t0, w[i], lut, ln, a);
+        tile_client<kKind, false, kOneScale>(codes[i], sv, t0, w[i], lut, ln, a);
       }
       __builtin_memcpy(lanes + i * kLanes, &ln, sizeof(ln));
     }
@@ -227,13 +273,20 @@ inline void decode_chunk_kind(int64_t C, const uint8_t* const* codes, const floa
 inline void decode_chunk(int kind, int64_t C, const uint8_t* const* codes, const float* const* scales,
                          const float* w, int64_t block, int64_t j0, int64_t len, const float* lut, float gamma,
                          float* lanes, float* tot_lanes, float* acc, float* out) {
+  // Every tile in one block (the chunk starts at a block boundary): one scale per client
+  // and tile, fetched once.
+  const bool one = block % kTile == 0;
+#define FEDOPT_CK_CHUNK(K)                                                                                       \
+  (one ? decode_chunk_kind<K, true>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out) \
+       : decode_chunk_kind<K, false>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out))
   if (kind == 0) {
-    decode_chunk_kind<0>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out);
+    FEDOPT_CK_CHUNK(0);
   } else if (kind == 1) {
-    decode_chunk_kind<1>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out);
+    FEDOPT_CK_CHUNK(1);
   } else {
-    decode_chunk_kind<2>(C, codes, scales, w, block, j0, len, lut, gamma, lanes, tot_lanes, acc, out);
+    FEDOPT_CK_CHUNK(2);
   }
+#undef FEDOPT_CK_CHUNK
 }
 
 // The fixed tree of sum_squares over kLanes lanes.

@@ -99,7 +99,7 @@ def _codec_stats(clients, *args):
 
 def _block_quantize(x, kind, block, *_):
     n = x.numel()
-    codes = x.new_empty(((n + 1) // 2 if kind == 1 else n,), dtype=torch.uint8 if kind == 1 else torch.int8)
+    codes = x.new_empty(((n + 1) // 2 if kind == 1 else n,), dtype=torch.int8 if kind == 0 else torch.uint8)
     return codes, x.new_empty((-(-n // block),), dtype=torch.float32)
 
 

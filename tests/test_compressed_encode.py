@@ -3,7 +3,9 @@
 against python_ref.compression.fp8_encode bit for bit -- scales and every code -- and
 against hand-computed cases: every one of the 256 codes reached, ties rounded to even
 (normal and subnormal), zeros, an all-zero block, Inf and NaN input, fp16/bf16/fp64
-input, odd sizes, a tail block, empty."""
+input, odd sizes, a tail block, empty.  Then the top-k encode (``topk_encode``: a C++ selection on
+the CPU) against python_ref's stable sort: ties, NaN, +-0, +-Inf, k = 0 and k = N, odd
+sizes, fp16/bf16/fp64."""
 
 from __future__ import annotations
 
@@ -47,19 +49,22 @@ def every_code_input() -> torch.Tensor:
     nan_block = torch.zeros(256)
     nan_block[0] = float("nan")
     nan_block[1] = -float("nan")
-    nan_block[2:] = torch.linspace(-3, 3, 254)
+    nan_block[2:] = (torch.arange(254) - 127) / 64
     return torch.cat([vals, nan_block])
 
 
 def edge_input(N: int, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(N)
-    x = (torch.randn(N, generator=g) * torch.logspace(-3, 3, N)).to(dtype) if N else torch.zeros(0, dtype=dtype)
+    # exact in fp32 and the same under every instruction set (torch.randn's bits are not):
+    # 23-bit mantissas times powers of two over a wide range of magnitudes
+    mant = torch.randint(-(2 ** 22), 2 ** 22, (N,), generator=g).float() / 2 ** 21
+    x = (mant * torch.ldexp(torch.ones(N), torch.randint(-12, 12, (N,), generator=g))).to(dtype)
     if N > 500:
         x[96:192] = 0.0  # an all-zero block: scale 0, codes +0 (also for a -0.0)
         x[100] = -0.0
         x[192:288] = torch.tensor(1e-40).to(dtype)  # fp32 subnormals (0 in fp16/bf16)
         x[200] = -1e-39
-        x[288:384] = torch.linspace(-1, 1, 96).to(dtype)
+        x[288:384] = ((torch.arange(96) - 48) / 32).to(dtype)  # exact (linspace's last bit depends on the ISA)
         x[300] = float("inf")  # scale +Inf: Inf / Inf is NaN, the rest / Inf is +-0
         x[400] = float("nan")  # scale NaN: every code of the block a NaN code
         x[480] = -float("inf")
@@ -132,3 +137,42 @@ def test_fp8_refuses_stochastic_and_the_raw_op_checks_its_kind(cpu_extension):
         torch.ops.fedopt_C.block_quantize(x, 2, 32, True, 0, 0)
     with pytest.raises(RuntimeError, match=r"kind must be 0 \(int8\), 1 \(int4\) or 2 \(fp8\)"):
         torch.ops.fedopt_C.block_quantize(x, 3, 32, False, 0, 0)
+
+
+# --------------------------------------------------------------------------------------
+# top-k: the C++ CPU selection (fedopt_C::topk_encode), python_ref's sort elsewhere
+
+
+def topk_input(N: int, dtype) -> torch.Tensor:
+    """Values with many ties (|x| from a few levels, both signs), +-0, +-Inf, NaNs."""
+    g = torch.Generator().manual_seed(N + 1)
+    levels = torch.tensor([0.0, 0.25, 1.0, 3.0, 1e-3])
+    x = levels[torch.randint(0, 5, (N,), generator=g)] * torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0)
+    if N > 40:
+        x[3], x[17], x[30] = float("nan"), -float("nan"), float("inf")
+        x[11], x[12] = -float("inf"), -0.0
+        x[20:25] = torch.randn(5, generator=g) * 10
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_fused_topk_encode_gives_python_refs_bits(backend, dtype):
+    name, device = backend
+    for N in (0, 1, 7, 263, 1000 + 3):
+        x = topk_input(N, dtype)
+        for k in sorted(k for k in {0, 1, 2, 3, 4, 5, N // 3, N - 1, N} if 0 <= k <= N):
+            r = C.encode(x.to(device), "topk", k=k, backend=name)
+            values, indices = P.topk_encode(x, k)
+            assert torch.equal(r.indices.cpu(), indices), (name, N, k)
+            assert torch.equal(r.codes.cpu().view(torch.int32), values.view(torch.int32)), (name, N, k)
+
+
+def test_topk_hand_computed_ties_nan_and_zeros(backend):
+    """By hand: NaN ranks above +-Inf, equal magnitudes go to the lower index, -0 ties +0."""
+    name, device = backend
+    x = torch.tensor([1.0, -2.0, 2.0, float("nan"), -float("inf"), 0.0, -0.0, -1.0, 2.0])
+    for k, want in ((1, [3]), (2, [3, 4]), (3, [1, 3, 4]), (5, [1, 2, 3, 4, 8]), (7, [0, 1, 2, 3, 4, 7, 8]),
+                    (8, [0, 1, 2, 3, 4, 5, 7, 8])):
+        r = C.encode(x.to(device), "topk", k=k, backend=name)
+        assert r.indices.cpu().tolist() == want, (name, k)
+        assert torch.equal(r.codes.cpu().view(torch.int32), x[want].view(torch.int32)), (name, k)

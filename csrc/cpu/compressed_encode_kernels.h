@@ -5,7 +5,7 @@
 constexpr int64_t kFp8Lanes = 16;  // one zmm of fp32; the amax below is per lane, then folded
 
 // Codes (float8_e4m3fn bits) of the `len` values x[0, len) of one block: the scale
-// s = max|x| / 448 (returned; NaN when the block holds a NaN, +Inf when it holds an Inf
+// s = max|x| / 448 (returned; the quiet NaN when the block holds a NaN, +Inf when it holds an Inf
 // and no NaN), t = x / s (+0 when s == 0), clamped to [-448, 448] with a NaN kept (the
 // NaN code 0x7F / 0xFF, with the sign of the NaN the division gave, as torch's division
 // gives it on this CPU), then rounded to e4m3fn half to even (fp8_e4m3.h).
@@ -26,6 +26,9 @@ inline float fp8_encode_block(const float* x, int64_t len, uint8_t* codes) {
   }
   float amax = lanes[0];
   for (int64_t l = 1; l < kFp8Lanes; ++l) amax = lanes[l] > amax || lanes[l] != lanes[l] ? lanes[l] : amax;
+  // torch's amax returns the canonical quiet NaN whatever NaN the block holds (a bf16 NaN
+  // widens to 0x7FFF0000): so does this, for the scale's bits to be python_ref's
+  if (amax != amax) amax = fp8::bits_float(0x7FC00000u);
   const float s = amax / 448.0f;
   const float safe = s == 0.0f ? 1.0f : s;  // python_ref divides by 1 where s == 0 and then takes 0
   for (int64_t u = 0; u < len; ++u) {

@@ -15,9 +15,9 @@
     The same for top-k replies: ``values[i]`` float32 ``[k_i]`` at ``indices[i]`` int64
     ``[k_i]`` (strictly increasing in ``[0, numel)``).
 
-``block_quantize``: the client's fused block encode (int8, int4, fp8).  ``encode_topk``:
-python_ref's torch formulation, on the update's device, for every backend (no fused
-top-k encode yet; docs/compression.md).
+``block_quantize``: the client's fused block encode (int8, int4, fp8).  ``topk_encode``:
+fused on the CPU; python_ref's torch formulation on the update's device for triton and
+cuda (docs/compression.md).
 
 As :mod:`.robust`, the table here is looked up after
 :func:`fedopt_kernels.backends.resolve` has checked (and loaded) the backend.
@@ -227,8 +227,25 @@ def topk_decode_aggregate(name: str) -> Callable:
 topk_k = _ref.topk_k  # how many values top-k keeps of n: ceil(fraction n), at least 1
 
 
-def encode_topk(x: torch.Tensor, k: int):
-    return _ref.topk_encode(x.reshape(-1), k)
+def _torch_topk_encode(x, k):
+    """python_ref's formulation (a stable sort of |x|) on the update's device."""
+    return _ref.topk_encode(x, int(k))
+
+
+def _cpp_topk_encode(x, k):
+    return torch.ops.fedopt_C.topk_encode(x, int(k))
+
+
+# The client's top-k encode: fused (a selection, not a sort) in C++ on the CPU; python_ref's
+# torch code on its device for triton and cuda (no fused kernel there yet: docs/compression.md).
+_TOPK_ENCODE = {"reference": _torch_topk_encode, "cpu": _cpp_topk_encode, "cuda": _torch_topk_encode,
+                "triton": _torch_topk_encode}
+
+
+def topk_encode(name: str) -> Callable:
+    """Backend ``name``'s ``topk_encode(x, k) -> (values float32 [k], indices int64 [k]
+    ascending)``: the k largest ``|x|``, a tie to the lower index (python_ref's bits)."""
+    return _TOPK_ENCODE[name]
 
 
 def decode_block(codes, scales, codec: str, block: int, numel: int) -> torch.Tensor:

@@ -101,7 +101,8 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
             k = _codec.topk_k(n, float(fraction))
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
             raise ValueError(f"k must be an int in [0, {n}], got {k!r}")
-        values, indices = _codec.encode_topk(update, k)
+        V.check_backend(backend)
+        values, indices = _dispatch.kernel("topk_encode", backend, update.device)(update.reshape(-1), k)
         return CompressedUpdate("topk", n, values, indices=indices)
     if stochastic and codec == "fp8":
         raise ValueError("stochastic rounding is defined for int8 and int4, not fp8")

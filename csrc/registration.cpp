@@ -140,8 +140,14 @@ TORCH_LIBRARY(fedopt_C, m) {
   // int4), codes round(x / s_b) half to even, or with `stochastic` floor(t) + [u < t -
   // floor(t)] with u of Philox4x32-10(key, (j, client, 0x51)) (key in [0, 2^63)); clamped
   // to [-Q, Q], NaN codes 0.  Returns (codes int8 [N] or uint8 [ceil(N/2)], scales float32
-  // [ceil(N/block)]): python_ref.compression.quantize's bits.  (CPU only for now.)
+  // [ceil(N/block)]): python_ref.compression.quantize's bits.  Kind 2 is fp8 (e4m3fn):
+  // s_b = max|x_b| / 448, codes e4m3fn(clamp(x / s_b, +-448)) half to even (+0 where s_b
+  // is 0), returned as uint8 bits [N] (stochastic must be false): python_ref's fp8_encode.
   m.def("block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) -> (Tensor, Tensor)");
+  // Top-k encode: the k largest |x_j| of x (1-D float, taken as float32), a tie to the
+  // lower index, NaN above +Inf: (values float32 [k], indices int64 [k] ascending),
+  // python_ref.compression.topk_encode's bits.  (CPU only; k in [0, N].)
+  m.def("topk_encode(Tensor x, int k) -> (Tensor, Tensor)");
   // Top-k: client i sends values[i] (float32 [k_i]) at indices[i] (int64 [k_i], strictly
   // increasing in [0, numel), checked); x^_i is zero elsewhere.  As block_decode_aggregate.
   m.def(

@@ -38,7 +38,7 @@ SOURCE = ROOT / "tools" / "gpu_harness" / "harness.cu"
 # Everything the harness compiles (torch-free by construction: no ATen header here).
 DEPENDS = [SOURCE, *sorted((ROOT / "csrc" / "cuda" / "kernels").glob("*")),
            *(ROOT / "csrc" / "include" / "fedopt" / n for n in
-             ("chunks.h", "cuda_utils.cuh", "gaussian_noise.h", "math.h"))]
+             ("chunks.h", "cuda_utils.cuh", "fp8_e4m3.h", "gaussian_noise.h", "math.h"))]
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the compressed decode-aggregate's Triton kernels
 (backends/triton/compressed.py) for sm_80 and sm_90, no GPU needed: each codec's
-variant (int8, int4, fp8), the top-k pair and the fused encode compile to PTX and a cubin, read their
+variant (int8, int4, fp8), the top-k pair and the fused encodes (int8/int4, fp8) compile to PTX and a cubin, read their
 codes with byte loads (never a dense fp32 copy), keep the sum unfused (no FMA: the bits
 of the CPU kernel) and ptxas reports no failure.  tests/_aot_compile.py's compiler in a
 subprocess with TRITON_INTERPRET unset, as tests/test_robust_triton_aot.py does.
@@ -16,7 +16,7 @@ import_triton_module("triton")
 
 import _aot_compile as A  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 5 kernels x 2 archs through ptxas: about a minute on a loaded 2-core machine
+pytestmark = pytest.mark.slow  # 6 kernels x 2 archs through ptxas: about a minute on a loaded 2-core machine
 
 SCRIPT = r"""
 import json, sys, importlib
@@ -47,6 +47,10 @@ for stochastic, int4 in ((False, False), (True, True)):
         cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128),
         types=dict(x_ptr="*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
                    key="i64", client="i64"), ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
+for bf16 in (False, True):
+    variants.append((f"fp8 encode bf16={bf16}", dict(kernel=K.fp8_encode_kernel, warps=4, cx=dict(BLOCK=256, BF16_BITS=bf16),
+        types=dict(x_ptr="*i16" if bf16 else "*fp32", codes_ptr="*u8", scales_ptr="*fp32", N="i64", block="i64"),
+        ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
 json.dump(A.report([(dict(name=name), v) for name, v in variants]), sys.stdout)
 """
 
@@ -60,7 +64,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90(report):
     assert [e["name"] for e in report["results"]] == ["block kind=0", "block kind=1", "block kind=2",
                                                       "topk scatter", "topk finish",
                                                       "quantize stochastic=False int4=False",
-                                                      "quantize stochastic=True int4=True"]
+                                                      "quantize stochastic=True int4=True",
+                                                      "fp8 encode bf16=False", "fp8 encode bf16=True"]
     A.assert_compiled(report, lambda e: e["name"])
 
 

@@ -568,6 +568,27 @@ def test_block_quantize(run, dtype, bits, stochastic):
             assert torch.isnan(scales[3]) and scales[1] == 0 and scales[4] == 1
 
 
+def test_fp8_encode(run):
+    """The client's CUDA fp8 encode (block_quantize kind 2) against python_ref's
+    fp8_encode, bit for bit: scales (a NaN scale any NaN) and every code, up to the sign
+    of a NaN code (the GPU's Inf / Inf is +NaN, x86's -NaN: both decode to NaN).  Odd
+    sizes and a tail block, an all-zero block, -0.0, subnormals, Inf and NaN, every one
+    of the 256 codes (tests/test_compressed_encode.py's inputs), ties to even, empty."""
+    from test_compressed_encode import edge_input, every_code_input
+
+    for x, block in ((edge_input(1000 + 7, torch.float32), 96), (edge_input(31, torch.float32), 32),
+                     (every_code_input(), 256), (torch.zeros(0), 32)):
+        N = x.numel()
+        got = run.run(dict(kernel="encode_fp8", dtype="fp32", N=N, block=block), dict(x=x),
+                      dict(codes=(torch.uint8, (N,)), scales=(torch.float32, (-(-N // block),))))
+        codes, scales = codec_ref.fp8_encode(x, block)
+        want = codes.view(torch.uint8)
+        nan = (want & 0x7F) == 0x7F
+        assert bool((((got["codes"] & 0x7F) == 0x7F) == nan).all()), f"fp8 N={N}: NaN codes"
+        assert_bitwise(torch.where(nan, 0x7F, got["codes"]), torch.where(nan, 0x7F, want), f"fp8 N={N} codes")
+        assert_bitwise(got["scales"], scales, f"fp8 N={N} scales", nan_ok=True)
+
+
 # ----------------------------------------------------------------------------- compiled Triton
 
 def triton_archs(run) -> list[int]:

@@ -182,6 +182,7 @@ def _samples(gen):
                                    [torch.rand(2, generator=gen) for _ in range(C)], 0, 32, N, w, 1.0, None,
                                    torch.empty(N), None),
         "block_quantize": (r(N), 0, 32, False, 7, 0),
+        "topk_encode": (r(N), 5),
         "topk_decode_aggregate": ([r(4) for _ in range(C)], [torch.tensor([1, 5, 9, 36]) for _ in range(C)], N, w, 1.0,
                                   None, torch.empty(N), None),
     }

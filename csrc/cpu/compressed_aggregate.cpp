@@ -270,17 +270,26 @@ std::tuple<Tensor, Tensor> topk_decode_aggregate_cpu(at::TensorList values, at::
   return finish(part, total, nc, C);
 }
 
+}  // namespace
+// block_quantize's kind 2, the fp8 encode: csrc/cpu/compressed_encode.cpp.
+std::tuple<Tensor, Tensor> fp8_block_encode_cpu(const Tensor& x, int64_t block);
+namespace {
+
 // python_ref/compression.py's STREAM_ROUNDING: the Philox counter's last word.
 constexpr uint32_t kStreamRounding = 0x51;
 
 std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int64_t block, bool stochastic,
                                               int64_t key, int64_t client) {
   const char* op = "fedopt_C::block_quantize";
-  TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (int8) or 1 (int4), got ", kind);
+  TORCH_CHECK(kind == 0 || kind == 1 || kind == 2, op, ": kind must be 0 (int8), 1 (int4) or 2 (fp8), got ", kind);
   TORCH_CHECK(block > 0 && block % 32 == 0, op, ": block must be a positive multiple of 32, got ", block);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_floating_point(), op,
               ": x must be a 1-D floating-point CPU tensor, got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(key >= 0, op, ": key must be in [0, 2^63), got ", key);
+  if (kind == 2) {  // fp8 (compressed_encode.cpp)
+    TORCH_CHECK(!stochastic, op, ": stochastic rounding is defined for int8 and int4, not fp8 (kind 2)");
+    return fp8_block_encode_cpu(x, block);
+  }
   const Tensor xf = x.to(at::kFloat).contiguous();  // fp16 / bf16 widen exactly; fp64 rounds once
   const int64_t N = xf.numel(), nb = (N + block - 1) / block;
   Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 1 ? at::kByte : at::kChar));

@@ -143,7 +143,8 @@ std::tuple<Tensor, Tensor> topk_decode_aggregate(at::TensorList values, at::Tens
 std::tuple<Tensor, Tensor> block_quantize(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key,
                                           int64_t client) {
   const char* op = "fedopt_C::block_quantize";
-  TORCH_CHECK(kind == 0 || kind == 1, op, ": kind must be 0 (int8) or 1 (int4), got ", kind);
+  TORCH_CHECK(kind == 0 || kind == 1 || kind == 2, op, ": kind must be 0 (int8), 1 (int4) or 2 (fp8), got ", kind);
+  TORCH_CHECK(kind != 2 || !stochastic, op, ": stochastic rounding is defined for int8 and int4, not fp8 (kind 2)");
   TORCH_CHECK(block > 0 && block % 32 == 0, op, ": block must be a positive multiple of 32, got ", block);
   TORCH_CHECK(x.is_cuda() && x.dim() == 1 && x.is_floating_point(), op,
               ": x must be a 1-D floating-point CUDA tensor, got ", x.scalar_type(), " ", x.sizes(), " on ",
@@ -153,9 +154,14 @@ std::tuple<Tensor, Tensor> block_quantize(const Tensor& x, int64_t kind, int64_t
   const c10::cuda::CUDAGuard guard(x.device());
   const Tensor xf = x.to(at::kFloat).contiguous();  // fp16 / bf16 widen exactly; fp64 rounds once
   const int64_t N = xf.numel(), nb = (N + block - 1) / block;
-  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 1 ? at::kByte : at::kChar));
+  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 0 ? at::kChar : at::kByte));
   Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  if (kind == 2) {
+    C10_CUDA_CHECK(launch_fp8_encode(xf.const_data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                     N, block, stream));
+    return {codes, scales};
+  }
   C10_CUDA_CHECK(launch_block_quantize<float>(xf.const_data_ptr<float>(), static_cast<uint8_t*>(codes.data_ptr()),
                                               scales.data_ptr<float>(), N, block, kind == 1, stochastic,
                                               static_cast<uint64_t>(key), static_cast<uint32_t>(client), stream));

@@ -15,8 +15,9 @@
     The same for top-k replies: ``values[i]`` float32 ``[k_i]`` at ``indices[i]`` int64
     ``[k_i]`` (strictly increasing in ``[0, numel)``).
 
-``encode_*``: the client's encoders (python_ref's torch formulation, on the update's
-device, for every backend; see docs/compression.md for why no fused encode kernel yet).
+``block_quantize``: the client's fused block encode (int8, int4, fp8).  ``topk_encode``:
+fused on the CPU; python_ref's torch formulation on the update's device for triton and
+cuda (docs/compression.md).
 
 As :mod:`.robust`, the table here is looked up after
 :func:`fedopt_kernels.backends.resolve` has checked (and loaded) the backend.
@@ -152,6 +153,9 @@ def _triton_topk(values, indices, numel, weights, gamma, gamma_tensor, out, skip
 
 
 def _reference_quantize(x, kind, block, stochastic, key, client):
+    if kind == 2:
+        codes, scales = _ref.fp8_encode(x, block)
+        return codes.view(torch.uint8), scales
     codes, scales = _ref.quantize(x.cpu(), "int8" if kind == 0 else "int4", block, stochastic=stochastic, key=key,
                                   client=client)
     return codes.to(x.device), scales.to(x.device)
@@ -166,15 +170,24 @@ _TOPK = {"reference": _reference_topk, "cpu": _cpp_topk, "cuda": _cpp_topk, "tri
 
 
 def _triton_quantize(x, kind, block, stochastic, key, client):
+    import triton
+
     from .triton import _on
     from .triton.compressed import block_quantize_kernel
 
     N = x.numel()
     nb = -(-N // block)
-    codes = torch.empty((N + 1) // 2 if kind == 1 else N, dtype=torch.uint8 if kind == 1 else torch.int8,
+    codes = torch.empty((N + 1) // 2 if kind == 1 else N, dtype=torch.int8 if kind == 0 else torch.uint8,
                         device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
-    if nb:
+    if nb and kind == 2:
+        from .triton.compressed import fp8_encode_kernel
+
+        with _on(x.device):
+            bf16 = x.dtype == torch.bfloat16
+            fp8_encode_kernel[(nb,)](x.contiguous().view(torch.int16) if bf16 else x.contiguous(), codes, scales, N,
+                                     int(block), BLOCK=triton.next_power_of_2(block), BF16_BITS=bf16, num_warps=4)
+    elif nb:
         half = 1 << max(0, (block // 2 - 1).bit_length())  # the next power of two >= block / 2
         with _on(x.device):
             block_quantize_kernel[(nb,)](x.contiguous(), codes, scales, N, int(block), int(key), int(client),
@@ -183,7 +196,8 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
     return codes, scales
 
 
-# The client's fused encode (int8 / int4): C++ on the CPU and on CUDA
+# The client's fused encode (kind 0 int8 / 1 int4 / 2 fp8): C++ on the CPU
+# (csrc/cpu/compressed_aggregate.cpp, compressed_encode.cpp) and on CUDA
 # (csrc/cuda/kernels/compressed_encode.cuh), Triton.
 _QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _cpp_quantize,
              "triton": _triton_quantize}
@@ -191,7 +205,9 @@ _QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _cp
 
 def block_quantize(name: str) -> Callable:
     """Backend ``name``'s ``block_quantize(x, kind, block, stochastic, key, client) -> (codes,
-    scales)`` (kind 0 int8, 1 int4; ``x`` 1-D float; python_ref.compression.quantize's bits)."""
+    scales)`` (kind 0 int8, 1 int4: python_ref.compression.quantize's bits; kind 2 fp8,
+    codes the uint8 bits of float8_e4m3fn, not stochastic: python_ref's fp8_encode bits;
+    ``x`` 1-D float)."""
     return _QUANTIZE[name]
 
 
@@ -208,16 +224,28 @@ def topk_decode_aggregate(name: str) -> Callable:
 # ---------------------------------------------------------------------------------------
 # the client's encoders (python_ref's formulation, on the update's device)
 
-def encode_fp8(x: torch.Tensor, block: int):
-    """``(codes float8_e4m3fn, scales)`` of ``x`` (flat), python_ref's torch code on its device."""
-    return _ref.fp8_encode(x.reshape(-1), block)
-
-
 topk_k = _ref.topk_k  # how many values top-k keeps of n: ceil(fraction n), at least 1
 
 
-def encode_topk(x: torch.Tensor, k: int):
-    return _ref.topk_encode(x.reshape(-1), k)
+def _torch_topk_encode(x, k):
+    """python_ref's formulation (a stable sort of |x|) on the update's device."""
+    return _ref.topk_encode(x, int(k))
+
+
+def _cpp_topk_encode(x, k):
+    return torch.ops.fedopt_C.topk_encode(x, int(k))
+
+
+# The client's top-k encode: fused (a selection, not a sort) in C++ on the CPU; python_ref's
+# torch code on its device for triton and cuda (no fused kernel there yet: docs/compression.md).
+_TOPK_ENCODE = {"reference": _torch_topk_encode, "cpu": _cpp_topk_encode, "cuda": _torch_topk_encode,
+                "triton": _torch_topk_encode}
+
+
+def topk_encode(name: str) -> Callable:
+    """Backend ``name``'s ``topk_encode(x, k) -> (values float32 [k], indices int64 [k]
+    ascending)``: the k largest ``|x|``, a tie to the lower index (python_ref's bits)."""
+    return _TOPK_ENCODE[name]
 
 
 def decode_block(codes, scales, codec: str, block: int, numel: int) -> torch.Tensor:

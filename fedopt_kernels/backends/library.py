@@ -99,11 +99,16 @@ def _codec_stats(clients, *args):
 
 def _block_quantize(x, kind, block, *_):
     n = x.numel()
-    codes = x.new_empty(((n + 1) // 2 if kind == 1 else n,), dtype=torch.uint8 if kind == 1 else torch.int8)
+    codes = x.new_empty(((n + 1) // 2 if kind == 1 else n,), dtype=torch.int8 if kind == 0 else torch.uint8)
     return codes, x.new_empty((-(-n // block),), dtype=torch.float32)
 
 
-FAKES.update(block_decode_aggregate=_codec_stats, topk_decode_aggregate=_codec_stats, block_quantize=_block_quantize)
+def _topk_encode(x, k):
+    return x.new_empty((k,), dtype=torch.float32), x.new_empty((k,), dtype=torch.int64)
+
+
+FAKES.update(block_decode_aggregate=_codec_stats, topk_decode_aggregate=_codec_stats, block_quantize=_block_quantize,
+             topk_encode=_topk_encode)
 """op -> its fake kernel (the contract's arguments; a routed op's ``backend`` aside)."""
 
 

@@ -103,6 +103,7 @@ CODECS = {
                       "-> (Tensor, Tensor)",
     "topk_decode_aggregate": "topk_decode_aggregate(Tensor[] values, Tensor[] indices, int numel, Tensor weights, "
                              "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)",
+    "topk_encode": "topk_encode(Tensor x, int k) -> (Tensor, Tensor)",
 }
 
 HOST_QUERIES = ("ragged_bmm_blas", "cpu_isa")

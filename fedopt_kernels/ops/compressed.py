@@ -84,8 +84,9 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
            backend: Optional[str] = None) -> CompressedUpdate:
     """Encode ``update`` (a float tensor, taken flat as fp32).  Block codecs: ``block``
     values per scale; int8/int4 ``stochastic`` rounding draws its uniforms from
-    ``(key, client, element)`` (python_ref/compression.py; ``key`` in ``[0, 2^63)``), by
-    the backend's fused encode (``block_quantize``).  Top-k keeps ``k`` values, or
+    ``(key, client, element)`` (python_ref/compression.py; ``key`` in ``[0, 2^63)``); fp8
+    rounds to e4m3fn half to even.  Every block codec runs the backend's fused encode
+    (``block_quantize``).  Top-k keeps ``k`` values, or
     ``ceil(fraction * N)``."""
     _check_codec(codec, block)
     V.check_tensor(update, "update")
@@ -100,7 +101,8 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
             k = _codec.topk_k(n, float(fraction))
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
             raise ValueError(f"k must be an int in [0, {n}], got {k!r}")
-        values, indices = _codec.encode_topk(update, k)
+        V.check_backend(backend)
+        values, indices = _dispatch.kernel("topk_encode", backend, update.device)(update.reshape(-1), k)
         return CompressedUpdate("topk", n, values, indices=indices)
     if stochastic and codec == "fp8":
         raise ValueError("stochastic rounding is defined for int8 and int4, not fp8")
@@ -109,11 +111,10 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
     if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < 1 << 32:
         raise ValueError(f"client must be an int in [0, 2^32), got {client!r}")
     V.check_backend(backend)
+    run = _dispatch.kernel("block_quantize", backend, update.device)
+    codes, scales = run(update.reshape(-1), _codec.KINDS[codec], block, bool(stochastic), key, client)
     if codec == "fp8":
-        codes, scales = _codec.encode_fp8(update, block)
-    else:
-        run = _dispatch.kernel("block_quantize", backend, update.device)
-        codes, scales = run(update.reshape(-1), _codec.KINDS[codec], block, bool(stochastic), key, client)
+        codes = codes.view(torch.float8_e4m3fn)  # the kernels write the code bits as uint8
     return CompressedUpdate(codec, n, codes, scales=scales, block=block)
 
 

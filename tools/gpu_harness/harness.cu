@@ -662,6 +662,21 @@ void run_quantize(const Case& c, Arrays& A, cudaStream_t stream) {
   A.write_out("scales");
 }
 
+// The client's fp8 (e4m3fn) encode, block_quantize's kind 2: x [N] fp32 (the op widens
+// any other dtype first); key block.  Out: codes [N] (e4m3fn bits), scales [ceil(N / block)].
+void run_encode_fp8(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t N = c.i64("N"), block = c.i64("block");
+  if (block <= 0 || block % 32 != 0) throw CaseError("block must be a positive multiple of 32");
+  DevArray& x = A.in("x", static_cast<size_t>(N) * sizeof(float));
+  DevArray& codes = A.make("codes", static_cast<size_t>(N));
+  DevArray& scales = A.make("scales", static_cast<size_t>((N + block - 1) / block) * sizeof(float));
+  check(launch_fp8_encode(ptr<const float>(x), ptr<uint8_t>(codes), ptr<float>(scales), N, block, stream),
+        "launch_fp8_encode");
+  check(cudaStreamSynchronize(stream), "fp8_encode kernel");
+  A.write_out("codes");
+  A.write_out("scales");
+}
+
 // ------------------------------------------------------------------------- Triton (driver API)
 
 // The few driver entry points the triton family needs, asked of the runtime
@@ -839,6 +854,8 @@ void run_family(const std::string& kernel, const Case& c, Arrays& A, cudaStream_
     if (kernel == "compressed") return run_compressed(c, A, stream);
   if constexpr (FEDOPT_HARNESS_HAS("quantize"))
     if (kernel == "quantize") return run_quantize<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("encode_fp8") && std::is_same_v<scalar_t, float>)
+    if (kernel == "encode_fp8") return run_encode_fp8(c, A, stream);
   throw CaseError("kernel family '" + kernel + "' is not built into this binary");
 }
 

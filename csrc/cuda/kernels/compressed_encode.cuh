@@ -1,5 +1,5 @@
-// CUDA kernel (device code and host launcher, torch-free) of the client's fused encode
-// fedopt_C::block_quantize for int8 / int4 (schema: csrc/registration.cpp; oracle:
+// CUDA kernels (device code and host launchers, torch-free) of the client's fused encode
+// fedopt_C::block_quantize for int8 / int4 (and fp8 at the end of this file) (schema: csrc/registration.cpp; oracle:
 // python_ref/compression.py quantize; the CPU twin: csrc/cpu/compressed_kernels.h
 // quantize_block, the Triton one: backends/triton/compressed.py block_quantize_kernel).
 //
@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "fedopt/fp8_e4m3.h"  // e4m3fn_bits (c10's conversion, shared with the CPU encode)
 #include "fedopt/gaussian_noise.h"  // philox4x32_10
 
 namespace fedopt {
@@ -108,6 +109,57 @@ cudaError_t launch_block_quantize(const scalar_t* x, uint8_t* codes, float* scal
   const int64_t nb = (N + block - 1) / block;
   block_quantize_kernel<scalar_t><<<nb, kEncodeThreads, 0, stream>>>(x, codes, scales, N, block, int4 ? 1 : 0,
                                                                      stochastic ? 1 : 0, key, client);
+  return cudaGetLastError();
+}
+
+// The fp8 (e4m3fn) encode, block_quantize's kind 2 (python_ref/compression.py fp8_encode;
+// the CPU twin: csrc/cpu/compressed_encode_kernels.h): one thread block per block b,
+//   s_b = max|x_b| / 448 (__fdiv_rn; NaN if the block holds a NaN: the same fixed tree
+//   as above), t = x / s_b (__fdiv_rn; +0 where s_b == 0), clamped to +-448 keeping a
+//   NaN, codes = e4m3fn_bits(t) (fp8_e4m3.h, round half to even), one byte per element.
+// The one difference from the CPU: the sign of a NaN code (0x7f or 0xff) is the sign of
+// the NaN the GPU's division returns (Inf / Inf is +NaN here, -NaN on x86); both decode
+// to NaN, which the aggregation leaves out.
+__global__ void __launch_bounds__(kEncodeThreads)
+    fp8_encode_kernel(const float* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ scales, int64_t N,
+                      int64_t block) {
+  __shared__ float smax[kEncodeThreads];
+  __shared__ int snan[kEncodeThreads];
+  const int64_t b = blockIdx.x, j0 = b * block;
+  const int64_t len = N - j0 < block ? N - j0 : block;
+  float amax = 0.0f;
+  int nan = 0;
+  for (int64_t t = threadIdx.x; t < len; t += kEncodeThreads) {
+    const float v = x[j0 + t];
+    nan |= v != v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  smax[threadIdx.x] = amax;
+  snan[threadIdx.x] = nan;
+  __syncthreads();
+  for (int h = kEncodeThreads / 2; h > 0; h >>= 1) {
+    if (threadIdx.x < h) {
+      smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + h]);
+      snan[threadIdx.x] |= snan[threadIdx.x + h];
+    }
+    __syncthreads();
+  }
+  const float s = snan[0] ? __int_as_float(0x7fc00000) : __fdiv_rn(smax[0], 448.0f);
+  if (threadIdx.x == 0) scales[b] = s;
+  for (int64_t t = threadIdx.x; t < len; t += kEncodeThreads) {
+    float v = s == 0.0f ? 0.0f : __fdiv_rn(x[j0 + t], s);
+    v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);  // a NaN passes through
+    codes[j0 + t] = fp8::e4m3fn_bits(v);
+  }
+}
+
+// The host launcher: x [N] fp32 on the device, codes [N] bytes, scales [ceil(N / block)]
+// fp32; block a positive multiple of 32.  N == 0 launches nothing.
+inline cudaError_t launch_fp8_encode(const float* x, uint8_t* codes, float* scales, int64_t N, int64_t block,
+                                     cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const int64_t nb = (N + block - 1) / block;
+  fp8_encode_kernel<<<nb, kEncodeThreads, 0, stream>>>(x, codes, scales, N, block);
   return cudaGetLastError();
 }
 

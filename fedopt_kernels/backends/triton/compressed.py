@@ -196,3 +196,46 @@ def block_quantize_kernel(x_ptr, codes_ptr, scales_ptr, N: tl.int64, block: tl.i
     else:
         tl.store(codes_ptr + je, qe.to(tl.int8), mask=me)
         tl.store(codes_ptr + jo, qo.to(tl.int8), mask=mo)
+
+
+@triton.jit
+def f32_to_fp8_e4m3fn(t):
+    """fp32 -> fp8 e4m3fn bits (int32 in [0, 256)): c10's conversion (the one torch's
+    ``.to(float8_e4m3fn)`` runs; csrc/include/fedopt/fp8_e4m3.h) step for step: NaN (and
+    ``|t| >= 480``) 0x7f; below 2^-6 the bits of ``|t| + 2^14`` less those of 2^14 (the
+    fp32 addition rounds to a multiple of 2^-9, half to even); else the exponent rebiased
+    and the mantissa rounded to 3 bits half to even by integer adds; the sign bit last."""
+    u = t.to(tl.int32, bitcast=True)
+    sign = u & -2147483648  # 0x80000000
+    u = u ^ sign  # |t|: non-negative as an int32
+    sub = (u.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    nrm = (u + (-120 << 23) + 0x7FFFF + ((u >> 20) & 1)) >> 20
+    r = tl.where(u >= (1087 << 20), 0x7F, tl.where(u < (121 << 23), sub, nrm))
+    return (r & 0xFF) | ((sign >> 24) & 0x80)
+
+
+@triton.jit(do_not_specialize=["N", "block"])
+def fp8_encode_kernel(x_ptr, codes_ptr, scales_ptr, N: tl.int64, block: tl.int64, BLOCK: tl.constexpr,
+                      BF16_BITS: tl.constexpr):
+    """Block ``b`` (one program; ``BLOCK`` the next power of two >= ``block``):
+    ``s_b = max|x_b| / 448`` (NaN if the block holds one), ``t = x / s_b`` (+0 where
+    ``s_b == 0``), clamped to +-448 keeping a NaN, stored as e4m3fn bits: python_ref's
+    fp8_encode, one rounding per step (``div_rn``).  ``BF16_BITS``: ``x`` is bf16 given
+    as its int16 bits, widened here by a shift (exact; the interpreter's own bf16 -> fp32
+    conversion gets subnormals wrong)."""
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK).to(tl.int64)
+    j = b * block + i
+    m = (i < block) & (j < N)
+    if BF16_BITS:
+        x = (tl.load(x_ptr + j, mask=m, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + j, mask=m, other=0.0).to(tl.float32)
+    a = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)  # torch.abs clears the sign
+    has_nan = tl.max(tl.where(a != a, 1, 0), axis=0) > 0
+    amax = tl.where(has_nan, float("nan"), tl.max(a, axis=0))
+    s = tl.math.div_rn(amax, 448.0)
+    t = tl.where(s == 0.0, 0.0, tl.math.div_rn(x, tl.where(s == 0.0, 1.0, s)))
+    t = tl.where(t > 448.0, 448.0, tl.where(t < -448.0, -448.0, t))  # a NaN passes through
+    tl.store(scales_ptr + b, s)
+    tl.store(codes_ptr + j, f32_to_fp8_e4m3fn(t).to(tl.uint8), mask=m)

@@ -2,8 +2,9 @@
 and run by tools/gpu_harness (tests/test_gpu_harness.py's table-driven Triton cases).
 
 ``on_harness(run, arch, tensors)`` is a context manager: inside it, each kernel the
-wrappers of ``fedopt_kernels.backends.triton`` launch (``kernel[grid](*args, **kw)``)
-is instead
+wrappers of ``fedopt_kernels.backends.triton`` (and the Triton codec wrappers of
+``fedopt_kernels.backends.compressed``, which import their kernels from its submodules)
+launch (``kernel[grid](*args, **kw)``) is instead
 
 1. compiled ahead of time for ``arch`` (tests/_triton_aot_case.py, in a subprocess
    without the interpreter), with the signature the JIT would give it: a tensor is a
@@ -192,18 +193,24 @@ def on_harness(run, arch: int, aot, tensors=()):
     """Inside: the triton backend's kernels run compiled for sm_``arch`` on the harness
     ``run`` (a tests/_gpu_harness.Runner), compiled by ``aot(spec)``.  Yields the list of
     launches made: ``(kernel, grid, number of relocated table words)``."""
+    import sys
+
     import fedopt_kernels.backends.triton as TB
+    import fedopt_kernels.backends.triton.compressed  # noqa: F401  (the codec wrappers import from it)
     from fedopt_kernels.backends.triton import _tables
 
     ctx = _Context(run, arch, list(tensors), aot, [])
-    names = [n for n in dir(TB) if n.endswith("_kernel") and hasattr(getattr(TB, n), "fn")]
-    saved = {n: getattr(TB, n) for n in names}
+    # the package's names and its submodules' (the codec wrappers of backends/compressed.py
+    # import their kernels from triton.compressed and triton.aggregate at each call)
+    modules = [TB, *(m for k, m in list(sys.modules.items()) if k.startswith(TB.__name__ + ".") and m is not None)]
+    saved = {(m, n): getattr(m, n) for m in modules for n in dir(m)
+             if n.endswith("_kernel") and hasattr(getattr(m, n), "fn")}
     _tables.clear_cache()
     try:
-        for n in names:
-            setattr(TB, n, _Kernel(saved[n], ctx))
+        for (m, n), k in saved.items():
+            setattr(m, n, _Kernel(k, ctx))
         yield ctx.log
     finally:
-        for n, k in saved.items():
-            setattr(TB, n, k)
+        for (m, n), k in saved.items():
+            setattr(m, n, k)
         _tables.clear_cache()

@@ -1049,3 +1049,104 @@ def test_triton_tables_variants_compiled(run, dtype):
         assert_stats_close(GPU, _stats(gst), _stats(st), dtype)
         assert bool(fst[2])
         assert_bitwise(held, flat, "found_inf: nothing written")
+
+
+def _codes_bits(codes):
+    return codes.view(torch.uint8) if codes.dtype != torch.int8 else codes
+
+
+@pytest.mark.parametrize("codec,stochastic", CODEC_CASES, ids=[f"{c}{'-sr' if s else ''}" for c, s in CODEC_CASES])
+def test_triton_codecs_compiled(run, codec, stochastic):
+    """The Triton codec kernels compiled, through the backend's own wrappers
+    (backends/compressed.py, backend "triton"): the client's encode
+    (block_quantize_kernel, int8/int4 nearest and stochastic; fp8_encode_kernel) bit for
+    bit python_ref's codes and scales (fp8 NaN codes up to their sign, as
+    test_fp8_encode); the decode-aggregate (block_decode_aggregate_kernel or
+    topk_scatter_kernel + topk_finish_kernel, then row_sum_kernel) out bit for bit
+    python_ref's (compiled without FMA contraction), the norms under the CUDA rules and
+    against the interpreter in ulps (reported).  fp32 updates (the op widens), N = 1029:
+    two programs of 1024 columns, the second a masked tail, 17 blocks of 64, the last
+    partial (an odd int4 tail); 3 clients, one of weight 0; the encode of an edge input
+    too (a zero block, a NaN block, ties; fp8: -0.0, subnormals, Inf, NaN); gamma a float,
+    then a tensor with a NaN scale / a NaN top-k value in client 2."""
+    from test_compressed_encode import edge_input
+
+    N, block, key = 1029, 64, (1 << 62) + 5
+    w = torch.tensor([0.75, 0.0, 1.5])
+    xs = [randn((N,), torch.float32, 100 + i) * (i + 1) for i in range(3)]
+    xs[0][64:128] = 0.0
+    kind = compressed_backend.KINDS.get(codec)
+    if codec == "fp8":
+        edge = edge_input(N, torch.float32)
+    else:
+        edge = randn((N,), torch.float32, 9, scale=3.0)
+        edge[200] = float("nan")                                # block 3: NaN scale, codes 0
+        qmax = 127.0 if codec == "int8" else 7.0
+        edge[256:320] = (torch.arange(64) - 40.5).clamp(-qmax, qmax) if codec == "int8" else 0.0
+        edge[256] = qmax                                        # block 4: scale 1, ties at .5
+        if codec == "int4":
+            edge[257:263] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -6.5])
+    if codec == "topk":
+        replies = [C_ops.encode(x, "topk", k=k, backend="reference") for x, k in zip(xs, (5, N // 3, 1))]
+    else:
+        replies = [C_ops.encode(x, codec, block=block, stochastic=stochastic, key=key, client=i, backend="reference")
+                   for i, x in enumerate(xs)]
+    bad = replies[2]
+    if codec == "topk":
+        v = bad.codes.clone()
+        v[0] = float("nan")
+        bad = dataclasses.replace(bad, codes=v)
+    else:
+        s = bad.scales.clone()
+        s[1] = float("nan")
+        bad = dataclasses.replace(bad, scales=s)
+    rounds = [(replies, 0.5, None), ([replies[0], replies[1], bad], 0.5, torch.tensor(0.5))]
+
+    def decode_aggregate(backend, reps, gamma, gamma_t):
+        out = torch.full((N,), 7.0)
+        if codec == "topk":
+            q, Q = compressed_backend.topk_decode_aggregate(backend)(
+                [r.codes for r in reps], [r.indices for r in reps], N, w, gamma, gamma_t, out, None)
+        else:
+            q, Q = compressed_backend.block_decode_aggregate(backend)(
+                [r.codes.view(torch.uint8) if codec == "fp8" else r.codes for r in reps], [r.scales for r in reps],
+                kind, block, N, w, gamma, gamma_t, out, None)
+        return out, q, Q
+
+    want = [decode_aggregate("reference", *r) for r in rounds]
+    interp = [decode_aggregate("triton", *r) for r in rounds]
+    assert torch.isnan(want[1][0]).any() and torch.isnan(want[1][1][2]) and not torch.isnan(want[1][1][:2]).any()
+    encode_inputs = [(x, i) for i, x in enumerate(xs)] + [(edge, 7)] if codec != "topk" else []
+    quantize = compressed_backend.block_quantize
+    for arch in triton_archs(run):
+        for x, client in encode_inputs:
+            ref_codes, ref_scales = quantize("reference")(x, kind, block, stochastic, key, client)
+            with _on_harness(run, arch, []) as log:
+                codes, scales = quantize("triton")(x, kind, block, stochastic, key, client)
+            assert [k for k, _, _ in log] == ["fp8_encode_kernel" if codec == "fp8" else "block_quantize_kernel"]
+            assert codes.dtype == ref_codes.dtype and scales.dtype == torch.float32
+            got_c, want_c = _codes_bits(codes), _codes_bits(ref_codes)
+            if codec == "fp8":  # a NaN code up to its sign (the GPU's Inf / Inf is +NaN, x86's -NaN)
+                nan = (want_c & 0x7F) == 0x7F
+                assert torch.equal((got_c & 0x7F) == 0x7F, nan), f"sm_{arch} fp8 client {client}: NaN codes"
+                got_c, want_c = torch.where(nan, 0x7F, got_c), torch.where(nan, 0x7F, want_c)
+            assert_bitwise(got_c, want_c, f"sm_{arch} {codec} client {client} codes")
+            assert_bitwise(scales, ref_scales, f"sm_{arch} {codec} client {client} scales", nan_ok=True)
+        for r, (out_w, q_w, Q_w), (out_i, q_i, Q_i) in zip(rounds, want, interp):
+            with _on_harness(run, arch, []) as log:
+                out, q, Q = decode_aggregate("triton", *r)
+            kernels = [k for k, _, _ in log]
+            if codec == "topk":
+                assert kernels == ["topk_scatter_kernel"] * 3 + ["topk_finish_kernel", "row_sum_kernel"], kernels
+            else:
+                assert kernels == ["block_decode_aggregate_kernel", "row_sum_kernel"], kernels
+            what = (f"sm_{arch} {codec}{'-sr' if stochastic else ''} "
+                    f"{'gamma tensor, a NaN in client 2' if r[2] is not None else 'gamma float'}")
+            assert_bitwise(out, out_w, f"{what} out", nan_ok=True)
+            assert torch.equal(torch.isnan(q), torch.isnan(q_w)) and bool(torch.isnan(Q)) == bool(torch.isnan(Q_w))
+            fin = ~torch.isnan(q_w)
+            assert_norms_close(GPU, q[fin], q_w[fin], torch.float32)
+            if not bool(torch.isnan(Q_w)):
+                assert_norms_close(GPU, Q, Q_w, torch.float32)
+            _ulps_report(f"{what} q", q, q_i)
+            _ulps_report(f"{what} total", Q.reshape(1), Q_i.reshape(1))

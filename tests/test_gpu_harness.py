@@ -336,6 +336,23 @@ SERVER_HYPER = dict(lr=0.05, gamma=1.3, beta1=0.9, beta2=0.99, tau=1e-3)  # inex
 SERVER_SIZES = [3000, 5, 0, 2051, 1]
 
 
+def server_update_want(code, nesterov, x, m, v, d, offs, doffs, acc, dtype):
+    """The exact oracle (each op rounded once, no FMA) of one rule applied to every view
+    ``x[o:o+n]`` (``D`` at ``d[od:od+n]``) of SERVER_SIZES: the whole ``x``, ``m``, ``v``
+    after it, in ``dtype`` (the gaps between the views unchanged)."""
+    want = {"x": x.clone(), "m": m.clone(), "v": v.clone()}
+    for o_, od_, n in zip(offs, doffs, SERVER_SIZES):
+        xs, ms, vs = (t[o_:o_ + n].to(acc) for t in (x, m, v))
+        nx, nm, nv = server_update_exact(code, nesterov, xs, d[od_:od_ + n], ms if code >= 1 else None,
+                                         vs if code >= 2 else None, **SERVER_HYPER)
+        want["x"][o_:o_ + n] = nx.to(dtype)
+        if code >= 1:
+            want["m"][o_:o_ + n] = nm.to(dtype)
+        if code >= 2:
+            want["v"][o_:o_ + n] = nv.to(dtype)
+    return want
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rule", list(SERVER_RULES))
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "views"])
@@ -371,16 +388,7 @@ def test_server_update(run, dtype, rule, aligned):
     if code >= 2:
         ins["v"], outs["v"] = v, (dtype, (total,))
     got = run.run(keys, ins, outs)
-    want = {"x": x.clone(), "m": m.clone(), "v": v.clone()}
-    for o_, od_, n in zip(offs, doffs, SERVER_SIZES):
-        xs, ms, vs = (t[o_:o_ + n].to(acc) for t in (x, m, v))
-        nx, nm, nv = server_update_exact(code, nesterov, xs, d[od_:od_ + n], ms if code >= 1 else None,
-                                         vs if code >= 2 else None, **SERVER_HYPER)
-        want["x"][o_:o_ + n] = nx.to(dtype)
-        if code >= 1:
-            want["m"][o_:o_ + n] = nm.to(dtype)
-        if code >= 2:
-            want["v"][o_:o_ + n] = nv.to(dtype)
+    want = server_update_want(code, nesterov, x, m, v, d, offs, doffs, acc, dtype)
     for k in outs:
         assert_bitwise(got[k], want[k], f"{rule} {k}", nan_ok=True)
 
@@ -893,16 +901,7 @@ def test_triton_tables_server_update_compiled(run, dtype):
 
     h = SERVER_HYPER
     for rule, (code, nesterov) in SERVER_RULES.items():
-        want = {"x": x.clone(), "m": m.clone(), "v": v.clone()}
-        for o_, od_, n in zip(offs, doffs, SERVER_SIZES):
-            xs, ms, vv = (t[o_:o_ + n].to(acc) for t in (x, m, v))
-            nx, nm, nv = server_update_exact(code, nesterov, xs, d[od_:od_ + n], ms if code >= 1 else None,
-                                             vv if code >= 2 else None, **h)
-            want["x"][o_:o_ + n] = nx.to(dtype)
-            if code >= 1:
-                want["m"][o_:o_ + n] = nm.to(dtype)
-            if code >= 2:
-                want["v"][o_:o_ + n] = nv.to(dtype)
+        want = server_update_want(code, nesterov, x, m, v, d, offs, doffs, acc, dtype)
         interp = [x.clone(), m.clone(), v.clone()]
         TRI.server_update_(vs(interp[0], offs), vs(d, doffs), vs(interp[1], offs), vs(interp[2], offs), code,
                            h["lr"], h["gamma"], h["beta1"], h["beta2"], h["tau"], nesterov, None)

@@ -18,11 +18,7 @@
 // the instruction set.  The inner loops (compressed_kernels.h) are compiled three
 // times in this one translation unit, for the DEFAULT, AVX2 and AVX-512 levels torch
 // itself runs (at::get_cpu_capability), the way isa_*.cpp build kernels.h.
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")
-#endif
+#include "compressed_prologue.h"  // no contraction, <immintrin.h> before the target switches
 
 #include <algorithm>
 #include <cstdint>
@@ -40,15 +36,6 @@
 
 #include <fedopt/gaussian_noise.h>  // Philox4x32-10 (the codecs' stochastic rounding)
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
-#define FEDOPT_CK_X86 1
-#else
-#define FEDOPT_CK_X86 0
-#endif
-#if FEDOPT_CK_X86
-#include <immintrin.h>  // before the target switches: GCC's intrinsics carry their own target attributes
-#endif
-
 // FEDOPT_CK_ISA tells compressed_kernels.h which intrinsics its decode may use (GCC 12
 // does not define __AVX512F__ under `#pragma GCC target`): 0 none, 2 AVX2, 512 AVX-512.
 
@@ -60,7 +47,7 @@ namespace DEFAULT {
 }  // namespace DEFAULT
 }  // namespace fedopt::cpu::compressed
 
-#if FEDOPT_CK_X86
+#if FEDOPT_COMPRESSED_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace fedopt::cpu::compressed {
@@ -108,7 +95,7 @@ struct Loops {
 
 const Loops& loops() {
   static const Loops chosen = [] {
-#if FEDOPT_CK_X86
+#if FEDOPT_COMPRESSED_X86
     const std::string cap = at::get_cpu_capability();
     if (cap == "AVX512") return FEDOPT_CK_LOOPS(AVX512);
     if (cap == "AVX2") return FEDOPT_CK_LOOPS(AVX2);

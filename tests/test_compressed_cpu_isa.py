@@ -1,7 +1,8 @@
 """The C++ CPU decode-aggregate (``fedopt_C::block_decode_aggregate``) where the contract
 suite's sizes do not reach: a whole chunk of columns and a partial one, a block (96) that the register
 tile (16 / 32 / 64 columns) straddles and one (256) that holds whole tiles (one scale per tile),
-a ragged end, a client of weight 0, every int4 and fp8 code -- against
+a ragged end, a client of weight 0, every int4 and fp8 code, an output above the size from
+which it is written with streaming stores (aligned, and 4 bytes off) -- against
 independent oracles, and BIT FOR BIT the same under every instruction set it is built
 for (DEFAULT, AVX2, AVX-512: one subprocess per ``ATEN_CPU_CAPABILITY``,
 tests/_cpu_isa.py).
@@ -67,10 +68,28 @@ def _int4_out_bits(backend):
     return out.view(torch.int32), st.client_sq_norms
 
 
+# From 2^22 values on, the kernel writes int8's and fp8's out with streaming stores when out
+# is 64-byte aligned (compressed_kernels.h, stream_note): the same values, whichever store.
+N_STREAM = (1 << 22) + 64 * 3 + 16 + 5  # whole chunks, then tiles, a vector and a ragged end
+
+
+def _streamed(codec, offset=0):
+    """out of 2 replies of N_STREAM values, written into a buffer at ``offset`` floats
+    (0: aligned as torch allocates; 1: 4 bytes off, the plain stores)."""
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randint(-(2 ** 22), 2 ** 22, (2, N_STREAM), generator=g).float() / 2 ** 21
+    replies = [C.encode(xs[i], codec, block=256, key=5, client=i) for i in range(2)]
+    out = torch.full((N_STREAM + offset,), float("nan"))[offset:]
+    res, st = C.decode_aggregate(replies, torch.tensor([0.75, 0.5]), gamma=0.5, out=out,
+                                 nonfinite="propagate", backend="cpu")
+    assert res.data_ptr() == out.data_ptr()
+    return replies, res, st
+
+
 def cases(dtype):
     """Every codec's (out, client_sq_norms, sq_norm) on the CPU backend, and the bits of
     every fp8 code decoded."""
-    res = [_fp8_out_bits("cpu"), *_int4_out_bits("cpu")]
+    res = [_fp8_out_bits("cpu"), *_int4_out_bits("cpu"), _streamed("int8")[1]]
     for codec in CODECS:
         for block in (BLOCK, 256):
             out, st = C.decode_aggregate(_replies(codec, block), torch.tensor(W, dtype=dtype), gamma=0.5,
@@ -140,6 +159,16 @@ def test_every_int4_code_decodes_to_python_ref_s_bits():
     expect = q4 * _every_int4_code().scales.repeat_interleave(256) + 0.0
     assert torch.equal(got, expect.view(torch.int32))
     assert q.tolist() == [float(_chunked(expect.numpy(), 256))]
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])  # int4: plain stores at any size
+def test_streamed_out_is_the_dense_aggregate(codec, offset):
+    replies, out, st = _streamed(codec, offset)
+    rows = torch.stack([C.decode(r) for r in replies])
+    dense, _ = ops.aggregate(rows, torch.tensor([0.75, 0.5]), gamma=0.5, nonfinite="propagate", backend="reference")
+    assert torch.equal(out, dense)
+    assert st.client_sq_norms.tolist() == [float(_chunked(row, 256)) for row in rows.numpy()]
 
 
 @pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "default"])

@@ -466,6 +466,11 @@ def test_bench_rows_report_bytes_and_ratios_from_the_same_run():
             r = rows[case]
             assert r["vs floor"] == pytest.approx(rows[FLOOR]["ms"] / r["ms"])
             assert r["params/s"] == pytest.approx(3 * 1000 / (r["ms"] / 1e3))
+    # GB/s: every reply read once and out's 4000 bytes written once, over the time; only
+    # the floor and the fused rows (the others move what eager torch allocates)
+    assert rows[FLOOR]["GB/s"] == pytest.approx((3 * 4000 + 4000) / (rows[FLOOR]["ms"] / 1e3) / 1e9)
+    assert rows["fused int4"]["GB/s"] == pytest.approx((3 * 516 + 4000) / (rows["fused int4"]["ms"] / 1e3) / 1e9)
+    assert all(math.isnan(rows[f"{c} int8"]["GB/s"]) for c in ("check_reply", "decode then aggregate"))
 
 
 def test_the_cuda_extension_registers_the_compressed_kernels():

@@ -18,11 +18,7 @@
 // the instruction set.  The inner loops (compressed_kernels.h) are compiled three
 // times in this one translation unit, for the DEFAULT, AVX2 and AVX-512 levels torch
 // itself runs (at::get_cpu_capability), the way isa_*.cpp build kernels.h.
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")
-#endif
+#include "compressed_prologue.h"  // no contraction, <immintrin.h> before the target switches
 
 #include <algorithm>
 #include <cstdint>
@@ -40,15 +36,6 @@
 
 #include <fedopt/gaussian_noise.h>  // Philox4x32-10 (the codecs' stochastic rounding)
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
-#define FEDOPT_CK_X86 1
-#else
-#define FEDOPT_CK_X86 0
-#endif
-#if FEDOPT_CK_X86
-#include <immintrin.h>  // before the target switches: GCC's intrinsics carry their own target attributes
-#endif
-
 // FEDOPT_CK_ISA tells compressed_kernels.h which intrinsics its decode may use (GCC 12
 // does not define __AVX512F__ under `#pragma GCC target`): 0 none, 2 AVX2, 512 AVX-512.
 
@@ -60,7 +47,7 @@ namespace DEFAULT {
 }  // namespace DEFAULT
 }  // namespace fedopt::cpu::compressed
 
-#if FEDOPT_CK_X86
+#if FEDOPT_COMPRESSED_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace fedopt::cpu::compressed {
@@ -91,6 +78,14 @@ using OptTensor = std::optional<Tensor>;
 
 constexpr int64_t kChunkColumns = int64_t(1) << 16;  // 256 KiB of accumulator: L2-resident; each client read as one 64 KiB+ run (prefetch-friendly)
 constexpr int64_t kMinColumnsPerThread = int64_t(1) << 16;
+// int8 and fp8 write out with streaming stores (compressed_kernels.h, stream_note) from
+// this many values on (16 MiB of out, half this VM's L3): below it a model's out is likely
+// still in cache when the server update reads it, and a streamed line would have to come
+// back from memory.  Not int4: in paired runs (20 x 11.2M, Zen 5 VM, docs/benchmarks.md)
+// it did not gain (two threads 6.6-6.9 ms against 6.2-7.0), where int8 did (two threads
+// 13.4-16.0 ms against 15.8-18.8, one thread 22.3-22.8 against 23.1-23.9) and fp8 a
+// little (two threads 19.8-21.4 against 22.1-22.3); its loop stays the plain-store one.
+constexpr int64_t kStreamColumns = int64_t(1) << 22;
 
 struct Loops {
   void (*scatter_axpy)(float, const float*, const int64_t*, int64_t, int64_t, float*);
@@ -98,7 +93,7 @@ struct Loops {
   void (*scale_into)(float, const float*, int64_t, float*);
   float (*quantize_block)(const float*, int64_t, float, bool, uint64_t, int64_t, uint32_t, uint32_t, int8_t*);
   void (*decode_chunk)(int, int64_t, const uint8_t* const*, const float* const*, const float*, int64_t, int64_t,
-                       int64_t, const float*, float, float*, float*, float*, float*);
+                       int64_t, const float*, float, bool, float*, float*, float*, float*);
   float (*add_lanes)(const float*);
 };
 
@@ -108,7 +103,7 @@ struct Loops {
 
 const Loops& loops() {
   static const Loops chosen = [] {
-#if FEDOPT_CK_X86
+#if FEDOPT_COMPRESSED_X86
     const std::string cap = at::get_cpu_capability();
     if (cap == "AVX512") return FEDOPT_CK_LOOPS(AVX512);
     if (cap == "AVX2") return FEDOPT_CK_LOOPS(AVX2);
@@ -212,12 +207,13 @@ std::tuple<Tensor, Tensor> block_decode_aggregate_cpu(at::TensorList codes, at::
   const Loops& L = loops();
   const float* lut = fp8_table();
   float* o = out.data_ptr<float>();
+  const bool stream = kind != 1 && N >= kStreamColumns && reinterpret_cast<uintptr_t>(o) % 64 == 0;
   parallel_chunks(nc, cols, [&](int64_t c, float* acc, float*) {
     const int64_t j0 = c * cols, len = std::min(cols, N - j0);
     std::vector<float> lanes((C + 1) * DEFAULT::kLanes, 0.0f);  // each client's, then acc's
     float* tot = lanes.data() + C * DEFAULT::kLanes;
     L.decode_chunk(static_cast<int>(kind), C, cp.data(), sp.data(), cm.w.data(), block, j0, len, lut, cm.gamma,
-                   lanes.data(), tot, acc, o + j0);
+                   stream, lanes.data(), tot, acc, o + j0);
     for (int64_t i = 0; i < C; ++i) part[c * C + i] = L.add_lanes(lanes.data() + i * DEFAULT::kLanes);
     total[c] = L.add_lanes(tot);
   });

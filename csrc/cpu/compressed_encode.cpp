@@ -12,11 +12,7 @@
 // in this translation unit, for the DEFAULT, AVX2 and AVX-512 levels torch itself runs
 // (at::get_cpu_capability), as compressed_aggregate.cpp does; GCC vectorises
 // fp8_encode_block's branch-free loops.
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off", "no-trapping-math")
-#endif
+#include "compressed_prologue.h"  // no contraction, as compressed_aggregate.cpp
 
 #include <algorithm>
 #include <cstdint>
@@ -34,19 +30,13 @@
 
 #include <fedopt/fp8_e4m3.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
-#define FEDOPT_CE_X86 1
-#else
-#define FEDOPT_CE_X86 0
-#endif
-
 namespace fedopt::cpu::compressed {
 namespace DEFAULT {
 #include "compressed_encode_kernels.h"
 }  // namespace DEFAULT
 }  // namespace fedopt::cpu::compressed
 
-#if FEDOPT_CE_X86
+#if FEDOPT_COMPRESSED_X86
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace fedopt::cpu::compressed {
@@ -75,7 +65,7 @@ using EncodeBlock = float (*)(const float*, int64_t, uint8_t*);
 
 EncodeBlock fp8_encode_loop() {
   static const EncodeBlock chosen = [] {
-#if FEDOPT_CE_X86
+#if FEDOPT_COMPRESSED_X86
     const std::string cap = at::get_cpu_capability();
     if (cap == "AVX512") return &AVX512::fp8_encode_block;
     if (cap == "AVX2") return &AVX2::fp8_encode_block;

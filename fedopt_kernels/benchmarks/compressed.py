@@ -15,7 +15,12 @@ For each codec the same C replies of N values are aggregated:
   fp32 memory floor of the same run; ``vs floor`` is its time over each candidate's.
 
 Targets (issue 42): int8 >= 2.5x and 4-bit >= 4x the fp32 floor.  ``bytes/reply`` and
-``vs fp32 bytes`` say what travels.  Timed interleaved, medians, from memory ("cold").
+``vs fp32 bytes`` say what travels.  ``GB/s`` (floor and fused rows): the bytes each must
+move at least -- every reply read once (``X``: ``4 C N``; fused: ``C`` times the reply's
+bytes) and ``out``'s ``4 N`` written once -- over its time; write-allocate (the line of a
+plain store read first: another ``4 N``) is not counted.  Where both sides run at the same
+GB/s (memory-bound), ``vs floor`` is the ratio of those bytes (C = 20: int8 3.46x, int4
+5.87x).  Timed interleaved, medians, from memory ("cold").
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ def bench_compressed(C_: int, N: int, *, label: str, backend: Optional[str] = No
     for name, seconds in times.items():
         codec = next((c for c, _ in CODECS if name.endswith(" " + c)), None)
         nbytes = sizes[codec] if codec else 4 * N
+        moved = C_ * nbytes + 4 * N if name == FLOOR or name.startswith("fused ") else float("nan")
         rows.append({"benchmark": f"compressed aggregate {label}", "case": name, "ms": seconds * 1e3,
                      "vs floor": times[FLOOR] / seconds, "params/s": C_ * N / seconds,
-                     "bytes/reply": nbytes, "vs fp32 bytes": 4 * N / nbytes})
+                     "bytes/reply": nbytes, "vs fp32 bytes": 4 * N / nbytes, "GB/s": moved / seconds / 1e9})
     return rows

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Optional
 
 import torch
@@ -64,7 +65,8 @@ DILOCO_COLUMNS = (("case", "method"), ("params", "params"), ("tokens_per_worker"
                   ("final_val_loss", "final val loss"), ("MB_sent_per_worker", "MB sent / worker"),
                   ("inner_step_ms", "inner step ms"), ("sync_s", "sync s"), ("wall_s", "wall s"))
 COMPRESSED_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
-                      ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"))
+                      ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"),
+                      ("GB/s", "GB/s (read + written once)"))
 ACCURACY_COLUMNS = (("case", "case"), ("rounds", "rounds"), ("acc@1", "acc round 1"), ("acc@5", "acc round 5"),
                     ("final_acc", "final acc"), ("bytes_up", "bytes up / round"),
                     ("x fewer bytes", "fp32 bytes / bytes"), ("wall_s", "wall s"))
@@ -135,10 +137,25 @@ def run(*, only=SUITES, backend: Optional[str] = None, device: str = "cpu", quic
     return rows
 
 
+def _thp_mode() -> Optional[str]:
+    """The kernel's transparent-hugepage mode (``always``, ``madvise``, ``never``), None
+    where it cannot be read."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+
+
 def meta_row(device: str) -> dict:
     """What the numbers of a run depend on: device, torch, threads, the device's peak
-    memory bandwidth and where it comes from (``timing.peak_bandwidth``), and the copy
-    bandwidth measured in this run (NaN when no kernel suite measured it)."""
+    memory bandwidth and where it comes from (``timing.peak_bandwidth``), the copy
+    bandwidth measured in this run (NaN when no kernel suite measured it), and the huge
+    pages the CPU allocations get: torch's ``THP_MEM_ALLOC_ENABLE`` (2 MiB-aligned, madvised
+    allocations from 2 MiB up) and the kernel's THP mode -- 20 streams of compressed codes
+    read through 4 KiB pages run markedly slower than through 2 MiB ones
+    (docs/benchmarks.md)."""
     dev = torch.device(device)
     peak, source = peak_bandwidth(dev)
     copy_bw = measured_copy_bandwidth(dev) or float("nan")
@@ -147,7 +164,8 @@ def meta_row(device: str) -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda, "threads": torch.get_num_threads(),
             "hbm peak B/s": peak if peak is not None else float("nan"), "hbm peak source": source,
             "copy bw B/s": copy_bw,
-            "copy bw of HBM peak": copy_bw / peak if peak else float("nan")}
+            "copy bw of HBM peak": copy_bw / peak if peak else float("nan"),
+            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "thp mode": _thp_mode()}
 
 
 def device_line(meta: dict) -> str:
@@ -155,8 +173,12 @@ def device_line(meta: dict) -> str:
     def rate(v):
         return "-" if math.isnan(v) else f"{v / 1e9:.4g} GB/s"
 
-    return (f"{meta['device name']}: HBM peak {rate(meta['hbm peak B/s'])} ({meta['hbm peak source']}); "
+    line = (f"{meta['device name']}: HBM peak {rate(meta['hbm peak B/s'])} ({meta['hbm peak source']}); "
             f"measured copy bandwidth {rate(meta['copy bw B/s'])}")
+    if meta.get("device") == "cpu" and "thp mode" in meta:
+        line += (f"; THP_MEM_ALLOC_ENABLE={meta.get('THP_MEM_ALLOC_ENABLE') or 'unset'}, "
+                 f"transparent hugepages {meta['thp mode'] or 'unknown'}")
+    return line
 
 
 def summary_lines(rows: list) -> list:

@@ -45,8 +45,8 @@ variants.append(("topk finish", dict(kernel=K.topk_finish_kernel, warps=4, optio
                gamma_value="fp64", N="i64"), ptrs=["acc_ptr", "out_ptr"])))
 for stochastic, int4 in ((False, False), (True, True)):
     variants.append((f"quantize stochastic={stochastic} int4={int4}", dict(kernel=K.block_quantize_kernel, warps=4,
-        cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128),
-        types=dict(x_ptr="*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
+        cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128, BF16_BITS=int4),
+        types=dict(x_ptr="*i16" if int4 else "*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
                    key="i64", client="i64"), ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
 for bf16 in (False, True):
     variants.append((f"fp8 encode bf16={bf16}", dict(kernel=K.fp8_encode_kernel, warps=4, cx=dict(BLOCK=256, BF16_BITS=bf16),

@@ -189,10 +189,12 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
                                      int(block), BLOCK=triton.next_power_of_2(block), BF16_BITS=bf16, num_warps=4)
     elif nb:
         half = 1 << max(0, (block // 2 - 1).bit_length())  # the next power of two >= block / 2
+        bf16 = x.dtype == torch.bfloat16
         with _on(x.device):
-            block_quantize_kernel[(nb,)](x.contiguous(), codes, scales, N, int(block), int(key), int(client),
-                                         QMAX=127.0 if kind == 0 else 7.0, INT4=kind == 1,
-                                         STOCHASTIC=bool(stochastic), HALF=half, num_warps=4)
+            block_quantize_kernel[(nb,)](x.contiguous().view(torch.int16) if bf16 else x.contiguous(), codes, scales,
+                                         N, int(block), int(key), int(client), QMAX=127.0 if kind == 0 else 7.0,
+                                         INT4=kind == 1, STOCHASTIC=bool(stochastic), HALF=half, BF16_BITS=bf16,
+                                         num_warps=4)
     return codes, scales
 
 

@@ -38,14 +38,17 @@ reads for the compaction, plus ``12 k`` written.  State (prefix, remaining, done
 histograms are one int64 workspace zeroed by the wrapper; the tile counts (then offsets)
 are a second buffer.
 
-bf16 input is passed as its int16 bits and widened by a shift (exact; the interpreter's
-own bf16 -> fp32 conversion gets subnormals wrong), as ``fp8_encode_kernel`` does.
+bf16 input is passed as its int16 bits and widened by a shift (``_helpers.load_f32``:
+the interpreter's own bf16 -> fp32 conversion gets subnormals wrong), as the other
+encodes do.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from . import _helpers as H
 
 TOPK_BINS = 256  # 8-bit digits
 TOPK_PASSES = 8  # 32 bits of magnitude, 32 of index
@@ -59,10 +62,7 @@ TOPK_STATE = 4
 @triton.jit
 def _topk_keys(x_ptr, j, m, BF16_BITS: tl.constexpr):
     """``K_j`` (int64) of the elements ``j`` (int64) where ``m``; x widened to fp32."""
-    if BF16_BITS:
-        x = (tl.load(x_ptr + j, mask=m, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(x_ptr + j, mask=m, other=0.0).to(tl.float32)
+    x = H.load_f32(x_ptr, j, m, BF16_BITS)
     mag = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     mag = tl.where(mag > 0x7F800000, 0x7F800001, mag)  # every NaN one key, above +Inf
     return (mag.to(tl.int64) << 32) | (0xFFFFFFFF - j), x

@@ -260,8 +260,9 @@ def _triton_topk_encode(x, k):
     bf16 = x.dtype == torch.bfloat16
     xs = x.contiguous().view(torch.int16) if bf16 else x.contiguous()
     tiles = -(-N // K.TOPK_BLOCK)
-    ws = torch.zeros(K.TOPK_STATE + K.TOPK_PASSES * K.TOPK_BINS, dtype=torch.int64, device=device)
-    offsets = torch.empty(tiles, dtype=torch.int64, device=device)
+    head = K.TOPK_STATE + K.TOPK_PASSES * K.TOPK_BINS
+    ws = torch.zeros(head + tiles, dtype=torch.int64, device=device)  # one memset: state, histograms, tile counts
+    offsets = ws[head:]
     values = torch.empty(k, dtype=torch.float32, device=device)
     indices = torch.empty(k, dtype=torch.int64, device=device)
     with _on(device):

@@ -35,8 +35,8 @@ synchronisation (k is a host integer, so the outputs' sizes are known):
 Bytes per element: 8 histogram passes read x at most (a pass after ``done`` reads
 nothing; with distinct magnitudes the 4 magnitude digits decide, often fewer), plus 2
 reads for the compaction, plus ``12 k`` written.  State (prefix, remaining, done), the
-histograms are one int64 workspace zeroed by the wrapper; the tile counts (then offsets)
-are a second buffer.
+histograms and the tile counts (then offsets) are one int64 workspace zeroed by the
+wrapper.
 
 bf16 input is passed as its int16 bits and widened by a shift (``_helpers.load_f32``:
 the interpreter's own bf16 -> fp32 conversion gets subnormals wrong), as the other
@@ -55,7 +55,7 @@ TOPK_PASSES = 8  # 32 bits of magnitude, 32 of index
 TOPK_BLOCK = 1024  # elements per program of the histogram, count and write kernels
 TOPK_SCAN_BLOCK = 1024  # tile counts per step of the scan
 # The workspace (int64): [0] prefix, [1] remaining, [2] done, [3] unused, then
-# TOPK_PASSES x TOPK_BINS histogram bins.
+# TOPK_PASSES x TOPK_BINS histogram bins, then one count (then offset) per tile.
 TOPK_STATE = 4
 
 

@@ -45,7 +45,7 @@ import torch
 import _gpu_harness as H
 
 TRITON_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64",
-              torch.bool: "*i1", torch.int8: "*i8", torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
+              torch.bool: "*i1", torch.int8: "*i8", torch.int16: "*i16", torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
 SCALAR = {"tl.int64": ("i64", "i64"), "tl.int32": ("i32", "i32"), "tl.float64": ("fp64", "f64"),
           "tl.float32": ("fp32", "f32")}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")

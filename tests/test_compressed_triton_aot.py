@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of the compressed decode-aggregate's Triton kernels
 (backends/triton/compressed.py) for sm_80 and sm_90, no GPU needed: each codec's
-variant (int8, int4, fp8), the top-k pair and the fused encodes (int8/int4, fp8) compile to PTX and a cubin, read their
+variant (int8, int4, fp8), the top-k pair and the fused encodes (int8/int4, fp8, and top-k's radix
+select: backends/triton/topk_encode.py) compile to PTX and a cubin, read their
 codes with byte loads (never a dense fp32 copy), keep the sum unfused (no FMA: the bits
 of the CPU kernel) and ptxas reports no failure.  tests/_aot_compile.py's compiler in a
 subprocess with TRITON_INTERPRET unset, as tests/test_robust_triton_aot.py does.
@@ -16,7 +17,7 @@ import_triton_module("triton")
 
 import _aot_compile as A  # noqa: E402
 
-pytestmark = pytest.mark.slow  # 6 kernels x 2 archs through ptxas: about a minute on a loaded 2-core machine
+pytestmark = pytest.mark.slow  # 11 kernels (21 variants) x 2 archs through ptxas: a minute or two on a loaded 2-core machine
 
 SCRIPT = r"""
 import json, sys, importlib
@@ -44,13 +45,32 @@ variants.append(("topk finish", dict(kernel=K.topk_finish_kernel, warps=4, optio
                gamma_value="fp64", N="i64"), ptrs=["acc_ptr", "out_ptr"])))
 for stochastic, int4 in ((False, False), (True, True)):
     variants.append((f"quantize stochastic={stochastic} int4={int4}", dict(kernel=K.block_quantize_kernel, warps=4,
-        cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128),
-        types=dict(x_ptr="*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
+        cx=dict(QMAX=7.0 if int4 else 127.0, INT4=int4, STOCHASTIC=stochastic, HALF=128, BF16_BITS=int4),
+        types=dict(x_ptr="*i16" if int4 else "*fp32", codes_ptr="*u8" if int4 else "*i8", scales_ptr="*fp32", N="i64", block="i64",
                    key="i64", client="i64"), ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
 for bf16 in (False, True):
     variants.append((f"fp8 encode bf16={bf16}", dict(kernel=K.fp8_encode_kernel, warps=4, cx=dict(BLOCK=256, BF16_BITS=bf16),
         types=dict(x_ptr="*i16" if bf16 else "*fp32", codes_ptr="*u8", scales_ptr="*fp32", N="i64", block="i64"),
         ptrs=["x_ptr", "codes_ptr", "scales_ptr"])))
+T = importlib.import_module("fedopt_kernels.backends.triton.topk_encode")
+for bf16 in (False, True):
+    x_ty = "*i16" if bf16 else "*fp32"
+    for p in (0, 7):
+        variants.append((f"topk encode histogram pass={p} bf16={bf16}", dict(kernel=T.topk_histogram_kernel, warps=4,
+            cx=dict(PASS=p, BLOCK=T.TOPK_BLOCK, BF16_BITS=bf16), types=dict(x_ptr=x_ty, ws_ptr="*i64", N="i64"),
+            ptrs=["x_ptr", "ws_ptr"])))
+    variants.append((f"topk encode count bf16={bf16}", dict(kernel=T.topk_count_kernel, warps=4,
+        cx=dict(BLOCK=T.TOPK_BLOCK, BF16_BITS=bf16), types=dict(x_ptr=x_ty, ws_ptr="*i64", counts_ptr="*i64", N="i64"),
+        ptrs=["x_ptr", "ws_ptr", "counts_ptr"])))
+    variants.append((f"topk encode write bf16={bf16}", dict(kernel=T.topk_write_kernel, warps=4,
+        cx=dict(BLOCK=T.TOPK_BLOCK, BF16_BITS=bf16),
+        types=dict(x_ptr=x_ty, ws_ptr="*i64", offsets_ptr="*i64", values_ptr="*fp32", indices_ptr="*i64", N="i64"),
+        ptrs=["x_ptr", "ws_ptr", "offsets_ptr", "values_ptr", "indices_ptr"])))
+for p in (0, 7):
+    variants.append((f"topk encode pick pass={p}", dict(kernel=T.topk_pick_kernel, warps=4, cx=dict(PASS=p),
+        types=dict(ws_ptr="*i64", k="i64"), ptrs=["ws_ptr"])))
+variants.append(("topk encode scan", dict(kernel=T.topk_scan_kernel, warps=4, cx=dict(SCAN_BLOCK=T.TOPK_SCAN_BLOCK),
+    types=dict(counts_ptr="*i64", tiles="i64"), ptrs=["counts_ptr"])))
 json.dump(A.report([(dict(name=name), v) for name, v in variants]), sys.stdout)
 """
 
@@ -65,7 +85,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90(report):
                                                       "topk scatter", "topk finish",
                                                       "quantize stochastic=False int4=False",
                                                       "quantize stochastic=True int4=True",
-                                                      "fp8 encode bf16=False", "fp8 encode bf16=True"]
+                                                      "fp8 encode bf16=False", "fp8 encode bf16=True"] + [
+        f"topk encode {part}" for bf16 in (False, True)
+        for part in (f"histogram pass=0 bf16={bf16}", f"histogram pass=7 bf16={bf16}", f"count bf16={bf16}",
+                     f"write bf16={bf16}")] + ["topk encode pick pass=0", "topk encode pick pass=7",
+                                               "topk encode scan"]
     A.assert_compiled(report, lambda e: e["name"])
 
 

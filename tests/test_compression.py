@@ -95,13 +95,19 @@ def test_deterministic_rounding_is_nearest_even_within_half_a_step(codec, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 def test_fused_encode_gives_python_refs_bits(backend, codec, stochastic, dtype):
     """Every backend's encode (the C++ CPU kernel's, python_ref's elsewhere) against
-    python_ref.compression.quantize, bit for bit: odd and empty sizes, zeros, a NaN."""
+    python_ref.compression.quantize, bit for bit: odd and empty sizes, zeros, a NaN, a
+    block of the dtype's subnormals (bf16's reach Triton as bits: the interpreter's own
+    bf16 conversion flushes them)."""
     name, device = backend
+    tiny = torch.finfo(dtype).tiny if dtype != torch.float64 else torch.finfo(torch.float32).tiny
     for N in (0, 1, 31, 263):
         x = updates(1, N, dtype, seed=N)[0]
         if N > 200:
             x[64:96] = 0.0  # an all-zero block: scale 0, codes 0
             x[200] = float("nan")  # its block's scale is NaN (the server refuses it), codes 0
+            sub = (torch.arange(1, 33, dtype=torch.float64) * (-1.0) ** torch.arange(32) * tiny / 40).to(dtype)
+            assert bool((sub != 0).all() & (sub.abs() < tiny).all()) or dtype == torch.float64
+            x[96:128] = sub  # subnormals (of fp32 for fp64 input)
         r = C.encode(x.to(device), codec, block=32, stochastic=stochastic, key=2 ** 62 + 5, client=9, backend=name)
         codes, scales = P.quantize(x, codec, 32, stochastic=stochastic, key=2 ** 62 + 5, client=9)
         assert torch.equal(r.codes.cpu(), codes), (name, N)

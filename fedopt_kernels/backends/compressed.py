@@ -189,10 +189,12 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
                                      int(block), BLOCK=triton.next_power_of_2(block), BF16_BITS=bf16, num_warps=4)
     elif nb:
         half = 1 << max(0, (block // 2 - 1).bit_length())  # the next power of two >= block / 2
+        bf16 = x.dtype == torch.bfloat16
         with _on(x.device):
-            block_quantize_kernel[(nb,)](x.contiguous(), codes, scales, N, int(block), int(key), int(client),
-                                         QMAX=127.0 if kind == 0 else 7.0, INT4=kind == 1,
-                                         STOCHASTIC=bool(stochastic), HALF=half, num_warps=4)
+            block_quantize_kernel[(nb,)](x.contiguous().view(torch.int16) if bf16 else x.contiguous(), codes, scales,
+                                         N, int(block), int(key), int(client), QMAX=127.0 if kind == 0 else 7.0,
+                                         INT4=kind == 1, STOCHASTIC=bool(stochastic), HALF=half, BF16_BITS=bf16,
+                                         num_warps=4)
     return codes, scales
 
 
@@ -236,10 +238,49 @@ def _cpp_topk_encode(x, k):
     return torch.ops.fedopt_C.topk_encode(x, int(k))
 
 
-# The client's top-k encode: fused (a selection, not a sort) in C++ on the CPU; python_ref's
-# torch code on its device for triton and cuda (no fused kernel there yet: docs/compression.md).
+def _triton_topk_encode(x, k):
+    """The radix select of backends/triton/topk_encode.py: 8 histogram + pick passes, then
+    count, scan and write; every decision stays on the device (no host sync)."""
+    from .triton import _on
+    from .triton import topk_encode as K
+
+    if x.dim() != 1 or not x.is_floating_point():
+        raise ValueError(f"topk_encode: x must be a 1-D floating-point tensor, got {x.dtype} {tuple(x.shape)}")
+    N, k = x.numel(), int(k)
+    if not 0 <= k <= N:
+        raise ValueError(f"topk_encode: k must be in [0, {N}], got {k}")
+    if N > 1 << 32:
+        raise ValueError(f"topk_encode: the Triton top-k encode takes at most 2^32 elements (the index is 32 bits "
+                         f"of the key), got x with {N}")
+    device = x.device
+    if k == 0:
+        return torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.int64, device=device)
+    if k == N:
+        return x.to(torch.float32).clone(), torch.arange(N, dtype=torch.int64, device=device)
+    bf16 = x.dtype == torch.bfloat16
+    xs = x.contiguous().view(torch.int16) if bf16 else x.contiguous()
+    tiles = -(-N // K.TOPK_BLOCK)
+    head = K.TOPK_STATE + K.TOPK_PASSES * K.TOPK_BINS
+    ws = torch.zeros(head + tiles, dtype=torch.int64, device=device)  # one memset: state, histograms, tile counts
+    offsets = ws[head:]
+    values = torch.empty(k, dtype=torch.float32, device=device)
+    indices = torch.empty(k, dtype=torch.int64, device=device)
+    with _on(device):
+        for p in range(K.TOPK_PASSES):
+            K.topk_histogram_kernel[(tiles,)](xs, ws, N, PASS=p, BLOCK=K.TOPK_BLOCK, BF16_BITS=bf16, num_warps=4)
+            K.topk_pick_kernel[(1,)](ws, k, PASS=p, num_warps=4)
+        K.topk_count_kernel[(tiles,)](xs, ws, offsets, N, BLOCK=K.TOPK_BLOCK, BF16_BITS=bf16, num_warps=4)
+        K.topk_scan_kernel[(1,)](offsets, tiles, SCAN_BLOCK=K.TOPK_SCAN_BLOCK, num_warps=4)
+        K.topk_write_kernel[(tiles,)](xs, ws, offsets, values, indices, N, BLOCK=K.TOPK_BLOCK, BF16_BITS=bf16,
+                                      num_warps=4)
+    return values, indices
+
+
+# The client's top-k encode: fused (a selection, not a sort) in C++ on the CPU and a radix
+# select in Triton; python_ref's torch code on its device for cuda (no fused kernel there yet:
+# docs/compression.md).
 _TOPK_ENCODE = {"reference": _torch_topk_encode, "cpu": _cpp_topk_encode, "cuda": _torch_topk_encode,
-                "triton": _torch_topk_encode}
+                "triton": _triton_topk_encode}
 
 
 def topk_encode(name: str) -> Callable:

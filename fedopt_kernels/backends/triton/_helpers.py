@@ -140,6 +140,18 @@ def load_block(ptr, offs, n, ACC: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
+    """The values at ``offs`` widened to fp32 (0 where masked).  ``BF16_BITS``: ``ptr``
+    holds bf16 values given as their int16 bits, widened by a 16-bit shift -- exact, where
+    the interpreter's own bf16 -> fp32 conversion gets subnormals wrong (the wrappers pass
+    ``x.view(torch.int16)``; compiled, both give the same bits)."""
+    if BF16_BITS:
+        return (tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def store_block(ptr, offs, n, value, MASKED: tl.constexpr):
     """``ptr[offs] = value`` cast to the pointee dtype (round to nearest even)."""
     v = value.to(ptr.dtype.element_ty)

@@ -171,18 +171,19 @@ def _round_code(x, s, j, key, client, QMAX: tl.constexpr, STOCHASTIC: tl.constex
 @triton.jit(do_not_specialize=["N", "block", "key", "client"])
 def block_quantize_kernel(x_ptr, codes_ptr, scales_ptr, N: tl.int64, block: tl.int64, key: tl.int64,
                           client: tl.int64, QMAX: tl.constexpr, INT4: tl.constexpr, STOCHASTIC: tl.constexpr,
-                          HALF: tl.constexpr):
+                          HALF: tl.constexpr, BF16_BITS: tl.constexpr):
     """Block ``b`` (one program): ``s_b = max|x_b| / QMAX`` (NaN if the block holds one),
     codes of its even and odd elements (``HALF`` = half the block, a power of two);
-    int8 stored as they are, int4 as one byte per pair (low nibble the even element)."""
+    int8 stored as they are, int4 as one byte per pair (low nibble the even element).
+    ``BF16_BITS``: ``x`` is bf16 given as its int16 bits (``H.load_f32``)."""
     b = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, HALF).to(tl.int64)
     je = b * block + 2 * p
     jo = je + 1
     me = (2 * p < block) & (je < N)
     mo = (2 * p + 1 < block) & (jo < N)
-    xe = tl.load(x_ptr + je, mask=me, other=0.0).to(tl.float32)
-    xo = tl.load(x_ptr + jo, mask=mo, other=0.0).to(tl.float32)
+    xe = H.load_f32(x_ptr, je, me, BF16_BITS)
+    xo = H.load_f32(x_ptr, jo, mo, BF16_BITS)
     amax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
     has_nan = tl.max(tl.where((xe != xe) | (xo != xo), 1, 0), axis=0) > 0
     amax = tl.where(has_nan, float("nan"), amax)
@@ -221,16 +222,12 @@ def fp8_encode_kernel(x_ptr, codes_ptr, scales_ptr, N: tl.int64, block: tl.int64
     ``s_b = max|x_b| / 448`` (NaN if the block holds one), ``t = x / s_b`` (+0 where
     ``s_b == 0``), clamped to +-448 keeping a NaN, stored as e4m3fn bits: python_ref's
     fp8_encode, one rounding per step (``div_rn``).  ``BF16_BITS``: ``x`` is bf16 given
-    as its int16 bits, widened here by a shift (exact; the interpreter's own bf16 -> fp32
-    conversion gets subnormals wrong)."""
+    as its int16 bits (``H.load_f32``)."""
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK).to(tl.int64)
     j = b * block + i
     m = (i < block) & (j < N)
-    if BF16_BITS:
-        x = (tl.load(x_ptr + j, mask=m, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(x_ptr + j, mask=m, other=0.0).to(tl.float32)
+    x = H.load_f32(x_ptr, j, m, BF16_BITS)
     a = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)  # torch.abs clears the sign
     has_nan = tl.max(tl.where(a != a, 1, 0), axis=0) > 0
     amax = tl.where(has_nan, float("nan"), tl.max(a, axis=0))

@@ -22,19 +22,20 @@ SMALL = dict(clients=4, per_round=4, rounds=2, local_steps=3, hidden=(16,), engi
 CASES = [dict(compress="int8", error_feedback=True), dict(compress="topk:0.05"), dict(compress="fp8")]
 
 
-def _simulation(**changes):
+def _simulation(model=None, **changes):
     from fedopt_kernels.fl import Simulation, SimulationConfig
 
-    sim = Simulation(SimulationConfig(**{**SMALL, **changes}))
+    sim = Simulation(SimulationConfig(**{**SMALL, **changes}), model=model)
     per_round = []
     sim.run(callback=lambda rec, s: rec["round"] > 0 and per_round.append(s.x_global.clone()))
     return sim, per_round
 
 
-def _flower(sim, *, codec, error_feedback=False, tamper=None, **concerns):
+def _flower(sim, *, codec, error_feedback=False, tamper=None, model_factory=None, arrays_seen=None, **concerns):
     """The simulator's federation through Flower's ``Strategy.start`` with compressed
-    replies; ``tamper(reply_message)`` may break a reply on its way back.  Returns
-    ``(strategy, per-round x_global, per-round metrics, the grid)``."""
+    replies; ``tamper(reply_message)`` may break a reply on its way back; ``arrays_seen``
+    (a list) gets each round's global arrays.  Returns ``(strategy, per-round x_global,
+    per-round metrics, the grid)``."""
     from flwr.clientapp import ClientApp
 
     from fedopt_kernels.fl import build_model
@@ -46,6 +47,8 @@ def _flower(sim, *, codec, error_feedback=False, tamper=None, **concerns):
     def model_fn(context=None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(fk.init_seed(cfg.seed))
+            if model_factory is not None:
+                return model_factory()
             return build_model(cfg.model, ds.input_shape, ds.num_classes, hidden=cfg.hidden)
 
     def data_fn(context):
@@ -70,6 +73,8 @@ def _flower(sim, *, codec, error_feedback=False, tamper=None, **concerns):
     def evaluate_fn(server_round, arrays):
         if server_round > 0:
             xs.append(strategy.x_global.detach().clone())
+            if arrays_seen is not None:
+                arrays_seen.append({k: torch.from_numpy(v.numpy().copy()) for k, v in arrays.items()})
         return None
 
     result = strategy.start(grid=grid, initial_arrays=fk.model_to_arrayrecord(model), num_rounds=cfg.rounds,
@@ -131,6 +136,52 @@ def test_compressed_flower_round_equals_the_simulator_and_the_hand_loop(case):
             torch.testing.assert_close(got, resid[cid], rtol=1e-5, atol=1e-6)
         else:
             assert EF_STATE_KEY not in ctx.state
+
+
+class _BNNet(torch.nn.Module):
+    """An MLP with BatchNorm (floating running statistics, an integer step count)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(features, 16), torch.nn.BatchNorm1d(16),
+                                       torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("compress", ["int8", "topk:0.05"])
+def test_compressed_flower_replies_carry_the_batchnorm_buffers_as_the_simulator_does(compress):
+    """A BatchNorm model: the replies carry the floating buffers uncompressed beside the
+    codes, and every round's global model -- parameters AND running statistics -- equals
+    the simulator's compressed run bit for bit; the integer buffer keeps the server's
+    value; ``bytes_up`` counts the codes alone (the simulator's record)."""
+    import math
+
+    from fedopt_kernels.fl import Simulation, SimulationConfig
+
+    probe = Simulation(SimulationConfig(**SMALL))
+    features = math.prod(probe.dataset.input_shape)
+    factory = lambda: _BNNet(features)  # noqa: E731
+    sim_states = []
+    sim = Simulation(SimulationConfig(**{**SMALL, "compress": compress, "error_feedback": compress == "int8"}),
+                     model=factory)
+    sim.run(callback=lambda rec, s: rec["round"] > 0 and sim_states.append(
+        {k: v.clone() for k, v in s.global_model.state_dict().items()}))
+    seen = []
+    strategy, fl_xs, metrics, grid = _flower(sim, codec=sim.config.codec(), error_feedback=compress == "int8",
+                                             model_factory=factory, arrays_seen=seen)
+    assert len(seen) == len(sim_states) == SMALL["rounds"]
+    for r, (got, want) in enumerate(zip(seen, sim_states), start=1):
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"round {r}: {k}"
+    first = sim_states[0]["net.2.running_mean"]
+    assert not torch.equal(first, torch.zeros_like(first))  # the clients' statistics reached the server
+    assert seen[-1]["net.2.num_batches_tracked"].item() == 0
+    per_reply = sim.config.codec().bytes_per_reply(sim.numel)
+    for m, rec in zip(metrics, sim.results.records[1:]):
+        assert m["bytes_up"] == rec["bytes_up"] == SMALL["clients"] * per_reply
 
 
 def test_a_robust_rule_on_compressed_flower_replies_equals_the_simulator():

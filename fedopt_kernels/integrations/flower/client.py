@@ -263,8 +263,9 @@ class FedNARClient:
                     torch.sub(x_global, update, out=trainer.x)
 
         coded = codec_from_config(config)  # the strategy's compress=: send the codes, not the model
-        if coded is not None:
-            arrays_out = self._encode(update, coded, cid, cfg.backend, context)
+        if coded is not None:  # the floating buffers (BatchNorm statistics) travel uncompressed beside the codes
+            buffers = [(k, b) for k, b in model.named_buffers() if b.is_floating_point() and k in arrays.keys()]
+            arrays_out = self._encode(update, coded, cid, cfg.backend, context, buffers)
         else:
             arrays_out = model_to_arrayrecord(model, keys=list(arrays.keys()))
         summary = stats.summary()
@@ -286,7 +287,7 @@ class FedNARClient:
         return Message(content=reply, reply_to=msg)
 
     @torch.no_grad()
-    def _encode(self, update: torch.Tensor, coded, cid: int, backend, context: Context) -> ArrayRecord:
+    def _encode(self, update: torch.Tensor, coded, cid: int, backend, context: Context, buffers=()) -> ArrayRecord:
         """The compressed reply's arrays for ``update`` (:mod:`.compression`); with error
         feedback ``a = e + D`` is encoded and ``e <- a - decode(C(a))`` kept in the
         context's state.  A non-finite update keeps the residual; its reply holds a
@@ -300,7 +301,7 @@ class FedNARClient:
         if error_feedback and bool(torch.isfinite(a).all()):
             residual = a - codec.decode(reply, a.numel(), key).to(a.device)
             context.state[EF_STATE_KEY] = tensors_to_arrayrecord([("residual", residual)])
-        return reply_to_arrayrecord(reply)
+        return reply_to_arrayrecord(reply, buffers)
 
     # ------------------------------------------------------------------ evaluate
     @torch.no_grad()

@@ -32,8 +32,10 @@ On the server, :class:`CompressedReader` takes the strategy's reply reader's pla
   carried) and ``bytes_up_fp32`` (the same replies as fp32 updates), the simulator's
   record names.
 
-The clients' floating buffers (BatchNorm statistics) are not sent: the server keeps its
-own.  Refused: FedLAW (it learns from the client models), SCAFFOLD (its control variates
+The clients' floating buffers (BatchNorm statistics) travel uncompressed beside the
+codes, by name, as in a plain reply, and become the round's weighted mean of the
+clients' (as the simulator's compressed round does); they are not counted in
+``bytes_up`` (the simulator's record counts the codes alone).  Refused: FedLAW (it learns from the client models), SCAFFOLD (its control variates
 read dense updates), client-side DP clipping (the server would clip the decoded update
 again, as the simulator refuses ``--dp-mode client`` with ``--compress``).
 """
@@ -82,19 +84,23 @@ def codec_from_config(config) -> Optional[Tuple[Codec, int, bool]]:
     return codec, int(config[KEY_KEY]), bool(config[EF_KEY])
 
 
-def reply_to_arrayrecord(reply: CompressedUpdate) -> ArrayRecord:
-    """The arrays a compressed reply travels as (fp8 codes as their uint8 bytes)."""
+def reply_to_arrayrecord(reply: CompressedUpdate, buffers=()) -> ArrayRecord:
+    """The arrays a compressed reply travels as (fp8 codes as their uint8 bytes), then
+    ``buffers`` (``(name, tensor)``: the model's floating buffers, uncompressed)."""
     codes = reply.codes.view(torch.uint8) if reply.codes.dtype == torch.float8_e4m3fn else reply.codes
     second = ("indices", reply.indices) if reply.codec == "topk" else ("scales", reply.scales)
-    return tensors_to_arrayrecord([("codes", codes), second])
+    return tensors_to_arrayrecord([("codes", codes), second, *buffers])
 
 
-def _reply_from_arrayrecord(record: ArrayRecord, name: str, codec: Codec, numel: int) -> CompressedUpdate:
+def _reply_from_arrayrecord(record: ArrayRecord, name: str, codec: Codec, numel: int,
+                            buffer_names=frozenset()) -> CompressedUpdate:
     """A :class:`CompressedUpdate` whose tensors view ``record``'s bytes (read-only views:
-    the aggregation only reads them); ``ValueError`` when the arrays are not there."""
+    the aggregation only reads them); ``ValueError`` when the arrays are not there, or
+    when others than the model's floating buffers (``buffer_names``) come with them."""
     second = "indices" if name == "topk" else "scales"
-    if set(record.keys()) != {"codes", second}:
-        raise ValueError(f"a {name} reply holds the arrays ['codes', '{second}'], got {sorted(record.keys())}")
+    if not {"codes", second} <= set(record.keys()) or set(record.keys()) - {"codes", second} - set(buffer_names):
+        raise ValueError(f"a {name} reply holds the arrays ['codes', '{second}'] (and the model's floating "
+                         f"buffers), got {sorted(record.keys())}")
     views = {}
     for k in ("codes", second):
         v = array_view(record[k])
@@ -127,7 +133,9 @@ class CompressedReader:
 
     def _reply(self, record: ArrayRecord) -> CompressedUpdate:
         codec = self.concern.codec
-        return _reply_from_arrayrecord(record, codec.name, codec, codec.wire_numel(self.numel))
+        layout = getattr(self.reader, "buffers_layout", None)  # (a reader-less screen: no buffers)
+        buffer_names = {slot.name for slot in layout.slots} if layout is not None else set()
+        return _reply_from_arrayrecord(record, codec.name, codec, codec.wire_numel(self.numel), buffer_names)
 
     def check(self, msg: Message, record: ArrayRecord) -> Optional[str]:
         """Why ``msg``'s compressed ``record`` cannot be aggregated, or None."""
@@ -145,8 +153,10 @@ class CompressedReader:
         """The screened replies as the round's results (views of their bytes)."""
         return CompressedReplies([self._reply(r) for r in records], self.concern.codec, self.numel, self.concern.key)
 
-    def buffers(self, records: List[ArrayRecord]) -> None:
-        return None  # a compressed reply carries no buffers: the server keeps its own
+    def buffers(self, records: List[ArrayRecord]) -> Optional[torch.Tensor]:
+        """The clients' floating buffers, sent uncompressed beside the codes (the plain
+        reader's; None when a reply lacks them: the server keeps its own)."""
+        return self.reader.buffers(records) if self.reader is not None else None
 
 
 class _RoundDecoder:

@@ -274,34 +274,38 @@ class DistributedRoundTraining(RoundTraining):
         if self.attack is not None:
             self.attack.apply_(rows, mine, r)
         replies, nonfinite = self.compression.encode(rows, mine, r)
-        if self.compression.ef is not None:
-            self._share_residuals([cid for cid, _ in replies])
+        shared = self._share_residuals([cid for cid, _ in replies]) if self.compression.ef is not None else None
         good, malformed = self.compression.screen(replies)
         self._compressed_fold = all_gather_replies(good, nonfinite + malformed, self.compression.codec, self.numel,
                                                    self.group, device=self.device)
         out, extra = super()._compressed_replies(clients, round_number, buffer_fold)  # as a folded round's
         if self.attack is not None:
             extra["attacked_clients"] = self.attack.round_attackers(kept)[1]
+        if shared is not None:
+            extra["ef_bytes_between_ranks"] = shared
         return out, extra
 
-    def _share_residuals(self, encoded: List[int]) -> None:
+    def _share_residuals(self, encoded: List[int]) -> int:
         """Error feedback: the residuals this rank's clients just left (``encoded``) on
         every rank, so that whichever rank trains a client next holds its residual, and
         every rank's store -- rank 0's checkpoint -- is one process's.  Dense fp32 rows
         (``N`` values per encoded client) travel between ranks: the price of a client that
-        moves between ranks from round to round."""
+        moves between ranks from round to round.  Returns those bytes (``4 N`` per encoded
+        client of every rank, each row sent to the ``W - 1`` other ranks), the round
+        record's ``ef_bytes_between_ranks``: server-side traffic, not in ``bytes_up``."""
         ef = self.compression.ef
         every: List[list] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(every, list(encoded), group=comm.object_group(self.group))
         counts = tuple(len(part) for part in every)
         if not sum(counts):
-            return
+            return 0
         plan = Plan(rank=self.rank, world=self.world_size, counts=counts, N=self.numel, extras=())
         local = (torch.stack([ef.residual(c) for c in encoded]) if encoded
                  else torch.empty(0, self.numel, dtype=torch.float32, device=self.device))
         rows = comm.gather_rows(local, plan, self.group)
         for cid, row in zip([c for part in every for c in part], rows):
             ef.store.put(ef.name, cid, row)
+        return 4 * self.numel * sum(counts)
 
 
 # ---------------------------------------------------------------------------- launching

@@ -4,9 +4,13 @@ aggregation on every rank, equal the single-process compressed run bit for bit (
 model and every round record, ``bytes_up`` included), for int8, int4 with stochastic
 rounding and the rotation (FedAdam), top-k with an attack, and int8 with the median and
 with DP-FedAvg (noise), int8 with error feedback over 3 rounds (every rank's residuals
-equal one process's); the record's bytes against the codec's own count."""
+equal one process's); the record's bytes against the codec's own count.  A distributed
+compressed run stopped after 2 rounds and resumed from rank 0's checkpoint on every rank
+equals the uninterrupted run: model, records and every client's residual."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -31,6 +35,9 @@ CASES = {  # fp8 takes int4's path (codes as uint8 bytes, one array of scales); 
 }
 
 
+RESUMED = ["int8_error_feedback"]  # 3 rounds: stopped after 2 and resumed
+
+
 def config(case):
     from fedopt_kernels.fl import SimulationConfig
 
@@ -45,6 +52,18 @@ def _scenario(rank, world):
         sim = DistributedSimulation(config(case))
         res = sim.run()
         got[case] = dict(x=sim.x_global.clone(), records=res.records, state=sim.client_state.state_dict())
+    for case in RESUMED:  # 2 rounds, rank 0's checkpoint (as `fedopt simulate` writes it) on every rank, then the rest
+        first = DistributedSimulation(config(case))
+        first.run(2)
+        buf = io.BytesIO()
+        torch.save(first.state_dict(), buf)
+        shared = [buf.getvalue()]
+        dist.broadcast_object_list(shared, src=0)
+        resumed = DistributedSimulation(config(case))
+        resumed.load_state_dict(torch.load(io.BytesIO(shared[0]), weights_only=True))
+        res = resumed.run()
+        got[case + "_resumed"] = dict(x=resumed.x_global.clone(), records=res.records,
+                                      state=resumed.client_state.state_dict(), server=resumed.state_dict()["server"])
     return got
 
 
@@ -88,3 +107,25 @@ def test_distributed_compressed_run_equals_one_process_bit_for_bit(ranks, case, 
             assert_bitwise(mine["rows"], want["rows"], f"rank {r} residuals")
 
 
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_resumed_distributed_compressed_run_equals_the_whole_run(ranks, case):
+    def strip(records, rank):
+        out = []
+        for rec in records:
+            rec = dict(rec)
+            rec.pop("wall_time", None)
+            if rank != 0:  # only rank 0 evaluates (a resumed rank holds rank 0's earlier records)
+                rec.pop("test_accuracy", None), rec.pop("test_loss", None)
+            out.append(rec)
+        return out
+
+    for r, got in enumerate(ranks):
+        whole, resumed = got[case], got[case + "_resumed"]
+        assert_bitwise(resumed["x"], whole["x"], f"rank {r} global model")
+        assert len(resumed["records"]) == config(case).rounds + 1
+        assert strip(resumed["records"], r) == strip(whole["records"], r), f"rank {r}"
+        a, b = resumed["state"]["ef_residual"], whole["state"]["ef_residual"]
+        assert torch.equal(a["clients"], b["clients"]) and b["clients"].numel() > 0
+        assert_bitwise(a["rows"], b["rows"], f"rank {r} residuals")

@@ -15,7 +15,8 @@
 //
 // Families (`kernel` key): nar, aggregate, client_dots, add_noise, server_update,
 // coordinate_select, compressed (the codecs' decode-aggregate, fp32), quantize (the
-// client's int8/int4 encode), and triton (a Triton kernel's AOT-compiled PTX, loaded with the
+// client's int8/int4 encode), encode_fp8, topk_encode (the client's top-k radix select),
+// and triton (a Triton kernel's AOT-compiled PTX, loaded with the
 // driver API's cuModuleLoadData and launched with cuLaunchKernel, both asked of the
 // runtime: no libcuda is linked, so a simulator's runtime is enough).
 //
@@ -47,6 +48,7 @@
 #include "kernels/nar_step.cuh"
 #include "kernels/robust_select.cuh"
 #include "kernels/server_update.cuh"
+#include "kernels/topk_encode.cuh"
 
 namespace {
 
@@ -677,6 +679,24 @@ void run_encode_fp8(const Case& c, Arrays& A, cudaStream_t stream) {
   A.write_out("scales");
 }
 
+// The client's top-k encode: x [N] of the case's dtype (read in it, widened to fp32 by
+// the kernels); key k.  Out: values float32 [k], indices int64 [k] (ascending).
+template <typename scalar_t>
+void run_topk_encode(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t N = c.i64("N"), k = c.i64("k");
+  if (N < 0 || k < 0 || k > N) throw CaseError("need 0 <= k <= N");
+  DevArray& x = A.in("x", static_cast<size_t>(N) * sizeof(scalar_t));
+  DevArray& values = A.make("values", static_cast<size_t>(k) * sizeof(float));
+  DevArray& indices = A.make("indices", static_cast<size_t>(k) * sizeof(int64_t));
+  DevArray& workspace = A.make("workspace", topk_workspace_bytes(N));
+  check(launch_topk_encode<scalar_t>(ptr<const scalar_t>(x), N, k, ptr<float>(values), ptr<int64_t>(indices),
+                                     workspace.data(), stream),
+        "launch_topk_encode");
+  check(cudaStreamSynchronize(stream), "topk_encode kernels");
+  A.write_out("values");
+  A.write_out("indices");
+}
+
 // ------------------------------------------------------------------------- Triton (driver API)
 
 // The few driver entry points the triton family needs, asked of the runtime
@@ -856,6 +876,8 @@ void run_family(const std::string& kernel, const Case& c, Arrays& A, cudaStream_
     if (kernel == "quantize") return run_quantize<scalar_t>(c, A, stream);
   if constexpr (FEDOPT_HARNESS_HAS("encode_fp8") && std::is_same_v<scalar_t, float>)
     if (kernel == "encode_fp8") return run_encode_fp8(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("topk_encode"))
+    if (kernel == "topk_encode") return run_topk_encode<scalar_t>(c, A, stream);
   throw CaseError("kernel family '" + kernel + "' is not built into this binary");
 }
 

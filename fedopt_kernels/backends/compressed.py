@@ -236,9 +236,10 @@ def _cpp_topk_encode(x, k):
     return torch.ops.fedopt_C.topk_encode(x, int(k))
 
 
-# The client's top-k encode: fused (a selection, not a sort) in C++ on the CPU; python_ref's
-# torch code on its device for triton and cuda (no fused kernel there yet: docs/compression.md).
-_TOPK_ENCODE = {"reference": _torch_topk_encode, "cpu": _cpp_topk_encode, "cuda": _torch_topk_encode,
+# The client's top-k encode: fused (a selection, not a sort) in C++ on the CPU and on CUDA
+# (a radix select, csrc/cuda/kernels/topk_encode.cuh); python_ref's torch code on its device
+# for triton (no fused kernel there yet: docs/compression.md).
+_TOPK_ENCODE = {"reference": _torch_topk_encode, "cpu": _cpp_topk_encode, "cuda": _cpp_topk_encode,
                 "triton": _torch_topk_encode}
 
 

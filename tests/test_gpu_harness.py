@@ -620,14 +620,17 @@ def test_topk_encode(run, dtype):
     payload (python_ref keeps x's NaN; the conversion to fp32 may give another NaN).  Two
     compaction tiles (N = 4096 + 905, odd), k = 0, 1, N - 1, N and k's that cut tie groups
     (so the selection reaches the index digits); NaN above +Inf, -0 equal to +0; distinct
-    values (the selection ends within the magnitude's digits); empty."""
+    values (the selection ends within the magnitude's digits); empty; and the 64-bit
+    index digits (the path of N > 2^32) forced on the tie cuts."""
     N = 4096 + 905
     x = topk_harness_input(N, dtype)
     order = P_sorted_magnitudes(x)
     distinct = randn((2 * 1024 + 1,), dtype, 42)  # no ties: the magnitude's digits decide
-    for x_, k in [(x, k) for k in (0, 1, 2, N // 2, N - 1, N)] + [(distinct, 20), (distinct, 1000), (x[:0], 0)]:
+    cases = [(x, k, 0) for k in (0, 1, 2, N // 2, N - 1, N)] + [(distinct, 20, 0), (distinct, 1000, 0), (x[:0], 0, 0)]
+    cases += [(x, 2, 1), (x, N // 2, 1)]  # the 64-bit index digits (taken above 2^32 elements) on the same ties
+    for x_, k, index64 in cases:
         n = x_.numel()
-        got = run.run(dict(kernel="topk_encode", dtype=name(dtype), N=n, k=k), dict(x=x_),
+        got = run.run(dict(kernel="topk_encode", dtype=name(dtype), N=n, k=k, index64=index64), dict(x=x_),
                       dict(values=(torch.float32, (k,)), indices=(torch.int64, (k,))))
         values, indices = codec_ref.topk_encode(x_, k)
         assert_bitwise(got["indices"], indices, f"{name(dtype)} N={n} k={k} indices")

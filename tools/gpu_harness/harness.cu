@@ -680,7 +680,8 @@ void run_encode_fp8(const Case& c, Arrays& A, cudaStream_t stream) {
 }
 
 // The client's top-k encode: x [N] of the case's dtype (read in it, widened to fp32 by
-// the kernels); key k.  Out: values float32 [k], indices int64 [k] (ascending).
+// the kernels); key k, optional index64 (1: the 64-bit index digits whatever N).
+// Out: values float32 [k], indices int64 [k] (ascending).
 template <typename scalar_t>
 void run_topk_encode(const Case& c, Arrays& A, cudaStream_t stream) {
   const int64_t N = c.i64("N"), k = c.i64("k");
@@ -689,9 +690,16 @@ void run_topk_encode(const Case& c, Arrays& A, cudaStream_t stream) {
   DevArray& values = A.make("values", static_cast<size_t>(k) * sizeof(float));
   DevArray& indices = A.make("indices", static_cast<size_t>(k) * sizeof(int64_t));
   DevArray& workspace = A.make("workspace", topk_workspace_bytes(N));
-  check(launch_topk_encode<scalar_t>(ptr<const scalar_t>(x), N, k, ptr<float>(values), ptr<int64_t>(indices),
-                                     workspace.data(), stream),
-        "launch_topk_encode");
+  if (c.i64("index64", 0) != 0) {  // the 64-bit index digits (N > 2^32 on a GPU) on a small N
+    if (k <= 0 || k >= N) throw CaseError("index64 needs 0 < k < N");
+    check(launch_topk_select<scalar_t, true>(ptr<const scalar_t>(x), N, k, ptr<float>(values),
+                                             ptr<int64_t>(indices), workspace.data(), stream),
+          "launch_topk_select<index64>");
+  } else {
+    check(launch_topk_encode<scalar_t>(ptr<const scalar_t>(x), N, k, ptr<float>(values), ptr<int64_t>(indices),
+                                       workspace.data(), stream),
+          "launch_topk_encode");
+  }
   check(cudaStreamSynchronize(stream), "topk_encode kernels");
   A.write_out("values");
   A.write_out("indices");

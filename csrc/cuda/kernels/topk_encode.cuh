@@ -82,13 +82,13 @@ struct TopkState {
 };
 
 // The number of digit passes: 32 bits of magnitude and 32 or 64 of index.
-inline int topk_passes(int64_t N) { return N <= (int64_t(1) << 32) ? 8 : 12; }
+constexpr int topk_passes(bool idx64) { return idx64 ? 12 : 8; }
 
-// Workspace bytes: the state, then one 256-bin histogram per pass, then one count per
-// compaction tile.  All of it 8-byte aligned.
+// Workspace bytes: the state, then one 256-bin histogram per pass (room for 12), then
+// one count per compaction tile.  All of it 8-byte aligned.
 inline size_t topk_workspace_bytes(int64_t N) {
   const int64_t tiles = (N + kTopkTile - 1) / kTopkTile;
-  return sizeof(TopkState) + sizeof(unsigned long long) * (size_t(topk_passes(N)) * kTopkBins + size_t(tiles));
+  return sizeof(TopkState) + sizeof(unsigned long long) * (size_t(topk_passes(true)) * kTopkBins + size_t(tiles));
 }
 
 __device__ __forceinline__ uint32_t topk_magnitude(float v) {
@@ -269,12 +269,15 @@ __global__ void __launch_bounds__(kTopkThreads)
   }
 }
 
+// The selection proper (0 < k < N): kIdx64 the 64-bit index digits, which
+// launch_topk_encode takes above 2^32 elements (tools/gpu_harness also runs it on small
+// N: the keys' order is the same, only the digits differ).
 template <typename scalar_t, bool kIdx64>
 cudaError_t launch_topk_select(const scalar_t* x, int64_t N, int64_t k, float* values, int64_t* indices,
                                void* workspace, cudaStream_t stream) {
   TopkState* state = static_cast<TopkState*>(workspace);
   unsigned long long* hist = reinterpret_cast<unsigned long long*>(state + 1);
-  const int passes = topk_passes(N);
+  constexpr int passes = topk_passes(kIdx64);
   unsigned long long* tile_count = hist + int64_t(passes) * kTopkBins;
   const int64_t tiles = (N + kTopkTile - 1) / kTopkTile;
   cudaError_t err = cudaMemsetAsync(workspace, 0, sizeof(TopkState) + sizeof(unsigned long long) * passes * kTopkBins,

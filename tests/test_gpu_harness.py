@@ -640,6 +640,21 @@ def test_topk_encode(run, dtype):
     assert all(v != v for v in order[:3]) and order[N // 2 - 1] == order[N // 2], order[:3]
 
 
+def test_topk_scan_over_many_tiles(run):
+    """The compaction's tile offsets (topk_scan_kernel) over 5000 tiles, three steps of
+    its block (2048 tiles each, the running total carried): the exclusive prefix sums of
+    the counts, which include 0, the largest a tile can hold (4096) and totals > 2^32."""
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 4097, (5000,), generator=g, dtype=torch.int64)
+    counts[:7] = 0
+    counts[2047:2050] = 4096
+    counts[4000] = 1 << 33  # not a tile's count, but the carry is 64-bit
+    got = run.run(dict(kernel="topk_scan", dtype="fp32", tiles=5000), dict(counts=counts),
+                  dict(counts=(torch.int64, (5000,))))["counts"]
+    want = torch.cumsum(counts, 0) - counts
+    assert torch.equal(got, want), (got != want).nonzero()[:5].reshape(-1).tolist()
+
+
 def P_sorted_magnitudes(x):
     return torch.sort(x.to(torch.float32).abs(), descending=True, stable=True).values.tolist()
 

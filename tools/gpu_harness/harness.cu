@@ -15,7 +15,8 @@
 //
 // Families (`kernel` key): nar, aggregate, client_dots, add_noise, server_update,
 // coordinate_select, compressed (the codecs' decode-aggregate, fp32), quantize (the
-// client's int8/int4 encode), encode_fp8, topk_encode (the client's top-k radix select),
+// client's int8/int4 encode), encode_fp8, topk_encode (the client's top-k radix select), topk_scan (its tile
+// offsets alone),
 // and triton (a Triton kernel's AOT-compiled PTX, loaded with the
 // driver API's cuModuleLoadData and launched with cuLaunchKernel, both asked of the
 // runtime: no libcuda is linked, so a simulator's runtime is enough).
@@ -705,6 +706,19 @@ void run_topk_encode(const Case& c, Arrays& A, cudaStream_t stream) {
   A.write_out("indices");
 }
 
+// The top-k compaction's tile-offset scan alone (topk_scan_kernel), on more tiles than
+// one step of its block covers (a selection needs N > 8M elements for that: too slow to
+// simulate whole): counts uint64 [tiles] in, their exclusive prefix sums out (in place).
+void run_topk_scan(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t tiles = c.i64("tiles");
+  if (tiles < 0) throw CaseError("tiles must be >= 0");
+  DevArray& counts = A.in("counts", static_cast<size_t>(tiles) * sizeof(unsigned long long));
+  topk_scan_kernel<<<1, kTopkThreads, 0, stream>>>(ptr<unsigned long long>(counts), tiles);
+  check(cudaGetLastError(), "topk_scan_kernel launch");
+  check(cudaStreamSynchronize(stream), "topk_scan_kernel");
+  A.write_out("counts");
+}
+
 // ------------------------------------------------------------------------- Triton (driver API)
 
 // The few driver entry points the triton family needs, asked of the runtime
@@ -886,6 +900,8 @@ void run_family(const std::string& kernel, const Case& c, Arrays& A, cudaStream_
     if (kernel == "encode_fp8") return run_encode_fp8(c, A, stream);
   if constexpr (FEDOPT_HARNESS_HAS("topk_encode"))
     if (kernel == "topk_encode") return run_topk_encode<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("topk_scan") && std::is_same_v<scalar_t, float>)
+    if (kernel == "topk_scan") return run_topk_scan(c, A, stream);
   throw CaseError("kernel family '" + kernel + "' is not built into this binary");
 }
 

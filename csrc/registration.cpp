@@ -146,7 +146,7 @@ TORCH_LIBRARY(fedopt_C, m) {
   m.def("block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) -> (Tensor, Tensor)");
   // Top-k encode: the k largest |x_j| of x (1-D float, taken as float32), a tie to the
   // lower index, NaN above +Inf: (values float32 [k], indices int64 [k] ascending),
-  // python_ref.compression.topk_encode's bits.  (CPU only; k in [0, N].)
+  // python_ref.compression.topk_encode's bits.  (CPU and CUDA; k in [0, N].)
   m.def("topk_encode(Tensor x, int k) -> (Tensor, Tensor)");
   // Top-k: client i sends values[i] (float32 [k_i]) at indices[i] (int64 [k_i], strictly
   // increasing in [0, numel), checked); x^_i is zero elsewhere.  As block_decode_aggregate.

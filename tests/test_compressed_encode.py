@@ -176,3 +176,24 @@ def test_topk_hand_computed_ties_nan_and_zeros(backend):
         r = C.encode(x.to(device), "topk", k=k, backend=name)
         assert r.indices.cpu().tolist() == want, (name, k)
         assert torch.equal(r.codes.cpu().view(torch.int32), x[want].view(torch.int32)), (name, k)
+
+
+def test_topk_encode_op_checks_its_arguments_on_meta(cpu_extension):
+    """The raw op on meta tensors (its fake: what a traced call runs, and the checks the
+    CUDA kernel makes before it launches, csrc/cuda/topk_encode.cu): the shapes, and k
+    outside [0, N] or an x that is not a 1-D float tensor refused with the argument named."""
+    op = torch.ops.fedopt_C.topk_encode
+    x = torch.empty(1001, device="meta")
+    for k in (0, 1, 500, 1001):
+        values, indices = op(x, k)
+        assert (values.shape, values.dtype, indices.shape, indices.dtype) == ((k,), torch.float32, (k,), torch.int64)
+    for bad_k in (-1, 1002):
+        with pytest.raises(RuntimeError, match=r"k must be in \[0, 1001\]"):
+            op(x, bad_k)
+    with pytest.raises(RuntimeError, match="x must be a 1-D floating-point"):
+        op(torch.empty(4, 5, device="meta"), 1)
+    with pytest.raises(RuntimeError, match="x must be a 1-D floating-point"):
+        op(torch.empty(9, dtype=torch.int32, device="meta"), 1)
+    # and the CPU kernel itself says the same
+    with pytest.raises(RuntimeError, match=r"k must be in \[0, 7\]"):
+        op(torch.zeros(7), 8)

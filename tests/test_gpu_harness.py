@@ -61,7 +61,9 @@ def test_harness_builds(binary):
     kernels = (b"nar_norm_kernel", b"nar_update_kernel", b"nar_group_sum_kernel", b"rows_kernel",
                b"finalize_rows_kernel", b"add_noise_kernel", b"server_update_kernel", b"coordinate_select_kernel",
                b"block_decode_aggregate_kernel", b"topk_scatter_kernel", b"topk_finish_kernel",
-               b"codec_row_sums_kernel", b"block_quantize_kernel")
+               b"codec_row_sums_kernel", b"block_quantize_kernel", b"topk_histogram_kernel",
+               b"topk_pick_kernel", b"topk_count_kernel", b"topk_scan_kernel", b"topk_write_kernel",
+               b"topk_all_kernel")
     for kernel in kernels if not H.split() else (b"add_noise_kernel",):
         assert kernel in image, kernel
     includes = re.findall(r"^#include\s*[<\"]([^>\"]+)", "".join(p.read_text() for p in H.DEPENDS), re.M)
@@ -595,6 +597,66 @@ def test_fp8_encode(run):
         assert bool((((got["codes"] & 0x7F) == 0x7F) == nan).all()), f"fp8 N={N}: NaN codes"
         assert_bitwise(torch.where(nan, 0x7F, got["codes"]), torch.where(nan, 0x7F, want), f"fp8 N={N} codes")
         assert_bitwise(got["scales"], scales, f"fp8 N={N} scales", nan_ok=True)
+
+
+def topk_harness_input(N: int, dtype) -> torch.Tensor:
+    """|x| from a few levels (so the k-th largest sits in a tie group and the selection
+    goes down into the index digits), both signs, +-0, +-Inf, NaNs of both signs, fp32
+    subnormals (0 in fp16 / bf16) and fp16 subnormals, a few distinct values."""
+    g = torch.Generator().manual_seed(N + 7)
+    levels = torch.tensor([0.0, 0.25, 1.0, 3.0, 1e-3, 1e-40, 6e-6], dtype=torch.float64)
+    sign = torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0).double()
+    x = levels[torch.randint(0, len(levels), (N,), generator=g)] * sign
+    x[3], x[17], x[30] = float("nan"), -float("nan"), float("inf")
+    x[11], x[12], x[N - 1] = -float("inf"), -0.0, float("nan")
+    x[20:40] = torch.randn(20, generator=g, dtype=torch.float64) * 10
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_encode(run, dtype):
+    """The client's CUDA top-k encode (a radix select over (|x| as fp32, ~index) keys)
+    against python_ref's stable sort, bit for bit: indices, and values up to a NaN's
+    payload (python_ref keeps x's NaN; the conversion to fp32 may give another NaN).  Two
+    compaction tiles (N = 4096 + 905, odd), k = 0, 1, N - 1, N and k's that cut tie groups
+    (so the selection reaches the index digits); NaN above +Inf, -0 equal to +0; distinct
+    values (the selection ends within the magnitude's digits); empty; and the 64-bit
+    index digits (the path of N > 2^32) forced on the tie cuts."""
+    N = 4096 + 905
+    x = topk_harness_input(N, dtype)
+    order = P_sorted_magnitudes(x)
+    distinct = randn((2 * 1024 + 1,), dtype, 42)  # no ties: the magnitude's digits decide
+    cases = [(x, k, 0) for k in (0, 1, 2, N // 2, N - 1, N)] + [(distinct, 20, 0), (distinct, 1000, 0), (x[:0], 0, 0)]
+    cases += [(x, 2, 1), (x, N // 2, 1)]  # the 64-bit index digits (taken above 2^32 elements) on the same ties
+    for x_, k, index64 in cases:
+        n = x_.numel()
+        got = run.run(dict(kernel="topk_encode", dtype=name(dtype), N=n, k=k, index64=index64), dict(x=x_),
+                      dict(values=(torch.float32, (k,)), indices=(torch.int64, (k,))))
+        values, indices = codec_ref.topk_encode(x_, k)
+        assert_bitwise(got["indices"], indices, f"{name(dtype)} N={n} k={k} indices")
+        assert_bitwise(got["values"], values, f"{name(dtype)} N={n} k={k} values", nan_ok=True)
+    # the cuts fall inside groups of equal keys, so the selection reached the index digits:
+    # k = 2 between the NaNs (at 3, 17, N - 1), k = N // 2 among equal finite magnitudes
+    assert all(v != v for v in order[:3]) and order[N // 2 - 1] == order[N // 2], order[:3]
+
+
+def test_topk_scan_over_many_tiles(run):
+    """The compaction's tile offsets (topk_scan_kernel) over 5000 tiles, three steps of
+    its block (2048 tiles each, the running total carried): the exclusive prefix sums of
+    the counts, which include 0, the largest a tile can hold (4096) and totals > 2^32."""
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 4097, (5000,), generator=g, dtype=torch.int64)
+    counts[:7] = 0
+    counts[2047:2050] = 4096
+    counts[4000] = 1 << 33  # not a tile's count, but the carry is 64-bit
+    got = run.run(dict(kernel="topk_scan", dtype="fp32", tiles=5000), dict(counts=counts),
+                  dict(counts=(torch.int64, (5000,))))["counts"]
+    want = torch.cumsum(counts, 0) - counts
+    assert torch.equal(got, want), (got != want).nonzero()[:5].reshape(-1).tolist()
+
+
+def P_sorted_magnitudes(x):
+    return torch.sort(x.to(torch.float32).abs(), descending=True, stable=True).values.tolist()
 
 
 # ----------------------------------------------------------------------------- compiled Triton

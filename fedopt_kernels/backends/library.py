@@ -104,6 +104,11 @@ def _block_quantize(x, kind, block, *_):
 
 
 def _topk_encode(x, k):
+    # the C++ kernels' own argument checks (csrc/cpu/compressed_encode.cpp, csrc/cuda/topk_encode.cu),
+    # so a traced or meta call refuses what an eager one would
+    torch._check(x.dim() == 1 and x.is_floating_point(),
+                 lambda: f"fedopt_C::topk_encode: x must be a 1-D floating-point tensor, got {x.dtype} {tuple(x.shape)}")
+    torch._check(0 <= k <= x.numel(), lambda: f"fedopt_C::topk_encode: k must be in [0, {x.numel()}], got {k}")
     return x.new_empty((k,), dtype=torch.float32), x.new_empty((k,), dtype=torch.int64)
 
 

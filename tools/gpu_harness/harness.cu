@@ -15,7 +15,9 @@
 //
 // Families (`kernel` key): nar, aggregate, client_dots, add_noise, server_update,
 // coordinate_select, compressed (the codecs' decode-aggregate, fp32), quantize (the
-// client's int8/int4 encode), and triton (a Triton kernel's AOT-compiled PTX, loaded with the
+// client's int8/int4 encode), encode_fp8, topk_encode (the client's top-k radix select), topk_scan (its tile
+// offsets alone),
+// and triton (a Triton kernel's AOT-compiled PTX, loaded with the
 // driver API's cuModuleLoadData and launched with cuLaunchKernel, both asked of the
 // runtime: no libcuda is linked, so a simulator's runtime is enough).
 //
@@ -47,6 +49,7 @@
 #include "kernels/nar_step.cuh"
 #include "kernels/robust_select.cuh"
 #include "kernels/server_update.cuh"
+#include "kernels/topk_encode.cuh"
 
 namespace {
 
@@ -677,6 +680,45 @@ void run_encode_fp8(const Case& c, Arrays& A, cudaStream_t stream) {
   A.write_out("scales");
 }
 
+// The client's top-k encode: x [N] of the case's dtype (read in it, widened to fp32 by
+// the kernels); key k, optional index64 (1: the 64-bit index digits whatever N).
+// Out: values float32 [k], indices int64 [k] (ascending).
+template <typename scalar_t>
+void run_topk_encode(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t N = c.i64("N"), k = c.i64("k");
+  if (N < 0 || k < 0 || k > N) throw CaseError("need 0 <= k <= N");
+  DevArray& x = A.in("x", static_cast<size_t>(N) * sizeof(scalar_t));
+  DevArray& values = A.make("values", static_cast<size_t>(k) * sizeof(float));
+  DevArray& indices = A.make("indices", static_cast<size_t>(k) * sizeof(int64_t));
+  DevArray& workspace = A.make("workspace", topk_workspace_bytes(N));
+  if (c.i64("index64", 0) != 0) {  // the 64-bit index digits (N > 2^32 on a GPU) on a small N
+    if (k <= 0 || k >= N) throw CaseError("index64 needs 0 < k < N");
+    check(launch_topk_select<scalar_t, true>(ptr<const scalar_t>(x), N, k, ptr<float>(values),
+                                             ptr<int64_t>(indices), workspace.data(), stream),
+          "launch_topk_select<index64>");
+  } else {
+    check(launch_topk_encode<scalar_t>(ptr<const scalar_t>(x), N, k, ptr<float>(values), ptr<int64_t>(indices),
+                                       workspace.data(), stream),
+          "launch_topk_encode");
+  }
+  check(cudaStreamSynchronize(stream), "topk_encode kernels");
+  A.write_out("values");
+  A.write_out("indices");
+}
+
+// The top-k compaction's tile-offset scan alone (topk_scan_kernel), on more tiles than
+// one step of its block covers (a selection needs N > 8M elements for that: too slow to
+// simulate whole): counts uint64 [tiles] in, their exclusive prefix sums out (in place).
+void run_topk_scan(const Case& c, Arrays& A, cudaStream_t stream) {
+  const int64_t tiles = c.i64("tiles");
+  if (tiles < 0) throw CaseError("tiles must be >= 0");
+  DevArray& counts = A.in("counts", static_cast<size_t>(tiles) * sizeof(unsigned long long));
+  topk_scan_kernel<<<1, kTopkThreads, 0, stream>>>(ptr<unsigned long long>(counts), tiles);
+  check(cudaGetLastError(), "topk_scan_kernel launch");
+  check(cudaStreamSynchronize(stream), "topk_scan_kernel");
+  A.write_out("counts");
+}
+
 // ------------------------------------------------------------------------- Triton (driver API)
 
 // The few driver entry points the triton family needs, asked of the runtime
@@ -856,6 +898,10 @@ void run_family(const std::string& kernel, const Case& c, Arrays& A, cudaStream_
     if (kernel == "quantize") return run_quantize<scalar_t>(c, A, stream);
   if constexpr (FEDOPT_HARNESS_HAS("encode_fp8") && std::is_same_v<scalar_t, float>)
     if (kernel == "encode_fp8") return run_encode_fp8(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("topk_encode"))
+    if (kernel == "topk_encode") return run_topk_encode<scalar_t>(c, A, stream);
+  if constexpr (FEDOPT_HARNESS_HAS("topk_scan") && std::is_same_v<scalar_t, float>)
+    if (kernel == "topk_scan") return run_topk_scan(c, A, stream);
   throw CaseError("kernel family '" + kernel + "' is not built into this binary");
 }
 

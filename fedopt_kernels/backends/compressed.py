@@ -169,6 +169,13 @@ _BLOCK = {"reference": _reference_block, "cpu": _cpp_block, "cuda": _cpp_block, 
 _TOPK = {"reference": _reference_topk, "cpu": _cpp_topk, "cuda": _cpp_topk, "triton": _triton_topk}
 
 
+def _triton_encode_input(x):
+    """``(tensor, BF16_BITS)`` for a Triton encode kernel: ``x`` contiguous, bf16 as its
+    int16 bits (the kernels widen them by a shift: ``triton._helpers.load_f32``)."""
+    bf16 = x.dtype == torch.bfloat16
+    return (x.contiguous().view(torch.int16) if bf16 else x.contiguous()), bf16
+
+
 def _triton_quantize(x, kind, block, stochastic, key, client):
     import triton
 
@@ -183,18 +190,17 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
     if nb and kind == 2:
         from .triton.compressed import fp8_encode_kernel
 
+        xs, bf16 = _triton_encode_input(x)
         with _on(x.device):
-            bf16 = x.dtype == torch.bfloat16
-            fp8_encode_kernel[(nb,)](x.contiguous().view(torch.int16) if bf16 else x.contiguous(), codes, scales, N,
-                                     int(block), BLOCK=triton.next_power_of_2(block), BF16_BITS=bf16, num_warps=4)
+            fp8_encode_kernel[(nb,)](xs, codes, scales, N, int(block), BLOCK=triton.next_power_of_2(block),
+                                     BF16_BITS=bf16, num_warps=4)
     elif nb:
         half = 1 << max(0, (block // 2 - 1).bit_length())  # the next power of two >= block / 2
-        bf16 = x.dtype == torch.bfloat16
+        xs, bf16 = _triton_encode_input(x)
         with _on(x.device):
-            block_quantize_kernel[(nb,)](x.contiguous().view(torch.int16) if bf16 else x.contiguous(), codes, scales,
-                                         N, int(block), int(key), int(client), QMAX=127.0 if kind == 0 else 7.0,
-                                         INT4=kind == 1, STOCHASTIC=bool(stochastic), HALF=half, BF16_BITS=bf16,
-                                         num_warps=4)
+            block_quantize_kernel[(nb,)](xs, codes, scales, N, int(block), int(key), int(client),
+                                         QMAX=127.0 if kind == 0 else 7.0, INT4=kind == 1,
+                                         STOCHASTIC=bool(stochastic), HALF=half, BF16_BITS=bf16, num_warps=4)
     return codes, scales
 
 
@@ -257,10 +263,9 @@ def _triton_topk_encode(x, k):
         return torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.int64, device=device)
     if k == N:
         return x.to(torch.float32).clone(), torch.arange(N, dtype=torch.int64, device=device)
-    bf16 = x.dtype == torch.bfloat16
-    xs = x.contiguous().view(torch.int16) if bf16 else x.contiguous()
+    xs, bf16 = _triton_encode_input(x)
     tiles = -(-N // K.TOPK_BLOCK)
-    head = K.TOPK_STATE + K.TOPK_PASSES * K.TOPK_BINS
+    head = K.TOPK_STATE.value + K.TOPK_PASSES * K.TOPK_BINS.value
     ws = torch.zeros(head + tiles, dtype=torch.int64, device=device)  # one memset: state, histograms, tile counts
     offsets = ws[head:]
     values = torch.empty(k, dtype=torch.float32, device=device)

@@ -50,13 +50,13 @@ import triton.language as tl
 
 from . import _helpers as H
 
-TOPK_BINS = 256  # 8-bit digits
+TOPK_BINS = tl.constexpr(256)  # 8-bit digits (the kernels and the wrapper's workspace size)
 TOPK_PASSES = 8  # 32 bits of magnitude, 32 of index
 TOPK_BLOCK = 1024  # elements per program of the histogram, count and write kernels
 TOPK_SCAN_BLOCK = 1024  # tile counts per step of the scan
 # The workspace (int64): [0] prefix, [1] remaining, [2] done, [3] unused, then
 # TOPK_PASSES x TOPK_BINS histogram bins, then one count (then offset) per tile.
-TOPK_STATE = 4
+TOPK_STATE = tl.constexpr(4)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _topk_keys(x_ptr, j, m, BF16_BITS: tl.constexpr):
     return (mag.to(tl.int64) << 32) | (0xFFFFFFFF - j), x
 
 
-@triton.jit(do_not_specialize=["N", "k"])
+@triton.jit(do_not_specialize=["N"])
 def topk_histogram_kernel(x_ptr, ws_ptr, N: tl.int64, PASS: tl.constexpr, BLOCK: tl.constexpr,
                           BF16_BITS: tl.constexpr):
     """Pass ``PASS``'s histogram of digit ``PASS`` (bits ``[56 - 8 PASS, 64 - 8 PASS)`` of the
@@ -83,9 +83,9 @@ def topk_histogram_kernel(x_ptr, ws_ptr, N: tl.int64, PASS: tl.constexpr, BLOCK:
         high = -(1 << (64 - 8 * PASS))  # the digits above this one (two's complement mask)
         m = m & ((key & high) == (prefix & high))
     digit = ((key >> SHIFT) & 0xFF).to(tl.int32)
-    counts = tl.histogram(digit, 256, mask=m)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(ws_ptr + 4 + PASS * 256 + bins, counts.to(tl.int64), mask=(counts > 0) & (done == 0))
+    counts = tl.histogram(digit, TOPK_BINS, mask=m)
+    bins = tl.arange(0, TOPK_BINS)
+    tl.atomic_add(ws_ptr + TOPK_STATE + PASS * TOPK_BINS + bins, counts.to(tl.int64), mask=(counts > 0) & (done == 0))
 
 
 @triton.jit(do_not_specialize=["k"])
@@ -96,8 +96,8 @@ def topk_pick_kernel(ws_ptr, k: tl.int64, PASS: tl.constexpr):
         want = k
     else:
         want = tl.load(ws_ptr + 1)
-    d = tl.arange(0, 256)
-    c = tl.load(ws_ptr + 4 + PASS * 256 + d)
+    d = tl.arange(0, TOPK_BINS)
+    c = tl.load(ws_ptr + TOPK_STATE + PASS * TOPK_BINS + d)
     from_top = tl.sum(c, axis=0) - tl.cumsum(c, axis=0) + c  # keys in buckets >= d
     pick = tl.max(tl.where(from_top >= want, d, -1), axis=0)  # >= 0: bucket 0 counts everything left
     c_pick = tl.sum(tl.where(d == pick, c, 0), axis=0)

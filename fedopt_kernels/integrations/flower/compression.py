@@ -35,7 +35,9 @@ On the server, :class:`CompressedReader` takes the strategy's reply reader's pla
 The clients' floating buffers (BatchNorm statistics) travel uncompressed beside the
 codes, by name, as in a plain reply, and become the round's weighted mean of the
 clients' (as the simulator's compressed round does); they are not counted in
-``bytes_up`` (the simulator's record counts the codes alone).  Refused: FedLAW (it learns from the client models), SCAFFOLD (its control variates
+``bytes_up`` (the simulator's record counts the codes alone).
+
+Refused: FedLAW (it learns from the client models), SCAFFOLD (its control variates
 read dense updates), client-side DP clipping (the server would clip the decoded update
 again, as the simulator refuses ``--dp-mode client`` with ``--compress``).
 """

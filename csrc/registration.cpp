@@ -144,6 +144,11 @@ TORCH_LIBRARY(fedopt_C, m) {
   // s_b = max|x_b| / 448, codes e4m3fn(clamp(x / s_b, +-448)) half to even (+0 where s_b
   // is 0), returned as uint8 bits [N] (stochastic must be false): python_ref's fp8_encode.
   m.def("block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) -> (Tensor, Tensor)");
+  // The same encode written into given buffers (codes and scales as block_quantize returns
+  // them, contiguous, on x's device; checked before anything is written): a round's reply
+  // arena hands them out (fedopt_kernels/compression/reply_arena.py).
+  m.def("block_quantize_into(Tensor x, int kind, int block, bool stochastic, int key, int client, "
+        "Tensor(a!) codes, Tensor(b!) scales) -> ()");
   // Top-k encode: the k largest |x_j| of x (1-D float, taken as float32), a tie to the
   // lower index, NaN above +Inf: (values float32 [k], indices int64 [k] ascending),
   // python_ref.compression.topk_encode's bits.  (CPU and CUDA; k in [0, N].)

@@ -182,6 +182,8 @@ def _samples(gen):
                                    [torch.rand(2, generator=gen) for _ in range(C)], 0, 32, N, w, 1.0, None,
                                    torch.empty(N), None),
         "block_quantize": (r(N), 0, 32, False, 7, 0),
+        "block_quantize_into": (r(N), 1, 32, True, 7, 3, torch.empty((N + 1) // 2, dtype=torch.uint8),
+                                torch.empty(-(-N // 32))),
         "topk_encode": (r(N), 5),
         "topk_decode_aggregate": ([r(4) for _ in range(C)], [torch.tensor([1, 5, 9, 36]) for _ in range(C)], N, w, 1.0,
                                   None, torch.empty(N), None),

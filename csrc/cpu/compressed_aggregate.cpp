@@ -34,6 +34,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <fedopt/encode_outputs.h>  // check_block_encode_outputs
 #include <fedopt/gaussian_noise.h>  // Philox4x32-10 (the codecs' stochastic rounding)
 
 // FEDOPT_CK_ISA tells compressed_kernels.h which intrinsics its decode may use (GCC 12
@@ -268,28 +269,32 @@ std::tuple<Tensor, Tensor> topk_decode_aggregate_cpu(at::TensorList values, at::
 
 }  // namespace
 // block_quantize's kind 2, the fp8 encode: csrc/cpu/compressed_encode.cpp.
-std::tuple<Tensor, Tensor> fp8_block_encode_cpu(const Tensor& x, int64_t block);
+void fp8_block_encode_into_cpu(const Tensor& x, int64_t block, Tensor& codes, Tensor& scales);
 namespace {
 
 // python_ref/compression.py's STREAM_ROUNDING: the Philox counter's last word.
 constexpr uint32_t kStreamRounding = 0x51;
 
-std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int64_t block, bool stochastic,
-                                              int64_t key, int64_t client) {
-  const char* op = "fedopt_C::block_quantize";
+void check_block_quantize_args(const char* op, const Tensor& x, int64_t kind, int64_t block, bool stochastic,
+                               int64_t key, int64_t client) {
   TORCH_CHECK(kind == 0 || kind == 1 || kind == 2, op, ": kind must be 0 (int8), 1 (int4) or 2 (fp8), got ", kind);
   TORCH_CHECK(block > 0 && block % 32 == 0, op, ": block must be a positive multiple of 32, got ", block);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_floating_point(), op,
               ": x must be a 1-D floating-point CPU tensor, got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(key >= 0, op, ": key must be in [0, 2^63), got ", key);
+  TORCH_CHECK(kind != 2 || !stochastic, op, ": stochastic rounding is defined for int8 and int4, not fp8 (kind 2)");
+  (void)client;  // any value: the low 32 bits are Philox's counter word (the Python layer checks the range)
+}
+
+// The encode into given outputs (checked by the callers): the one implementation of both ops.
+void block_quantize_write(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key, int64_t client,
+                          Tensor& codes, Tensor& scales) {
   if (kind == 2) {  // fp8 (compressed_encode.cpp)
-    TORCH_CHECK(!stochastic, op, ": stochastic rounding is defined for int8 and int4, not fp8 (kind 2)");
-    return fp8_block_encode_cpu(x, block);
+    fp8_block_encode_into_cpu(x, block, codes, scales);
+    return;
   }
   const Tensor xf = x.to(at::kFloat).contiguous();  // fp16 / bf16 widen exactly; fp64 rounds once
   const int64_t N = xf.numel(), nb = (N + block - 1) / block;
-  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 1 ? at::kByte : at::kChar));
-  Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
   const float* xp = xf.const_data_ptr<float>();
   float* sp = scales.data_ptr<float>();
   uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
@@ -312,7 +317,24 @@ std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int
       }
     }
   });
+}
+
+std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int64_t block, bool stochastic,
+                                              int64_t key, int64_t client) {
+  check_block_quantize_args("fedopt_C::block_quantize", x, kind, block, stochastic, key, client);
+  const int64_t N = x.numel();
+  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 0 ? at::kChar : at::kByte));
+  Tensor scales = at::empty({(N + block - 1) / block}, x.options().dtype(at::kFloat));
+  block_quantize_write(x, kind, block, stochastic, key, client, codes, scales);
   return {codes, scales};
+}
+
+void block_quantize_into_cpu(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key,
+                             int64_t client, Tensor codes, Tensor scales) {
+  const char* op = "fedopt_C::block_quantize_into";
+  check_block_quantize_args(op, x, kind, block, stochastic, key, client);
+  check_block_encode_outputs(op, x, kind, block, codes, scales);
+  block_quantize_write(x, kind, block, stochastic, key, client, codes, scales);
 }
 
 }  // namespace
@@ -320,6 +342,7 @@ std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int
 
 TORCH_LIBRARY_IMPL(fedopt_C, CPU, m) {
   m.impl("block_quantize", &fedopt::cpu::compressed::block_quantize_cpu);
+  m.impl("block_quantize_into", &fedopt::cpu::compressed::block_quantize_into_cpu);
   m.impl("block_decode_aggregate", &fedopt::cpu::compressed::block_decode_aggregate_cpu);
   m.impl("topk_decode_aggregate", &fedopt::cpu::compressed::topk_decode_aggregate_cpu);
 }

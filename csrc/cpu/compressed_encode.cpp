@@ -79,14 +79,13 @@ constexpr int64_t kMinColumnsPerThread = int64_t(1) << 16;
 
 }  // namespace
 
-// block_quantize's kind 2 (called by block_quantize_cpu once the arguments are checked):
-// x a 1-D floating-point CPU tensor, block a positive multiple of 32.  Returns (codes
-// uint8 [N], the float8_e4m3fn bits; scales float32 [ceil(N / block)]).
-std::tuple<Tensor, Tensor> fp8_block_encode_cpu(const Tensor& x, int64_t block) {
+// block_quantize's kind 2 (called by block_quantize_into_cpu once the arguments and the
+// outputs are checked): x a 1-D floating-point CPU tensor, block a positive multiple of
+// 32; writes codes (uint8 [N], the float8_e4m3fn bits) and scales (float32
+// [ceil(N / block)]).
+void fp8_block_encode_into_cpu(const Tensor& x, int64_t block, Tensor& codes, Tensor& scales) {
   const Tensor xf = x.to(at::kFloat).contiguous();  // fp16 / bf16 widen exactly; fp64 rounds once
   const int64_t N = xf.numel(), nb = (N + block - 1) / block;
-  Tensor codes = at::empty({N}, x.options().dtype(at::kByte));
-  Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
   const float* xp = xf.const_data_ptr<float>();
   float* sp = scales.data_ptr<float>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -98,7 +97,6 @@ std::tuple<Tensor, Tensor> fp8_block_encode_cpu(const Tensor& x, int64_t block) 
       sp[b] = run(xp + j0, len, cp + j0);
     }
   });
-  return {codes, scales};
 }
 
 // ---------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include <fedopt/encode_outputs.h>
+
 #include "kernels/compressed_aggregate.cuh"
 #include "kernels/compressed_encode.cuh"
 
@@ -140,9 +142,8 @@ std::tuple<Tensor, Tensor> topk_decode_aggregate(at::TensorList values, at::Tens
   return {q, total};
 }
 
-std::tuple<Tensor, Tensor> block_quantize(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key,
-                                          int64_t client) {
-  const char* op = "fedopt_C::block_quantize";
+void check_block_quantize_args(const char* op, const Tensor& x, int64_t kind, int64_t block, bool stochastic,
+                               int64_t key, int64_t client) {
   TORCH_CHECK(kind == 0 || kind == 1 || kind == 2, op, ": kind must be 0 (int8), 1 (int4) or 2 (fp8), got ", kind);
   TORCH_CHECK(kind != 2 || !stochastic, op, ": stochastic rounding is defined for int8 and int4, not fp8 (kind 2)");
   TORCH_CHECK(block > 0 && block % 32 == 0, op, ": block must be a positive multiple of 32, got ", block);
@@ -151,21 +152,41 @@ std::tuple<Tensor, Tensor> block_quantize(const Tensor& x, int64_t kind, int64_t
               x.device());
   TORCH_CHECK(key >= 0, op, ": key must be in [0, 2^63), got ", key);
   TORCH_CHECK(client >= 0 && client <= 0xFFFFFFFFLL, op, ": client must be in [0, 2^32), got ", client);
+}
+
+// The encode into given outputs (checked by the callers): the one implementation of both ops.
+void block_quantize_write(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key, int64_t client,
+                          Tensor& codes, Tensor& scales) {
   const c10::cuda::CUDAGuard guard(x.device());
   const Tensor xf = x.to(at::kFloat).contiguous();  // fp16 / bf16 widen exactly; fp64 rounds once
-  const int64_t N = xf.numel(), nb = (N + block - 1) / block;
-  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 0 ? at::kChar : at::kByte));
-  Tensor scales = at::empty({nb}, x.options().dtype(at::kFloat));
+  const int64_t N = xf.numel();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   if (kind == 2) {
     C10_CUDA_CHECK(launch_fp8_encode(xf.const_data_ptr<float>(), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                                      N, block, stream));
-    return {codes, scales};
+    return;
   }
   C10_CUDA_CHECK(launch_block_quantize<float>(xf.const_data_ptr<float>(), static_cast<uint8_t*>(codes.data_ptr()),
                                               scales.data_ptr<float>(), N, block, kind == 1, stochastic,
                                               static_cast<uint64_t>(key), static_cast<uint32_t>(client), stream));
+}
+
+std::tuple<Tensor, Tensor> block_quantize(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key,
+                                          int64_t client) {
+  check_block_quantize_args("fedopt_C::block_quantize", x, kind, block, stochastic, key, client);
+  const int64_t N = x.numel();
+  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 0 ? at::kChar : at::kByte));
+  Tensor scales = at::empty({(N + block - 1) / block}, x.options().dtype(at::kFloat));
+  block_quantize_write(x, kind, block, stochastic, key, client, codes, scales);
   return {codes, scales};
+}
+
+void block_quantize_into(const Tensor& x, int64_t kind, int64_t block, bool stochastic, int64_t key, int64_t client,
+                         Tensor codes, Tensor scales) {
+  const char* op = "fedopt_C::block_quantize_into";
+  check_block_quantize_args(op, x, kind, block, stochastic, key, client);
+  fedopt::check_block_encode_outputs(op, x, kind, block, codes, scales);
+  block_quantize_write(x, kind, block, stochastic, key, client, codes, scales);
 }
 
 }  // namespace fedopt::cuda
@@ -174,4 +195,5 @@ TORCH_LIBRARY_IMPL(fedopt_C, CUDA, m) {
   m.impl("block_decode_aggregate", TORCH_FN(fedopt::cuda::block_decode_aggregate));
   m.impl("topk_decode_aggregate", TORCH_FN(fedopt::cuda::topk_decode_aggregate));
   m.impl("block_quantize", TORCH_FN(fedopt::cuda::block_quantize));
+  m.impl("block_quantize_into", TORCH_FN(fedopt::cuda::block_quantize_into));
 }

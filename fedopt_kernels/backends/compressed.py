@@ -161,8 +161,19 @@ def _reference_quantize(x, kind, block, stochastic, key, client):
     return codes.to(x.device), scales.to(x.device)
 
 
+def _reference_quantize_into(x, kind, block, stochastic, key, client, codes, scales):
+    got_codes, got_scales = _reference_quantize(x, kind, block, stochastic, key, client)
+    codes.copy_(got_codes)
+    scales.copy_(got_scales)
+
+
 def _cpp_quantize(x, kind, block, stochastic, key, client):
     return torch.ops.fedopt_C.block_quantize(x, int(kind), int(block), bool(stochastic), int(key), int(client))
+
+
+def _cpp_quantize_into(x, kind, block, stochastic, key, client, codes, scales):
+    torch.ops.fedopt_C.block_quantize_into(x, int(kind), int(block), bool(stochastic), int(key), int(client), codes,
+                                           scales)
 
 
 _BLOCK = {"reference": _reference_block, "cpu": _cpp_block, "cuda": _cpp_block, "triton": _triton_block}
@@ -177,6 +188,15 @@ def _triton_encode_input(x):
 
 
 def _triton_quantize(x, kind, block, stochastic, key, client):
+    N = x.numel()
+    codes = torch.empty((N + 1) // 2 if kind == 1 else N, dtype=torch.int8 if kind == 0 else torch.uint8,
+                        device=x.device)
+    scales = torch.empty(-(-N // block), dtype=torch.float32, device=x.device)
+    _triton_quantize_into(x, kind, block, stochastic, key, client, codes, scales)
+    return codes, scales
+
+
+def _triton_quantize_into(x, kind, block, stochastic, key, client, codes, scales):
     import triton
 
     from .triton import _on
@@ -184,9 +204,6 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
 
     N = x.numel()
     nb = -(-N // block)
-    codes = torch.empty((N + 1) // 2 if kind == 1 else N, dtype=torch.int8 if kind == 0 else torch.uint8,
-                        device=x.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb and kind == 2:
         from .triton.compressed import fp8_encode_kernel
 
@@ -201,7 +218,6 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
             block_quantize_kernel[(nb,)](xs, codes, scales, N, int(block), int(key), int(client),
                                          QMAX=127.0 if kind == 0 else 7.0, INT4=kind == 1,
                                          STOCHASTIC=bool(stochastic), HALF=half, BF16_BITS=bf16, num_warps=4)
-    return codes, scales
 
 
 # The client's fused encode (kind 0 int8 / 1 int4 / 2 fp8): C++ on the CPU
@@ -209,6 +225,8 @@ def _triton_quantize(x, kind, block, stochastic, key, client):
 # (csrc/cuda/kernels/compressed_encode.cuh), Triton.
 _QUANTIZE = {"reference": _reference_quantize, "cpu": _cpp_quantize, "cuda": _cpp_quantize,
              "triton": _triton_quantize}
+_QUANTIZE_INTO = {"reference": _reference_quantize_into, "cpu": _cpp_quantize_into, "cuda": _cpp_quantize_into,
+                  "triton": _triton_quantize_into}
 
 
 def block_quantize(name: str) -> Callable:
@@ -217,6 +235,13 @@ def block_quantize(name: str) -> Callable:
     codes the uint8 bits of float8_e4m3fn, not stochastic: python_ref's fp8_encode bits;
     ``x`` 1-D float)."""
     return _QUANTIZE[name]
+
+
+def block_quantize_into(name: str) -> Callable:
+    """Backend ``name``'s ``block_quantize_into(x, kind, block, stochastic, key, client, codes,
+    scales)``: :func:`block_quantize`'s bits written into ``codes`` and ``scales`` (checked by
+    the caller: ops/compressed.py's ``encode(out=)``)."""
+    return _QUANTIZE_INTO[name]
 
 
 def block_decode_aggregate(name: str) -> Callable:

@@ -103,6 +103,10 @@ def _block_quantize(x, kind, block, *_):
     return codes, x.new_empty((-(-n // block),), dtype=torch.float32)
 
 
+def _block_quantize_into(*_):
+    return None  # writes its codes and scales in place
+
+
 def _topk_encode(x, k):
     # the C++ kernels' own argument checks (csrc/cpu/compressed_encode.cpp, csrc/cuda/topk_encode.cu),
     # so a traced or meta call refuses what an eager one would
@@ -113,7 +117,7 @@ def _topk_encode(x, k):
 
 
 FAKES.update(block_decode_aggregate=_codec_stats, topk_decode_aggregate=_codec_stats, block_quantize=_block_quantize,
-             topk_encode=_topk_encode)
+             block_quantize_into=_block_quantize_into, topk_encode=_topk_encode)
 """op -> its fake kernel (the contract's arguments; a routed op's ``backend`` aside)."""
 
 

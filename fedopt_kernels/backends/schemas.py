@@ -101,6 +101,8 @@ CODECS = {
                               "Tensor? skip) -> (Tensor, Tensor)",
     "block_quantize": "block_quantize(Tensor x, int kind, int block, bool stochastic, int key, int client) "
                       "-> (Tensor, Tensor)",
+    "block_quantize_into": "block_quantize_into(Tensor x, int kind, int block, bool stochastic, int key, int client, "
+                           "Tensor(a!) codes, Tensor(b!) scales) -> ()",
     "topk_decode_aggregate": "topk_decode_aggregate(Tensor[] values, Tensor[] indices, int numel, Tensor weights, "
                              "float gamma, Tensor? gamma_tensor, Tensor(a!) out, Tensor? skip) -> (Tensor, Tensor)",
     "topk_encode": "topk_encode(Tensor x, int k) -> (Tensor, Tensor)",

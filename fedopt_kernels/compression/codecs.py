@@ -58,15 +58,17 @@ class Codec:
         return -(-numel // self.rotation) * self.rotation
 
     def encode(self, update: torch.Tensor, key: int = 0, client: int = 0, *,
-               backend: Optional[str] = None) -> C.CompressedUpdate:
-        """The reply of client ``client`` for ``update`` in the round of ``key`` (in ``[0, 2^63)``)."""
+               backend: Optional[str] = None, out=None) -> C.CompressedUpdate:
+        """The reply of client ``client`` for ``update`` in the round of ``key`` (in ``[0, 2^63)``);
+        ``out``: a block codec's ``(codes, scales)`` to write it into
+        (:func:`~fedopt_kernels.ops.compressed.encode`, of :meth:`wire_numel` values)."""
         x = update.reshape(-1)
         if self.rotation is not None:
             x = C.hadamard_rotate(x, key, self.rotation)
         if self.name == "topk":
-            return C.encode(x, "topk", fraction=self.fraction)
+            return C.encode(x, "topk", fraction=self.fraction, out=out)
         return C.encode(x, self.name, block=self.block, stochastic=self.stochastic, key=key, client=client,
-                        backend=backend)
+                        backend=backend, out=out)
 
     def decode(self, reply: C.CompressedUpdate, numel: int, key: int = 0) -> torch.Tensor:
         """The dense fp32 update a reply stands for (rotated back)."""

@@ -130,6 +130,7 @@ _EAGER = {
     "block_decode_aggregate": _compressed("block_decode_aggregate"),
     "topk_decode_aggregate": _compressed("topk_decode_aggregate"),
     "block_quantize": _compressed("block_quantize"),
+    "block_quantize_into": _compressed("block_quantize_into"),
     "topk_encode": _compressed("topk_encode"),
 }
 
@@ -164,5 +165,6 @@ _COMPILED = {
     "block_decode_aggregate": library.routed("block_decode_aggregate"),
     "topk_decode_aggregate": library.routed("topk_decode_aggregate"),
     "block_quantize": library.routed("block_quantize"),
+    "block_quantize_into": library.routed("block_quantize_into"),
     "topk_encode": library.routed("topk_encode"),
 }

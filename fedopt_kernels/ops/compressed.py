@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -79,15 +79,26 @@ def _check_codec(codec, block):
         raise ValueError(f"block must be a positive multiple of 32, got {block!r}")
 
 
+CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}  # a reply's codes
+
+
 def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bool = False, key: int = 0,
            client: int = 0, fraction: Optional[float] = None, k: Optional[int] = None,
-           backend: Optional[str] = None) -> CompressedUpdate:
+           backend: Optional[str] = None, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+           ) -> CompressedUpdate:
     """Encode ``update`` (a float tensor, taken flat as fp32).  Block codecs: ``block``
     values per scale; int8/int4 ``stochastic`` rounding draws its uniforms from
     ``(key, client, element)`` (python_ref/compression.py; ``key`` in ``[0, 2^63)``); fp8
     rounds to e4m3fn half to even.  Every block codec runs the backend's fused encode
     (``block_quantize``).  Top-k keeps ``k`` values, or
-    ``ceil(fraction * N)``."""
+    ``ceil(fraction * N)``.
+
+    ``out`` (block codecs): ``(codes, scales)`` to write the reply into -- contiguous 1-D
+    tensors on the update's device, of :data:`CODE_DTYPES` ``[codec]`` and
+    ``code_numel(codec, N)`` values, float32 and ``num_scales(N, block)`` values (a
+    round's :class:`~fedopt_kernels.compression.reply_arena.ReplyArena` hands them out);
+    the reply then holds them.  The same bits as without ``out``; checked before anything
+    is written."""
     _check_codec(codec, block)
     V.check_tensor(update, "update")
     if not update.is_floating_point():
@@ -101,6 +112,9 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
             k = _codec.topk_k(n, float(fraction))
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
             raise ValueError(f"k must be an int in [0, {n}], got {k!r}")
+        if out is not None:
+            raise ValueError("out is for the block codecs (int8, int4, fp8); top-k's replies are allocated by "
+                             "its encode")
         V.check_backend(backend)
         values, indices = _dispatch.kernel("topk_encode", backend, update.device)(update.reshape(-1), k)
         return CompressedUpdate("topk", n, values, indices=indices)
@@ -111,11 +125,31 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
     if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < 1 << 32:
         raise ValueError(f"client must be an int in [0, 2^32), got {client!r}")
     V.check_backend(backend)
+    if out is not None:
+        codes, scales = _check_encode_out(out, codec, n, block, update.device)
+        run = _dispatch.kernel("block_quantize_into", backend, update.device)
+        run(update.reshape(-1), _codec.KINDS[codec], block, bool(stochastic), key, client,
+            codes.view(torch.uint8) if codec == "fp8" else codes, scales)
+        return CompressedUpdate(codec, n, codes, scales=scales, block=block)
     run = _dispatch.kernel("block_quantize", backend, update.device)
     codes, scales = run(update.reshape(-1), _codec.KINDS[codec], block, bool(stochastic), key, client)
     if codec == "fp8":
         codes = codes.view(torch.float8_e4m3fn)  # the kernels write the code bits as uint8
     return CompressedUpdate(codec, n, codes, scales=scales, block=block)
+
+
+def _check_encode_out(out, codec: str, n: int, block: int, device: torch.device):
+    """``out`` as ``(codes, scales)`` if it can hold ``codec``'s reply of ``n`` values, else a
+    ValueError that names what is wrong."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError(f"out must be a (codes, scales) pair of tensors, got {type(out).__name__}")
+    for name, t, dtype, numel in (("codes", out[0], CODE_DTYPES[codec], code_numel(codec, n)),
+                                  ("scales", out[1], torch.float32, num_scales(n, block))):
+        if t.dtype != dtype or t.dim() != 1 or t.numel() != numel or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"out's {name} must be a contiguous 1-D {dtype} tensor of {numel} values on {device} "
+                             f"for a {codec} reply of {n} values (block {block}), got {t.dtype} "
+                             f"{tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'} on {t.device}")
+    return out[0], out[1]
 
 
 def decode(reply: CompressedUpdate) -> torch.Tensor:

@@ -40,13 +40,14 @@ class ErrorFeedback:
         self.codec, self.store, self.numel, self.name = codec, store, int(numel), name
         store.register(name, self.numel, dtype=torch.float32, device=device)
 
-    def encode(self, client: int, update: torch.Tensor, key: int = 0, *, backend=None):
+    def encode(self, client: int, update: torch.Tensor, key: int = 0, *, backend=None, out=None):
         """Client ``client``'s reply for ``update`` (its residual folded in), and the
-        residual stored for its next round (``backend``: the encode's kernels)."""
+        residual stored for its next round (``backend``: the encode's kernels; ``out``:
+        :meth:`Codec.encode`'s)."""
         if update.numel() != self.numel:
             raise ValueError(f"update must have {self.numel} values, got {update.numel()}")
         a = self.store.get(self.name, client) + update.reshape(-1).to(torch.float32)
-        reply = self.codec.encode(a, key, client, backend=backend)
+        reply = self.codec.encode(a, key, client, backend=backend, out=out)
         self.store.put(self.name, client, a - self.codec.decode(reply, self.numel, key).to(a.device))
         return reply
 

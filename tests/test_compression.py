@@ -460,32 +460,40 @@ def test_checked_skips_the_value_checks_but_never_writes_outside_out(backend):
 
 
 def test_bench_rows_report_bytes_and_ratios_from_the_same_run():
-    from fedopt_kernels.benchmarks.compressed import FLOOR, bench_compressed
+    from fedopt_kernels.benchmarks.compressed import FLOOR, FLOOR_HUGE, bench_compressed
 
     rows = {r["case"]: r for r in bench_compressed(3, 1000, label="tiny", repeats=1)}
     assert rows[FLOOR]["vs floor"] == 1.0 and rows[FLOOR]["bytes/reply"] == 4000
     # int8: 1000 codes + 4 scales of 4 bytes; int4: 500 + 16; top-k 1%: 10 x (4 + 8)
     assert rows["fused int8"]["bytes/reply"] == 1016 and rows["fused int4"]["bytes/reply"] == 516
     assert rows["fused topk 1%"]["bytes/reply"] == 120
+    assert "fused topk 1%, replies one by one" not in rows  # top-k's replies stay out of the arena
     for name in ("int8", "int4", "fp8", "topk 1%"):
-        for case in (f"fused {name}", f"decode then aggregate {name}", f"check_reply {name}"):
+        block = name != "topk 1%"
+        if block:
+            assert rows[f"fused {name}, replies one by one"]["bytes/reply"] == rows[f"fused {name}"]["bytes/reply"]
+        for case in (f"fused {name}", f"decode then aggregate {name}", f"check_reply {name}",
+                     *([f"fused {name}, replies one by one"] if block else [])):
             r = rows[case]
             assert r["vs floor"] == pytest.approx(rows[FLOOR]["ms"] / r["ms"])
+            assert r["vs floor, 2 MiB pages"] == pytest.approx(rows[FLOOR_HUGE]["ms"] / r["ms"])
             assert r["params/s"] == pytest.approx(3 * 1000 / (r["ms"] / 1e3))
     # GB/s: every reply read once and out's 4000 bytes written once, over the time; only
     # the floor and the fused rows (the others move what eager torch allocates)
     assert rows[FLOOR]["GB/s"] == pytest.approx((3 * 4000 + 4000) / (rows[FLOOR]["ms"] / 1e3) / 1e9)
+    assert rows[FLOOR_HUGE]["GB/s"] == pytest.approx((3 * 4000 + 4000) / (rows[FLOOR_HUGE]["ms"] / 1e3) / 1e9)
     assert rows["fused int4"]["GB/s"] == pytest.approx((3 * 516 + 4000) / (rows["fused int4"]["ms"] / 1e3) / 1e9)
     assert all(math.isnan(rows[f"{c} int8"]["GB/s"]) for c in ("check_reply", "decode then aggregate"))
 
 
 def test_the_cuda_extension_registers_the_compressed_kernels():
-    """Where torch has CUDA the extension is built (CI), and it registers both CUDA kernels
+    """Where torch has CUDA the extension is built (CI), and it registers the CUDA kernels of the decode-aggregates and the encodes
     (no GPU needed to check the registration; running them needs one)."""
     if torch.version.cuda is None:
         pytest.skip(f"torch {torch.__version__} is a CPU-only build, so the CUDA extension is not built")
     import fedopt_kernels._C  # noqa: F401  (the schemas)
     import fedopt_kernels._C_cuda  # noqa: F401
 
-    for op in ("block_decode_aggregate", "topk_decode_aggregate"):
+    for op in ("block_decode_aggregate", "topk_decode_aggregate", "block_quantize", "block_quantize_into",
+               "topk_encode"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fedopt_C::{op}", "CUDA"), op

@@ -6,7 +6,13 @@ For each codec the same C replies of N values are aggregated:
 * ``fused <codec>``: :func:`fedopt_kernels.ops.compressed.decode_aggregate` (the codes and
   scales read in place, the statistics in the same pass; ``nonfinite="propagate"``, as
   the aggregate benchmark's ``fused``; ``checked=True``, as a round calls it after
-  validating the replies);
+  validating the replies) over the replies as the simulator's round holds them: a block
+  codec's encoded straight into the round's
+  :class:`~fedopt_kernels.compression.reply_arena.ReplyArena` (``encode(out=)``); top-k's
+  as its encode allocates them;
+* ``fused <codec>, replies one by one``: the same over the replies as the plain encode
+  returns them, each its own allocation (as a server holds replies it deserialised one
+  by one);
 * ``check_reply <codec>``: that validation of the C replies (scales, indices), alone;
 * ``decode then aggregate <codec>``: NVFlare's / FLSim's way -- every reply dequantized
   into a dense fp32 copy in eager torch, then the copies summed with their weights
@@ -15,7 +21,12 @@ For each codec the same C replies of N values are aggregated:
   fp32 memory floor of the same run; ``vs floor`` is its time over each candidate's.  It
   sums into a preallocated ``out=`` as the fused candidates do (a fresh 4N-byte result
   per call made the floor ~20% slower: 83 against 67 ms, 1 thread, Zen 5, and flattered
-  every ratio by as much).
+  every ratio by as much).  ``X`` is one torch allocation, as the simulator's fp32 update
+  rows are;
+* ``floor, 2 MiB pages``: the same sum with ``X`` in a
+  :func:`~fedopt_kernels.compression.reply_arena.host_buffer` advised for huge pages --
+  the arena's page treatment given to the floor too; ``vs floor, 2 MiB pages`` is its
+  time over each candidate's.
 
 Targets (issue 42): int8 >= 2.5x and 4-bit >= 4x the fp32 floor.  ``bytes/reply`` and
 ``vs fp32 bytes`` say what travels.  ``GB/s`` (floor and fused rows): the bytes each must
@@ -33,10 +44,13 @@ from typing import Optional
 import torch
 
 from ..compression import Codec
+from ..compression.reply_arena import ReplyArena, host_buffer
 from ..ops import compressed as C
 from .timing import interleaved
 
 FLOOR = "floor (torch.sum dim 0, fp32)"
+FLOOR_HUGE = "floor, 2 MiB pages"
+ONE_BY_ONE = ", replies one by one"
 CODECS = (("int8", Codec("int8", block=256)), ("int4", Codec("int4", block=256)), ("fp8", Codec("fp8", block=256)),
           ("topk 1%", Codec("topk", fraction=0.01)))
 
@@ -66,22 +80,41 @@ def bench_compressed(C_: int, N: int, *, label: str, backend: Optional[str] = No
     out = torch.empty(N, device=device)
     floor_out = torch.empty(N, device=device)
     candidates = {FLOOR: lambda: torch.sum(X, dim=0, out=floor_out)}
+    host = device.type == "cpu"
+    if host:  # the floor given the arena's pages (its own out too)
+        X_huge = host_buffer(4 * C_ * N).view(torch.float32).view(C_, N).copy_(X)
+        huge_out = host_buffer(4 * N).view(torch.float32)
+        candidates[FLOOR_HUGE] = lambda: torch.sum(X_huge, dim=0, out=huge_out)
     sizes = {}
     for name, codec in CODECS:
         replies = [codec.encode(X[i]) for i in range(C_)]
         sizes[name] = replies[0].nbytes()
-        candidates[f"fused {name}"] = (lambda r=replies: C.decode_aggregate(r, w, out=out, nonfinite="propagate",
-                                                                            backend=backend, checked=True))
+        held = replies
+        if host and codec.name != "topk":  # the round's replies, as the simulator writes them
+            arena = ReplyArena()
+            arena.start_round(reserve=C_ * (sizes[name] + 128))
+            held = [codec.encode(X[i], out=(arena.take(r.codes.numel(), r.codes.dtype),
+                                            arena.take(r.scales.numel(), torch.float32)))
+                    for i, r in enumerate(replies)]
+
+        def fused(r):
+            return lambda: C.decode_aggregate(r, w, out=out, nonfinite="propagate", backend=backend, checked=True)
+
+        candidates[f"fused {name}"] = fused(held)
+        if held is not replies:
+            candidates[f"fused {name}{ONE_BY_ONE}"] = fused(replies)
         candidates[f"check_reply {name}"] = (lambda r=replies: [C.check_reply(x, N) for x in r])
         candidates[f"decode then aggregate {name}"] = (
             lambda r=replies: torch.mv(torch.stack([_eager_decode(x) for x in r]).t(), w))
     times = interleaved(candidates, repeats=repeats, device=device, cold_cache=True)
     rows = []
     for name, seconds in times.items():
-        codec = next((c for c, _ in CODECS if name.endswith(" " + c)), None)
+        codec = next((c for c, _ in CODECS if name.endswith(" " + c) or name.endswith(" " + c + ONE_BY_ONE)), None)
         nbytes = sizes[codec] if codec else 4 * N
-        moved = C_ * nbytes + 4 * N if name == FLOOR or name.startswith("fused ") else float("nan")
+        moved = C_ * nbytes + 4 * N if name in (FLOOR, FLOOR_HUGE) or name.startswith("fused ") else float("nan")
         rows.append({"benchmark": f"compressed aggregate {label}", "case": name, "ms": seconds * 1e3,
-                     "vs floor": times[FLOOR] / seconds, "params/s": C_ * N / seconds,
-                     "bytes/reply": nbytes, "vs fp32 bytes": 4 * N / nbytes, "GB/s": moved / seconds / 1e9})
+                     "vs floor": times[FLOOR] / seconds,
+                     "vs floor, 2 MiB pages": times[FLOOR_HUGE] / seconds if host else float("nan"),
+                     "params/s": C_ * N / seconds, "bytes/reply": nbytes, "vs fp32 bytes": 4 * N / nbytes,
+                     "GB/s": moved / seconds / 1e9})
     return rows

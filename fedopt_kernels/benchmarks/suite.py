@@ -65,6 +65,7 @@ DILOCO_COLUMNS = (("case", "method"), ("params", "params"), ("tokens_per_worker"
                   ("final_val_loss", "final val loss"), ("MB_sent_per_worker", "MB sent / worker"),
                   ("inner_step_ms", "inner step ms"), ("sync_s", "sync s"), ("wall_s", "wall s"))
 COMPRESSED_COLUMNS = (("benchmark", "benchmark"), ("case", "case"), ("ms", "median ms"), ("vs floor", "speed vs floor"),
+                      ("vs floor, 2 MiB pages", "vs floor in 2 MiB pages"),
                       ("params/s", "params/s"), ("bytes/reply", "bytes / reply"), ("vs fp32 bytes", "fp32 bytes / bytes"),
                       ("GB/s", "GB/s (read + written once)"))
 ACCURACY_COLUMNS = (("case", "case"), ("rounds", "rounds"), ("acc@1", "acc round 1"), ("acc@5", "acc round 5"),

@@ -191,8 +191,12 @@ def backend_impl(backend):
 
 @pytest.fixture(scope="module")
 def cpu_extension():
-    """The C++ CPU extension, loaded: its absence fails (CI always builds it)."""
+    """The C++ CPU extension, loaded, with the fake kernels of its ops registered (as the
+    cpu backend registers them when it is first resolved: a test that calls a raw op on
+    meta tensors must not depend on another test having resolved it first); its absence
+    fails (CI always builds it)."""
     require_backend("cpu")
+    backends.resolve("cpu", torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -472,7 +472,9 @@ def test_bench_rows_report_bytes_and_ratios_from_the_same_run():
         block = name != "topk 1%"
         if block:
             assert rows[f"fused {name}, replies one by one"]["bytes/reply"] == rows[f"fused {name}"]["bytes/reply"]
-        for case in (f"fused {name}", f"decode then aggregate {name}", f"check_reply {name}",
+        assert rows[f"encode {name}"]["GB/s"] == pytest.approx(
+            3 * (4000 + rows[f"fused {name}"]["bytes/reply"]) / (rows[f"encode {name}"]["ms"] / 1e3) / 1e9)
+        for case in (f"fused {name}", f"encode {name}", f"decode then aggregate {name}", f"check_reply {name}",
                      *([f"fused {name}, replies one by one"] if block else [])):
             r = rows[case]
             assert r["vs floor"] == pytest.approx(rows[FLOOR]["ms"] / r["ms"])

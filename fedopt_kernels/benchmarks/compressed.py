@@ -13,6 +13,8 @@ For each codec the same C replies of N values are aggregated:
 * ``fused <codec>, replies one by one``: the same over the replies as the plain encode
   returns them, each its own allocation (as a server holds replies it deserialised one
   by one);
+* ``encode <codec>``: the clients' side, the C updates encoded one after the other (the
+  backend's fused encode; ``GB/s``: each update's ``4 N`` bytes read and its reply written);
 * ``check_reply <codec>``: that validation of the C replies (scales, indices), alone;
 * ``decode then aggregate <codec>``: NVFlare's / FLSim's way -- every reply dequantized
   into a dense fp32 copy in eager torch, then the copies summed with their weights
@@ -103,6 +105,7 @@ def bench_compressed(C_: int, N: int, *, label: str, backend: Optional[str] = No
         candidates[f"fused {name}"] = fused(held)
         if held is not replies:
             candidates[f"fused {name}{ONE_BY_ONE}"] = fused(replies)
+        candidates[f"encode {name}"] = (lambda c=codec: [c.encode(X[i], backend=backend) for i in range(C_)])
         candidates[f"check_reply {name}"] = (lambda r=replies: [C.check_reply(x, N) for x in r])
         candidates[f"decode then aggregate {name}"] = (
             lambda r=replies: torch.mv(torch.stack([_eager_decode(x) for x in r]).t(), w))
@@ -111,7 +114,12 @@ def bench_compressed(C_: int, N: int, *, label: str, backend: Optional[str] = No
     for name, seconds in times.items():
         codec = next((c for c, _ in CODECS if name.endswith(" " + c) or name.endswith(" " + c + ONE_BY_ONE)), None)
         nbytes = sizes[codec] if codec else 4 * N
-        moved = C_ * nbytes + 4 * N if name in (FLOOR, FLOOR_HUGE) or name.startswith("fused ") else float("nan")
+        if name in (FLOOR, FLOOR_HUGE) or name.startswith("fused "):
+            moved = C_ * nbytes + 4 * N
+        elif name.startswith("encode "):
+            moved = C_ * (4 * N + nbytes)  # each update read, its reply written
+        else:
+            moved = float("nan")
         rows.append({"benchmark": f"compressed aggregate {label}", "case": name, "ms": seconds * 1e3,
                      "vs floor": times[FLOOR] / seconds,
                      "vs floor, 2 MiB pages": times[FLOOR_HUGE] / seconds if host else float("nan"),

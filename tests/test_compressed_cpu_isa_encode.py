@@ -1,9 +1,11 @@
-"""The C++ CPU fp8 encode (``fedopt_C::block_quantize`` kind 2, csrc/cpu/compressed_encode.cpp)
-BIT FOR BIT the same under every instruction set it is built for (DEFAULT, AVX2,
-AVX-512: one subprocess per ``ATEN_CPU_CAPABILITY``, tests/_cpu_isa.py), and equal to
-python_ref's fp8_encode in each (``cases`` asserts it in the subprocess): blocks of 32, 96
+"""The C++ CPU encodes (``fedopt_C::block_quantize``: fp8, kind 2, csrc/cpu/compressed_encode.cpp;
+int8 and int4, round to nearest and stochastic, csrc/cpu/compressed_kernels.h) BIT FOR
+BIT the same under every instruction set they are built for (DEFAULT, AVX2, AVX-512: one
+subprocess per ``ATEN_CPU_CAPABILITY``, tests/_cpu_isa.py), and equal to python_ref's
+fp8_encode / quantize in each (``cases`` asserts it in the subprocess): blocks of 32, 96
 and 256 against the 16-lane loops (whole vectors, a ragged tail, a tail block), every
-e4m3fn code, zeros, subnormals, Inf and NaN (tests/test_compressed_encode.py's inputs)."""
+e4m3fn code, zeros, subnormals, Inf and NaN (tests/test_compressed_encode.py's inputs;
+a block holding a NaN takes int8/int4's scalar loop, the others the vectorised one)."""
 
 from __future__ import annotations
 
@@ -49,11 +51,31 @@ def cases(dtype):
     return res
 
 
+def block_cases(dtype):
+    """int8 and int4, round to nearest and stochastic: the CPU kernel's codes and scales
+    (their bits), each checked against python_ref here (a NaN scale: any NaN)."""
+    res = []
+    for x, block in _inputs(dtype):
+        for codec in ("int8", "int4"):
+            for stochastic in (False, True):
+                r = C.encode(x, codec, block=block, stochastic=stochastic, key=9, client=4, backend="cpu")
+                codes, scales = P.quantize(x.float(), codec, block, stochastic=stochastic, key=9, client=4)
+                what = (dtype, block, codec, stochastic)
+                assert torch.equal(r.codes.view(torch.uint8), codes.view(torch.uint8)), what
+                nan = torch.isnan(scales)
+                assert torch.equal(torch.isnan(r.scales), nan), what
+                assert torch.equal(r.scales[~nan].view(torch.int32), scales[~nan].view(torch.int32)), what
+                res += [r.codes.view(torch.uint8), r.scales.view(torch.int32)]
+    return res
+
+
 def test_default_level_and_this_one_give_python_refs_bits():
     for dtype in DTYPES:
         assert len(cases(dtype)) == 8
+        assert len(block_cases(dtype)) == 32
 
 
 @pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "default"])
 def test_every_instruction_set_gives_default_s_bits(level):
     assert_level_agrees_with_default("test_compressed_cpu_isa_encode", "cases", level)
+    assert_level_agrees_with_default("test_compressed_cpu_isa_encode", "block_cases", level)

@@ -6,9 +6,9 @@ only on their bytes.  Measured on Zen 5 (one thread, 20 int8 replies of 11.2M va
 same bytes in each case, docs/benchmarks.md):
 
 * the replies as the encode allocates them one by one (torch's CPU allocator; at this
-  size glibc serves them from its heap, whose pages it recycles): 21-28 ms;
+  size glibc serves them from its heap, whose pages it recycles): 23-28 ms;
 * the same codes copied into freshly mapped memory, one mapping per reply or one for
-  all: 14-18 ms; in 2 MiB pages (``madvise(MADV_HUGEPAGE)``): 14-16 ms.
+  all: 14-18 ms; in 2 MiB pages (``madvise(MADV_HUGEPAGE)``): 14-17 ms.
 
 Our reading, not measured directly: fresh mappings are faulted in order and tend to get
 physically contiguous 4 KiB pages, which Zen's TLB can coalesce, where recycled heap

@@ -19,7 +19,7 @@ reason.  The server decodes the rest inside its aggregation
 
 On the CPU a block codec's replies are encoded straight into one
 :class:`~fedopt_kernels.compression.reply_arena.ReplyArena` per run, recycled round after
-round: the decode-aggregate reads int8 replies there 1.2-1.6x faster than replies the
+round: the decode-aggregate reads int8 replies there 1.1-1.4x faster than replies the
 encode allocated one by one (that module; docs/benchmarks.md).
 """
 

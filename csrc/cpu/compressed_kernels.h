@@ -368,6 +368,35 @@ __attribute__((always_inline)) inline uint32_t philox_x0(uint64_t key, uint64_t 
   return x0;
 }
 
+// philox_x0 in a form the AVX-512 build vectorises best (the DP noise kernel's, csrc/cpu/noise_kernels.h):
+// the four words held in 64-bit integers with zero high halves, so GCC keeps them in
+// 64-bit lanes (vpmuludq) from the first round to the last instead of widening and
+// narrowing them around every 32 x 32 -> 64 product.  The same integer operations, so
+// the same bits.  AVX2 and SSE2 have no 64-bit lane multiply: the header's form there.
+__attribute__((always_inline)) inline uint32_t philox_x0_lanes(uint64_t key, uint64_t j, uint32_t word2,
+                                                               uint32_t word3) {
+#if FEDOPT_CK_ISA == 512
+  uint64_t c0 = j & 0xFFFFFFFFu, c1 = j >> 32, c2 = word2, c3 = word3;
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+#pragma GCC unroll 10
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = static_cast<uint64_t>(noise::kM0) * c0;  // c0, c2 < 2^32: no overflow
+    const uint64_t p1 = static_cast<uint64_t>(noise::kM1) * c2;
+    const uint64_t n0 = (p1 >> 32) ^ c1 ^ k0;
+    const uint64_t n2 = (p0 >> 32) ^ c3 ^ k1;
+    c1 = p1 & 0xFFFFFFFFu;
+    c3 = p0 & 0xFFFFFFFFu;
+    c0 = n0;
+    c2 = n2;
+    k0 += noise::kW0;
+    k1 += noise::kW1;
+  }
+  return static_cast<uint32_t>(c0);
+#else
+  return philox_x0(key, j, word2, word3);
+#endif
+}
+
 // max |x_t| of a block whose values hold no NaN, or NaN if one does (then the caller takes
 // the scalar loop, which gives the NaN's own bits).  Lane-wise in GCC vector types: each
 // lane keeps `a > m ? a : m` (vmaxps's own semantics), a NaN lane is flagged apart; the
@@ -405,23 +434,24 @@ inline float block_absmax_or_nan(const float* x, int64_t len) {
 // with u = (x0 >> 8) 2^-24 of (key, j, client, stream); NaN to 0, clamped to [-qmax, qmax];
 // into q[].
 //
-// The common block (no NaN, round to nearest) runs two loops the compiler vectorises:
-// the lane-wise absmax above, and the codes as a plain loop with no branch (vdivps,
-// vrndscaleps, the clamp, a narrowing store; the same IEEE operations per element, so the
-// same codes on every ISA).  The scalar loop below, which the compiler left scalar
-// (a conditional reduction and the stochastic branch inside one loop: ~2 ns a value, an
-// int8 encode of 11.2M values in 22 ms on Zen 5), keeps a block with a NaN (the NaN's
-// bits go into the scale) and stochastic rounding (Philox per element).
+// A block with no NaN runs loops the compiler vectorises: the lane-wise absmax above, then
+// the codes in a plain loop with no branch (vdivps, vrndscaleps, the clamp, a narrowing
+// store; the same IEEE operations per element, so the same codes on every ISA) -- with
+// stochastic rounding, each run of 64 uniforms first, in a loop of Philox alone.  The
+// scalar loop below, which the compiler left scalar (a conditional reduction and the
+// stochastic branch inside one loop: ~2 ns a value, an int8 encode of 11.2M values in
+// 22 ms on Zen 5; stochastic ~9 ns), keeps a block that holds a NaN (the NaN's bits go
+// into the scale).
 inline float quantize_block(const float* x, int64_t len, float qmax, bool stochastic, uint64_t key, int64_t j0,
                             uint32_t client, uint32_t stream, int8_t* q) {
-  if (!stochastic) {
-    const float amax = block_absmax_or_nan(x, len);
-    if (amax == amax) {
-      const float s = amax / qmax;
-      if (s == 0.0f) {  // every value +-0: t = 0
-        for (int64_t t = 0; t < len; ++t) q[t] = 0;
-        return s;
-      }
+  const float amax_v = block_absmax_or_nan(x, len);
+  if (amax_v == amax_v) {
+    const float s = amax_v / qmax;
+    if (s == 0.0f) {  // every value +-0: t = 0, and floor(0) + [u < 0] = 0 too
+      for (int64_t t = 0; t < len; ++t) q[t] = 0;
+      return s;
+    }
+    if (!stochastic) {
       for (int64_t t = 0; t < len; ++t) {
         float r = __builtin_nearbyintf(x[t] / s);  // |x / s| <= qmax (+ an ulp), or NaN for x = +-Inf = amax
         r = r == r ? r : 0.0f;
@@ -430,6 +460,25 @@ inline float quantize_block(const float* x, int64_t len, float qmax, bool stocha
       }
       return s;
     }
+    // stochastic: the uniforms of a run of values first (a loop of Philox alone, which the
+    // compiler vectorises), then the codes from them
+    constexpr int64_t kRun = 64;
+    for (int64_t c = 0; c < len; c += kRun) {
+      const int64_t n = len - c < kRun ? len - c : kRun;
+      float u[kRun];
+      for (int64_t l = 0; l < n; ++l)
+        u[l] = static_cast<float>(static_cast<int32_t>(
+                   philox_x0_lanes(key, static_cast<uint64_t>(j0 + c + l), client, stream) >> 8)) * 0x1p-24f;
+      for (int64_t l = 0; l < n; ++l) {
+        const float v = x[c + l] / s;
+        const float f = __builtin_floorf(v);
+        float r = f + (u[l] < v - f ? 1.0f : 0.0f);
+        r = r == r ? r : 0.0f;
+        r = r > qmax ? qmax : (r < -qmax ? -qmax : r);
+        q[c + l] = static_cast<int8_t>(r);
+      }
+    }
+    return s;
   }
   float amax = 0.0f;
   for (int64_t t = 0; t < len; ++t) {

@@ -25,7 +25,7 @@ def _outputs(arena, codec, n, block):
 
 
 @pytest.mark.parametrize("codec,block,stochastic", [("int8", 64, False), ("int8", 256, True), ("int4", 96, False),
-                                                    ("int4", 32, True), ("fp8", 32, False)])
+                                                    ("int4", 128, True), ("fp8", 32, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_encode_into_the_arena_has_the_plain_encodes_bits(backend, codec, block, stochastic, dtype):
     backend, device = backend

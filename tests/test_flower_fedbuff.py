@@ -164,7 +164,8 @@ def test_deployment_superlink_and_three_supernodes_with_delays(tmp_path, monkeyp
         out = tmp_path / "out"
         out.mkdir()
         cmd = [link.flwr, "run", str(APP), link.connection, "--stream", "--run-config",
-               f"steps=6 buffer=2 deadline=30.0 save-path='{out}'"]
+               f"steps=6 buffer=2 deadline=120.0 save-path='{out}'"]  # a wait, not under test here (no node is
+        # dropped: asserted below; the deadline's rule is the fake-grid test's): 30 s was missed once under load
         proc = subprocess.run(cmd, capture_output=True, text=True, env=link.env, cwd=tmp_path, timeout=240)
         assert (out / "run.pt").exists(), (proc.stdout + proc.stderr)[-3000:]
     finally:

@@ -37,6 +37,8 @@
 #include <fedopt/encode_outputs.h>  // check_block_encode_outputs
 #include <fedopt/gaussian_noise.h>  // Philox4x32-10 (the codecs' stochastic rounding)
 
+#include "philox_wide.h"  // its AVX-512 form
+
 // FEDOPT_CK_ISA tells compressed_kernels.h which intrinsics its decode may use (GCC 12
 // does not define __AVX512F__ under `#pragma GCC target`): 0 none, 2 AVX2, 512 AVX-512.
 

@@ -368,65 +368,21 @@ __attribute__((always_inline)) inline uint32_t philox_x0(uint64_t key, uint64_t 
   return x0;
 }
 
-// philox_x0 in a form the AVX-512 build vectorises best (the DP noise kernel's, csrc/cpu/noise_kernels.h):
-// the four words held in 64-bit integers with zero high halves, so GCC keeps them in
-// 64-bit lanes (vpmuludq) from the first round to the last instead of widening and
-// narrowing them around every 32 x 32 -> 64 product.  The same integer operations, so
-// the same bits.  AVX2 and SSE2 have no 64-bit lane multiply: the header's form there.
+// philox_x0 as this build vectorises it best (the same bits): AVX-512 holds the words in
+// 64-bit lanes (gaussian_noise.h's philox4x32_10_wide, as the DP noise kernel does);
+// AVX2 and SSE2, without a 64-bit lane multiply, keep the header's form.
 __attribute__((always_inline)) inline uint32_t philox_x0_lanes(uint64_t key, uint64_t j, uint32_t word2,
                                                                uint32_t word3) {
 #if FEDOPT_CK_ISA == 512
-  uint64_t c0 = j & 0xFFFFFFFFu, c1 = j >> 32, c2 = word2, c3 = word3;
-  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-#pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    const uint64_t p0 = static_cast<uint64_t>(noise::kM0) * c0;  // c0, c2 < 2^32: no overflow
-    const uint64_t p1 = static_cast<uint64_t>(noise::kM1) * c2;
-    const uint64_t n0 = (p1 >> 32) ^ c1 ^ k0;
-    const uint64_t n2 = (p0 >> 32) ^ c3 ^ k1;
-    c1 = p1 & 0xFFFFFFFFu;
-    c3 = p0 & 0xFFFFFFFFu;
-    c0 = n0;
-    c2 = n2;
-    k0 += noise::kW0;
-    k1 += noise::kW1;
-  }
-  return static_cast<uint32_t>(c0);
+  uint32_t x0, x1;
+  noise::philox4x32_10_wide(key, j, word2, word3, x0, x1);
+  return x0;
 #else
   return philox_x0(key, j, word2, word3);
 #endif
 }
 
-// max |x_t| of a block whose values hold no NaN, or NaN if one does (then the caller takes
-// the scalar loop, which gives the NaN's own bits).  Lane-wise in GCC vector types: each
-// lane keeps `a > m ? a : m` (vmaxps's own semantics), a NaN lane is flagged apart; the
-// lanes' maxima are combined in any order (a max of non-NaN values never -0: m starts at
-// +0 and only grows strictly), so the value is the scalar loop's.
-inline float block_absmax_or_nan(const float* x, int64_t len) {
-  typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
-  F32xL m = {};
-  I32xL nan = {};
-  int64_t t = 0;
-  for (; t + kLanes <= len; t += kLanes) {
-    F32xL v;
-    __builtin_memcpy(&v, x + t, sizeof(v));
-    const F32xL a = v < 0.0f ? -v : v;
-    m = a > m ? a : m;
-    nan |= a != a;
-  }
-  float amax = 0.0f;
-  bool any_nan = false;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    amax = m[l] > amax ? m[l] : amax;
-    any_nan = any_nan || nan[l] != 0;
-  }
-  for (; t < len; ++t) {
-    const float a = x[t] < 0.0f ? -x[t] : x[t];
-    amax = a > amax ? a : amax;
-    any_nan = any_nan || a != a;
-  }
-  return any_nan ? __builtin_nanf("") : amax;
-}
+#include "block_absmax.h"  // block_absmax_or_nan (shared with the fp8 encode)
 
 // Codes of the `len` values x[0, len) of one block starting at element j0: the block's
 // scale s = max|x| / qmax (returned), t = x / s (0 when s == 0), q = round half to even

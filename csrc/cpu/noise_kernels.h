@@ -13,39 +13,22 @@
 
 #include <fedopt/gaussian_noise.h>
 
+#include "philox_wide.h"  // philox4x32_10_wide (AVX-512)
+
 #include "vec_block.h"
 
 namespace fedopt::cpu::CPU_CAPABILITY {
 namespace {
 
 // gaussian_noise.h's philox_x01, as this build vectorises it best; the same integer
-// operations, so the same bits.  AVX-512: the four words held in 64-bit integers (high
-// halves zero), so that GCC keeps each word in 64-bit lanes from the first round to the
-// last; with 32-bit words it widens them for every 32 x 32 -> 64 product and narrows
-// them again (two vpmovzxdq and two vpermt2d per product and 16 lanes).  Measured on a
-// Zen 4 core (the noise loop alone, GCC 12): 306M normals/s against 191M/s.  AVX2 and
-// SSE2 have no 64-bit lane multiply, and there the 64-bit form is the slower one
-// (108M/s against 124M/s, 57M/s against 94M/s): SSE2 keeps the header's, AVX2 has its
-// own (philox_x01_8).
+// operations, so the same bits.  AVX-512: philox4x32_10_wide (the words in 64-bit lanes;
+// measured on a Zen 4 core, the noise loop alone, GCC 12: 306M normals/s against 191M/s).
+// AVX2 and SSE2 have no 64-bit lane multiply, and there the 64-bit form is the slower one
+// (108M/s against 124M/s, 57M/s against 94M/s): SSE2 keeps the header's philox_x01, AVX2
+// has its own (philox_x01_8).
 C10_ALWAYS_INLINE void philox_lanes(uint64_t key, uint64_t j, uint32_t& x0, uint32_t& x1) {
 #if defined(CPU_CAPABILITY_AVX512)
-  uint64_t c0 = j & 0xFFFFFFFFu, c1 = j >> 32, c2 = 0, c3 = 0;
-  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
-#pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    const uint64_t p0 = static_cast<uint64_t>(noise::kM0) * c0;  // c0, c2 < 2^32: no overflow
-    const uint64_t p1 = static_cast<uint64_t>(noise::kM1) * c2;
-    const uint64_t n0 = (p1 >> 32) ^ c1 ^ k0;
-    const uint64_t n2 = (p0 >> 32) ^ c3 ^ k1;
-    c1 = p1 & 0xFFFFFFFFu;
-    c3 = p0 & 0xFFFFFFFFu;
-    c0 = n0;
-    c2 = n2;
-    k0 += noise::kW0;
-    k1 += noise::kW1;
-  }
-  x0 = static_cast<uint32_t>(c0);
-  x1 = static_cast<uint32_t>(c1);
+  noise::philox4x32_10_wide(key, j, 0u, 0u, x0, x1);
 #else
   noise::philox_x01(key, j, x0, x1);
 #endif

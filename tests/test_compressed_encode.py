@@ -167,6 +167,29 @@ def test_fused_topk_encode_gives_python_refs_bits(backend, dtype):
             assert torch.equal(r.codes.cpu().view(torch.int32), values.view(torch.int32)), (name, N, k)
 
 
+@pytest.mark.parametrize("case", ["five_levels", "all_zero", "randn"])
+def test_cpu_topk_over_several_chunks_gives_python_refs_bits(cpu_extension, case):
+    """The CPU radix select's passes work by fixed chunks of 64 Ki values (csrc/cpu/
+    compressed_encode.cpp): a run of equal magnitudes that k cuts spreads over several
+    chunks, an all-zero update puts every value in one bucket, randn has distinct values;
+    one and two threads."""
+    N = 3 * 65536 + 123
+    g = torch.Generator().manual_seed(11)
+    x = {"five_levels": topk_input(N, torch.float32), "all_zero": torch.zeros(N),
+         "randn": torch.randn(N, generator=g)}[case]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for k in (1, 65537, N // 3, N // 2 + 7, N - 1):
+                r = C.encode(x, "topk", k=k, backend="cpu")
+                values, indices = P.topk_encode(x, k)
+                assert torch.equal(r.indices, indices), (case, threads, k)
+                assert torch.equal(r.codes.view(torch.int32), values.view(torch.int32)), (case, threads, k)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_topk_hand_computed_ties_nan_and_zeros(backend):
     """By hand: NaN ranks above +-Inf, equal magnitudes go to the lower index, -0 ties +0."""
     name, device = backend

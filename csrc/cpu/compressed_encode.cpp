@@ -117,6 +117,108 @@ inline uint32_t magnitude_order(float v) {
 
 }  // namespace
 
+namespace {
+
+// The key of element j (N <= 2^32): its magnitude order above, then ~j -- all distinct,
+// and "the k largest keys" is python_ref's selection.
+inline uint64_t topk_key(const float* xp, int64_t j) {
+  return (uint64_t(magnitude_order(xp[j])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+}
+
+constexpr int64_t kTopkChunk = int64_t(1) << 16;  // the fixed work unit of the passes (not the thread count's)
+constexpr int64_t kTopkBins = int64_t(1) << 16;   // a 16-bit digit of the magnitude order
+
+// The digit-`shift` histogram of the magnitude orders m_j with (m_j >> 16) == high (every j
+// when shift is 16), one histogram per thread, added up into bins (integer counts: the same
+// whatever the threads).
+void topk_histogram(const float* xp, int64_t N, int shift, uint32_t high, std::vector<int64_t>& bins) {
+  const int64_t chunks = (N + kTopkChunk - 1) / kTopkChunk;
+  const int threads = at::get_num_threads();
+  std::vector<uint32_t> hist(static_cast<size_t>(threads) * kTopkBins, 0u);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    uint32_t* h = hist.data() + static_cast<size_t>(at::get_thread_num()) * kTopkBins;
+    for (int64_t j = c0 * kTopkChunk, end = std::min(N, c1 * kTopkChunk); j < end; ++j) {
+      const uint32_t m = magnitude_order(xp[j]);
+      if (shift == 16) {
+        ++h[m >> 16];
+      } else if ((m >> 16) == high) {
+        ++h[m & 0xFFFFu];
+      }
+    }
+  });
+  bins.assign(kTopkBins, 0);
+  for (int t = 0; t < threads; ++t)
+    for (int64_t b = 0; b < kTopkBins; ++b) bins[b] += hist[static_cast<size_t>(t) * kTopkBins + b];
+}
+
+// The digit d where the count from the top reaches `want`; `above` gets the count of the
+// digits above it.
+uint32_t topk_pick(const std::vector<int64_t>& bins, int64_t want, int64_t& above) {
+  above = 0;
+  for (int64_t d = kTopkBins - 1;; --d) {
+    if (above + bins[d] >= want) return static_cast<uint32_t>(d);
+    above += bins[d];
+  }
+}
+
+// Per fixed chunk, how many j satisfy pred(j); returns the chunks' prefix sums (size chunks + 1).
+template <typename Pred>
+std::vector<int64_t> topk_chunk_offsets(int64_t N, Pred pred) {
+  const int64_t chunks = (N + kTopkChunk - 1) / kTopkChunk;
+  std::vector<int64_t> offset(static_cast<size_t>(chunks) + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t n = 0;
+      for (int64_t j = c * kTopkChunk, end = std::min(N, (c + 1) * kTopkChunk); j < end; ++j) n += pred(j);
+      offset[c + 1] = n;
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) offset[c + 1] += offset[c];
+  return offset;
+}
+
+// ip[0, k) = the indices of the k largest keys of x[0, N), ascending (0 < k < N <= 2^32).
+// The key of j is (m_j << 32) | ~j, m_j its magnitude order: all keys distinct, and "the k
+// largest" is python_ref's selection (a tie to the lower index).  A radix select with no
+// sort: the histograms of m's high, then low, 16 bits give the magnitude M of the k-th
+// largest key and how many of that magnitude it takes (need); the need-th j with m_j == M,
+// in index order, closes the threshold key T; then every j with key >= T is written in index
+// order, by fixed chunks (a count per chunk, prefix sums, each chunk's writes).  x is read
+// six times (about 24 B a value, streamed), whatever the values: equal magnitudes (an
+// all-zero update) cost what distinct ones do.  The previous form wrote a key per value and
+// ran std::nth_element over all N of them: 60 ms for 11.2M values on Zen 5.
+void topk_select_32(const float* xp, int64_t N, int64_t k, int64_t* ip) {
+  std::vector<int64_t> bins;
+  int64_t above_high = 0, above_low = 0;
+  topk_histogram(xp, N, 16, 0u, bins);
+  const uint32_t high = topk_pick(bins, k, above_high);
+  topk_histogram(xp, N, 0, high, bins);
+  const uint32_t magnitude = (high << 16) | topk_pick(bins, k - above_high, above_low);
+  const int64_t need = k - above_high - above_low;  // >= 1 of the values of that magnitude, lowest index first
+  const std::vector<int64_t> equal =
+      topk_chunk_offsets(N, [&](int64_t j) { return magnitude_order(xp[j]) == magnitude; });
+  const int64_t chunk = std::upper_bound(equal.begin(), equal.end(), need - 1) - equal.begin() - 1;
+  int64_t seen = equal[chunk], last = -1;
+  for (int64_t j = chunk * kTopkChunk; seen < need; ++j) {
+    if (magnitude_order(xp[j]) == magnitude) {
+      ++seen;
+      last = j;
+    }
+  }
+  const uint64_t threshold = topk_key(xp, last);
+  const std::vector<int64_t> offset = topk_chunk_offsets(N, [&](int64_t j) { return topk_key(xp, j) >= threshold; });
+  const int64_t chunks = static_cast<int64_t>(offset.size()) - 1;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* out = ip + offset[c];
+      for (int64_t j = c * kTopkChunk, end = std::min(N, (c + 1) * kTopkChunk); j < end; ++j)
+        if (topk_key(xp, j) >= threshold) *out++ = j;
+    }
+  });
+}
+
+}  // namespace
+
 std::tuple<Tensor, Tensor> topk_encode_cpu(const Tensor& x, int64_t k) {
   const char* op = "fedopt_C::topk_encode";
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_floating_point(), op,
@@ -132,13 +234,12 @@ std::tuple<Tensor, Tensor> topk_encode_cpu(const Tensor& x, int64_t k) {
   if (k == N) {
     for (int64_t j = 0; j < N; ++j) ip[j] = j;
   } else if (N <= int64_t(0xFFFFFFFF)) {
-    std::vector<uint64_t> key(static_cast<size_t>(N));
-    at::parallel_for(0, N, kMinColumnsPerThread, [&](int64_t a, int64_t b) {
-      for (int64_t j = a; j < b; ++j)
-        key[j] = (uint64_t(magnitude_order(xp[j])) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j));
+    topk_select_32(xp, N, k, ip);
+    float* vp = values.data_ptr<float>();
+    at::parallel_for(0, k, kMinColumnsPerThread, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) vp[t] = xp[ip[t]];
     });
-    std::nth_element(key.begin(), key.begin() + (k - 1), key.end(), std::greater<uint64_t>());
-    for (int64_t t = 0; t < k; ++t) ip[t] = int64_t(0xFFFFFFFFu - static_cast<uint32_t>(key[t] & 0xFFFFFFFFu));
+    return {values, indices};
   } else {
     std::vector<std::pair<uint32_t, int64_t>> key(static_cast<size_t>(N));
     for (int64_t j = 0; j < N; ++j) key[j] = {magnitude_order(xp[j]), j};

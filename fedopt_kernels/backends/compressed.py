@@ -307,8 +307,9 @@ def _triton_topk_encode(x, k):
 
 
 # The client's top-k encode: fused on every backend but the reference -- a selection, not a
-# sort: a radix select in C++ on the CPU and CUDA, and in Triton (backends/triton/topk_encode.py)
-# and on CUDA (csrc/cuda/kernels/topk_encode.cuh), those two one algorithm (docs/compression.md).
+# sort: a radix select on the CPU (csrc/cpu/compressed_encode.cpp), in Triton
+# (backends/triton/topk_encode.py) and on CUDA (csrc/cuda/kernels/topk_encode.cuh), those
+# last two one algorithm (docs/compression.md).
 _TOPK_ENCODE = {"reference": _torch_topk_encode, "cpu": _cpp_topk_encode, "cuda": _cpp_topk_encode,
                 "triton": _triton_topk_encode}
 

@@ -128,7 +128,3 @@ class ReplyArena:
         self._fresh_use.append(_use_count(slab))
         self._used = 0
 
-    def release(self) -> None:
-        """Drop the arena's memory (the tensors still referenced keep theirs)."""
-        self._slabs, self._fresh_use, self._used, self._round_bytes = [], [], 0, 0
-

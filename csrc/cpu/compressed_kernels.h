@@ -369,7 +369,7 @@ __attribute__((always_inline)) inline uint32_t philox_x0(uint64_t key, uint64_t 
 }
 
 // philox_x0 as this build vectorises it best (the same bits): AVX-512 holds the words in
-// 64-bit lanes (gaussian_noise.h's philox4x32_10_wide, as the DP noise kernel does);
+// 64-bit lanes (philox_wide.h's philox4x32_10_wide, as the DP noise kernel does);
 // AVX2 and SSE2, without a 64-bit lane multiply, keep the header's form.
 __attribute__((always_inline)) inline uint32_t philox_x0_lanes(uint64_t key, uint64_t j, uint32_t word2,
                                                                uint32_t word3) {
@@ -390,7 +390,7 @@ __attribute__((always_inline)) inline uint32_t philox_x0_lanes(uint64_t key, uin
 // with u = (x0 >> 8) 2^-24 of (key, j, client, stream); NaN to 0, clamped to [-qmax, qmax];
 // into q[].
 //
-// A block with no NaN runs loops the compiler vectorises: the lane-wise absmax above, then
+// A block with no NaN runs loops the compiler vectorises: block_absmax.h's lane-wise absmax, then
 // the codes in a plain loop with no branch (vdivps, vrndscaleps, the clamp, a narrowing
 // store; the same IEEE operations per element, so the same codes on every ISA) -- with
 // stochastic rounding, each run of 64 uniforms first, in a loop of Philox alone.  The

@@ -325,9 +325,7 @@ void block_quantize_write(const Tensor& x, int64_t kind, int64_t block, bool sto
 std::tuple<Tensor, Tensor> block_quantize_cpu(const Tensor& x, int64_t kind, int64_t block, bool stochastic,
                                               int64_t key, int64_t client) {
   check_block_quantize_args("fedopt_C::block_quantize", x, kind, block, stochastic, key, client);
-  const int64_t N = x.numel();
-  Tensor codes = at::empty({kind == 1 ? (N + 1) / 2 : N}, x.options().dtype(kind == 0 ? at::kChar : at::kByte));
-  Tensor scales = at::empty({(N + block - 1) / block}, x.options().dtype(at::kFloat));
+  auto [codes, scales] = fedopt::empty_block_encode_outputs(x, kind, block);
   block_quantize_write(x, kind, block, stochastic, key, client, codes, scales);
   return {codes, scales};
 }

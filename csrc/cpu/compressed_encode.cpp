@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -128,10 +129,10 @@ inline uint64_t topk_key(const float* xp, int64_t j) {
 constexpr int64_t kTopkChunk = int64_t(1) << 16;  // the fixed work unit of the passes (not the thread count's)
 constexpr int64_t kTopkBins = int64_t(1) << 16;   // a 16-bit digit of the magnitude order
 
-// The digit-`shift` histogram of the magnitude orders m_j with (m_j >> 16) == high (every j
-// when shift is 16), one histogram per thread, added up into bins (integer counts: the same
-// whatever the threads).
-void topk_histogram(const float* xp, int64_t N, int shift, uint32_t high, std::vector<int64_t>& bins) {
+// The histogram of the magnitude orders' high 16 bits (no `high`), or of the low 16 bits of
+// those whose high bits are `high`: one histogram per thread, added up into bins (integer
+// counts: the same whatever the threads).
+void topk_histogram(const float* xp, int64_t N, std::optional<uint32_t> high, std::vector<int64_t>& bins) {
   const int64_t chunks = (N + kTopkChunk - 1) / kTopkChunk;
   const int threads = at::get_num_threads();
   std::vector<uint32_t> hist(static_cast<size_t>(threads) * kTopkBins, 0u);
@@ -139,9 +140,9 @@ void topk_histogram(const float* xp, int64_t N, int shift, uint32_t high, std::v
     uint32_t* h = hist.data() + static_cast<size_t>(at::get_thread_num()) * kTopkBins;
     for (int64_t j = c0 * kTopkChunk, end = std::min(N, c1 * kTopkChunk); j < end; ++j) {
       const uint32_t m = magnitude_order(xp[j]);
-      if (shift == 16) {
+      if (!high) {
         ++h[m >> 16];
-      } else if ((m >> 16) == high) {
+      } else if ((m >> 16) == *high) {
         ++h[m & 0xFFFFu];
       }
     }
@@ -190,9 +191,9 @@ std::vector<int64_t> topk_chunk_offsets(int64_t N, Pred pred) {
 void topk_select_32(const float* xp, int64_t N, int64_t k, int64_t* ip) {
   std::vector<int64_t> bins;
   int64_t above_high = 0, above_low = 0;
-  topk_histogram(xp, N, 16, 0u, bins);
+  topk_histogram(xp, N, std::nullopt, bins);
   const uint32_t high = topk_pick(bins, k, above_high);
-  topk_histogram(xp, N, 0, high, bins);
+  topk_histogram(xp, N, high, bins);
   const uint32_t magnitude = (high << 16) | topk_pick(bins, k - above_high, above_low);
   const int64_t need = k - above_high - above_low;  // >= 1 of the values of that magnitude, lowest index first
   const std::vector<int64_t> equal =

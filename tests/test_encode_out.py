@@ -21,7 +21,7 @@ def same(a, b):
 
 
 def _outputs(arena, codec, n, block):
-    return (arena.take(C.code_numel(codec, n), C.CODE_DTYPES[codec]), arena.take(C.num_scales(n, block), torch.float32))
+    return tuple(arena.take(count, dtype) for dtype, count in C.block_reply_layout(codec, n, block))
 
 
 @pytest.mark.parametrize("codec,block,stochastic", [("int8", 64, False), ("int8", 256, True), ("int4", 96, False),
@@ -41,8 +41,8 @@ def test_encode_into_the_arena_has_the_plain_encodes_bits(backend, codec, block,
             arena.start_round()
             out = _outputs(arena, codec, n, block)
         else:
-            out = (torch.empty(C.code_numel(codec, n), dtype=C.CODE_DTYPES[codec], device=device),
-                   torch.empty(C.num_scales(n, block), device=device))
+            out = tuple(torch.empty(count, dtype=dtype, device=device)
+                        for dtype, count in C.block_reply_layout(codec, n, block))
         got = C.encode(x, codec, block=block, stochastic=stochastic, key=11, client=3, backend=backend, out=out)
         assert got.codes is out[0] and got.scales is out[1]
         assert same(got.codes, want.codes) and same(got.scales, want.scales), (codec, n)

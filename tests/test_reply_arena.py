@@ -23,7 +23,7 @@ def same(a, b):
 
 
 def _outputs(arena, codec, n, block):
-    return (arena.take(C.code_numel(codec, n), C.CODE_DTYPES[codec]), arena.take(C.num_scales(n, block), torch.float32))
+    return tuple(arena.take(count, dtype) for dtype, count in C.block_reply_layout(codec, n, block))
 
 
 def _inside(t, arena):

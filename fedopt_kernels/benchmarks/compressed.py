@@ -95,9 +95,9 @@ def bench_compressed(C_: int, N: int, *, label: str, backend: Optional[str] = No
         if host and codec.name != "topk":  # the round's replies, as the simulator writes them
             arena = ReplyArena()
             arena.start_round(reserve=C_ * (sizes[name] + 128))
-            held = [codec.encode(X[i], out=(arena.take(r.codes.numel(), r.codes.dtype),
-                                            arena.take(r.scales.numel(), torch.float32)))
-                    for i, r in enumerate(replies)]
+            layout = C.block_reply_layout(codec.name, N, codec.block)
+            held = [codec.encode(X[i], out=tuple(arena.take(count, dtype) for dtype, count in layout))
+                    for i in range(C_)]
 
         def fused(r):
             return lambda: C.decode_aggregate(r, w, out=out, nonfinite="propagate", backend=backend, checked=True)

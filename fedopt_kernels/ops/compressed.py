@@ -29,11 +29,11 @@ from ..backends import compressed as _codec
 from ..backends.hyper import split
 
 __all__ = ["CODECS", "CompressedUpdate", "encode", "decode", "check_reply", "decode_aggregate", "hadamard_rotate",
-           "hadamard_unrotate", "code_numel", "num_scales", "topk_count"]
+           "hadamard_unrotate", "code_numel", "num_scales", "block_reply_layout", "topk_count", "CODE_DTYPES"]
 
 CODECS = ("int8", "int4", "fp8", "topk")
 _BLOCK_CODECS = ("int8", "int4", "fp8")
-_CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}
+CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}  # a block reply's codes
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,12 @@ def num_scales(numel: int, block: int) -> int:
     return -(-numel // block)
 
 
+def block_reply_layout(codec: str, numel: int, block: int):
+    """``((codes dtype, count), (scales dtype, count))`` of a block codec's reply of
+    ``numel`` values: what ``encode(out=)`` takes and ``check_reply`` expects."""
+    return (CODE_DTYPES[codec], code_numel(codec, numel)), (torch.float32, num_scales(numel, block))
+
+
 def topk_count(numel: int, fraction: float) -> int:
     """How many values top-k keeps of ``numel``: ``ceil(fraction numel)``, at least 1."""
     return _codec.topk_k(numel, float(fraction))
@@ -77,9 +83,6 @@ def _check_codec(codec, block):
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     if codec != "topk" and (isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % 32):
         raise ValueError(f"block must be a positive multiple of 32, got {block!r}")
-
-
-CODE_DTYPES = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}  # a reply's codes
 
 
 def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bool = False, key: int = 0,
@@ -94,8 +97,7 @@ def encode(update: torch.Tensor, codec: str, *, block: int = 256, stochastic: bo
     ``ceil(fraction * N)``.
 
     ``out`` (block codecs): ``(codes, scales)`` to write the reply into -- contiguous 1-D
-    tensors on the update's device, of :data:`CODE_DTYPES` ``[codec]`` and
-    ``code_numel(codec, N)`` values, float32 and ``num_scales(N, block)`` values (a
+    tensors on the update's device, of :func:`block_reply_layout`'s dtypes and sizes (a
     round's :class:`~fedopt_kernels.compression.reply_arena.ReplyArena` hands them out);
     the reply then holds them.  The same bits as without ``out``; checked before anything
     is written."""
@@ -143,8 +145,7 @@ def _check_encode_out(out, codec: str, n: int, block: int, device: torch.device)
     ValueError that names what is wrong."""
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise ValueError(f"out must be a (codes, scales) pair of tensors, got {type(out).__name__}")
-    for name, t, dtype, numel in (("codes", out[0], CODE_DTYPES[codec], code_numel(codec, n)),
-                                  ("scales", out[1], torch.float32, num_scales(n, block))):
+    for name, t, (dtype, numel) in zip(("codes", "scales"), out, block_reply_layout(codec, n, block)):
         if t.dtype != dtype or t.dim() != 1 or t.numel() != numel or not t.is_contiguous() or t.device != device:
             raise ValueError(f"out's {name} must be a contiguous 1-D {dtype} tensor of {numel} values on {device} "
                              f"for a {codec} reply of {n} values (block {block}), got {t.dtype} "
@@ -199,7 +200,7 @@ def check_reply(reply, numel: int, *, codec: Optional[str] = None, block: Option
         return f"block {reply.block} does not match the round's {block}"
     if isinstance(reply.block, bool) or not isinstance(reply.block, int) or reply.block <= 0 or reply.block % 32:
         return f"block must be a positive multiple of 32, got {reply.block!r}"
-    want = _CODE_DTYPES[reply.codec]
+    want = CODE_DTYPES[reply.codec]
     if c.dtype != want:
         return f"{reply.codec} codes must be {want}, got {c.dtype}"
     if c.numel() != code_numel(reply.codec, numel):

@@ -31,7 +31,7 @@ import torch
 
 from ...compression import Codec
 from ...compression.reply_arena import ReplyArena
-from ...ops.compressed import CODE_DTYPES, CompressedUpdate, code_numel, num_scales
+from ...ops.compressed import CompressedUpdate, block_reply_layout
 from ...server.compressed import CompressedReplies
 from ..seeds import compress_key
 from .client_state import ClientStateStore
@@ -70,9 +70,10 @@ class ClientCompression:
         """``(codes, scales)`` in the arena for one block-codec reply (None without the arena)."""
         if self.arena is None:
             return None
-        n, name = self.codec.wire_numel(self.numel), self.codec.name
-        return (self.arena.take(code_numel(name, n), CODE_DTYPES[name]),
-                self.arena.take(num_scales(n, self.codec.block), torch.float32))
+        return tuple(self.arena.take(count, dtype) for dtype, count in self._layout())
+
+    def _layout(self):
+        return block_reply_layout(self.codec.name, self.codec.wire_numel(self.numel), self.codec.block)
 
     def key(self, round_number: int) -> int:
         return compress_key(self.seed, round_number)
@@ -83,8 +84,7 @@ class ClientCompression:
         (``[C, N]``, round order), and those left out ``(client, reason, detail)``."""
         key = self.key(round_number)
         if self.arena is not None and round_number != self._arena_round:  # a folded round encodes chunk by chunk
-            n = self.codec.wire_numel(self.numel)
-            one = code_numel(self.codec.name, n) + 4 * num_scales(n, self.codec.block) + 128  # + the alignment
+            one = sum(count * dtype.itemsize for dtype, count in self._layout()) + 128  # + the alignment
             self.arena.start_round(reserve=len(clients) * one)
             self._arena_round = round_number
         finite = torch.isfinite(rows).all(dim=1).tolist() if rows.numel() else [True] * len(clients)
